@@ -1,0 +1,9 @@
+"""cuflash: FlashAttention for CuPy. CUDA C kernels compiled at run time with NVRTC; no PyTorch."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import forward  # noqa: E402
+from .reference import attention_reference, attention_reference_backward  # noqa: E402
+
+__all__ = ["forward", "attention_reference", "attention_reference_backward", "__version__"]

@@ -1,0 +1,107 @@
+"""Argument checks shared by forward and backward. Every check runs before any kernel."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+SUPPORTED_DTYPES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
+if BFLOAT16 is not None:
+    SUPPORTED_DTYPES[BFLOAT16] = "bfloat16"
+
+ALIGN_BYTES = 16
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("cuflash needs CuPy: pip install 'cuflash[cuda12]' (or [cuda13])") from e
+    return cupy
+
+
+def dtype_name(dtype) -> str:
+    return SUPPORTED_DTYPES[np.dtype(dtype)]
+
+
+def check_array(name: str, x, *, ndim: int = 4) -> None:
+    """``x`` is a CuPy array of a supported dtype with ``ndim`` dims and a contiguous last dim."""
+    cupy = _cupy()
+    if not isinstance(x, cupy.ndarray):
+        hint = f"; convert with cupy.asarray({name})" if isinstance(x, np.ndarray) or hasattr(x, "__array__") else ""
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}{hint}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions (batch, seqlen, heads, head_dim), "
+                         f"got shape {tuple(x.shape)}")
+    if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.itemsize} bytes), "
+                         f"got strides {x.strides}")
+    if x.size:
+        misaligned = x.data.ptr % ALIGN_BYTES or any(
+            s % ALIGN_BYTES for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+        if misaligned:
+            raise ValueError(f"{name} must start on a {ALIGN_BYTES}-byte boundary and have strides that are "
+                             f"multiples of {ALIGN_BYTES} bytes (got pointer offset {x.data.ptr % ALIGN_BYTES}, "
+                             f"strides {x.strides}); pass a contiguous copy")
+
+
+def check_same(name: str, x, ref_name: str, ref) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {x.dtype}")
+    if x.device.id != ref.device.id:
+        raise ValueError(f"{name} is on device {x.device.id} but {ref_name} is on device {ref.device.id}")
+
+
+def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, int, int]:
+    """Validate q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D). Returns (B, Nq, Nk, Hq, Hkv, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    b, nq, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    bk, nk, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
+    if dk != d:
+        raise ValueError(f"k and v must have the head_dim of q ({d}), got {dk}")
+    if hq < 1 or hkv < 1:
+        raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
+    if hq % hkv:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    if d not in head_dims:
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
+    return b, nq, nk, hq, hkv, d
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softmax_scale must be a positive finite float or None, got {type(softmax_scale).__name__}")
+    s = float(softmax_scale)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    return s
+
+
+def check_out(name: str, out, shape: tuple, dtype, device_id: int) -> None:
+    """A caller-supplied output buffer of exactly this shape, dtype and device."""
+    check_array(name, out, ndim=len(shape))
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
+    if out.device.id != device_id:
+        raise ValueError(f"{name} is on device {out.device.id}, expected device {device_id}")

@@ -1,0 +1,74 @@
+"""Public API: forward (and, with the backward kernels, backward / vjp).
+
+Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
+(batch, seqlen_k, heads_kv, head_dim) with heads_q % heads_kv == 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import numpy as np
+
+from . import _checks, heuristics, launch, params
+from .dispatch import device_info, get_kernel, smem_bytes
+
+HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
+LOG2E = 1.4426950408889634
+
+
+def forward(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
+            return_lse: bool = False, out=None):
+    """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
+
+    Args:
+        q: ``(batch, seqlen_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32.
+        k: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        v: like ``k``.
+        causal: mask keys after the query, aligned to the bottom-right corner: query i sees
+            keys j <= i + seqlen_k - seqlen_q.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        return_lse: also return the log-sum-exp.
+        out: optional output buffer shaped and typed like ``q``.
+
+    Returns:
+        ``out`` (shaped like q), or ``(out, lse)`` with ``lse`` float32 ``(batch, heads_q, seqlen_q)``,
+        the natural-log log-sum-exp of the scaled scores. A query row that sees no key gets
+        output 0 and lse -inf. seqlen_q == 0 gives empty results; seqlen_k == 0 gives zeros and -inf.
+    """
+    import cupy
+
+    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, HEAD_DIMS)
+    scale = _checks.check_scale(softmax_scale, d)
+    dev = q.device.id
+    if out is not None:
+        _checks.check_out("out", out, q.shape, q.dtype, dev)
+    with cupy.cuda.Device(dev):
+        if out is None:
+            out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
+        if b and nq:
+            if nk == 0:
+                out.fill(0)
+                if lse is not None:
+                    lse.fill(-np.inf)
+            else:
+                _launch_fwd(q, k, v, out, lse, causal=bool(causal), scale=scale,
+                            dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+    return (out, lse) if return_lse else out
+
+
+def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
+    b, nq, nk, hq, hkv, d = dims
+    cc, _ = device_info(device_id)
+    cfg = heuristics.fwd_config(_checks.dtype_name(q.dtype), d, causal, cc)
+    kern = get_kernel(cfg, device_id)
+    p = params.pack(
+        params.FWD_PARAMS,
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr if lse is not None else 0,
+        **params.tensor_strides("q", q), **params.tensor_strides("k", k),
+        **params.tensor_strides("v", v), **params.tensor_strides("o", out),
+        batch=b, seqlen_q=nq, seqlen_k=nk, heads_q=hq, heads_per_kv=hq // hkv, head_dim=d,
+        softmax_scale=scale, scale_log2=scale * LOG2E,
+    )
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem_bytes(cfg))

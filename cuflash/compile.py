@@ -1,0 +1,108 @@
+"""Kernel sources, compiler options and the compiled-module cache.
+
+Sources live in ``kernels_cu/`` (shipped inside the wheel as
+``cuflash/kernels_cu``). Local ``#include "..."`` lines are inlined here, each
+file prefixed with ``#line 1 "<path>"``, so that (a) compiler errors point at
+the real file and (b) CuPy's on-disk kernel cache, keyed by the source text,
+sees every header's content.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from .config import KernelConfig
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_dir() -> Path:
+    """Directory holding the ``.cu`` / ``.cuh`` sources.
+
+    An installed wheel carries them as the package ``cuflash.kernels_cu``; a
+    source checkout (or an editable install) has them beside the package.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (cand / "common" / "numeric.cuh").is_file():
+            return cand
+    try:  # an editable install may map the package elsewhere
+        import importlib.resources as resources
+
+        cand = Path(str(resources.files("cuflash.kernels_cu")))
+        if (cand / "common" / "numeric.cuh").is_file():
+            return cand
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    raise FileNotFoundError(
+        "cuflash could not find its CUDA sources (kernels_cu/); the installation is incomplete")
+
+
+def _inline(path: Path, seen: set[Path]) -> str:
+    path = path.resolve()
+    if path in seen:  # every header is #pragma once
+        return ""
+    seen.add(path)
+    text = path.read_text()
+    out = [f'#line 1 "{path}"']
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        m = _INCLUDE_RE.match(line)
+        if m:
+            out.append(_inline(path.parent / m.group(1), seen))
+            out.append(f'#line {lineno + 1} "{path}"')
+        elif line.strip() == "#pragma once":
+            out.append("")
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def load_source(relpath: str) -> str:
+    """The source of ``kernels_cu/<relpath>`` with its local includes inlined."""
+    return _inline(kernel_dir() / relpath, set()) + "\n"
+
+
+def arch_option(cc: str) -> str:
+    """NVRTC ``-arch`` for compute capability ``cc`` (e.g. "90" -> "sm_90a" for Hopper kernels)."""
+    return f"-arch=sm_{cc}"
+
+
+def compile_options(config: KernelConfig, cc: str) -> tuple[str, ...]:
+    """NVRTC options for one kernel family on compute capability ``cc`` ("80", "90a", ...)."""
+    return (arch_option(cc), "-std=c++17", "-DCUFLASH_SOURCE_" + config.family,
+            "-DCUFLASH_ARCH=" + re.sub(r"\D", "", cc))
+
+
+def source_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True) -> tuple[bytes, str]:
+    """Compile one instantiation with NVRTC, without a GPU: returns (cubin, log).
+
+    Used by the CPU tests (every instantiation must build for sm_80 and sm_90a
+    without register spills) and to read SASS.
+    """
+    from cupy.cuda import nvrtc
+
+    src = load_source(config.source)
+    opts = list(compile_options(config, cc))
+    if verbose_ptxas:
+        opts.append("--ptxas-options=-v")
+    prog = nvrtc.createProgram(src, config.source, [], [])
+    try:
+        nvrtc.addNameExpression(prog, config.name_expression())
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {config.name_expression()} on sm_{cc}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from e
+        log = nvrtc.getProgramLog(prog)
+        return nvrtc.getCUBIN(prog), log
+    finally:
+        nvrtc.destroyProgram(prog)

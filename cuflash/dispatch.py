@@ -1,0 +1,84 @@
+"""Picks, compiles (once) and launches kernels.
+
+Modules are built through ``cupy.RawModule`` with name expressions, so CuPy's
+on-disk kernel cache (keyed by source text, options, arch and NVRTC version)
+holds the cubins between processes; this module keeps the loaded kernels in
+memory per (config, device).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+import cupy
+
+from .compile import compile_options, load_source
+from .config import KernelConfig
+
+_lock = threading.Lock()
+_kernels: dict[tuple[str, int], "cupy.RawKernel"] = {}
+_device_info: dict[int, tuple[int, int]] = {}
+
+
+def device_info(device_id: int) -> tuple[int, int]:
+    """(compute capability as int, e.g. 90; opt-in shared memory per block in bytes)."""
+    info = _device_info.get(device_id)
+    if info is None:
+        dev = cupy.cuda.Device(device_id)
+        cc = int(dev.compute_capability)
+        smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024)
+        info = _device_info[device_id] = (cc, smem)
+    return info
+
+
+def smem_bytes(config: KernelConfig) -> int:
+    """Dynamic shared memory of one CTA."""
+    from .launch import SMEM_BYTES  # family -> function(config)
+
+    return SMEM_BYTES[config.family](config)
+
+
+def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
+    """The compiled kernel for ``config`` on ``device_id``, compiled on first use."""
+    key = (config.key(), device_id)
+    kern = _kernels.get(key)
+    if kern is not None:
+        return kern
+    with _lock:
+        kern = _kernels.get(key)
+        if kern is not None:
+            return kern
+        cc, smem_limit = device_info(device_id)
+        fam = config.fam
+        if cc < fam.min_cc:
+            raise RuntimeError(f"cuflash kernel family {fam.name} needs compute capability "
+                               f">= {fam.min_cc / 10:.1f}; this device has {cc / 10:.1f}")
+        smem = smem_bytes(config)
+        if smem > smem_limit:
+            raise RuntimeError(f"{config.key()} needs {smem} bytes of shared memory; "
+                               f"the device allows {smem_limit}")
+        # CuPy appends -arch=sm_<cc> itself; name the arch only where the family
+        # needs the arch-specific target (sm_90a: wgmma, setmaxnreg).
+        options = compile_options(config, f"{cc}a" if fam.arch_specific else str(cc))
+        if not fam.arch_specific:
+            options = tuple(o for o in options if not o.startswith("-arch="))
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=load_source(config.source), options=options,
+                                    name_expressions=[config.name_expression()])
+            kern = module.get_function(config.name_expression())
+            if smem > 48 * 1024:
+                kern.max_dynamic_shared_size_bytes = smem
+        _kernels[key] = kern
+        return kern
+
+
+def precompile(configs: Iterable[KernelConfig], device_id: int,
+               progress: Callable[[int, int, KernelConfig], None] | None = None) -> None:
+    """Compile (or load from CuPy's cache) every config, calling ``progress(i, n, config)``."""
+    configs = list(configs)
+    for i, cfg in enumerate(configs):
+        if progress:
+            progress(i, len(configs), cfg)
+        get_kernel(cfg, device_id)
+    if progress:
+        progress(len(configs), len(configs), None)

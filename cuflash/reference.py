@@ -1,0 +1,93 @@
+"""Float64 NumPy reference for attention and its gradients.
+
+Used by every GPU test and by the self-check of ``python -m cuflash``. Same
+conventions as the kernels: layout (batch, seqlen, heads, head_dim), GQA by
+sharing K/V heads, causal aligned to the bottom-right corner, lse in natural
+log, rows that see no key give output 0 and lse -inf.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _as_f64(x) -> np.ndarray:
+    if hasattr(x, "get"):  # a CuPy array
+        x = x.get()
+    return np.asarray(x).astype(np.float64)
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """(seqlen_q, seqlen_k) bool: key j visible from query i."""
+    if not causal:
+        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _probs(q, k, mask, scale):
+    """P (seqlen_q, seqlen_k) and lse (seqlen_q,) for one (batch, head)."""
+    s = (q @ k.T) * scale
+    s = np.where(mask, s, -np.inf)
+    row_max = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf)
+    safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.exp(s - safe_max)
+    total = e.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+        lse = np.where(total[:, 0] > 0, np.log(np.where(total[:, 0] > 0, total[:, 0], 1.0)) + safe_max[:, 0],
+                       -np.inf)
+    return p, lse
+
+
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
+    """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> out (B, Nq, Hq, D), lse (B, Hq, Nq)."""
+    q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    group = hq // hkv
+    mask = visible_mask(nq, nk, causal)
+    out = np.zeros((b, nq, hq, d))
+    lse = np.zeros((b, hq, nq))
+    for bi in range(b):
+        for h in range(hq):
+            p, lse[bi, h] = _probs(q[bi, :, h], k[bi, :, h // group], mask, scale)
+            out[bi, :, h] = p @ v[bi, :, h // group]
+    return out, lse
+
+
+def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
+    """Float64 gradients (dq, dk, dv) of attention, shaped like q, k, v; GQA heads summed."""
+    dout, q, k, v = _as_f64(dout), _as_f64(q), _as_f64(k), _as_f64(v)
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    group = hq // hkv
+    mask = visible_mask(nq, nk, causal)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for bi in range(b):
+        for h in range(hq):
+            kh, vh, do = k[bi, :, h // group], v[bi, :, h // group], dout[bi, :, h]
+            p, _ = _probs(q[bi, :, h], kh, mask, scale)
+            dv[bi, :, h // group] += p.T @ do
+            dp = do @ vh.T
+            delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dout * out)
+            ds = p * (dp - delta)
+            dq[bi, :, h] = scale * ds @ kh
+            dk[bi, :, h // group] += scale * ds.T @ q[bi, :, h]
+    return dq, dk, dv
+
+
+def rel_err(x, ref) -> float:
+    """||x - ref|| / ||ref|| in float64; NaN or inf anywhere in x gives inf."""
+    x, ref = _as_f64(x), _as_f64(ref)
+    if not np.all(np.isfinite(x)):
+        return math.inf
+    denom = np.linalg.norm(ref.ravel())
+    num = np.linalg.norm((x - ref).ravel())
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return float(num / denom)

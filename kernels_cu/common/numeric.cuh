@@ -1,0 +1,44 @@
+// Element types and conversions, written without <cuda_fp16.h> so that the
+// kernels compile with NVRTC alone (no CUDA headers needed at run time).
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define CUFLASH_INF __int_as_float(0x7f800000)
+#define CUFLASH_LN2 0.69314718055994530942f
+
+// Tag types: fp16 and bf16 tiles are stored as raw 16-bit words; the tag picks
+// the MMA instruction and the float conversions.
+struct f16_tag {};
+struct bf16_tag {};
+
+template <typename Tag> struct ElemTraits;
+
+template <> struct ElemTraits<f16_tag> {
+    // Two floats -> one 32-bit word {lo, hi}, round to nearest.
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float to_float(u16 x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
+};
+
+template <> struct ElemTraits<bf16_tag> {
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float to_float(u16 x) {
+        return __uint_as_float(((u32)x) << 16);
+    }
+};
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

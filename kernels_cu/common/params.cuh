@@ -1,0 +1,58 @@
+// Kernel parameter blocks. Passed by value as one struct; cuflash/params.py
+// mirrors each layout with a NumPy structured dtype, and a CPU test checks
+// that sizes and offsets agree (tests/test_compile.py).
+#pragma once
+#include "numeric.cuh"
+
+// Strides are in elements; the last (head_dim) dimension is contiguous.
+struct FwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;            // (batch, heads_q, seqlen_q), contiguous; may be null
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int heads_q;
+    int heads_per_kv;      // heads_q / heads_kv (GQA group size)
+    int head_dim;
+    float softmax_scale;
+    float scale_log2;      // softmax_scale * log2(e), folded once on the host
+};
+
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;      // (batch, heads_q, seqlen_q), contiguous
+    float* delta;          // (batch, heads_q, seqlen_q_rounded): rowsum(dout * out)
+    float* dq_accum;       // (batch, heads_q, seqlen_q_rounded, head_dim) float32
+    void* dq;
+    void* dk;              // (batch, seqlen_k, heads_kv or heads_q, head_dim)
+    void* dv;
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int seqlen_q_rounded;  // seqlen_q padded to the dQ kernel's tile
+    int heads_q;
+    int heads_per_kv;
+    int head_dim;
+    int dkv_heads;         // heads of dk/dv as written by the dK/dV kernel
+    float softmax_scale;
+    float scale_log2;
+};

@@ -1,0 +1,78 @@
+// Online softmax over mma.sync accumulator fragments.
+//
+// Each thread holds, per 16-row m-tile, two rows (g and g + 8, g = lane / 4),
+// each spread over the 4 lanes of a quad. Running maxima are kept in the
+// log2 domain of the scaled scores (score * softmax_scale * log2 e), so every
+// exponential is one exp2. Row sums stay per-thread partial sums until the end.
+#pragma once
+#include "numeric.cuh"
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// kRows rows per thread (2 per m-tile), kNTiles n8-tiles of scores per row.
+template <int kMTiles, int kNTiles>
+struct OnlineSoftmax {
+    static constexpr int kRows = 2 * kMTiles;
+    float row_max[kRows];   // log2 domain; -inf until a visible key is seen
+    float row_sum[kRows];   // per-thread partial sums of exp2(...)
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) { row_max[r] = -CUFLASH_INF; row_sum[r] = 0.f; }
+    }
+
+    // Turn raw scores s into probabilities in place (relative to the new
+    // running max) and return, per row, the factor by which the output
+    // accumulator must be rescaled.
+    __device__ __forceinline__ void step(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                         float (&rescale)[kRows]) {
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * t + h;
+                float mx = -CUFLASH_INF;
+#pragma unroll
+                for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[t][n][2 * h], s[t][n][2 * h + 1]));
+                mx = quad_max(mx) * scale_log2;
+                const float new_max = fmaxf(row_max[r], mx);
+                // A row that has seen no visible key yet keeps max -inf; use 0 as
+                // the reference so that exp2(-inf - ref) = 0 rather than NaN.
+                const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
+                rescale[r] = exp2f(row_max[r] - ref);
+                row_max[r] = new_max;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = exp2f(fmaf(s[t][n][2 * h + e], scale_log2, -ref));
+                        s[t][n][2 * h + e] = p;
+                        sum += p;
+                    }
+                }
+                row_sum[r] = row_sum[r] * rescale[r] + sum;
+            }
+        }
+    }
+
+    // Final normaliser per row (1 / sum, 0 for a row with no visible key) and
+    // the natural-log log-sum-exp (-inf for such a row).
+    __device__ __forceinline__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_sum(row_sum[r]);
+            const bool empty = !(sum > 0.f);
+            inv_sum[r] = empty ? 0.f : 1.f / sum;
+            lse[r] = empty ? -CUFLASH_INF : (row_max[r] + log2f(sum)) * CUFLASH_LN2;
+        }
+    }
+};

@@ -1,0 +1,60 @@
+// Global -> shared tile copies with cp.async (sm_80+), 16 bytes per thread per step.
+#pragma once
+#include "../common/numeric.cuh"
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    // src-size 0 zero-fills the destination: rows past the sequence end read nothing.
+    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
+
+// Copy rows [0, kRows) x cols [0, kCols) of a 16-bit tile; rows >= rows_valid are zero-filled.
+// gmem points at row 0; consecutive rows are row_stride elements apart.
+template <int kRows, int kCols, int kSmemStride, int kThreads>
+__device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 row_stride,
+                                                int rows_valid, int tid) {
+    constexpr int kChunksPerRow = kCols / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c = tid; c < kChunks; c += kThreads) {
+        const int row = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * 8;
+        const bool valid = row < rows_valid;
+        const u16* src = gmem + (valid ? row * row_stride + col : 0);
+        cp_async_16(smem + row * kSmemStride + col, src, valid);
+    }
+}
+
+// Zero the padding columns [kCols, kColsPad) once; tile loads never touch them.
+template <int kRows, int kCols, int kColsPad, int kSmemStride, int kThreads>
+__device__ __forceinline__ void zero_pad_cols(u16* smem, int tid) {
+    if constexpr (kColsPad > kCols) {
+        constexpr int kPad = kColsPad - kCols;
+        for (int i = tid; i < kRows * kPad; i += kThreads) {
+            smem[(i / kPad) * kSmemStride + kCols + i % kPad] = 0;
+        }
+    }
+}
+
+// Store a 16-bit tile from shared memory to global in 16-byte chunks, rows < rows_valid.
+template <int kRows, int kCols, int kSmemStride, int kThreads>
+__device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, i64 row_stride,
+                                           int rows_valid, int tid) {
+    constexpr int kChunksPerRow = kCols / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c = tid; c < kChunks; c += kThreads) {
+        const int row = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * 8;
+        if (row < rows_valid) {
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
+                *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+        }
+    }
+}

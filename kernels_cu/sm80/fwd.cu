@@ -1,0 +1,208 @@
+// FlashAttention-2 forward for sm_80 and newer: mma.sync m16n8k16 on fp16/bf16,
+// fp32 accumulation, cp.async tile loads, online softmax in exp2.
+//
+// One CTA per (query tile, head, batch). Each warp owns kMTiles 16-row slices
+// of the query tile. K and V tiles stream through one shared buffer each; the
+// V load of tile n overlaps S = Q K_n^T and the K load of tile n-1 overlaps the
+// softmax and O += P V_n. Key tiles are visited from last to first, so the
+// tiles that need masking (sequence end, causal diagonal) come first.
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+#include "../common/block_range.cuh"
+#include "../common/softmax.cuh"
+#include "mma.cuh"
+#include "copy.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;  // MMA k-steps are 16 wide
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kMTiles = kBlockM / (16 * kNWarps);        // 16-row slices per warp
+    static constexpr int kNTilesS = kBlockN / 8;                   // n8 tiles of S
+    static constexpr int kNTilesO = kHeadDimPad / 8;               // n8 tiles of O
+    // One 16-byte pad per row: 8 consecutive rows then start in different
+    // banks, so ldmatrix and the fragment stores are conflict-free.
+    static constexpr int kSmemStride = kHeadDimPad + 8;
+    static constexpr int kSmemElems = (kBlockM + 2 * kBlockN) * kSmemStride;
+    static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
+    static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+};
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32)
+fwd_kernel(const FwdParams p) {
+    using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mma = Mma16816<Tag>;
+    constexpr int kMTiles = Tile::kMTiles;
+    constexpr int kStride = Tile::kSmemStride;
+
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sK = sQ + kBlockM * kStride;
+    u16* sV = sK + kBlockN * kStride;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    // Causal tiles near the end of the sequence do the most work: launch them first.
+    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_kv = head / p.heads_per_kv;
+
+    const int row_base = m_block * kBlockM;
+    const int rows_valid = min(kBlockM, p.seqlen_q - row_base);
+    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+                    + row_base * p.q_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
+    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
+              + row_base * p.o_row_stride;
+    float* gLse = p.lse ? p.lse + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row_base : nullptr;
+
+    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+
+    // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile.
+    const int warp_row0 = warp * kMTiles * 16;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+
+    float acc_o[kMTiles][Tile::kNTilesO][4];
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int n = 0; n < Tile::kNTilesO; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[t][n][e] = 0.f;
+
+    OnlineSoftmax<kMTiles, Tile::kNTilesS> softmax;
+    softmax.init();
+
+    if (n_block_max > 0) {
+        zero_pad_cols<kBlockM + 2 * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(smem, tid);
+        load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
+        {
+            const int n0 = (n_block_max - 1) * kBlockN;
+            load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
+                sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
+        }
+        cp_async_commit();
+
+        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+            const int n0 = n_block * kBlockN;
+            cp_async_wait<0>();
+            __syncthreads();  // K_n landed; every warp is done reading V_{n+1}
+            load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
+                sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid);
+            cp_async_commit();
+
+            // S = Q K_n^T
+            float acc_s[kMTiles][Tile::kNTilesS][4];
+#pragma unroll
+            for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < Tile::kHeadDimPad / 16; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sK, nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) {
+                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                    for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + n * 8 + 2 * t4 + (e & 1);
+                            if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k))
+                                acc_s[t][n][e] = -CUFLASH_INF;
+                        }
+            }
+
+            cp_async_wait<0>();
+            __syncthreads();  // V_n landed; every warp is done reading K_n
+            if (n_block > 0) {
+                const int n_prev = n0 - kBlockN;
+                load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
+                    sK, gK + n_prev * p.k_row_stride, p.k_row_stride, p.seqlen_k - n_prev, tid);
+                cp_async_commit();
+            }
+
+            float rescale[2 * kMTiles];
+            softmax.step(acc_s, p.scale_log2, rescale);
+#pragma unroll
+            for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                for (int n = 0; n < Tile::kNTilesO; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
+
+            // O += P V_n, P taken from the S accumulators.
+#pragma unroll
+            for (int kk = 0; kk < Tile::kNTilesS / 2; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t) pack_a_from_acc<Tag>(a[t], acc_s[t][2 * kk], acc_s[t][2 * kk + 1]);
+#pragma unroll
+                for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sV, kk * 16, nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) {
+                        Mma::run(acc_o[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_o[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: normalise, stage O through shared memory for 16-byte stores.
+    float inv_sum[2 * kMTiles], lse[2 * kMTiles];
+    softmax.finalize(inv_sum, lse);
+    __syncthreads();  // every warp is done with sQ (and n_block_max == 0 is uniform)
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int n = 0; n < Tile::kNTilesO; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_row0 + t * 16 + g + h * 8;
+                const float s = inv_sum[2 * t + h];
+                *reinterpret_cast<u32*>(sQ + row * kStride + n * 8 + 2 * t4) =
+                    ElemTraits<Tag>::pack2(acc_o[t][n][2 * h] * s, acc_o[t][n][2 * h + 1] * s);
+            }
+    if (gLse != nullptr && t4 == 0) {
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_row0 + t * 16 + g + h * 8;
+                if (row < rows_valid) gLse[row] = lse[2 * t + h];
+            }
+    }
+    __syncthreads();
+    store_tile<kBlockM, kHeadDim, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
+}

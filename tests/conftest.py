@@ -1,0 +1,59 @@
+"""Shared fixtures: GPU detection, random inputs, poisoned outputs, error bounds."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001
+        return f"CuPy is not importable ({e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    if n == 0:
+        return "no CUDA device"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_reason()
+requires_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None,
+                                  reason=f"needs an NVIDIA GPU: {GPU_SKIP_REASON}")
+
+# Relative-norm error bounds against the float64 reference, per dtype.
+FWD_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+
+
+def dtype_of(name: str):
+    import ml_dtypes
+
+    return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[name]
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test id so failures can be replayed."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)
+
+
+def randn(rng, shape, dtype_name: str):
+    """A random CuPy array (never zeros) of the named dtype."""
+    import cupy
+
+    host = rng.standard_normal(shape).astype(np.float32)
+    return cupy.asarray(host.astype(dtype_of(dtype_name)))
+
+
+def poisoned(shape, dtype_name: str):
+    """An output buffer filled with NaN, so unwritten elements cannot pass."""
+    import cupy
+
+    out = cupy.empty(shape, dtype=dtype_of(dtype_name))
+    out.fill(np.nan)
+    return out
