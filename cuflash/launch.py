@@ -16,8 +16,9 @@ def _sm80_fwd_smem(c: KernelConfig) -> int:
 
 
 def _simt_fwd_smem(c: KernelConfig) -> int:
-    stride = c.head_dim + 4  # float rows, one 16-byte pad
-    return (c.block_m + 2 * c.block_n) * stride * 4 + c.block_m * (c.block_n + 1) * 4
+    stride = c.head_dim + 4      # SimtFwdTile::kStride: float Q/K/V rows, one 16-byte pad
+    p_stride = c.block_n + 8     # SimtFwdTile::kPStride: float P rows
+    return ((c.block_m + 2 * c.block_n) * stride + c.block_m * p_stride) * 4
 
 
 SMEM_BYTES = {

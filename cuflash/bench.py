@@ -1,0 +1,149 @@
+"""Timing helpers shared by ``python -m cuflash`` and ``benchmarks/``.
+
+Times are device times from CUDA events around each call, median of many
+repeats after a warm-up, on random inputs. FLOPs follow the FlashAttention
+convention: forward 4*B*H*Nq*Nk*D (halved for causal with Nq == Nk), backward
+2.5x forward, forward+backward 3.5x forward.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    heads_kv: int | None = None
+    seqlen_k: int | None = None
+
+    @property
+    def nk(self) -> int:
+        return self.seqlen if self.seqlen_k is None else self.seqlen_k
+
+    @property
+    def hkv(self) -> int:
+        return self.heads if self.heads_kv is None else self.heads_kv
+
+    def label(self) -> str:
+        s = f"B={self.batch} H={self.heads} N={self.seqlen} D={self.head_dim} {self.dtype}"
+        if self.hkv != self.heads:
+            s += f" Hkv={self.hkv}"
+        if self.nk != self.seqlen:
+            s += f" Nk={self.nk}"
+        return s + (" causal" if self.causal else "")
+
+    def fwd_flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen * self.nk * self.head_dim
+        if self.causal:
+            # visible fraction of the score matrix under bottom-right alignment
+            nq, nk = self.seqlen, self.nk
+            visible = sum(min(nk, max(0, i + 1 + nk - nq)) for i in range(0, nq, max(1, nq // 4096)))
+            f *= visible / (len(range(0, nq, max(1, nq // 4096))) * nk)
+        return f
+
+
+# The standard table: the issues' benchmark rows.
+STANDARD_SHAPES = [
+    Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 64, "float16", True),
+    Shape(4, 16, 4096, 128, "float16", False), Shape(4, 16, 4096, 128, "float16", True),
+    Shape(4, 16, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 64, "bfloat16", True),
+    Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
+    Shape(4, 16, 4096, 256, "bfloat16", False), Shape(4, 16, 4096, 256, "bfloat16", True),
+    Shape(1, 16, 16384, 128, "bfloat16", True), Shape(16, 16, 1024, 64, "float16", False),
+]
+QUICK_SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 128, "bfloat16", True)]
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30) -> float:
+    """Median device time of ``fn()`` in milliseconds (CuPy events on the current stream)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def random_inputs(shape: Shape, seed: int = 0):
+    """q, k, v CuPy arrays of random normal values in the shape's dtype."""
+    import cupy
+
+    from ._checks import BFLOAT16
+
+    dt = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}[shape.dtype]
+    rs = cupy.random.RandomState(seed)
+    q = rs.standard_normal((shape.batch, shape.seqlen, shape.heads, shape.head_dim), dtype=np.float32).astype(dt)
+    k = rs.standard_normal((shape.batch, shape.nk, shape.hkv, shape.head_dim), dtype=np.float32).astype(dt)
+    v = rs.standard_normal((shape.batch, shape.nk, shape.hkv, shape.head_dim), dtype=np.float32).astype(dt)
+    return q, k, v
+
+
+def cupy_naive_fwd(q, k, v, causal: bool):
+    """Plain CuPy attention (cuBLAS matmuls, materialised scores) as a baseline."""
+    import cupy
+
+    d = q.shape[-1]
+    g = q.shape[2] // k.shape[2]
+    qt = q.transpose(0, 2, 1, 3)
+    kt = cupy.repeat(k.transpose(0, 2, 1, 3), g, axis=1) if g > 1 else k.transpose(0, 2, 1, 3)
+    vt = cupy.repeat(v.transpose(0, 2, 1, 3), g, axis=1) if g > 1 else v.transpose(0, 2, 1, 3)
+    s = cupy.matmul(qt, kt.transpose(0, 1, 3, 2)).astype(cupy.float32) * (1.0 / np.sqrt(d))
+    if causal:
+        nq, nk = s.shape[-2:]
+        mask = cupy.arange(nk)[None, :] <= cupy.arange(nq)[:, None] + (nk - nq)
+        s = cupy.where(mask, s, -cupy.inf)
+    s = cupy.exp(s - s.max(axis=-1, keepdims=True))
+    p = (s / s.sum(axis=-1, keepdims=True)).astype(q.dtype)
+    return cupy.matmul(p, vt).transpose(0, 2, 1, 3)
+
+
+def torch_sdpa(backend: str):
+    """A function (q, k, v, causal) -> out running PyTorch SDPA with one backend, or None."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:  # noqa: BLE001 - PyTorch is optional
+        return None
+    if not torch.cuda.is_available():
+        return None
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(be):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=q.shape[1] != k.shape[1])
+    return run
+
+
+def torch_inputs(shape: Shape, requires_grad: bool = False):
+    """(B, H, N, D) torch tensors of random values, as SDPA takes them."""
+    import torch
+
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[shape.dtype]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def mk(n, h):
+        x = torch.randn(shape.batch, n, h, shape.head_dim, device="cuda", dtype=dt, generator=g)
+        return x.transpose(1, 2).requires_grad_(requires_grad)
+
+    return mk(shape.seqlen, shape.heads), mk(shape.nk, shape.hkv), mk(shape.nk, shape.hkv)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12

@@ -1,0 +1,39 @@
+"""Run the kernels once on small odd shapes, for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
+
+    compute-sanitizer --tool memcheck python scripts/sanitize.py
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import cupy
+import cuflash
+from cuflash._checks import BFLOAT16
+
+DT = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    which = sys.argv[1] if len(sys.argv) > 1 else "fwd,bwd"
+    for dtype in ("float16", "bfloat16", "float32"):
+        for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 40, False),
+                                                (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False)]:
+            q = cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(DT[dtype]))
+            k = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))
+            v = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))
+            if "fwd" in which:
+                out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
+            if "bwd" in which and hasattr(cuflash, "backward"):
+                dout = cupy.asarray(rng.standard_normal(q.shape).astype(DT[dtype]))
+                for det in (False, True):
+                    cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("sanitize run done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

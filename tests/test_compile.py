@@ -1,0 +1,67 @@
+"""CPU-only: every forward kernel instantiation compiles with NVRTC for sm_80 and sm_90a,
+without register spills, and the parameter structs match their NumPy mirrors."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuflash import heuristics, params
+from cuflash.compile import compile_offline, load_source
+
+from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
+
+ARCHS = ["80", "90a"]
+
+
+def assert_no_spills(log: str, what: str) -> None:
+    frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
+    assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
+
+
+def _ids(configs):
+    return [c.key() for c in configs]
+
+
+@pytest.mark.parametrize("cc", ARCHS)
+def test_fwd_instantiations_compile_without_spills(cc):
+    configs = heuristics.all_fwd_configs(cc=90 if cc.startswith("90") else int(cc))
+    assert len(configs) >= 3 * 32 * 2
+    failures = []
+    for cfg in configs:
+        try:
+            _, log = compile_offline(cfg, cc)
+            assert_no_spills(log, f"{cfg.key()} sm_{cc}")
+        except (AssertionError, RuntimeError) as e:
+            failures.append(str(e)[:2000])
+    assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+
+
+def _compile_snippet(src: str, cc: str = "80") -> None:
+    prog = nvrtc.createProgram(src, "layout.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch=sm_{cc}", "-std=c++17"])
+    except nvrtc.NVRTCError as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.parametrize("struct", sorted(params.STRUCTS))
+def test_param_struct_layout_matches_numpy(struct):
+    """The C struct and its NumPy mirror agree on size, alignment and every field offset."""
+    dt = params.STRUCTS[struct]
+    checks = [f"static_assert(sizeof({struct}) == {dt.itemsize}, \"sizeof\");"]
+    for name, (fdt, off) in dt.fields.items():
+        checks.append(f"static_assert(__builtin_offsetof({struct}, {name}) == {off}, \"{name}\");")
+        checks.append(f"static_assert(sizeof((({struct}*)0)->{name}) == {fdt.itemsize}, \"{name} size\");")
+    src = load_source("common/params.cuh") + "\n" + "\n".join(checks) + "\n__global__ void k() {}\n"
+    _compile_snippet(src)
+
+
+def test_name_expressions_are_unique():
+    configs = heuristics.all_fwd_configs(cc=90)
+    names = {c.name_expression() for c in configs}
+    assert len(names) == len({c.key() for c in configs})

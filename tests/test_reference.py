@@ -1,0 +1,88 @@
+"""CPU-only: the float64 reference against independent formulations."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cuflash.reference import attention_reference, attention_reference_backward, rel_err, visible_mask
+
+
+def _naive(q, k, v, causal, scale):
+    """Straightforward per-element softmax in float64, repeated K/V heads (no GQA sharing)."""
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    out = np.zeros((b, nq, hq, d))
+    lse = np.full((b, hq, nq), -np.inf)
+    for bi in range(b):
+        for h in range(hq):
+            for i in range(nq):
+                js = [j for j in range(nk) if not causal or j <= i + nk - nq]
+                if not js:
+                    continue
+                s = np.array([q[bi, i, h] @ k[bi, j, h // g] for j in js]) * scale
+                m = s.max()
+                w = np.exp(s - m)
+                lse[bi, h, i] = m + math.log(w.sum())
+                out[bi, i, h] = (w[:, None] * v[bi, js, h // g]).sum(0) / w.sum()
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk,hq,hkv", [(5, 5, 2, 2), (7, 3, 4, 2), (3, 9, 3, 1), (1, 1, 1, 1)])
+def test_forward_matches_naive(causal, nq, nk, hq, hkv):
+    rng = np.random.default_rng(nq * 100 + nk)
+    q = rng.standard_normal((2, nq, hq, 8))
+    k = rng.standard_normal((2, nk, hkv, 8))
+    v = rng.standard_normal((2, nk, hkv, 8))
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.7)
+    ref_out, ref_lse = _naive(q, k, v, causal, 0.7)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-12)
+
+
+def test_bottom_right_causal_and_empty_rows():
+    m = visible_mask(4, 2, causal=True)
+    assert m.tolist() == [[False, False], [False, False], [True, False], [True, True]]
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((1, 4, 1, 8)), rng.standard_normal((1, 2, 1, 8)), rng.standard_normal((1, 2, 1, 8))
+    out, lse = attention_reference(q, k, v, causal=True)
+    assert np.all(out[0, :2] == 0) and np.all(np.isneginf(lse[0, 0, :2]))
+    assert not np.isnan(out).any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_finite_differences(causal):
+    rng = np.random.default_rng(1)
+    b, nq, nk, hq, hkv, d = 1, 4, 5, 2, 1, 8
+    q = rng.standard_normal((b, nq, hq, d))
+    k = rng.standard_normal((b, nk, hkv, d))
+    v = rng.standard_normal((b, nk, hkv, d))
+    dout = rng.standard_normal((b, nq, hq, d))
+    dq, dk, dv = attention_reference_backward(dout, q, k, v, causal=causal)
+
+    def loss(q_, k_, v_):
+        return float((attention_reference(q_, k_, v_, causal=causal)[0] * dout).sum())
+
+    eps = 1e-6
+    for x, grad in ((q, dq), (k, dk), (v, dv)):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            orig = x[idx]
+            x[idx] = orig + eps
+            up = loss(q, k, v)
+            x[idx] = orig - eps
+            down = loss(q, k, v)
+            x[idx] = orig
+            num[idx] = (up - down) / (2 * eps)
+        assert rel_err(grad, num) < 1e-7
+
+
+def test_rel_err_rejects_nan():
+    ref = np.ones(4)
+    assert rel_err(np.array([1.0, np.nan, 1.0, 1.0]), ref) == math.inf
+    assert rel_err(ref, ref) == 0.0
