@@ -42,7 +42,7 @@ def check_array(name: str, x, *, ndim: int = 4) -> None:
                          f"got shape {tuple(x.shape)}")
     if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+    if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.itemsize} bytes), "
                          f"got strides {x.strides}")
     if x.size:

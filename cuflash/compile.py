@@ -9,7 +9,6 @@ sees every header's content.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -78,21 +77,21 @@ def compile_options(config: KernelConfig, cc: str) -> tuple[str, ...]:
             "-DCUFLASH_ARCH=" + re.sub(r"\D", "", cc))
 
 
-def source_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True) -> tuple[bytes, str]:
-    """Compile one instantiation with NVRTC, without a GPU: returns (cubin, log).
+def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True,
+                    ptx: bool = False) -> tuple[bytes, str]:
+    """Compile one instantiation with NVRTC, without a GPU: returns (cubin or PTX, log).
 
     Used by the CPU tests (every instantiation must build for sm_80 and sm_90a
-    without register spills) and to read SASS.
+    without register spills) and, through PTX + ptxas, to read SASS. Options
+    match what the dispatcher passes, plus the ``-ftz=true`` that CuPy adds.
     """
     from cupy.cuda import nvrtc
 
     src = load_source(config.source)
-    opts = list(compile_options(config, cc))
-    if verbose_ptxas:
+    opts = list(compile_options(config, cc)) + ["-ftz=true"]
+    if ptx:
+        opts[0] = f"-arch=compute_{cc}"
+    elif verbose_ptxas:
         opts.append("--ptxas-options=-v")
     prog = nvrtc.createProgram(src, config.source, [], [])
     try:
@@ -103,6 +102,6 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
             raise RuntimeError(f"NVRTC failed for {config.name_expression()} on sm_{cc}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from e
         log = nvrtc.getProgramLog(prog)
-        return nvrtc.getCUBIN(prog), log
+        return (nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)), log
     finally:
         nvrtc.destroyProgram(prog)

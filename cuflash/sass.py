@@ -1,0 +1,63 @@
+"""Disassembly of kernel instantiations on a machine without a GPU (NVRTC PTX -> ptxas -> cuobjdump).
+
+Needs ``ptxas`` (CUDA toolkit or the nvidia-cuda-nvcc wheel) and ``cuobjdump`` + ``nvdisasm``
+(wheels nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) on PATH or in site-packages.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .compile import compile_offline
+from .config import KernelConfig
+
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9]*)", re.M)
+
+
+def _find_tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            for cand in Path(base).glob(f"*/bin/{name}"):
+                return str(cand)
+    except ImportError:
+        pass
+    for cand in (f"/usr/local/cuda/bin/{name}",):
+        if os.path.exists(cand):
+            return cand
+    return None
+
+
+def tools_available() -> str | None:
+    """None if ptxas, cuobjdump and nvdisasm are all found, else a reason."""
+    missing = [t for t in ("ptxas", "cuobjdump", "nvdisasm") if _find_tool(t) is None]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
+def sass(config: KernelConfig, cc: str) -> str:
+    """SASS text of one instantiation for sm_<cc> (e.g. "80", "90a")."""
+    ptx, _ = compile_offline(config, cc, ptx=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_path.write_bytes(ptx)
+        subprocess.run([_find_tool("ptxas"), f"-arch=sm_{cc}", "-o", str(cubin_path), str(ptx_path)],
+                       check=True, capture_output=True)
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
+        res = subprocess.run([_find_tool("cuobjdump"), "-sass", str(cubin_path)], check=True,
+                             capture_output=True, text=True, env=env)
+    return res.stdout
+
+
+def opcode_counts(sass_text: str) -> collections.Counter:
+    """Opcode (without modifiers) -> count, e.g. {"HMMA": 256, "LDSM": 64, ...}."""
+    return collections.Counter(_OPCODE.findall(sass_text))
