@@ -58,17 +58,27 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = N
     return (out, lse) if return_lse else out
 
 
+# (dtype, head_dim, causal, device) -> (kernel, config, shared memory bytes): keeps the
+# heuristics and the module lookup off the hot path. Tuning scripts clear it.
+_fwd_plans: dict = {}
+
+
+def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int):
+    key = (dtype, head_dim, causal, device_id)
+    plan = _fwd_plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc)
+        plan = _fwd_plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
+    return plan
+
+
 def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
     b, nq, nk, hq, hkv, d = dims
-    cc, _ = device_info(device_id)
-    cfg = heuristics.fwd_config(_checks.dtype_name(q.dtype), d, causal, cc)
-    kern = get_kernel(cfg, device_id)
-    p = params.pack(
-        params.FWD_PARAMS,
-        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr if lse is not None else 0,
-        **params.tensor_strides("q", q), **params.tensor_strides("k", k),
-        **params.tensor_strides("v", v), **params.tensor_strides("o", out),
-        batch=b, seqlen_q=nq, seqlen_k=nk, heads_q=hq, heads_per_kv=hq // hkv, head_dim=d,
-        softmax_scale=scale, scale_log2=scale * LOG2E,
-    )
-    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem_bytes(cfg))
+    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id)
+    p = params.pack_values(params.FWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
+        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+        *params.element_strides(out),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem)

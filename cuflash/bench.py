@@ -63,21 +63,52 @@ STANDARD_SHAPES = [
 QUICK_SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 128, "bfloat16", True)]
 
 
+_l2_flush_buffer = None
+
+
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30) -> float:
-    """Median device time of ``fn()`` in milliseconds (CuPy events on the current stream)."""
+    """Median device time of ``fn()`` in milliseconds (CuPy events on the current stream).
+
+    As triton.testing.do_bench does, each repeat first overwrites a 256 MiB buffer: the L2
+    cache starts cold, and the GPU is busy while the host enqueues ``fn`` so that Python's
+    launch overhead is not counted as kernel time (host overhead is measured separately).
+    """
     import cupy
 
+    global _l2_flush_buffer
+    if _l2_flush_buffer is None:
+        _l2_flush_buffer = cupy.empty(256 * 1024 * 1024, dtype=cupy.uint8)
     for _ in range(warmup):
         fn()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for _ in range(repeats):
+        _l2_flush_buffer.fill(1)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
     return statistics.median(times)
+
+
+def host_overhead_us(fn: Callable[[], object], *, repeats: int = 2000) -> float:
+    """Median host (Python) time of one ``fn()`` call in microseconds, the device kept busy."""
+    import time
+
+    import cupy
+
+    for _ in range(20):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    samples = []
+    for _ in range(repeats // 100):
+        t0 = time.perf_counter()
+        for _ in range(100):
+            fn()
+        samples.append((time.perf_counter() - t0) / 100 * 1e6)
+        cupy.cuda.get_current_stream().synchronize()
+    return statistics.median(samples)
 
 
 def random_inputs(shape: Shape, seed: int = 0):

@@ -16,11 +16,25 @@ class Family:
     kernel: str          # template name
     min_cc: int          # lowest compute capability (e.g. 80)
     arch_specific: bool  # needs the "a" target (sm_90a): wgmma, setmaxnreg
+    # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag).
+    template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "causal")
 
 
 FAMILIES: dict[str, Family] = {
     "sm80_fwd": Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False),
     "simt_fwd": Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False),
+    # Hopper only (wgmma, TMA, setmaxnreg): chosen only on request (CUFLASH_FWD_BACKEND=sm90).
+    "sm90_fwd": Family("sm90_fwd", "sm90/fwd.cu", "fwd_kernel", 90, True),
+    # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
+    "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
+                             ("tag", "num_warps")),
+    "bwd_postprocess": Family("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, False,
+                              ("tag", "num_warps")),
+    "sm80_bwd_dkdv": Family("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", 80, False),
+    "sm80_bwd_dkdv_dq": Family("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", 80, False),
+    "sm80_bwd_dq": Family("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", 80, False),
+    "simt_bwd_dkdv": Family("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", 80, False),
+    "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),
 }
 
 
@@ -53,8 +67,10 @@ class KernelConfig:
         return 32 * self.num_warps
 
     def template_args(self) -> tuple:
-        return (DTYPE_TAGS[self.dtype], self.head_dim, self.block_m, self.block_n, self.num_warps,
-                "true" if self.causal else "false")
+        values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
+                  "block_n": self.block_n, "num_warps": self.num_warps,
+                  "causal": "true" if self.causal else "false"}
+        return tuple(values[name] for name in self.fam.template)
 
     def name_expression(self) -> str:
         return f"{self.fam.kernel}<{', '.join(str(a) for a in self.template_args())}>"

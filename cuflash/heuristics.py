@@ -22,8 +22,26 @@ _SM80_FWD = {
     256: (64, 64, 4),
 }
 
+# sm90_fwd (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n, num_warps);
+# num_warps = 4 * (1 producer + block_m / 64 consumer warpgroups).
+_SM90_FWD = {
+    32: (128, 128, 12),
+    64: (128, 128, 12),
+    96: (128, 128, 12),
+    128: (128, 128, 12),
+    192: (128, 96, 12),
+    256: (128, 64, 12),
+}
+
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
-_SIMT_FWD = {d: (32, 32, 4) for d in TUNED_HEAD_DIMS}
+_SIMT_FWD = {
+    32: (128, 64, 8),
+    64: (128, 32, 8),
+    96: (64, 32, 8),
+    128: (64, 32, 8),
+    192: (64, 32, 8),
+    256: (64, 32, 8),
+}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -39,14 +57,34 @@ def _override(name: str):
     return tuple(int(x) for x in value.split(",")) if value else None
 
 
-def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int) -> KernelConfig:
-    """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90)."""
+def fwd_backend() -> str:
+    """The requested forward backend: "sm90" opts into the Hopper kernels (not yet the default)."""
+    return os.environ.get("CUFLASH_FWD_BACKEND", "auto").strip().lower()
+
+
+def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None) -> KernelConfig:
+    """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
+
+    ``backend`` (default: $CUFLASH_FWD_BACKEND) "sm90" picks the Hopper family where it
+    applies (cc 9.0, fp16/bf16); anything else picks the portable kernels.
+    """
     bucket = head_dim_bucket(head_dim)
+    backend = fwd_backend() if backend is None else backend
+    if backend == "sm90" and cc == 90 and dtype in ("float16", "bfloat16"):
+        block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or _SM90_FWD[bucket]
+        return KernelConfig("sm90_fwd", dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
     block_m, block_n, warps = _override("CUFLASH_SM80_FWD_TILES") or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
+
+
+def all_sm90_fwd_configs() -> list[KernelConfig]:
+    """Every sm90_fwd instantiation (for the CPU compile test)."""
+    return [fwd_config(dtype, d, causal, 90, backend="sm90")
+            for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8)
+            for causal in (False, True)]
 
 
 def all_fwd_configs(cc: int) -> list[KernelConfig]:
@@ -57,3 +95,86 @@ def all_fwd_configs(cc: int) -> list[KernelConfig]:
             for causal in (False, True):
                 out.append(fwd_config(dtype, d, causal, cc))
     return out
+
+
+# ---------------------------------------------------------------------------
+# Backward. Kernels are instantiated per head-dim bucket (the run-time head_dim
+# masks columns), so untuned head dims reuse the bucket's compiled kernels.
+# Tiles are (block_m, block_n, num_warps); tables for devices with >= 160 KB of
+# shared memory per block (sm_80, sm_87, sm_90, sm_100) and for ~99 KB (sm_86,
+# sm_89, sm_120).
+
+# dK/dV kernel (block_n keys held per CTA, block_m query rows streamed).
+_SM80_BWD_DKDV = {
+    "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
+              192: (64, 64, 8), 256: (64, 64, 8)},
+    "small": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
+              192: (32, 64, 8), 256: (32, 32, 4)},
+}
+# dQ kernel of the deterministic mode (block_m query rows per CTA, block_n keys streamed).
+_SM80_BWD_DQ = {
+    "large": {32: (64, 128, 4), 64: (64, 128, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+              192: (64, 32, 4), 256: (64, 32, 4)},
+    "small": {32: (64, 128, 4), 64: (64, 128, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+              192: (64, 32, 4), 256: (32, 32, 2)},
+}
+# float32 (CUDA cores): one tile shape for the dK/dV and the dQ kernel.
+_SIMT_BWD = {
+    "large": {d: (32, 32, 8) for d in TUNED_HEAD_DIMS},
+    "small": {32: (32, 32, 8), 64: (32, 32, 8), 96: (32, 32, 8), 128: (32, 32, 8),
+              192: (16, 16, 8), 256: (16, 16, 8)},
+}
+# Pre/postprocess: 8 threads per query row, 4 * num_warps rows per CTA.
+BWD_AUX_WARPS = 8
+
+
+def smem_class(cc: int) -> str:
+    """'large' where a block may use >= 160 KB of shared memory, else 'small' (~99 KB)."""
+    return "large" if cc in (80, 87, 90, 100, 101, 103, 110) else "small"
+
+
+class BwdConfigs:
+    """The kernels of one backward call: preprocess, dkdv, then dq (deterministic,
+    float32) or postprocess (atomic dQ); the unused one is None."""
+
+    __slots__ = ("preprocess", "dkdv", "dq", "postprocess")
+
+    def __init__(self, preprocess, dkdv, dq, postprocess):
+        self.preprocess, self.dkdv, self.dq, self.postprocess = preprocess, dkdv, dq, postprocess
+
+    def all(self) -> list[KernelConfig]:
+        return [c for c in (self.preprocess, self.dkdv, self.dq, self.postprocess) if c is not None]
+
+
+def _aux_config(family: str, dtype: str) -> KernelConfig:
+    return KernelConfig(family, dtype, 0, False, 4 * BWD_AUX_WARPS, 0, BWD_AUX_WARPS)
+
+
+def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False) -> BwdConfigs:
+    """The backward kernels for these inputs on a device of compute capability ``cc``."""
+    bucket = head_dim_bucket(head_dim)
+    size = smem_class(cc)
+    pre = _aux_config("bwd_preprocess", dtype)
+    if dtype == "float32":
+        bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
+        return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
+                          KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
+    bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV[size][bucket]
+    if deterministic:
+        dkdv = KernelConfig("sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
+        qm, qn, qw = _override("CUFLASH_SM80_BWD_DQ_TILES") or _SM80_BWD_DQ[size][bucket]
+        return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
+    dkdv = KernelConfig("sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
+    return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
+
+
+def all_bwd_configs(cc: int) -> list[KernelConfig]:
+    """Every backward instantiation the dispatcher can choose (for the CPU compile test)."""
+    seen: dict[str, KernelConfig] = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        for d in TUNED_HEAD_DIMS:
+            for causal in (False, True):
+                for det in (False, True):
+                    for cfg in bwd_configs(dtype, d, causal, cc, det).all():
+                        seen.setdefault(cfg.key(), cfg)
+    return list(seen.values())

@@ -21,9 +21,51 @@ def _simt_fwd_smem(c: KernelConfig) -> int:
     return ((c.block_m + 2 * c.block_n) * stride + c.block_m * p_stride) * 4
 
 
+def _sm80_bwd_dkdv_smem(c: KernelConfig) -> int:
+    """BwdDkdvTile::kSmemBytes (kernels_cu/sm80/bwd.cu)."""
+    warps_n = min(c.num_warps, c.block_n // 16)            # kWarpsN2
+    warps_m3 = min(c.num_warps, c.block_m // 16)           # kWarpsM3
+    align = 16 * max(c.num_warps // warps_n, c.num_warps // warps_m3)
+    stride = _round_up(c.head_dim, align) + 8              # kStride
+    stride_p = c.block_m + 8                               # kStrideP
+    return ((2 * c.block_m + 2 * c.block_n) * stride + 2 * c.block_n * stride_p) * 2 + 2 * c.block_m * 4
+
+
+def _sm80_bwd_dq_smem(c: KernelConfig) -> int:
+    """BwdDqTile::kSmemBytes."""
+    return (2 * c.block_m + 2 * c.block_n) * (_round_up(c.head_dim, 16) + 8) * 2
+
+
+def _simt_bwd_dkdv_smem(c: KernelConfig) -> int:
+    """simt/bwd.cu bwd_dkdv_kernel: K, V, Q, dO rows of head_dim + 4 floats, P^T and dS^T, lse2, delta."""
+    return ((2 * c.block_n + 2 * c.block_m) * (c.head_dim + 4) + 2 * c.block_n * (c.block_m + 1)
+            + 2 * c.block_m) * 4
+
+
+def _simt_bwd_dq_smem(c: KernelConfig) -> int:
+    """simt/bwd.cu bwd_dq_kernel: Q, dO, K, V rows and dS."""
+    return ((2 * c.block_m + 2 * c.block_n) * (c.head_dim + 4) + c.block_m * (c.block_n + 1)) * 4
+
+
+SM90_FWD_STAGES = 2  # Sm90FwdTile::kStages
+
+
+def _sm90_fwd_smem(c: KernelConfig) -> int:
+    pad = _round_up(c.head_dim, 64)  # Sm90FwdTile::kHeadDimPad
+    tiles = (c.block_m + 2 * SM90_FWD_STAGES * c.block_n) * pad * 2
+    return 1024 + tiles + 8 * (1 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers
+
+
 SMEM_BYTES = {
     "sm80_fwd": _sm80_fwd_smem,
     "simt_fwd": _simt_fwd_smem,
+    "bwd_preprocess": lambda c: 0,
+    "bwd_postprocess": lambda c: 0,
+    "sm80_bwd_dkdv": _sm80_bwd_dkdv_smem,
+    "sm80_bwd_dkdv_dq": _sm80_bwd_dkdv_smem,
+    "sm80_bwd_dq": _sm80_bwd_dq_smem,
+    "simt_bwd_dkdv": _simt_bwd_dkdv_smem,
+    "simt_bwd_dq": _simt_bwd_dq_smem,
 }
 
 
@@ -32,6 +74,18 @@ def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[
     return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
 
 
-def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params: np.ndarray, smem: int) -> None:
-    """Launch on CuPy's current stream (of the current device)."""
-    kernel(grid, (config.threads,), (params,), shared_mem=smem)
+def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
+    """Pre/postprocess and the dQ kernel: one CTA per (block_m query rows, head, batch)."""
+    return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
+
+
+def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
+    """dK/dV kernel: one CTA per (key tile, kv head, batch)."""
+    return ((seqlen_k + c.block_n - 1) // c.block_n, heads_kv, batch)
+
+
+def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params: np.ndarray, smem: int,
+           extra_args: tuple = ()) -> None:
+    """Launch on CuPy's current stream (of the current device); ``extra_args`` follow the
+    params struct (e.g. the sm90 tensor maps)."""
+    kernel(grid, (config.threads,), (params,) + tuple(extra_args), shared_mem=smem)

@@ -6,6 +6,8 @@ and tests/test_compile.py checks every offset against the compiler's.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 _P = np.uint64
@@ -34,24 +36,58 @@ BWD_PARAMS = _struct(
      ("dq_accum", _P), ("dq", _P), ("dk", _P), ("dv", _P)]
     + _strides("q") + _strides("k") + _strides("v") + _strides("o") + _strides("do")
     + _strides("dq") + _strides("dk") + _strides("dv")
-    + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("seqlen_q_rounded", _I32),
-       ("heads_q", _I32), ("heads_per_kv", _I32), ("head_dim", _I32), ("dkv_heads", _I32),
-       ("softmax_scale", _F32), ("scale_log2", _F32)]
+    + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads_q", _I32),
+       ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
 )
 
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS}
 
+_STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
+                 np.dtype(np.float32): "f"}
+
+
+_packers: dict[int, tuple[struct.Struct, tuple[str, ...]]] = {}
+
+
+def _packer(dtype: np.dtype) -> tuple[struct.Struct, tuple[str, ...]]:
+    found = _packers.get(id(dtype))
+    if found is None:
+        found = _packers[id(dtype)] = _make_packer(dtype)
+    return found
+
+
+def _make_packer(dtype: np.dtype) -> tuple[struct.Struct, tuple[str, ...]]:
+    """A struct.Struct with the exact byte layout of ``dtype`` (padding included)."""
+    fmt, pos = "<", 0
+    fields = sorted(dtype.fields.items(), key=lambda kv: kv[1][1])
+    for _, (fdt, off) in fields:
+        fmt += "x" * (off - pos) + _STRUCT_CODES[fdt]
+        pos = off + fdt.itemsize
+    fmt += "x" * (dtype.itemsize - pos)
+    return struct.Struct(fmt), tuple(name for name, _ in fields)
+
 
 def pack(dtype: np.dtype, **values) -> np.ndarray:
-    """A one-element array of ``dtype`` with the given fields set (others zero)."""
-    rec = np.zeros(1, dtype=dtype)
-    for name, value in values.items():
-        rec[name] = value
-    return rec
+    """A one-element array of ``dtype`` with the given fields set (others zero).
+
+    Built through ``struct`` in one call: this sits on every launch's hot path.
+    """
+    packer, names = _packer(dtype)
+    return np.frombuffer(packer.pack(*[values.get(n, 0) for n in names]), dtype=dtype)
+
+
+def pack_values(dtype: np.dtype, values) -> np.ndarray:
+    """Like ``pack`` with every field given positionally, in declaration order (the fast path)."""
+    return np.frombuffer(_packer(dtype)[0].pack(*values), dtype=dtype)
 
 
 def tensor_strides(prefix: str, x) -> dict:
-    """Element strides (batch, row, head) of a (batch, seqlen, heads, head_dim) array."""
-    item = x.itemsize
-    sb, ss, sh, _ = (s // item for s in x.strides)
+    """Element strides (batch, row, head) of a (batch, seqlen, heads, head_dim) array, as fields."""
+    sb, ss, sh = element_strides(x)
     return {f"{prefix}_batch_stride": sb, f"{prefix}_row_stride": ss, f"{prefix}_head_stride": sh}
+
+
+def element_strides(x) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements of a (batch, seqlen, heads, head_dim) array."""
+    st, item = x.strides, x.itemsize
+    return st[0] // item, st[1] // item, st[2] // item

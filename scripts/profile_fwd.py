@@ -17,6 +17,7 @@ def main() -> int:
     for item in spec.split(";"):
         d, tiles = item.split(":")
         os.environ["CUFLASH_SM80_FWD_TILES"] = tiles
+        cuflash.api._fwd_plans.clear()
         q, k, v = random_inputs(Shape(4, 16, 4096, int(d), dtype, causal))
         for _ in range(2):
             cuflash.forward(q, k, v, causal=causal)

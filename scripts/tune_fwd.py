@@ -26,6 +26,7 @@ def main() -> int:
             out = cupy.empty_like(q)
             for tiles in CANDIDATES[d]:
                 os.environ["CUFLASH_SM80_FWD_TILES"] = ",".join(map(str, tiles))
+                cuflash.api._fwd_plans.clear()
                 try:
                     ms = time_cuda(lambda: cuflash.forward(q, k, v, causal=causal, out=out), repeats=20)
                     print(f"D={d} {dtype} causal={causal} tiles={tiles}: {tflops(shape.fwd_flops(), ms):6.1f} TFLOP/s",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 import pytest
 
 from cuflash import heuristics, params
@@ -65,3 +67,14 @@ def test_name_expressions_are_unique():
     configs = heuristics.all_fwd_configs(cc=90)
     names = {c.name_expression() for c in configs}
     assert len(names) == len({c.key() for c in configs})
+
+
+@pytest.mark.parametrize("struct", sorted(params.STRUCTS))
+def test_fast_packing_matches_numpy_field_assignment(struct):
+    dt = params.STRUCTS[struct]
+    values = {name: (i + 1) * (3 if dt.fields[name][0].kind == "f" else 7) for i, name in enumerate(dt.names)}
+    ref = np.zeros(1, dtype=dt)
+    for name, value in values.items():
+        ref[name] = value
+    assert params.pack(dt, **values).tobytes() == ref.tobytes()
+    assert params.pack_values(dt, [values[n] for n in dt.names]).tobytes() == ref.tobytes()
