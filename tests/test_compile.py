@@ -41,10 +41,11 @@ def test_fwd_instantiations_compile_without_spills(cc):
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
 
 
-def _compile_snippet(src: str, cc: str = "80") -> None:
+def _ptx(src: str) -> str:
     prog = nvrtc.createProgram(src, "layout.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, [f"-arch=sm_{cc}", "-std=c++17"])
+        nvrtc.compileProgram(prog, ["-arch=compute_80", "-std=c++17"])
+        return nvrtc.getPTX(prog).decode()
     except nvrtc.NVRTCError as e:
         raise AssertionError(nvrtc.getProgramLog(prog)) from e
     finally:
@@ -53,14 +54,30 @@ def _compile_snippet(src: str, cc: str = "80") -> None:
 
 @pytest.mark.parametrize("struct", sorted(params.STRUCTS))
 def test_param_struct_layout_matches_numpy(struct):
-    """The C struct and its NumPy mirror agree on size, alignment and every field offset."""
+    """The C struct and its NumPy mirror agree on size, alignment and every field offset.
+
+    NVRTC has no constant offsetof, so each field gets a probe kernel that reads it from the
+    by-value parameter; the PTX shows the parameter's size and alignment and the load offset.
+    """
     dt = params.STRUCTS[struct]
-    checks = [f"static_assert(sizeof({struct}) == {dt.itemsize}, \"sizeof\");"]
+    probes = "\n".join(
+        f'extern "C" __global__ void probe_{name}({struct} p, double* out) {{ *out = (double)(long long)p.{name}; }}'
+        if dt.fields[name][0].kind != "f" else
+        f'extern "C" __global__ void probe_{name}({struct} p, double* out) {{ *out = (double)p.{name}; }}'
+        for name in dt.names)
+    ptx = _ptx(load_source("common/params.cuh") + "\n" + probes + "\n")
     for name, (fdt, off) in dt.fields.items():
-        checks.append(f"static_assert(__builtin_offsetof({struct}, {name}) == {off}, \"{name}\");")
-        checks.append(f"static_assert(sizeof((({struct}*)0)->{name}) == {fdt.itemsize}, \"{name} size\");")
-    src = load_source("common/params.cuh") + "\n" + "\n".join(checks) + "\n__global__ void k() {}\n"
-    _compile_snippet(src)
+        body = ptx[ptx.index(f".entry probe_{name}("):]
+        body = body[:body.index("ret;")]
+        decl = re.search(r"\.param \.align (\d+) \.b8 probe_\w+_param_0\[(\d+)\]", body)
+        assert decl, body
+        assert int(decl.group(2)) == dt.itemsize, f"sizeof({struct}) {decl.group(2)} != {dt.itemsize}"
+        assert int(decl.group(1)) == dt.alignment, f"alignof({struct}) {decl.group(1)} != {dt.alignment}"
+        loads = re.findall(r"ld\.param\.([usbf])(\d+)\s+%\w+, \[probe_\w+_param_0(?:\+(\d+))?\]", body)
+        assert len(loads) == 1, f"{name}: {loads}"
+        kind, bits, c_off = loads[0]
+        assert int(c_off or 0) == off, f"{struct}.{name}: C offset {c_off or 0}, NumPy offset {off}"
+        assert int(bits) == 8 * fdt.itemsize, f"{struct}.{name}: C size {bits} bits, NumPy {fdt.itemsize} bytes"
 
 
 def test_name_expressions_are_unique():
