@@ -12,7 +12,8 @@ def _round_up(x: int, m: int) -> int:
 
 def _sm80_fwd_smem(c: KernelConfig) -> int:
     stride = _round_up(c.head_dim, 16) + 8  # FwdTile::kSmemStride
-    return (c.block_m + 2 * c.block_n) * stride * 2
+    stages = 2  # FwdTile::kStages
+    return (c.block_m + 2 * stages * c.block_n) * stride * 2
 
 
 def _simt_fwd_smem(c: KernelConfig) -> int:

@@ -7,6 +7,14 @@
 #pragma once
 #include "numeric.cuh"
 
+// 1/x within 1 ulp, without the IEEE slow path's subroutine call (which would
+// force registers onto the stack in the epilogue).
+__device__ __forceinline__ float fast_rcp(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -71,8 +79,8 @@ struct OnlineSoftmax {
         for (int r = 0; r < kRows; ++r) {
             const float sum = quad_sum(row_sum[r]);
             const bool empty = !(sum > 0.f);
-            inv_sum[r] = empty ? 0.f : 1.f / sum;
-            lse[r] = empty ? -CUFLASH_INF : (row_max[r] + log2f(sum)) * CUFLASH_LN2;
+            inv_sum[r] = empty ? 0.f : fast_rcp(sum);
+            lse[r] = empty ? -CUFLASH_INF : (row_max[r] + __log2f(sum)) * CUFLASH_LN2;
         }
     }
 };

@@ -2,10 +2,11 @@
 // fp32 accumulation, cp.async tile loads, online softmax in exp2.
 //
 // One CTA per (query tile, head, batch). Each warp owns kMTiles 16-row slices
-// of the query tile. K and V tiles stream through one shared buffer each; the
-// V load of tile n overlaps S = Q K_n^T and the K load of tile n-1 overlaps the
-// softmax and O += P V_n. Key tiles are visited from last to first, so the
-// tiles that need masking (sequence end, causal diagonal) come first.
+// of the query tile. K/V tiles stream through a two-stage shared-memory ring:
+// the loads of tile n-1 are in flight during the whole of iteration n, which
+// hides L2/HBM latency even when a tile's math is short. Key tiles are visited
+// from last to first, so the tiles that need masking (sequence end, causal
+// diagonal) come first.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/block_range.cuh"
@@ -27,14 +28,28 @@ struct FwdTile {
     // One 16-byte pad per row: 8 consecutive rows then start in different
     // banks, so ldmatrix and the fragment stores are conflict-free.
     static constexpr int kSmemStride = kHeadDimPad + 8;
-    static constexpr int kSmemElems = (kBlockM + 2 * kBlockN) * kSmemStride;
+    static constexpr int kStages = 2;                              // K/V ring depth
+    static constexpr int kSmemElems = (kBlockM + 2 * kStages * kBlockN) * kSmemStride;
     static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
+// Issue key tile n_block's K and V into ring stage `stage` (K then V, each kBlockN rows).
+template <typename Tile>
+__device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_stride, const u16* gV,
+                                        i64 v_row_stride, int seqlen_k, int n_block, int stage, int tid) {
+    constexpr int kTileElems = Tile::kBlockN * Tile::kSmemStride;
+    const int n0 = n_block * Tile::kBlockN;
+    u16* sK = sKV + (2 * stage) * kTileElems;
+    load_tile_async<Tile::kBlockN, Tile::kHeadDim, Tile::kSmemStride, Tile::kThreads>(
+        sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, tid);
+    load_tile_async<Tile::kBlockN, Tile::kHeadDim, Tile::kSmemStride, Tile::kThreads>(
+        sK + kTileElems, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, tid);
+}
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32)
+__global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_kernel(const FwdParams p) {
     using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
@@ -44,8 +59,8 @@ fwd_kernel(const FwdParams p) {
 
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
-    u16* sK = sQ + kBlockM * kStride;
-    u16* sV = sK + kBlockN * kStride;
+    u16* sKV = sQ + kBlockM * kStride;  // stage s: K at sKV + 2s*tile, V at sKV + (2s+1)*tile
+    constexpr int kTileElems = kBlockN * kStride;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -62,9 +77,6 @@ fwd_kernel(const FwdParams p) {
                     + row_base * p.q_row_stride;
     const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
-              + row_base * p.o_row_stride;
-    float* gLse = p.lse ? p.lse + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row_base : nullptr;
 
     const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
 
@@ -85,22 +97,20 @@ fwd_kernel(const FwdParams p) {
     softmax.init();
 
     if (n_block_max > 0) {
-        zero_pad_cols<kBlockM + 2 * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(smem, tid);
+        zero_pad_cols<kBlockM + 2 * Tile::kStages * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(
+            smem, tid);
         load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
-        {
-            const int n0 = (n_block_max - 1) * kBlockN;
-            load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
-                sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
-        }
+        load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 1, 0, tid);
         cp_async_commit();
+        if (n_block_max > 1) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 2, 1, tid);
+        cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile n
 
-        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        for (int n_block = n_block_max - 1, stage = 0; n_block >= 0; --n_block, stage ^= 1) {
             const int n0 = n_block * kBlockN;
-            cp_async_wait<0>();
-            __syncthreads();  // K_n landed; every warp is done reading V_{n+1}
-            load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
-                sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid);
-            cp_async_commit();
+            const u16* sK = sKV + (2 * stage) * kTileElems;
+            const u16* sV = sK + kTileElems;
+            cp_async_wait<1>();
+            __syncthreads();  // tile n (and Q) landed for every thread's copies
 
             // S = Q K_n^T
             float acc_s[kMTiles][Tile::kNTilesS][4];
@@ -141,15 +151,6 @@ fwd_kernel(const FwdParams p) {
                         }
             }
 
-            cp_async_wait<0>();
-            __syncthreads();  // V_n landed; every warp is done reading K_n
-            if (n_block > 0) {
-                const int n_prev = n0 - kBlockN;
-                load_tile_async<kBlockN, kHeadDim, kStride, Tile::kThreads>(
-                    sK, gK + n_prev * p.k_row_stride, p.k_row_stride, p.seqlen_k - n_prev, tid);
-                cp_async_commit();
-            }
-
             float rescale[2 * kMTiles];
             softmax.step(acc_s, p.scale_log2, rescale);
 #pragma unroll
@@ -176,6 +177,9 @@ fwd_kernel(const FwdParams p) {
                     }
                 }
             }
+            __syncthreads();  // every warp is done with this stage: refill it with tile n-2
+            if (n_block >= 2) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block - 2, stage, tid);
+            cp_async_commit();
         }
     }
 
@@ -194,7 +198,11 @@ fwd_kernel(const FwdParams p) {
                 *reinterpret_cast<u32*>(sQ + row * kStride + n * 8 + 2 * t4) =
                     ElemTraits<Tag>::pack2(acc_o[t][n][2 * h] * s, acc_o[t][n][2 * h + 1] * s);
             }
-    if (gLse != nullptr && t4 == 0) {
+    // Output pointers are formed only now: live across the main loop they would cost registers.
+    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
+              + row_base * p.o_row_stride;
+    if (p.lse != nullptr && t4 == 0) {
+        float* gLse = p.lse + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row_base;
 #pragma unroll
         for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
