@@ -25,17 +25,20 @@ struct FwdParams {
     float scale_log2;      // softmax_scale * log2(e), folded once on the host
 };
 
+// Backward (FlashAttention-2 split): bwd_preprocess (delta, zero dq_accum),
+// the dK/dV kernel (and, in the atomic mode, dQ partial sums), then either
+// bwd_postprocess (dq_accum -> dq) or the dQ kernel (deterministic, float32).
 struct BwdParams {
     const void* q;
     const void* k;
     const void* v;
     const void* o;
     const void* dout;
-    const float* lse;      // (batch, heads_q, seqlen_q), contiguous
-    float* delta;          // (batch, heads_q, seqlen_q_rounded): rowsum(dout * out)
-    float* dq_accum;       // (batch, heads_q, seqlen_q_rounded, head_dim) float32
+    const float* lse;      // (batch, heads_q, seqlen_q), contiguous, natural log
+    float* delta;          // (batch, heads_q, seqlen_q), contiguous: rowsum(dout * out)
+    float* dq_accum;       // (batch, heads_q, seqlen_q, head_dim) float32, contiguous; null unless atomic dQ
     void* dq;
-    void* dk;              // (batch, seqlen_k, heads_kv or heads_q, head_dim)
+    void* dk;              // (batch, seqlen_k, heads_kv, head_dim)
     void* dv;
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -48,11 +51,9 @@ struct BwdParams {
     int batch;
     int seqlen_q;
     int seqlen_k;
-    int seqlen_q_rounded;  // seqlen_q padded to the dQ kernel's tile
     int heads_q;
-    int heads_per_kv;
-    int head_dim;
-    int dkv_heads;         // heads of dk/dv as written by the dK/dV kernel
+    int heads_per_kv;      // heads_q / heads_kv (GQA group size)
+    int head_dim;          // run-time head dim; kernels are instantiated per head-dim bucket
     float softmax_scale;
-    float scale_log2;
+    float scale_log2;      // softmax_scale * log2(e)
 };

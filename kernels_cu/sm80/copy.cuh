@@ -58,3 +58,42 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, i64 row_s
         }
     }
 }
+
+// Variants with a run-time column count, for kernels instantiated for a head-dim
+// bucket (the backward): T is the element type (u16 or float), 16-byte chunks;
+// cols_valid is a multiple of the chunk width (head_dim is a multiple of 8).
+// Chunks at rows >= rows_valid or columns >= cols_valid are zero-filled.
+template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+__device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64 row_stride,
+                                                     int rows_valid, int cols_valid, int tid) {
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+    constexpr int kChunksPerRow = kCols / kChunk;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    static_assert(kCols % kChunk == 0, "columns must be whole 16-byte chunks");
+#pragma unroll
+    for (int c = tid; c < kChunks; c += kThreads) {
+        const int row = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * kChunk;
+        const bool valid = row < rows_valid && col < cols_valid;
+        const T* src = gmem + (valid ? row * row_stride + col : 0);
+        cp_async_16(smem + row * kSmemStride + col, src, valid);
+    }
+}
+
+// Store rows < rows_valid, columns < cols_valid of a tile in 16-byte chunks.
+template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+__device__ __forceinline__ void store_tile_pred(T* gmem, const T* smem, i64 row_stride,
+                                                int rows_valid, int cols_valid, int tid) {
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+    constexpr int kChunksPerRow = kCols / kChunk;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c = tid; c < kChunks; c += kThreads) {
+        const int row = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * kChunk;
+        if (row < rows_valid && col < cols_valid) {
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
+                *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+        }
+    }
+}

@@ -1,0 +1,47 @@
+// Backward preprocess: delta = rowsum(dout * out) in float32, one value per
+// (batch, head, query row), and (atomic-dQ mode) zero the float32 dq_accum.
+//
+// Memory-bound: 8 threads per row read 16-byte chunks of dout and out (any
+// head_dim, strided views), reduce with shuffles inside the 8-lane group; the
+// summation order is fixed, so delta is deterministic.
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+#include "../common/bwd_math.cuh"
+
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_preprocess_kernel(const BwdParams p) {
+    using T = typename ElemStorage<Tag>::T;
+    constexpr int kThreadsPerRow = 8;
+    constexpr int kRows = kNWarps * 32 / kThreadsPerRow;
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+    const int tid = threadIdx.x;
+    const int sub = tid % kThreadsPerRow;
+    const int row = blockIdx.x * kRows + tid / kThreadsPerRow;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const bool valid = row < p.seqlen_q;
+
+    float acc = 0.f;
+    if (valid) {
+        const T* o = static_cast<const T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride
+                     + head * p.o_head_stride;
+        const T* d = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride
+                     + head * p.do_head_stride;
+        const int chunks = p.head_dim / kChunk;
+        for (int c = sub; c < chunks; c += kThreadsPerRow) {
+            const uint4 a = *reinterpret_cast<const uint4*>(o + c * kChunk);
+            const uint4 b = *reinterpret_cast<const uint4*>(d + c * kChunk);
+            acc += chunk_dot<Tag>(a, b);
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < kThreadsPerRow; off <<= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+
+    const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+    if (valid && sub == 0) p.delta[row_index] = acc;
+    if (valid && p.dq_accum != nullptr) {
+        float4* dst = reinterpret_cast<float4*>(p.dq_accum + row_index * p.head_dim);
+        for (int c = sub; c < p.head_dim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}

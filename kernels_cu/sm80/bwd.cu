@@ -1,0 +1,626 @@
+// FlashAttention-2 backward for sm_80 and newer: mma.sync m16n8k16 on fp16/bf16,
+// fp32 accumulation, cp.async tile loads. P is recomputed from Q, K and the
+// forward's lse; no seqlen x seqlen buffer exists.
+//
+// Kernels (instantiated per head-dim bucket; the run-time head_dim masks columns):
+//   bwd_dkdv_kernel     one CTA per (key tile, kv head, batch): holds K_n, V_n and
+//                       the dK/dV accumulators, streams the query tiles of every
+//                       query head of its GQA group past them. No atomics.
+//   bwd_dkdv_dq_kernel  the same, and also adds dS K into a float32 dq_accum with
+//                       atomics (fast, not bitwise deterministic); bwd_postprocess
+//                       scales and converts.
+//   bwd_dq_kernel       one CTA per (query tile, head, batch): recomputes S, P, dP,
+//                       dS over the key tiles and keeps dQ in registers
+//                       (deterministic mode).
+//
+// dK/dV kernel, per query tile (Bm rows) against the key tile (Bn rows):
+//   S^T  = K Q^T       (Bn x Bm; K as A operand, Q as B operand: warps split n x m)
+//   dP^T = V dO^T
+//   P^T  = exp2(S^T * scale_log2 - lse2[m]),  dS^T = P^T * (dP^T - delta[m])
+//   P^T, dS^T -> shared memory (16-bit, [key][query])
+//   dK  += dS^T Q      (A = dS^T from smem, B = Q transposed on load: warps split n x d)
+//   dV  += P^T dO
+//   dQ_m += dS K       (A = dS, i.e. dS^T transposed on load: warps split m x d)
+// Pipeline: the Q tile of the next step loads while dV and dQ are computed, the
+// dO tile while dQ and the next S^T are computed. lse2/delta of the next step
+// are fetched into registers early and stored to smem late.
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+#include "../common/block_range.cuh"
+#include "../common/bwd_math.cuh"
+#include "mma.cuh"
+#include "copy.cuh"
+
+// Unroll factor of the k-loops of the products whose operands both come from
+// shared memory: full unrolling lets ptxas hoist every fragment load and
+// run out of registers next to the dK/dV accumulators.
+#ifndef BWD_KK_UNROLL
+#define BWD_KK_UNROLL 2
+#endif
+
+__host__ __device__ constexpr int bwd_imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int bwd_imax(int a, int b) { return a > b ? a : b; }
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdDkdvTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;   // query rows per step
+    static constexpr int kBlockN = kBlockN_;   // keys held by the CTA
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    // GEMM 1/2 (S^T, dP^T: kBlockN x kBlockM): kWarpsN1 x kWarpsM1 warps.
+    static constexpr int kWarpsN1 = bwd_imin(kNWarps, kBlockN / 16);
+    static constexpr int kWarpsM1 = kNWarps / kWarpsN1;
+    static constexpr int kMTiles1 = kBlockN / kWarpsN1 / 16;
+    static constexpr int kNTiles1 = kBlockM / kWarpsM1 / 8;
+    // GEMM 3/4 (dV, dK: kBlockN x head_dim): kWarpsN2 x kWarpsD2 warps.
+    static constexpr int kWarpsN2 = bwd_imin(kNWarps, kBlockN / 16);
+    static constexpr int kWarpsD2 = kNWarps / kWarpsN2;
+    // GEMM 5 (dQ: kBlockM x head_dim): kWarpsM3 x kWarpsD3 warps.
+    static constexpr int kWarpsM3 = bwd_imin(kNWarps, kBlockM / 16);
+    static constexpr int kWarpsD3 = kNWarps / kWarpsM3;
+    // Head dim padded so that every warp's column slice is whole 16-wide MMA steps.
+    static constexpr int kDAlign = 16 * bwd_imax(kWarpsD2, kWarpsD3);
+    static constexpr int kHeadDimPad = (kHeadDim + kDAlign - 1) / kDAlign * kDAlign;
+    static constexpr int kMTiles2 = kBlockN / kWarpsN2 / 16;
+    static constexpr int kNTiles2 = kHeadDimPad / kWarpsD2 / 8;
+    static constexpr int kMTiles3 = kBlockM / kWarpsM3 / 16;
+    static constexpr int kNTiles3 = kHeadDimPad / kWarpsD3 / 8;
+    // dQ n-tiles per pass (<= 8, even, dividing kNTiles3).
+    static constexpr int kNTiles3Chunk = kNTiles3 % 8 == 0 ? 8 : (kNTiles3 % 6 == 0 ? 6 : (kNTiles3 % 4 == 0 ? 4 : 2));
+    // 16-bit rows padded by 16 bytes: ldmatrix and fragment stores are conflict-free.
+    static constexpr int kStride = kHeadDimPad + 8;   // Q, dO, K, V rows
+    static constexpr int kStrideP = kBlockM + 8;      // P^T, dS^T rows
+    static constexpr int kSmemElems = (2 * kBlockM + 2 * kBlockN) * kStride + 2 * kBlockN * kStrideP;
+    static constexpr int kSmemBytes = kSmemElems * 2 + 2 * kBlockM * 4;  // + lse2, delta
+
+    static_assert(kNWarps % kWarpsN1 == 0 && kNWarps % kWarpsM3 == 0, "warp grid");
+    static_assert(kBlockN % (16 * kWarpsN1) == 0 && kBlockM % (16 * kWarpsM1) == 0, "GEMM 1 tiles");
+    static_assert(kNTiles1 % 2 == 0 && kNTiles2 % 2 == 0 && kNTiles3 % 2 == 0, "n-tiles come in pairs");
+    static_assert(kBlockM % (16 * kWarpsM3) == 0, "GEMM 5 tiles");
+    static_assert(kThreads >= 2 * kBlockM, "one thread per lse / delta value");
+    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+};
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
+__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+    using Tile = BwdDkdvTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mma = Mma16816<Tag>;
+    constexpr int kStride = Tile::kStride;
+    constexpr int kStrideP = Tile::kStrideP;
+    constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kThreads = Tile::kThreads;
+    constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
+    constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
+    constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
+
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sdO = sQ + kBlockM * kStride;
+    u16* sK = sdO + kBlockM * kStride;
+    u16* sV = sK + kBlockN * kStride;
+    u16* sP = sV + kBlockN * kStride;      // P^T  [key][query]
+    u16* sdS = sP + kBlockN * kStrideP;    // dS^T [key][query]
+    float* sLse2 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);
+    float* sDelta = sLse2 + kBlockM;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int n_block = blockIdx.x;
+    const int head_kv = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, p.seqlen_k - n0);
+    const int hd = p.head_dim;
+
+    const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride
+                    + n0 * p.k_row_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
+                    + n0 * p.v_row_stride;
+    const u16* gQb = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
+    const u16* gdOb = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride;
+
+    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+    const int m_end = ceil_div(p.seqlen_q, kBlockM);
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * p.heads_per_kv;
+    const int head0 = head_kv * p.heads_per_kv;
+
+    // Warp positions in the three warp grids.
+    const int wn1 = warp % Tile::kWarpsN1, wm1 = warp / Tile::kWarpsN1;
+    const int wn2 = warp % Tile::kWarpsN2, wd2 = warp / Tile::kWarpsN2;
+    const int wm3 = warp % Tile::kWarpsM3, wd3 = warp / Tile::kWarpsM3;
+    const int row1 = wn1 * kMT1 * 16;   // key row of this warp's S^T slice
+    const int col1 = wm1 * kNT1 * 8;    // query column of this warp's S^T slice
+    const int row2 = wn2 * kMT2 * 16;   // key row of this warp's dK/dV slice
+    const int col2 = wd2 * kNT2 * 8;    // head-dim column of this warp's dK/dV slice
+    const int row3 = wm3 * kMT3 * 16;   // query row of this warp's dQ slice
+    const int col3 = wd3 * kNT3 * 8;
+
+    float acc_dk[kMT2][kNT2][4], acc_dv[kMT2][kNT2][4];
+#pragma unroll
+    for (int t = 0; t < kMT2; ++t)
+#pragma unroll
+        for (int n = 0; n < kNT2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { acc_dk[t][n][e] = 0.f; acc_dv[t][n][e] = 0.f; }
+
+    // lse2 / delta of query tile (head, m_block): thread i < kBlockM fetches
+    // lse2[i], thread kBlockM + i fetches delta[i].
+    auto fetch_row_stat = [&](int head, int m_block) -> float {
+        const int i = tid < kBlockM ? tid : tid - kBlockM;
+        const int row = m_block * kBlockM + i;
+        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+        if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
+        if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
+        return 0.f;
+    };
+    auto store_row_stat = [&](float x) {
+        if (tid < 2 * kBlockM) sLse2[tid] = x;  // sDelta = sLse2 + kBlockM
+    };
+    auto load_q = [&](int head, int m_block) {
+        const int m0 = m_block * kBlockM;
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sQ, gQb + head * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, hd, tid);
+    };
+    auto load_do = [&](int head, int m_block) {
+        const int m0 = m_block * kBlockM;
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sdO, gdOb + head * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, hd, tid);
+    };
+
+    if (n_iter > 0) {
+        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
+        load_q(head0, m_begin);
+        cp_async_commit();
+        load_do(head0, m_begin);
+        cp_async_commit();
+        store_row_stat(fetch_row_stat(head0, m_begin));
+
+        for (int it = 0; it < n_iter; ++it) {
+            const int head = head0 + it / n_m;
+            const int m_block = m_begin + it % n_m;
+            const int m0 = m_block * kBlockM;
+            const bool has_next = it + 1 < n_iter;
+            const int head_next = head0 + (it + 1) / n_m;
+            const int m_next = m_begin + (it + 1) % n_m;
+
+            cp_async_wait<1>();
+            __syncthreads();  // K, V, Q_it landed; lse2/delta of it visible; sdS free
+
+            // S^T = K Q^T
+            float acc_s[kMT1][kNT1][4];
+#pragma unroll
+            for (int t = 0; t < kMT1; ++t)
+#pragma unroll
+                for (int n = 0; n < kNT1; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMT1][4];
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sK, row1 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT1 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sQ, col1 + nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT1; ++t) {
+                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            cp_async_wait<0>();
+            __syncthreads();  // dO_it landed
+
+            // dP^T = V dO^T
+            float acc_dp[kMT1][kNT1][4];
+#pragma unroll
+            for (int t = 0; t < kMT1; ++t)
+#pragma unroll
+                for (int n = 0; n < kNT1; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_dp[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMT1][4];
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sV, row1 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT1 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sdO, col1 + nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT1; ++t) {
+                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            // P^T, dS^T -> shared memory. Element (t, n, e): key row1 + t*16 + g + (e>>1)*8,
+            // query col1 + n*8 + 2*t4 + (e&1).
+            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+            for (int n = 0; n < kNT1; ++n) {
+                const int qc = col1 + n * 8 + 2 * t4;
+                const float l0 = sLse2[qc], l1 = sLse2[qc + 1];
+                const float d0 = sDelta[qc], d1 = sDelta[qc + 1];
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int kr = row1 + t * 16 + g + h * 8;
+                        float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l0);
+                        float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l1);
+                        if (mask) {
+                            if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
+                            if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
+                        }
+                        const float ds0 = p0 * (acc_dp[t][n][2 * h] - d0);
+                        const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d1);
+                        *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
+                        *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
+                    }
+                }
+            }
+            __syncthreads();  // P^T, dS^T complete; every warp is done with sLse2/sDelta
+
+            // dK += dS^T Q
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                u32 a[kMT2][4];
+#pragma unroll
+                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sdS, row2 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT2 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sQ, kk * 16, col2 + nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT2; ++t) {
+                        Mma::run(acc_dk[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dk[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with sQ
+            if (has_next) load_q(head_next, m_next);
+            cp_async_commit();
+            const float stat_next = has_next ? fetch_row_stat(head_next, m_next) : 0.f;
+
+            // dV += P^T dO
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                u32 a[kMT2][4];
+#pragma unroll
+                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sP, row2 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT2 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sdO, kk * 16, col2 + nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT2; ++t) {
+                        Mma::run(acc_dv[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dv[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with sdO
+            if (has_next) load_do(head_next, m_next);
+            cp_async_commit();
+            if (has_next) store_row_stat(stat_next);
+
+            if constexpr (kAtomicDq) {
+                // dQ_m += dS K: A = dS (query x key), read from dS^T transposed. Done in
+                // column chunks of kNT3c n-tiles to bound the live accumulators.
+                constexpr int kNT3c = Tile::kNTiles3Chunk;
+                float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
+#pragma unroll 1
+                for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
+                    const int colc = col3 + chunk * kNT3c * 8;
+                    float acc_dq[kMT3][kNT3c][4];
+#pragma unroll
+                    for (int t = 0; t < kMT3; ++t)
+#pragma unroll
+                        for (int n = 0; n < kNT3c; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+                    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                        u32 a[kMT3][4];
+#pragma unroll
+                        for (int t = 0; t < kMT3; ++t)
+                            load_a_frag_trans<kStrideP>(a[t], sdS, row3 + t * 16, kk * 16, lane);
+#pragma unroll
+                        for (int nn = 0; nn < kNT3c / 2; ++nn) {
+                            u32 b[4];
+                            load_b_frag_kn<kStride>(b, sK, kk * 16, colc + nn * 16, lane);
+#pragma unroll
+                            for (int t = 0; t < kMT3; ++t) {
+                                Mma::run(acc_dq[t][2 * nn], a[t], b[0], b[1]);
+                                Mma::run(acc_dq[t][2 * nn + 1], a[t], b[2], b[3]);
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int t = 0; t < kMT3; ++t)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int row = m0 + row3 + t * 16 + g + h * 8;
+                            if (row < p.seqlen_q) {
+                                float* dst = gdq + static_cast<i64>(row) * hd;
+#pragma unroll
+                                for (int n = 0; n < kNT3c; ++n) {
+                                    const int col = colc + n * 8 + 2 * t4;
+                                    if (col < hd) {
+                                        atomicAdd(dst + col, acc_dq[t][n][2 * h]);
+                                        atomicAdd(dst + col + 1, acc_dq[t][n][2 * h + 1]);
+                                    }
+                                }
+                            }
+                        }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dK * softmax_scale and dV, staged through the K / V buffers.
+    __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
+#pragma unroll
+    for (int t = 0; t < kMT2; ++t)
+#pragma unroll
+        for (int n = 0; n < kNT2; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row2 + t * 16 + g + h * 8;
+                const int c = col2 + n * 8 + 2 * t4;
+                *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
+                    acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(sV + r * kStride + c) =
+                    ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
+            }
+    __syncthreads();
+    u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride
+               + n0 * p.dk_row_stride;
+    u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
+               + n0 * p.dv_row_stride;
+    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
+    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv_kernel(const BwdParams p) {
+    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv_dq_kernel(const BwdParams p) {
+    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p);
+}
+
+// ---------------------------------------------------------------------------
+// dQ kernel (deterministic mode): one CTA per (query tile, head, batch); each
+// warp owns kMTiles 16-row slices of the query tile (as the forward). Per key
+// tile: dP = dO V^T, S = Q K^T, P, dS in registers, dQ += dS K with dS fed from
+// the accumulators as the A operand. The V load of the previous key tile
+// overlaps S, dS and dQ += dS K; the K load overlaps dP.
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdDqTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+    static constexpr int kNTilesS = kBlockN / 8;
+    static constexpr int kNTilesO = kHeadDimPad / 8;
+    static constexpr int kStride = kHeadDimPad + 8;
+    static constexpr int kSmemElems = (2 * kBlockM + 2 * kBlockN) * kStride;
+    static constexpr int kSmemBytes = kSmemElems * 2;
+    static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
+    static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+};
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dq_kernel(const BwdParams p) {
+    using Tile = BwdDqTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mma = Mma16816<Tag>;
+    constexpr int kMTiles = Tile::kMTiles;
+    constexpr int kStride = Tile::kStride;
+    constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kThreads = Tile::kThreads;
+
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ = smem;
+    u16* sdO = sQ + kBlockM * kStride;
+    u16* sK = sdO + kBlockM * kStride;
+    u16* sV = sK + kBlockN * kStride;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_kv = head / p.heads_per_kv;
+    const int hd = p.head_dim;
+    const int m0 = m_block * kBlockM;
+    const int rows_valid = min(kBlockM, p.seqlen_q - m0);
+
+    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+                    + m0 * p.q_row_stride;
+    const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride
+                     + m0 * p.do_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
+
+    const int warp_row0 = warp * kMTiles * 16;
+    // lse2 / delta of this thread's rows (g and g + 8 of each m-tile).
+    float lse2[2 * kMTiles], delta[2 * kMTiles];
+    {
+        const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
+#pragma unroll
+        for (int r = 0; r < 2 * kMTiles; ++r) {
+            const int row = m0 + warp_row0 + (r >> 1) * 16 + g + (r & 1) * 8;
+            lse2[r] = row < p.seqlen_q ? bwd_lse2(p.lse[base + row]) : CUFLASH_INF;
+            delta[r] = row < p.seqlen_q ? p.delta[base + row] : 0.f;
+        }
+    }
+
+    float acc_dq[kMTiles][Tile::kNTilesO][4];
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int n = 0; n < Tile::kNTilesO; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
+
+    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    if (n_block_max > 0) {
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
+        {
+            const int n0 = (n_block_max - 1) * kBlockN;
+            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
+                sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, hd, tid);
+        }
+        cp_async_commit();
+
+        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+            const int n0 = n_block * kBlockN;
+            cp_async_wait<0>();
+            __syncthreads();  // Q, dO, V_n landed; every warp is done reading K_{n+1}
+            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
+                sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, hd, tid);
+            cp_async_commit();
+
+            // dP = dO V_n^T
+            float acc_dp[kMTiles][Tile::kNTilesS][4];
+#pragma unroll
+            for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_dp[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sdO, warp_row0 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sV, nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) {
+                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            cp_async_wait<0>();
+            __syncthreads();  // K_n landed; every warp is done reading V_n
+            if (n_block > 0) {
+                const int n_prev = n0 - kBlockN;
+                load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
+                    sV, gV + n_prev * p.v_row_stride, p.v_row_stride, p.seqlen_k - n_prev, hd, tid);
+                cp_async_commit();
+            }
+
+            // S = Q K_n^T
+            float acc_s[kMTiles][Tile::kNTilesS][4];
+#pragma unroll
+            for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sK, nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) {
+                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            // dS = P * (dP - delta), in place in acc_s.
+            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+            for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = 2 * t + (e >> 1);
+                        float pv = bwd_prob(acc_s[t][n][e], p.scale_log2, lse2[r]);
+                        if (mask) {
+                            const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + n * 8 + 2 * t4 + (e & 1);
+                            if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                        }
+                        acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);
+                    }
+
+            // dQ += dS K_n, dS taken from the accumulators.
+#pragma unroll
+            for (int kk = 0; kk < Tile::kNTilesS / 2; ++kk) {
+                u32 a[kMTiles][4];
+#pragma unroll
+                for (int t = 0; t < kMTiles; ++t) pack_a_from_acc<Tag>(a[t], acc_s[t][2 * kk], acc_s[t][2 * kk + 1]);
+#pragma unroll
+                for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sK, kk * 16, nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) {
+                        Mma::run(acc_dq[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dq[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dQ * softmax_scale, staged through sQ for 16-byte stores.
+    __syncthreads();  // every warp is done with sQ, sK (n_block_max == 0 is uniform)
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int n = 0; n < Tile::kNTilesO; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp_row0 + t * 16 + g + h * 8;
+                *reinterpret_cast<u32*>(sQ + row * kStride + n * 8 + 2 * t4) = ElemTraits<Tag>::pack2(
+                    acc_dq[t][n][2 * h] * p.softmax_scale, acc_dq[t][n][2 * h + 1] * p.softmax_scale);
+            }
+    __syncthreads();
+    u16* gdQ = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + m0 * p.dq_row_stride;
+    store_tile_pred<u16, kBlockM, kPad, kStride, kThreads>(gdQ, sQ, p.dq_row_stride, rows_valid, hd, tid);
+}
