@@ -19,6 +19,10 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 template <int kRows, int kCols, int kSmemStride, int kThreads>
 __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 row_stride,
                                                 int rows_valid, int tid) {
+    // Make the stride opaque here, so the per-chunk offsets are recomputed at each
+    // call (a few IMADs) instead of being hoisted out of the main loop, where
+    // they would stay live (in registers) for the kernel's whole life.
+    asm volatile("" : "+l"(row_stride), "+r"(tid));
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
