@@ -112,6 +112,19 @@ def print_table(results: list[dict]) -> None:
         print(line)
 
 
+def markdown_table(results: list[dict]) -> str:
+    """The results as a Markdown table (for BENCHMARKS.md)."""
+    cols = [c for c in ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn") if any(c in r for r in results)]
+    ratios = [c for c in ("sdpa_flash", "sdpa_cudnn") if c in cols]
+    lines = ["| shape | pass | " + " | ".join(cols) + "".join(f" | cuflash / {c[5:]}" for c in ratios) + " |",
+             "|" + " --- |" * (2 + len(cols) + len(ratios))]
+    for r in results:
+        cells = [r["shape"], r["pass"]] + [_fmt(r.get(c)).strip() for c in cols]
+        cells += [f"{r['cuflash'] / r[c]:.2f}" if r.get(c) else "-" for c in ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     ap.add_argument("--shape", action="append", type=_parse_shape,
@@ -120,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-bench", action="store_true", help="self-check only")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = ap.parse_args(argv)
 
     import cupy
@@ -170,6 +184,8 @@ def main(argv=None) -> int:
         return 0
     results = benchmark(shapes, args.repeats)
     print_table(results)
+    if args.markdown:
+        print(markdown_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "cc": cc, "results": results}, f, indent=1)
