@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from . import _checks, heuristics, launch, params
+from . import _checks, heuristics, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -76,9 +76,12 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int):
 def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
     b, nq, nk, hq, hkv, d = dims
     kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id)
+    extra = ()
+    if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
+        kern, cfg, smem, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id)
     p = params.pack_values(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(out),
         b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
-    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem)
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra)

@@ -33,6 +33,9 @@ _SM90_FWD = {
     256: (128, 64, 12),
 }
 
+# CUFLASH_FWD_BACKEND value -> sm90 forward family.
+SM90_FWD_BACKENDS = {"sm90": "sm90_fwd", "sm90_overlap": "sm90_fwd_overlap"}
+
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
     32: (128, 64, 8),
@@ -70,9 +73,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
-    if backend == "sm90" and cc == 90 and dtype in ("float16", "bfloat16"):
+    if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or _SM90_FWD[bucket]
-        return KernelConfig("sm90_fwd", dtype, head_dim, causal, block_m, block_n, warps)
+        return KernelConfig(SM90_FWD_BACKENDS[backend], dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
@@ -80,9 +83,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
 
 
-def all_sm90_fwd_configs() -> list[KernelConfig]:
-    """Every sm90_fwd instantiation (for the CPU compile test)."""
-    return [fwd_config(dtype, d, causal, 90, backend="sm90")
+def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
+    """Every instantiation of one sm90 forward family (for the CPU compile test)."""
+    return [fwd_config(dtype, d, causal, 90, backend=backend)
             for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8)
             for causal in (False, True)]
 

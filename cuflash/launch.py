@@ -67,6 +67,8 @@ SMEM_BYTES = {
     "sm80_bwd_dq": _sm80_bwd_dq_smem,
     "simt_bwd_dkdv": _simt_bwd_dkdv_smem,
     "simt_bwd_dq": _simt_bwd_dq_smem,
+    "sm90_fwd": _sm90_fwd_smem,
+    "sm90_fwd_overlap": _sm90_fwd_smem,
 }
 
 

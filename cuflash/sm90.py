@@ -1,0 +1,23 @@
+"""Host side of the Hopper (sm90) kernel families: tensor maps and fallbacks."""
+from __future__ import annotations
+
+from . import heuristics, tma
+from .config import KernelConfig
+from .dispatch import get_kernel, smem_bytes
+
+
+def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int):
+    """(kernel, config, shared memory bytes, kernel arguments after the params struct).
+
+    For the sm90 forward families the extra arguments are the tensor maps of q, k and v; when
+    TMA cannot address an input (base or strides not 16-byte multiples) the
+    portable kernel is used instead. Other families pass through unchanged.
+    """
+    if not cfg.family.startswith("sm90_fwd"):
+        return kern, cfg, smem, ()
+    if not (tma.bshd_ok(q) and tma.bshd_ok(k) and tma.bshd_ok(v)):
+        cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80")
+        return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
+    maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
+            tma.bshd_map(v, cfg.dtype, cfg.block_n))
+    return kern, cfg, smem, maps

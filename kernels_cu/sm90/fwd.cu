@@ -1,0 +1,290 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
+//
+// One CTA per (query tile, head, batch), kBlockM = 64 * (consumer warpgroups).
+// Warpgroup 0 is the producer: it lowers its registers and one thread issues
+// the TMA loads of Q and of a kStages-deep ring of K and V tiles, each tile
+// completing on a "full" mbarrier and released by the consumers on an
+// "empty" one. Each consumer warpgroup owns 64 query rows:
+//   S = Q K^T  (wgmma, both operands from 128-byte-swizzled shared memory)
+//   online softmax in exp2 on the accumulators (common/softmax.cuh: a
+//   warpgroup's m64 accumulator gives each warp the m16 row ownership of mma.sync)
+//   O += P V   (wgmma, P from registers, V from shared memory as an MN-major B)
+// Key tiles are visited from last to first, so masked tiles come first.
+// Shared tiles hold 64-column blocks (128 bytes per row, TMA's 128-byte
+// swizzle); head dims are padded to a multiple of 64 with TMA's zero fill.
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+#include "../common/block_range.cuh"
+#include "../common/softmax.cuh"
+#include "wgmma.cuh"
+#include "tma.cuh"
+#include "pipeline.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Sm90FwdTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+    static constexpr int kColBlocks = kHeadDimPad / 64;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kConsumerWGs = kBlockM / 64;
+    static constexpr int kThreads = kNWarps_ * 32;
+    static constexpr int kStages = 2;                       // launch.py mirrors this
+    static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;
+    static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+    static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
+    static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
+};
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kOverlap>
+__device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
+                                         const TmaDesc& tma_v) {
+    using Tile = Sm90FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    constexpr int kStages = Tile::kStages;
+    constexpr int kPad = Tile::kHeadDimPad;
+
+    extern __shared__ char smem_raw[];
+    const u32 sQ = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzle atoms need 1024-byte alignment
+    const u32 sK = sQ + Tile::kQBytes;
+    const u32 sV = sK + kStages * Tile::kKVBytes;
+    const u32 bars = sV + kStages * Tile::kKVBytes;
+    const u32 bar_q = bars;
+    auto bar_k_full = [&](int s) { return bars + 8 * (1 + s); };
+    auto bar_v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
+    auto bar_k_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+    auto bar_v_empty = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+
+    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_kv = head / p.heads_per_kv;
+    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(bar_q, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(bar_k_full(s), 1);
+            mbar_init(bar_v_full(s), 1);
+            mbar_init(bar_k_empty(s), Tile::kConsumerWGs * 128);
+            mbar_init(bar_v_empty(s), Tile::kConsumerWGs * 128);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // Producer warpgroup.
+        setmaxnreg_dec<Tile::kProducerRegs>();
+        if (threadIdx.x == 0 && n_block_max > 0) {
+            tma_prefetch_desc(&tma_q);
+            tma_prefetch_desc(&tma_k);
+            tma_prefetch_desc(&tma_v);
+            mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
+#pragma unroll
+            for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * 64, m_block * kBlockM, head, batch);
+            for (int i = 0; i < n_block_max; ++i) {
+                const int n_block = n_block_max - 1 - i;
+                const int stage = i % kStages;
+                const u32 parity = (i / kStages) & 1;
+                const u32 k_dst = sK + stage * Tile::kKVBytes, v_dst = sV + stage * Tile::kKVBytes;
+                mbar_wait(bar_k_empty(stage), parity ^ 1);
+                mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKVBytes);
+#pragma unroll
+                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                    tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * 64, n_block * kBlockN,
+                                head_kv, batch);
+                mbar_wait(bar_v_empty(stage), parity ^ 1);
+                mbar_arrive_expect_tx(bar_v_full(stage), Tile::kKVBytes);
+#pragma unroll
+                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                    tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64, n_block * kBlockN,
+                                head_kv, batch);
+            }
+        }
+    } else {
+        // Consumer warpgroups: 64 query rows each.
+        setmaxnreg_inc<Tile::kConsumerRegs>();
+        const int cw = wg - 1;
+        const int lane = threadIdx.x & 31;
+        const int warp = (threadIdx.x >> 5) & 3;
+        const int g = lane >> 2, t4 = lane & 3;
+        const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
+
+        float acc_o[kPad / 2];
+#pragma unroll
+        for (int i = 0; i < kPad / 2; ++i) acc_o[i] = 0.f;
+        OnlineSoftmax<1, kBlockN / 8> softmax;
+        softmax.init();
+
+        auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
+            return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
+        };
+        // S = Q K^T of one key tile (issued, not waited for).
+        auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                const u64 da = make_desc_sw128(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32,
+                                               16, 1024);
+                const u64 db = make_desc_sw128(k_src + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                WgmmaSS<Tag, kBlockN>::template run<false>(acc_s, da, db, kk > 0);
+            }
+            wgmma_commit();
+        };
+        // O += P V of one key tile (issued, not waited for).
+        auto issue_pv = [&](const u32 (&pa)[kBlockN / 16][4], u32 v_src) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                const u64 db = make_desc_sw128(v_src + kk * 16 * 128, kBlockN * 128, 1024);
+                WgmmaRS<Tag, kPad>::template run<true>(acc_o, pa[kk], db, 1);
+            }
+            wgmma_commit();
+        };
+        auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
+            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+                const int n0 = n_block * kBlockN;
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!key_visible<kIsCausal>(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1),
+                                                    p.seqlen_q, p.seqlen_k))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
+        };
+        auto rescale_o = [&](const float (&rescale)[2]) {
+#pragma unroll
+            for (int j = 0; j < kPad / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= rescale[e >> 1];
+        };
+        // P in the wgmma A-register fragment: two n8 blocks of S per k16 step.
+        auto pack_p = [&](u32 (&pa)[kBlockN / 16][4], const float (&acc_s)[kBlockN / 2]) {
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+        };
+
+        if (n_block_max > 0 && !kOverlap) {
+            mbar_wait(bar_q, 0);
+            for (int i = 0; i < n_block_max; ++i) {
+                const int n_block = n_block_max - 1 - i;
+                const int stage = i % kStages;
+                const u32 parity = (i / kStages) & 1;
+                float acc_s[kBlockN / 2];
+                mbar_wait(bar_k_full(stage), parity);
+                issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+                wgmma_wait<0>();
+                fence_operand(acc_s);
+                mbar_arrive(bar_k_empty(stage));
+                mask(acc_s, n_block);
+                float rescale[2];
+                softmax.step(s3_of(acc_s), p.scale_log2, rescale);
+                rescale_o(rescale);
+                u32 pa[kBlockN / 16][4];
+                pack_p(pa, acc_s);
+                mbar_wait(bar_v_full(stage), parity);
+                issue_pv(pa, sV + stage * Tile::kKVBytes);
+                wgmma_wait<0>();
+                fence_operand(acc_o);
+                mbar_arrive(bar_v_empty(stage));
+            }
+        }
+        if (n_block_max > 0 && kOverlap) {
+            // Intra-warpgroup overlap: the softmax of key tile i runs while the
+            // tensor cores compute O += P_{i-1} V_{i-1}.
+            mbar_wait(bar_q, 0);
+            u32 pa[kBlockN / 16][4];
+            {
+                float acc_s[kBlockN / 2];
+                mbar_wait(bar_k_full(0), 0);
+                issue_qk(acc_s, sK);
+                wgmma_wait<0>();
+                fence_operand(acc_s);
+                mbar_arrive(bar_k_empty(0));
+                mask(acc_s, n_block_max - 1);
+                float rescale[2];
+                softmax.step(s3_of(acc_s), p.scale_log2, rescale);  // acc_o is still 0: no rescale
+                pack_p(pa, acc_s);
+            }
+            for (int i = 1; i < n_block_max; ++i) {
+                const int n_block = n_block_max - 1 - i;
+                const int stage = i % kStages, prev = (i - 1) % kStages;
+                const u32 parity = (i / kStages) & 1, prev_parity = ((i - 1) / kStages) & 1;
+                float acc_s[kBlockN / 2];
+                mbar_wait(bar_k_full(stage), parity);
+                issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+                mbar_wait(bar_v_full(prev), prev_parity);
+                issue_pv(pa, sV + prev * Tile::kKVBytes);
+                wgmma_wait<1>();  // S_i is ready (groups complete in order)
+                fence_operand(acc_s);
+                mbar_arrive(bar_k_empty(stage));
+                mask(acc_s, n_block);
+                float rescale[2];
+                softmax.step(s3_of(acc_s), p.scale_log2, rescale);
+                // Pin the softmax before the wait: volatile asm keeps its order, and
+                // these consume the softmax results, so they cannot sink past the wait.
+                fence_operand(acc_s);
+                fence_operand(rescale);
+                fence_operand(softmax.row_sum);
+                wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
+                fence_operand(acc_o);
+                rescale_o(rescale);
+                pack_p(pa, acc_s);
+                mbar_arrive(bar_v_empty(prev));
+            }
+            const int last = (n_block_max - 1) % kStages;
+            mbar_wait(bar_v_full(last), ((n_block_max - 1) / kStages) & 1);
+            issue_pv(pa, sV + last * Tile::kKVBytes);
+            wgmma_wait<0>();
+            fence_operand(acc_o);
+            mbar_arrive(bar_v_empty(last));
+        }
+
+        // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
+        float inv_sum[2], lse[2];
+        softmax.finalize(inv_sum, lse);
+        u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row < p.seqlen_q) {
+                u16* o_row = gO + row * p.o_row_stride;
+#pragma unroll
+                for (int j = 0; j < kPad / 8; ++j) {
+                    const int col = 8 * j + 2 * t4;
+                    if (col < kHeadDim)
+                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<Tag>::pack2(
+                            acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+                if (p.lse != nullptr && t4 == 0)
+                    p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
+            }
+        }
+    }
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+           const __grid_constant__ TmaDesc tma_v) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p, tma_q, tma_k, tma_v);
+}
+
+// The same with the softmax of one key tile overlapping the P V product of the previous one.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_overlap_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                   const __grid_constant__ TmaDesc tma_v) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p, tma_q, tma_k, tma_v);
+}

@@ -1,0 +1,58 @@
+// Warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors, the
+// fence / commit / wait protocol, and the generated m64nNk16 wrappers.
+//
+// Accumulator layout of m64nN (f32), per thread: warp w of the warpgroup owns
+// rows 16w..16w+15; with g = lane / 4, t = lane % 4, register 4j + e holds
+// row 16w + g + 8 * (e / 2), column 8j + 2t + (e % 2) -- the mma.sync m16n8
+// C fragment repeated over N / 8 column blocks. The A-from-registers fragment
+// of m64k16 is the mma.sync m16n8k16 A fragment of the warp's 16 rows.
+#pragma once
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
+#error "kernels_cu/sm90 needs the sm_90a target (wgmma, setmaxnreg)"
+#endif
+#include "../common/numeric.cuh"
+#include "wgmma_ops.cuh"
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Matrix descriptor of a 128-byte-swizzled tile (the layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B and a 128-byte inner box): rows of 128 bytes,
+// 8-row groups of 1024 bytes, 1024-byte aligned.
+//   K-major operand (rows = M or N, 64 K-elements per row): SBO = 1024 between
+//     8-row groups, LBO unused; a k16 step inside the row adds 32 bytes.
+//   MN-major operand (rows = K, 64 MN-elements per row): SBO = 1024 between
+//     8-row groups of K, LBO = byte distance to the next 64-wide MN block.
+__device__ __forceinline__ u64 make_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    u64 desc = 0;
+    desc |= static_cast<u64>((smem_addr & 0x3FFFF) >> 4);
+    desc |= static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16;
+    desc |= static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32;
+    desc |= static_cast<u64>(1) << 62;  // layout type 1: 128-byte swizzle
+    return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulator registers
+// across an in-flight wgmma (call on every register before and after).
+template <int N>
+__device__ __forceinline__ void fence_operand(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operand(u32 (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// Register budget per thread of the calling warpgroup (a multiple of 8 in [24, 256]).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }

@@ -1,0 +1,69 @@
+"""The Hopper forward (sm90_fwd, opt-in through CUFLASH_FWD_BACKEND=sm90) against the
+float64 reference (GPU, compute capability 9.0). tests/test_fwd.py runs the whole
+forward suite on this path when the variable is set for the session."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import requires_gpu
+from test_fwd import _check
+
+pytestmark = requires_gpu
+
+
+@pytest.fixture(autouse=True, params=["sm90", "sm90_overlap"])
+def sm90_backend(request, monkeypatch):
+    import cupy
+    from cuflash import api
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("needs compute capability 9.0 (sm_90a)")
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", request.param)
+    api._fwd_plans.clear()
+    yield request.param
+    api._fwd_plans.clear()
+
+
+def test_selected(sm90_backend):
+    from cuflash import api, heuristics
+
+    import cupy
+
+    _, cfg, _ = api._fwd_plan(cupy.dtype("float16"), 128, False, cupy.cuda.Device().id)
+    assert cfg.family == heuristics.SM90_FWD_BACKENDS[sm90_backend]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq,nk", [(128, 128), (1000, 1000), (113, 203), (203, 113), (1, 239), (239, 1)])
+def test_main_head_dims(rng, dtype, causal, d, nq, nk):
+    _check(rng, dtype, 2, nq, nk, 2, 2, d, causal)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [8, 40, 96, 136, 192, 256])
+def test_other_head_dims(rng, dtype, d):
+    _check(rng, dtype, 1, 190, 257, 2, 2, d, causal=False)
+    _check(rng, dtype, 1, 257, 190, 2, 1, d, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_long(rng, causal):
+    _check(rng, "bfloat16", 1, 2049, 2049, 8, 2, 128, causal)
+
+
+def test_unaligned_strides_fall_back(rng):
+    """Row strides that are not multiples of 16 bytes cannot be TMA-loaded: the portable kernel runs."""
+    from conftest import randn
+
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference, rel_err
+
+    big = [randn(rng, (1, 100, 3, 72), "float16") for _ in range(3)]
+    q, k, v = (x[..., :64] for x in big)  # row stride 3 * 72 * 2 = 432 bytes
+    o = cuflash.forward(q, k, v)
+    cupy.cuda.get_current_stream().synchronize()
+    ref, _ = attention_reference(q, k, v)
+    assert rel_err(o, ref) <= 2e-3
