@@ -105,3 +105,25 @@ def check_out(name: str, out, shape: tuple, dtype, device_id: int) -> None:
         raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.device.id != device_id:
         raise ValueError(f"{name} is on device {out.device.id}, expected device {device_id}")
+
+
+def check_like(name: str, x, ref_name: str, ref) -> None:
+    """``x`` is a CuPy array of exactly ``ref``'s shape, dtype and device (dout, out in backward)."""
+    check_array(name, x)
+    check_same(name, x, ref_name, ref)
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
+
+
+def check_lse(lse, shape: tuple, device_id: int) -> None:
+    """The forward's log-sum-exp: a float32 CuPy array of shape (batch, heads_q, seqlen_q)."""
+    cupy = _cupy()
+    if not isinstance(lse, cupy.ndarray):
+        raise TypeError(f"lse must be a cupy.ndarray (float32, shape (batch, heads_q, seqlen_q) = {tuple(shape)}), "
+                        f"got {type(lse).__module__}.{type(lse).__name__}")
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as returned by forward(..., return_lse=True)), got {lse.dtype}")
+    if tuple(lse.shape) != tuple(shape):
+        raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {tuple(lse.shape)}")
+    if lse.device.id != device_id:
+        raise ValueError(f"lse is on device {lse.device.id} but q is on device {device_id}")

@@ -85,3 +85,127 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         *params.element_strides(out),
         b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: Optional[float] = None,
+             deterministic: bool = False, dq=None, dk=None, dv=None):
+    """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
+
+    FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
+    log-sum-exp, so the extra memory is O(batch * heads * seqlen * head_dim), never O(seqlen^2).
+
+    Args:
+        dout: gradient of the loss with respect to ``out``; shaped and typed like ``q``.
+        q, k, v: the forward's inputs (same layout and dtypes as :func:`forward`).
+        out: the forward's output.
+        lse: the forward's log-sum-exp, float32 ``(batch, heads_q, seqlen_q)``
+            (``forward(..., return_lse=True)``).
+        causal, softmax_scale: as given to the forward.
+        deterministic: bitwise reproducible results (dQ by its own kernel instead of
+            float32 atomics; slower). float32 inputs are always deterministic.
+        dq, dk, dv: optional output buffers shaped and typed like q, k, v (may be strided views).
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``. With GQA/MQA, dk and dv of a
+        KV head are the sums over the query heads that share it.
+    """
+    import cupy
+
+    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, HEAD_DIMS)
+    _checks.check_like("dout", dout, "q", q)
+    _checks.check_like("out", out, "q", q)
+    dev = q.device.id
+    _checks.check_lse(lse, (b, hq, nq), dev)
+    scale = _checks.check_scale(softmax_scale, d)
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
+    with cupy.cuda.Device(dev):
+        dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+        if b == 0:
+            return dq, dk, dv
+        if nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+            for x in (dq, dk, dv):
+                if x.size:
+                    x.fill(0)
+            return dq, dk, dv
+        if not lse.flags.c_contiguous:
+            lse = cupy.ascontiguousarray(lse)
+        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=bool(causal), scale=scale,
+                    deterministic=bool(deterministic), dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+    return dq, dk, dv
+
+
+# (dtype, head_dim, causal, deterministic, device) -> [(kernel, config, smem) or None] * 4
+# for preprocess, dkdv, dq, postprocess.
+_bwd_plans: dict = {}
+
+
+def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int):
+    key = (dtype, head_dim, causal, deterministic, device_id)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic)
+        plan = _bwd_plans[key] = tuple(
+            None if c is None else (get_kernel(c, device_id), c, smem_bytes(c))
+            for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq, cfgs.postprocess))
+    return plan
+
+
+def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
+                dims, device_id: int) -> None:
+    import cupy
+
+    b, nq, nk, hq, hkv, d = dims
+    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id)
+    delta = cupy.empty((b, hq, nq), dtype=np.float32)
+    dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32) if post is not None else None
+    p = params.pack_values(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
+        dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
+        *params.element_strides(dk), *params.element_strides(dv),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
+    kern, cfg, smem = pre
+    launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
+    kern, cfg, smem = dkdv
+    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem)
+    kern, cfg, smem = post if post is not None else dq_kernel
+    launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
+
+
+class AttentionVJP:
+    """The pullback returned by :func:`vjp`: ``dq, dk, dv = pullback(dout)``.
+
+    Holds only what the backward needs: q, k, v, out and lse (no seqlen^2 buffer).
+    """
+
+    __slots__ = ("q", "k", "v", "out", "lse", "causal", "softmax_scale", "deterministic")
+
+    def __init__(self, q, k, v, out, lse, causal, softmax_scale, deterministic):
+        self.q, self.k, self.v, self.out, self.lse = q, k, v, out, lse
+        self.causal, self.softmax_scale, self.deterministic = causal, softmax_scale, deterministic
+
+    def __call__(self, dout, *, dq=None, dk=None, dv=None):
+        return backward(dout, self.q, self.k, self.v, self.out, self.lse, causal=self.causal,
+                        softmax_scale=self.softmax_scale, deterministic=self.deterministic,
+                        dq=dq, dk=dk, dv=dv)
+
+
+def vjp(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
+        deterministic: bool = False):
+    """Forward pass plus its pullback, in the style of ``jax.vjp``.
+
+    ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)``.
+    The pullback keeps q, k, v, out and the log-sum-exp alive until it is dropped.
+    """
+    out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, bool(deterministic))

@@ -47,6 +47,10 @@ struct SimtBwdTile {
     static constexpr int kTPR = kThreads / kR;
     static constexpr int kChunks = kHeadDim / 4;
     static constexpr int kCPT = kChunks / kTPR;
+    // Shared memory: the dK/dV kernel holds K, V (rows), Q, dO (columns), P^T and dS^T,
+    // lse2 and delta; the dQ kernel Q, dO (rows), K, V (columns) and dS.
+    static constexpr int kSmemBytesDkdv = ((2 * kR + 2 * kC) * kStride + 2 * kR * kStrideW + 2 * kC) * 4;
+    static constexpr int kSmemBytesDq = ((2 * kR + 2 * kC) * kStride + kR * kStrideW) * 4;
     static_assert(kTR >= 1 && kGC * kGR == kThreads && kGR * kTR == kR && kGC * kTC == kC, "score grid");
     static_assert(kThreads % kR == 0 && kChunks % kTPR == 0 && kCPT >= 1, "output grid");
     static_assert(kThreads >= 2 * kC, "one thread per lse / delta value");

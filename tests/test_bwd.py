@@ -1,0 +1,347 @@
+"""Backward pass against the float64 reference's analytic gradients (GPU).
+
+Every test draws fresh random inputs, runs the forward for out and lse, poisons the
+gradient buffers with NaN and compares dq, dk, dv with
+cuflash.reference.attention_reference_backward in relative norm. Set CUFLASH_ERRLOG=path
+to append every measured error to a file.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import poisoned, randn, requires_gpu
+
+pytestmark = requires_gpu
+
+# Relative-norm bounds on each of dq, dk, dv (the forward's are 2e-3, 1.6e-2, 1e-5).
+BWD_TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-5}
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def grad_err(x, ref, floor: float) -> float:
+    """||x - ref|| / max(||ref||, floor); inf if x has a NaN or inf.
+
+    ``floor`` (a small fraction of the gradients' natural size) keeps the measure meaningful
+    where the exact gradient is ~0, e.g. dq and dk when every query sees a single key.
+    """
+    x = x.get().astype(np.float64) if hasattr(x, "get") else np.asarray(x, np.float64)
+    if not np.all(np.isfinite(x)):
+        return math.inf
+    num = np.linalg.norm((x - ref).ravel())
+    den = max(np.linalg.norm(ref.ravel()), floor)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return float(num / den)
+
+
+def _log(line: str) -> None:
+    path = os.environ.get("CUFLASH_ERRLOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def check_bwd(rng, dtype, b, nq, nk, hq, hkv, d, causal, *, deterministic=False, scale=None, tol=None,
+              inputs=None, bufs=None, label=""):
+    """Run forward + backward and compare with the reference; returns (dq, dk, dv, errors)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_backward
+
+    if inputs is None:
+        q = randn(rng, (b, nq, hq, d), dtype)
+        k = randn(rng, (b, nk, hkv, d), dtype)
+        v = randn(rng, (b, nk, hkv, d), dtype)
+        dout = randn(rng, (b, nq, hq, d), dtype)
+    else:
+        q, k, v, dout = inputs
+    out, lse = cuflash.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    if bufs is None:
+        bufs = (poisoned(q.shape, dtype), poisoned(k.shape, dtype), poisoned(v.shape, dtype))
+    dq, dk, dv = cuflash.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                  deterministic=deterministic, dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    assert dq is bufs[0] and dk is bufs[1] and dv is bufs[2]
+    cupy.cuda.get_current_stream().synchronize()
+    ref = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    floor = 1e-3 * max(np.linalg.norm(r.ravel()) * math.sqrt(x.size / r.size) for r, x in zip(ref, (dq, dk, dv))
+                       if r.size)
+    errs = [grad_err(x, r, floor) for x, r in zip((dq, dk, dv), ref)]
+    tol = BWD_TOL[dtype] if tol is None else tol
+    _log(f"{label or 'bwd'} {dtype} b={b} nq={nq} nk={nk} hq={hq} hkv={hkv} d={d} causal={causal} "
+         f"det={deterministic} scale={scale} | dq {errs[0]:.3e} dk {errs[1]:.3e} dv {errs[2]:.3e}")
+    names = ("dq", "dk", "dv")
+    bad = [f"{n} {e:.3e}" for n, e in zip(names, errs) if not e <= tol]
+    assert not bad, f"rel err > {tol:.1e}: {', '.join(bad)} (all: {[f'{e:.2e}' for e in errs]})"
+    return dq, dk, dv, errs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 17, 128, 1000])
+def test_seqlens(rng, dtype, causal, seqlen):
+    check_bwd(rng, dtype, 2, seqlen, seqlen, 3, 3, 64, causal, label="seqlens")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long(rng, dtype, causal):
+    check_bwd(rng, dtype, 1, 4097, 4097, 1, 1, 128 if dtype != "float32" else 64, causal, label="long")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(113, 203), (203, 113), (1, 239), (239, 1), (799, 3), (64, 1000)])
+def test_unequal_lengths(rng, dtype, causal, nq, nk):
+    check_bwd(rng, dtype, 1, nq, nk, 2, 2, 64, causal, label="unequal")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 8, 40, 72, 136, 200])
+def test_head_dims(rng, dtype, head_dim):
+    check_bwd(rng, dtype, 1, 190, 257, 2, 2, head_dim, False, label="head_dims")
+    check_bwd(rng, dtype, 1, 257, 190, 2, 1, head_dim, True, label="head_dims")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40, 136])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode(rng, dtype, head_dim, causal):
+    """The dQ-kernel path (no atomics) against the reference, GQA included."""
+    check_bwd(rng, dtype, 2, 211, 300, 4, 2, head_dim, causal, deterministic=True, label="det")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gqa_mqa(rng, dtype, hq, hkv, causal, deterministic):
+    check_bwd(rng, dtype, 2, 300, 333, hq, hkv, 64, causal, deterministic=deterministic, label="gqa")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_custom_scale(rng, dtype):
+    check_bwd(rng, dtype, 1, 100, 130, 2, 2, 64, False, scale=0.3, label="scale")
+    check_bwd(rng, dtype, 1, 130, 100, 2, 1, 96, True, scale=0.05, label="scale")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_strided_views(rng, dtype, deterministic):
+    """Inputs as views into packed buffers, gradients written into views of a poisoned buffer."""
+    import cupy
+
+    b, n, h, d = 2, 150, 4, 64
+    qkv = randn(rng, (b, n, 3, h, d), dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    dout = randn(rng, (b, n, 2 * h, d), dtype)[:, :, 1::2]
+    assert not q.flags.c_contiguous and not dout.flags.c_contiguous
+    big = poisoned((b, n, 4, h, d), dtype)
+    check_bwd(rng, dtype, b, n, n, h, h, d, True, deterministic=deterministic, inputs=(q, k, v, dout),
+              bufs=(big[:, :, 0], big[:, :, 2], big[:, :, 3]), label="strided")
+    assert bool(cupy.isnan(big[:, :, 1].astype(cupy.float32)).all()), "wrote outside the gradient views"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_non_default_stream(rng, dtype):
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        check_bwd(rng, dtype, 1, 257, 300, 2, 1, 64, True, label="stream")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fully_masked_rows(rng, dtype, deterministic):
+    """Causal with seqlen_q > seqlen_k: the first rows see no key -> their dq is exactly 0, no NaN."""
+    import cupy
+
+    dq, dk, dv, _ = check_bwd(rng, dtype, 1, 300, 100, 2, 2, 64, True, deterministic=deterministic,
+                              label="masked")
+    for x in (dq, dk, dv):
+        assert not bool(cupy.isnan(x.astype(cupy.float32)).any())
+    assert bool((dq[:, :200] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_sequences(dtype):
+    import cupy
+    import cuflash
+    from conftest import dtype_of
+
+    dt = dtype_of(dtype)
+    q = cupy.ones((2, 0, 2, 64), dtype=dt)
+    k = cupy.ones((2, 5, 1, 64), dtype=dt)
+    lse = cupy.zeros((2, 2, 0), dtype=cupy.float32)
+    dq, dk, dv = cuflash.backward(q, q, k, k, q, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert bool((dk == 0).all()) and bool((dv == 0).all())
+    q = cupy.ones((2, 7, 2, 64), dtype=dt)
+    k = cupy.ones((2, 0, 1, 64), dtype=dt)
+    lse = cupy.full((2, 2, 7), -cupy.inf, dtype=cupy.float32)
+    dq, dk, dv = cuflash.backward(q, q, k, k, q, lse)
+    assert bool((dq == 0).all()) and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_vjp(rng, dtype, causal):
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference, attention_reference_backward, rel_err
+
+    q = randn(rng, (2, 177, 4, 64), dtype)
+    k = randn(rng, (2, 201, 2, 64), dtype)
+    v = randn(rng, (2, 201, 2, 64), dtype)
+    dout = randn(rng, q.shape, dtype)
+    out, pullback = cuflash.vjp(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert set(pullback.__slots__) >= {"q", "k", "v", "out", "lse"}
+    assert not hasattr(pullback, "__dict__"), "the pullback keeps only what the backward needs"
+    assert pullback.lse.shape == (2, 4, 177) and pullback.lse.dtype == np.float32
+    dq, dk, dv = pullback(dout)
+    cupy.cuda.get_current_stream().synchronize()
+    ref_out, _ = attention_reference(q, k, v, causal=causal)
+    assert rel_err(out, ref_out) <= 2e-2
+    for x, r in zip((dq, dk, dv), attention_reference_backward(dout, q, k, v, causal=causal)):
+        assert rel_err(x, r) <= BWD_TOL[dtype]
+
+
+def test_finite_differences_float32(rng):
+    """d/dx sum(dout * forward(q, k, v)) by central differences in float32 on a tiny shape."""
+    import cupy
+    import cuflash
+
+    b, nq, nk, hq, hkv, d = 1, 5, 7, 2, 1, 8
+    q = randn(rng, (b, nq, hq, d), "float32")
+    k = randn(rng, (b, nk, hkv, d), "float32")
+    v = randn(rng, (b, nk, hkv, d), "float32")
+    dout = randn(rng, (b, nq, hq, d), "float32")
+    dout_h = dout.get().astype(np.float64)
+    for causal in (False, True):
+        out, pullback = cuflash.vjp(q, k, v, causal=causal)
+        grads = [g.get().astype(np.float64) for g in pullback(dout)]
+
+        def loss(qq, kk, vv):
+            o = cuflash.forward(qq, kk, vv, causal=causal)
+            return float((o.get().astype(np.float64) * dout_h).sum())
+
+        for which, x in enumerate((q, k, v)):
+            host = x.get()
+            num = np.zeros(host.shape)
+            for idx in np.ndindex(host.shape):
+                plus, minus = host.copy(), host.copy()
+                plus[idx] += np.float32(1e-2)
+                minus[idx] -= np.float32(1e-2)
+                h = float(plus[idx]) - float(minus[idx])  # the step as represented in float32
+                args_p = [q, k, v]
+                args_m = [q, k, v]
+                args_p[which] = cupy.asarray(plus)
+                args_m[which] = cupy.asarray(minus)
+                num[idx] = (loss(*args_p) - loss(*args_m)) / h
+            err = np.linalg.norm((grads[which] - num).ravel()) / np.linalg.norm(num.ravel())
+            _log(f"fd causal={causal} {'qkv'[which]} rel err {err:.3e}")
+            assert err <= 2e-3, f"d{'qkv'[which]} (causal={causal}): finite-difference rel err {err:.3e}"
+
+
+def test_peak_memory_is_linear_at_32k(rng):
+    """seqlen 32k: the backward's extra memory is O(seqlen * head_dim), far from seqlen^2."""
+    import cupy
+    import cuflash
+
+    b, n, h, d = 1, 32768, 2, 64
+    q, k, v, dout = (randn(rng, (b, n, h, d), "float16") for _ in range(4))
+    out, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
+    cupy.cuda.get_current_stream().synchronize()
+    pool = cupy.get_default_memory_pool()
+    for det in (False, True):
+        pool.free_all_blocks()
+        before = pool.total_bytes()
+        cuflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=det, dq=dq, dk=dk, dv=dv)
+        cupy.cuda.get_current_stream().synchronize()
+        extra = pool.total_bytes() - before  # freed blocks stay cached: an upper bound of the peak
+        linear = b * n * h * d * 4            # one float32 (batch, seqlen, heads, head_dim) tensor
+        _log(f"memory n={n} det={det}: extra {extra / 2**20:.1f} MiB (float32 q-sized tensor "
+             f"{linear / 2**20:.1f} MiB, seqlen^2 fp16 {n * n * 2 / 2**30:.1f} GiB)")
+        assert extra <= 2 * linear, f"extra memory {extra} bytes > 2 float32 q-sized tensors"
+    assert bool(cupy.isfinite(dq.astype(cupy.float32)).all())
+
+
+# ---- argument errors: raised before any kernel runs ----
+
+def _no_launch(monkeypatch):
+    import cuflash.api as api
+
+    def fail(*a, **k):
+        raise AssertionError("a kernel was launched before the arguments were rejected")
+
+    monkeypatch.setattr(api, "_launch_bwd", fail)
+
+
+def _good(dtype="float16", b=1, nq=9, nk=11, hq=4, hkv=2, d=64):
+    import cupy
+    from conftest import dtype_of
+
+    dt = dtype_of(dtype)
+    q = cupy.ones((b, nq, hq, d), dtype=dt)
+    k = cupy.ones((b, nk, hkv, d), dtype=dt)
+    lse = cupy.zeros((b, hq, nq), dtype=cupy.float32)
+    return dict(dout=q.copy(), q=q, k=k, v=k.copy(), out=q.copy(), lse=lse)
+
+
+def _call(a, **kw):
+    import cuflash
+
+    return cuflash.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], **kw)
+
+
+@pytest.mark.parametrize("field,make,exc,match", [
+    ("dout", lambda a, cp: a["dout"][:, :5], ValueError, "dout must have the shape of q"),
+    ("dout", lambda a, cp: a["dout"].astype(cp.float32), TypeError, "dout must have the dtype of q"),
+    ("dout", lambda a, cp: a["dout"].get(), TypeError, "dout must be a cupy.ndarray"),
+    ("out", lambda a, cp: a["out"][:, :, :2], ValueError, "out must have the shape of q"),
+    ("out", lambda a, cp: a["out"].astype(cp.float32), TypeError, "out must have the dtype of q"),
+    ("lse", lambda a, cp: a["lse"].astype(cp.float16), TypeError, "lse must be float32"),
+    ("lse", lambda a, cp: a["lse"].astype(cp.float64), TypeError, "lse must be float32"),
+    ("lse", lambda a, cp: a["lse"][:, :2], ValueError, r"lse must have shape \(batch, heads_q, seqlen_q\)"),
+    ("lse", lambda a, cp: a["lse"].transpose(0, 2, 1), ValueError, "lse must have shape"),
+    ("lse", lambda a, cp: a["lse"].get(), TypeError, "lse must be a cupy.ndarray"),
+    ("lse", lambda a, cp: None, TypeError, "lse must be a cupy.ndarray"),
+    ("k", lambda a, cp: a["k"][:, :, :1], ValueError, "same shape"),
+    ("v", lambda a, cp: a["v"].astype(cp.float32), TypeError, "v must have the dtype of q"),
+    ("q", lambda a, cp: a["q"][:, :, :3], ValueError, "multiple of heads_kv"),
+])
+def test_argument_errors(monkeypatch, field, make, exc, match):
+    import cupy
+
+    _no_launch(monkeypatch)
+    a = _good()
+    a[field] = make(a, cupy)
+    with pytest.raises(exc, match=match):
+        _call(a)
+
+
+@pytest.mark.parametrize("name,shape_of,dtype,exc,match", [
+    ("dq", "k", None, ValueError, "dq must have shape"),
+    ("dk", "q", None, ValueError, "dk must have shape"),
+    ("dv", "v", "float32", TypeError, "dv must have dtype"),
+])
+def test_output_buffer_errors(monkeypatch, name, shape_of, dtype, exc, match):
+    import cupy
+
+    _no_launch(monkeypatch)
+    a = _good()
+    buf = cupy.empty(a[shape_of].shape, dtype=dtype or a["q"].dtype)
+    with pytest.raises(exc, match=match):
+        _call(a, **{name: buf})
+
+
+def test_bad_scale_is_rejected(monkeypatch):
+    _no_launch(monkeypatch)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        _call(_good(), softmax_scale=-1.0)

@@ -1,0 +1,114 @@
+"""CPU-only: every backward kernel instantiation compiles with NVRTC for sm_80 and sm_90a
+(and the small-shared-memory tiles for sm_86) without register spills, and the Python
+shared-memory sizes agree with the kernels' own."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuflash import heuristics, launch
+from cuflash.compile import compile_offline, load_source
+
+from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
+
+SMEM_LIMIT = {"large": 166912, "small": 101376}  # opt-in bytes per block: sm_80 (A100), sm_86/89
+
+
+def _assert_no_spills(log: str, what: str) -> None:
+    frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
+    assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
+
+
+def _configs(cc: str) -> list:
+    if cc == "86":  # only the tiles the small-shared-memory table adds
+        large = {c.key() for c in heuristics.all_bwd_configs(80)}
+        return [c for c in heuristics.all_bwd_configs(86) if c.key() not in large]
+    return heuristics.all_bwd_configs(90 if cc.startswith("90") else int(cc))
+
+
+GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dq", "simt_bwd", "bwd_pre_post"]
+
+
+def _in_group(cfg, group: str) -> bool:
+    if group == "bwd_pre_post":
+        return cfg.family in ("bwd_preprocess", "bwd_postprocess")
+    if group == "simt_bwd":
+        return cfg.family.startswith("simt_bwd")
+    return cfg.family == group
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("cc", ["80", "90a", "86"])
+def test_bwd_instantiations_compile_without_spills(cc, group):
+    configs = [c for c in _configs(cc) if _in_group(c, group)]
+    if cc != "86":
+        assert configs, f"no {group} configs"
+    failures = []
+    for cfg in configs:
+        try:
+            _, log = compile_offline(cfg, cc)
+            _assert_no_spills(log, f"{cfg.key()} sm_{cc}")
+        except (AssertionError, RuntimeError) as e:
+            failures.append(str(e)[:2000])
+    assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+
+
+def test_every_head_dim_maps_to_a_compiled_bucket():
+    compiled = {c.key() for c in heuristics.all_bwd_configs(90)}
+    for dtype in ("float16", "bfloat16", "float32"):
+        for d in range(8, heuristics.MAX_HEAD_DIM + 1, 8):
+            for causal in (False, True):
+                for det in (False, True):
+                    for cfg in heuristics.bwd_configs(dtype, d, causal, 90, det).all():
+                        assert cfg.key() in compiled, cfg.key()
+
+
+def test_name_expressions_are_unique():
+    configs = heuristics.all_bwd_configs(90) + heuristics.all_bwd_configs(86)
+    by_key = {c.key(): c.name_expression() for c in configs}
+    assert len(set(by_key.values())) == len(by_key)
+
+
+def test_deterministic_mode_uses_no_atomic_kernel():
+    for dtype in ("float16", "bfloat16", "float32"):
+        cfgs = heuristics.bwd_configs(dtype, 128, True, 90, deterministic=True)
+        assert cfgs.postprocess is None and cfgs.dq is not None
+        assert cfgs.dkdv.family != "sm80_bwd_dkdv_dq"
+
+
+def _tile_expr(cfg) -> str | None:
+    d, bm, bn, w = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
+    return {
+        "sm80_bwd_dkdv": f"BwdDkdvTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
+        "sm80_bwd_dkdv_dq": f"BwdDkdvTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
+        "sm80_bwd_dq": f"BwdDqTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
+        "simt_bwd_dkdv": f"SimtBwdTile<{d}, {bn}, {bm}, {w}>::kSmemBytesDkdv",
+        "simt_bwd_dq": f"SimtBwdTile<{d}, {bm}, {bn}, {w}>::kSmemBytesDq",
+    }.get(cfg.family)
+
+
+@pytest.mark.parametrize("source", ["sm80/bwd.cu", "simt/bwd.cu"])
+def test_python_smem_sizes_match_the_kernels(source):
+    """launch.SMEM_BYTES mirrors each tile's shared-memory size (static_asserts, one compile),
+    and every tile fits the opt-in limit of the devices its table is for."""
+    checks = []
+    for size, cc in (("large", 80), ("small", 86)):
+        for cfg in heuristics.all_bwd_configs(cc):
+            expr = _tile_expr(cfg)
+            if expr is None or cfg.source != source:
+                continue
+            nbytes = launch.SMEM_BYTES[cfg.family](cfg)
+            assert nbytes <= SMEM_LIMIT[size], f"{cfg.key()} needs {nbytes} bytes ({size} table)"
+            checks.append(f'static_assert({expr} == {nbytes}, "{cfg.key()}");')
+    assert checks
+    src = load_source(source) + "\n" + "\n".join(checks) + "\n"
+    prog = nvrtc.createProgram(src, "smem_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_80", "-std=c++17"])
+    except nvrtc.NVRTCError as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)
