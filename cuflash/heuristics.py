@@ -13,14 +13,16 @@ TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
-_SM80_FWD = {
-    32: (128, 64, 4),
-    64: (128, 64, 4),
+_SM80_FWD = {  # measured on an H100 (scripts/tune_fwd.py), 2026-11-23
+    32: (128, 128, 4),
+    64: (128, 128, 4),
     96: (128, 32, 4),
     128: (128, 32, 4),
     192: (64, 32, 4),
     256: (64, 32, 4),
 }
+# Causal tiles where they differ: the diagonal favours wider key tiles at D=128.
+_SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 
 # sm90_fwd (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n, num_warps);
 # num_warps = 4 * (1 producer + block_m / 64 consumer warpgroups).
@@ -79,7 +81,8 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
-    block_m, block_n, warps = _override("CUFLASH_SM80_FWD_TILES") or _SM80_FWD[bucket]
+    block_m, block_n, warps = (_override("CUFLASH_SM80_FWD_TILES")
+                               or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket])
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
 
 

@@ -39,9 +39,11 @@ struct OnlineSoftmax {
 
     // Turn raw scores s into probabilities in place (relative to the new
     // running max) and return, per row, the factor by which the output
-    // accumulator must be rescaled.
-    __device__ __forceinline__ void step(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+    // accumulator must be rescaled. Returns whether any of this thread's rows
+    // changed its max (otherwise every factor is exactly 1).
+    __device__ __forceinline__ bool step(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                          float (&rescale)[kRows]) {
+        bool changed = false;
 #pragma unroll
         for (int t = 0; t < kMTiles; ++t) {
 #pragma unroll
@@ -56,6 +58,7 @@ struct OnlineSoftmax {
                 // the reference so that exp2(-inf - ref) = 0 rather than NaN.
                 const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
                 rescale[r] = exp2f(row_max[r] - ref);
+                changed |= new_max != row_max[r];
                 row_max[r] = new_max;
                 float sum = 0.f;
 #pragma unroll
@@ -70,6 +73,7 @@ struct OnlineSoftmax {
                 row_sum[r] = row_sum[r] * rescale[r] + sum;
             }
         }
+        return changed;
     }
 
     // Final normaliser per row (1 / sum, 0 for a row with no visible key) and

@@ -23,8 +23,13 @@ struct FwdTile {
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);        // 16-row slices per warp
-    static constexpr int kNTilesS = kBlockN / 8;                   // n8 tiles of S
     static constexpr int kNTilesO = kHeadDimPad / 8;               // n8 tiles of O
+    // S is computed kSubN keys at a time: a stage of kBlockN keys costs one pair
+    // of barriers, while the S and O accumulators together stay within about
+    // 176 registers per thread (the rest of the 255 go to fragments and indices).
+    static constexpr int kSubN =
+        kMTiles * 4 * (kBlockN / 8 + kNTilesO) <= 176 || kBlockN <= 32 ? kBlockN : kBlockN / 2;
+    static constexpr int kNTilesS = kSubN / 8;                     // n8 tiles of one S sub-tile
     // One 16-byte pad per row: 8 consecutive rows then start in different
     // banks, so ldmatrix and the fragment stores are conflict-free.
     static constexpr int kSmemStride = kHeadDimPad + 8;
@@ -32,6 +37,7 @@ struct FwdTile {
     static constexpr int kSmemElems = (kBlockM + 2 * kStages * kBlockN) * kSmemStride;
     static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+    static_assert(kSubN % 16 == 0, "S sub-tiles must be a multiple of 16 keys");
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
@@ -112,68 +118,76 @@ fwd_kernel(const FwdParams p) {
             cp_async_wait<1>();
             __syncthreads();  // tile n (and Q) landed for every thread's copies
 
-            // S = Q K_n^T
-            float acc_s[kMTiles][Tile::kNTilesS][4];
-#pragma unroll
-            for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-                for (int n = 0; n < Tile::kNTilesS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < Tile::kHeadDimPad / 16; ++kk) {
-                u32 a[kMTiles][4];
-#pragma unroll
-                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sK, nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMTiles; ++t) {
-                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+            const bool tile_needs_mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll 1
+            for (int sub = 0; sub < kBlockN / Tile::kSubN; ++sub) {
+                // S = Q K_n^T over keys [sub * kSubN, (sub + 1) * kSubN) of the stage
+                float acc_s[kMTiles][Tile::kNTilesS][4];
+    #pragma unroll
+                for (int t = 0; t < kMTiles; ++t)
+    #pragma unroll
+                    for (int n = 0; n < Tile::kNTilesS; ++n)
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+    #pragma unroll
+                for (int kk = 0; kk < Tile::kHeadDimPad / 16; ++kk) {
+                    u32 a[kMTiles][4];
+    #pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
+    #pragma unroll
+                    for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
+                        u32 b[4];
+                        load_b_frag_nk<kStride>(b, sK, sub * Tile::kSubN + nn * 16, kk * 16, lane);
+    #pragma unroll
+                        for (int t = 0; t < kMTiles; ++t) {
+                            Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
+                            Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+                        }
                     }
                 }
-            }
 
-            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
-#pragma unroll
-                for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-                    for (int n = 0; n < Tile::kNTilesS; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
-                            const int col = n0 + n * 8 + 2 * t4 + (e & 1);
-                            if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k))
-                                acc_s[t][n][e] = -CUFLASH_INF;
+                if (tile_needs_mask) {
+    #pragma unroll
+                    for (int t = 0; t < kMTiles; ++t)
+    #pragma unroll
+                        for (int n = 0; n < Tile::kNTilesS; ++n)
+    #pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                                const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
+                                if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k))
+                                    acc_s[t][n][e] = -CUFLASH_INF;
+                            }
+                }
+
+                float rescale[2 * kMTiles];
+                // Once the running maxima settle, most tiles leave them unchanged: skip
+                // the accumulator rescale (a multiply per output element) when no row
+                // of the warp moved.
+                if (__any_sync(0xffffffff, softmax.step(acc_s, p.scale_log2, rescale))) {
+    #pragma unroll
+                    for (int t = 0; t < kMTiles; ++t)
+    #pragma unroll
+                        for (int n = 0; n < Tile::kNTilesO; ++n)
+    #pragma unroll
+                            for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
+                }
+
+                // O += P V_n, P taken from the S accumulators.
+    #pragma unroll
+                for (int kk = 0; kk < Tile::kNTilesS / 2; ++kk) {
+                    u32 a[kMTiles][4];
+    #pragma unroll
+                    for (int t = 0; t < kMTiles; ++t) pack_a_from_acc<Tag>(a[t], acc_s[t][2 * kk], acc_s[t][2 * kk + 1]);
+    #pragma unroll
+                    for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
+                        u32 b[4];
+                        load_b_frag_kn<kStride>(b, sV, sub * Tile::kSubN + kk * 16, nn * 16, lane);
+    #pragma unroll
+                        for (int t = 0; t < kMTiles; ++t) {
+                            Mma::run(acc_o[t][2 * nn], a[t], b[0], b[1]);
+                            Mma::run(acc_o[t][2 * nn + 1], a[t], b[2], b[3]);
                         }
-            }
-
-            float rescale[2 * kMTiles];
-            softmax.step(acc_s, p.scale_log2, rescale);
-#pragma unroll
-            for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-                for (int n = 0; n < Tile::kNTilesO; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
-
-            // O += P V_n, P taken from the S accumulators.
-#pragma unroll
-            for (int kk = 0; kk < Tile::kNTilesS / 2; ++kk) {
-                u32 a[kMTiles][4];
-#pragma unroll
-                for (int t = 0; t < kMTiles; ++t) pack_a_from_acc<Tag>(a[t], acc_s[t][2 * kk], acc_s[t][2 * kk + 1]);
-#pragma unroll
-                for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_kn<kStride>(b, sV, kk * 16, nn * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMTiles; ++t) {
-                        Mma::run(acc_o[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_o[t][2 * nn + 1], a[t], b[2], b[3]);
                     }
                 }
             }
