@@ -37,12 +37,13 @@ def self_check(device_id: int) -> list[tuple[str, float, float]]:
     import cupy
     import numpy as np
 
-    from . import forward
+    from . import backward, forward
     from ._checks import BFLOAT16
-    from .reference import attention_reference, rel_err
+    from .reference import attention_reference, attention_reference_backward, rel_err
 
     rng = np.random.default_rng()
     bounds = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+    bwd_bounds = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-5}
     dts = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}
     rows = []
     for dtype in ("float16", "bfloat16", "float32"):
@@ -50,46 +51,92 @@ def self_check(device_id: int) -> list[tuple[str, float, float]]:
             q = cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(dts[dtype]))
             k = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(dts[dtype]))
             v = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(dts[dtype]))
-            out = forward(q, k, v, causal=causal)
-            err = rel_err(out, attention_reference(q, k, v, causal=causal)[0])
-            rows.append((f"fwd {dtype} Nq={nq} Nk={nk} Hq={hq} Hkv={hkv} D={d}{' causal' if causal else ''}",
-                         err, bounds[dtype]))
+            out, lse = forward(q, k, v, causal=causal, return_lse=True)
+            label = f"{dtype} Nq={nq} Nk={nk} Hq={hq} Hkv={hkv} D={d}{' causal' if causal else ''}"
+            rows.append((f"fwd {label}", rel_err(out, attention_reference(q, k, v, causal=causal)[0]),
+                         bounds[dtype]))
+            dout = cupy.asarray(rng.standard_normal(q.shape).astype(dts[dtype]))
+            grads = backward(dout, q, k, v, out, lse, causal=causal)
+            refs = attention_reference_backward(dout, q, k, v, causal=causal)
+            err = max(rel_err(g, r) for g, r in zip(grads, refs))
+            rows.append((f"bwd {label}", err, bwd_bounds[dtype]))
     return rows
 
 
-def benchmark(shapes, repeats: int) -> list[dict]:
+def _time_torch(shape, backend: str, repeats: int) -> dict:
+    """SDPA forward, backward and forward+backward TFLOP/s for one backend (missing if it cannot run)."""
+    from .bench import tflops, time_cuda, torch_inputs, torch_sdpa
+
+    fn = torch_sdpa(backend)
+    if fn is None:
+        return {}
+    import torch
+
+    flops = shape.fwd_flops()
+    res = {}
+    try:
+        q, k, v = torch_inputs(shape, requires_grad=True)
+        res["fwd"] = tflops(flops, time_cuda(lambda: fn(q, k, v, shape.causal), repeats=repeats))
+        dout = torch.randn_like(q)
+        o = fn(q, k, v, shape.causal)
+        res["bwd"] = tflops(2.5 * flops, time_cuda(
+            lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True), repeats=repeats))
+        res["fwd+bwd"] = tflops(3.5 * flops, time_cuda(
+            lambda: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), dout), repeats=repeats))
+    except RuntimeError as e:  # the backend does not run this shape
+        res["error"] = str(e).splitlines()[0][:120]
+    return res
+
+
+def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
+    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s."""
     import cupy
 
-    from . import forward
-    from .bench import cupy_naive_fwd, random_inputs, tflops, time_cuda, torch_inputs, torch_sdpa
+    from . import backward as cf_backward, forward
+    from .bench import cupy_naive_fwd, random_inputs, tflops, time_cuda
 
     results = []
     for shape in shapes:
-        row = {"shape": shape.label(), "pass": "fwd"}
+        flops = shape.fwd_flops()
+        rows = {p: {"shape": shape.label(), "pass": p} for p in (("fwd", "bwd", "fwd+bwd") if backward else ("fwd",))}
         q, k, v = random_inputs(shape)
         out = cupy.empty_like(q)
-        flops = shape.fwd_flops()
-        ms = time_cuda(lambda: forward(q, k, v, causal=shape.causal, out=out), repeats=repeats)
-        row["cuflash"] = tflops(flops, ms)
+        rows["fwd"]["cuflash"] = tflops(flops, time_cuda(
+            lambda: forward(q, k, v, causal=shape.causal, out=out), repeats=repeats))
         try:
-            ms = time_cuda(lambda: cupy_naive_fwd(q, k, v, shape.causal), repeats=max(3, repeats // 5))
-            row["cupy"] = tflops(flops, ms)
+            rows["fwd"]["cupy"] = tflops(flops, time_cuda(
+                lambda: cupy_naive_fwd(q, k, v, shape.causal), repeats=max(3, repeats // 5)))
         except cupy.cuda.memory.OutOfMemoryError:
-            row["cupy"] = None
-        del q, k, v, out
-        for backend in ("flash", "cudnn"):
-            fn = torch_sdpa(backend)
-            if fn is None:
-                continue
-            try:
-                tq, tk, tv = torch_inputs(shape)
-                ms = time_cuda(lambda: fn(tq, tk, tv, shape.causal), repeats=repeats)
-                row[f"sdpa_{backend}"] = tflops(flops, ms)
-            except RuntimeError as e:  # backend does not support this shape
-                row[f"sdpa_{backend}"] = None
-                row[f"sdpa_{backend}_error"] = str(e).splitlines()[0][:120]
-        results.append(row)
+            rows["fwd"]["cupy"] = None
         cupy.get_default_memory_pool().free_all_blocks()
+        if backward:
+            o, lse = forward(q, k, v, causal=shape.causal, return_lse=True)
+            dout = random_inputs(shape, seed=1)[0]
+            grads = [cupy.empty_like(x) for x in (q, k, v)]
+            rows["bwd"]["cuflash"] = tflops(2.5 * flops, time_cuda(
+                lambda: cf_backward(dout, q, k, v, o, lse, causal=shape.causal,
+                                    dq=grads[0], dk=grads[1], dv=grads[2]), repeats=repeats))
+
+            def fwd_bwd():
+                o2, lse2 = forward(q, k, v, causal=shape.causal, return_lse=True, out=out)
+                cf_backward(dout, q, k, v, o2, lse2, causal=shape.causal, dq=grads[0], dk=grads[1], dv=grads[2])
+
+            rows["fwd+bwd"]["cuflash"] = tflops(3.5 * flops, time_cuda(fwd_bwd, repeats=repeats))
+            del o, lse, dout, grads
+        del q, k, v, out
+        cupy.get_default_memory_pool().free_all_blocks()
+        for backend in ("flash", "cudnn"):
+            res = _time_torch(shape, backend, repeats)
+            for p, row in rows.items():
+                if res:
+                    row[f"sdpa_{backend}"] = res.get(p)
+        results.extend(rows.values())
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except ImportError:
+            pass
     return results
 
 
@@ -134,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-bench", action="store_true", help="self-check only")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    ap.add_argument("--forward-only", action="store_true", help="skip the backward and forward+backward rows")
     args = ap.parse_args(argv)
 
     import cupy
@@ -167,6 +215,10 @@ def main(argv=None) -> int:
     needed = {heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc) for s in shapes}
     needed |= {heuristics.fwd_config(dt, d, c, cc) for dt in ("float16", "bfloat16", "float32")
                for d in (64, 128) for c in (False, True)}
+    if not args.forward_only:
+        needed |= {cfg for s in shapes for cfg in heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc).all()}
+    needed |= {cfg for dt in ("float16", "bfloat16", "float32") for d in (64, 128) for c in (False, True)
+               for cfg in heuristics.bwd_configs(dt, d, c, cc).all()}
     t0 = time.time()
     dispatch.precompile(sorted(needed, key=lambda c: c.key()), dev.id, _progress)
     print(f"  {len(needed)} kernels ready in {time.time() - t0:.1f} s (CuPy's kernel cache keeps them)")
@@ -176,13 +228,13 @@ def main(argv=None) -> int:
     for label, err, bound in self_check(dev.id):
         good = err <= bound
         ok &= good
-        print(f"  {'ok  ' if good else 'FAIL'} {label:<58} rel err {err:.2e} (bound {bound:.0e})")
+        print(f"  {'ok  ' if good else 'FAIL'} {label:<58} rel err {err:.2e} (bound {bound:.0e})", flush=True)
     if not ok:
         print("self-check FAILED")
         return 1
     if args.no_bench:
         return 0
-    results = benchmark(shapes, args.repeats)
+    results = benchmark(shapes, args.repeats, backward=not args.forward_only)
     print_table(results)
     if args.markdown:
         print(markdown_table(results))
