@@ -40,12 +40,12 @@ SM90_FWD_BACKENDS = {"sm90": "sm90_fwd", "sm90_overlap": "sm90_fwd_overlap"}
 
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
-    32: (128, 64, 8),
-    64: (128, 32, 8),
-    96: (64, 32, 8),
-    128: (64, 32, 8),
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (64, 32, 4),
+    128: (64, 32, 4),
     192: (64, 32, 8),
-    256: (64, 32, 8),
+    256: (64, 32, 4),
 }
 
 

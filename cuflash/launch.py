@@ -17,9 +17,14 @@ def _sm80_fwd_smem(c: KernelConfig) -> int:
 
 
 def _simt_fwd_smem(c: KernelConfig) -> int:
-    stride = c.head_dim + 4      # SimtFwdTile::kStride: float Q/K/V rows, one 16-byte pad
-    p_stride = c.block_n + 8     # SimtFwdTile::kPStride: float P rows
-    return ((c.block_m + 2 * c.block_n) * stride + c.block_m * p_stride) * 4
+    # SimtFwdTile::kSmemFloats (kernels_cu/simt/fwd.cu): Q, K, V tiles as float rows with one
+    # 16-byte pad, the P tile, and two softmax statistics per (thread, query row).
+    d = c.head_dim
+    nx_pref = 8 if d >= 32 else (4 if d >= 16 else 2)
+    nx = max(nx_pref, c.threads // c.block_m, 1)  # SimtFwdTile::kNX
+    stride = d + 4                 # kStride
+    p_stride = c.block_n + 8       # kPStride
+    return ((c.block_m + 2 * c.block_n) * stride + c.block_m * p_stride + 2 * c.block_m * nx) * 4
 
 
 def _sm80_bwd_dkdv_smem(c: KernelConfig) -> int:

@@ -17,7 +17,21 @@
 //     kOChunks accumulators in registers.
 // The row max / row sum reductions are xor-shuffles inside the row group, and
 // P goes through shared memory (sP) so that each thread can read its rows'
-// probabilities for every key of the tile.
+// probabilities for every key of the tile. Each thread's running max and
+// partial sum live in shared memory too (sStat, private slots).
+//
+// Exactness: S is a float32 FMA chain over head_dim, P = exp2(s * scale_log2
+// - max) with ex2.approx (2 ulp), O a float32 FMA chain over the keys, then
+// one IEEE division. Against a float64 reference the relative error is a few
+// 1e-7 (head dims 32..256, up to 4096 keys), well inside the 1e-5 budget.
+//
+// Registers: only the O accumulators are live across the key-tile loop.
+// Indices and pointers are re-derived from the special registers and the
+// (constant-bank) parameters after every inner loop, and the softmax
+// statistics sit in shared memory, because ptxas otherwise spills such
+// long-lived, rarely used values to reach an occupancy step. The tile table
+// (cuflash/heuristics.py) is checked to compile without spills for every head
+// dim; a new tile shape should be checked the same way.
 //
 // Shared memory banking: a float row stride of kHeadDim + 4 (kHeadDim % 8 ==
 // 0) is an odd number of 16-byte units, so the float4 reads of 8 consecutive
@@ -28,6 +42,15 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/block_range.cuh"
+
+// Unroll factors of the S (head_dim, step 4) and P V (keys, step 4) loops;
+// overridable with -D for tuning runs.
+#ifndef SIMT_UNROLL_D
+#define SIMT_UNROLL_D 2
+#endif
+#ifndef SIMT_UNROLL_J
+#define SIMT_UNROLL_J 1
+#endif
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct SimtFwdTile {
@@ -50,7 +73,8 @@ struct SimtFwdTile {
     static constexpr int kOChunksFull = kChunks / kNX;          // ... that are never past head_dim
     static constexpr int kStride = kHeadDim + 4;    // floats per Q/K/V row in shared memory
     static constexpr int kPStride = kBlockN + 8;    // floats per P row
-    static constexpr int kSmemFloats = (kBlockM + 2 * kBlockN) * kStride + kBlockM * kPStride;
+    // Q, K, V tiles, the P tile, and two softmax statistics per (thread, row).
+    static constexpr int kSmemFloats = (kBlockM + 2 * kBlockN) * kStride + kBlockM * kPStride + 2 * kBlockM * kNX;
 
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
     static_assert(kNX <= 32 && 32 % kNX == 0, "a row group must lie inside one warp");
@@ -70,21 +94,75 @@ __device__ __forceinline__ void simt_cp_async_commit() { asm volatile("cp.async.
 __device__ __forceinline__ void simt_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // Copy rows [0, kRows) of a float tile (kHeadDim columns) into shared memory
-// rows kStride floats apart; rows >= rows_valid are zero-filled.
+// rows kStride floats apart; rows >= rows_valid are zero-filled. Thread tid
+// copies the 16-byte chunk tid % kCPR of rows tid / kCPR + k * kRowsPerPass,
+// so that it needs one source pointer and one constant step, not an address
+// per chunk (the few threads past kRowsPerPass * kCPR idle).
 template <int kRows, int kHeadDim, int kStride, int kThreads>
 __device__ __forceinline__ void simt_load_tile(float* smem, const float* gmem, i64 row_stride,
                                                int rows_valid, int tid) {
-    constexpr int kChunksPerRow = kHeadDim / 4;
-    constexpr int kTotal = kRows * kChunksPerRow;
+    constexpr int kCPR = kHeadDim / 4;
+    constexpr int kRowsPerPass = kThreads / kCPR;
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kRowsPerPass >= 1, "need at least head_dim / 4 threads");
+    if (kThreads % kCPR != 0 && tid >= kRowsPerPass * kCPR) return;
+    const int row0 = tid / kCPR;
+    const int col = (tid % kCPR) * 4;
+    const float* src = gmem + row0 * row_stride + col;
+    float* dst = smem + row0 * kStride + col;
+    const i64 src_step = kRowsPerPass * row_stride;
 #pragma unroll
-    for (int c = tid; c < kTotal; c += kThreads) {
-        const int row = c / kChunksPerRow;
-        const int col = (c % kChunksPerRow) * 4;
-        const bool valid = row < rows_valid;
-        const float* src = gmem + (valid ? row * row_stride + col : 0);
-        simt_cp_async_16(smem + row * kStride + col, src, valid);
+    for (int k = 0; k < kPasses; ++k) {
+        const int row = row0 + k * kRowsPerPass;
+        if (kRows % kRowsPerPass == 0 || row < kRows) {
+            const bool valid = row < rows_valid;
+            simt_cp_async_16(dst + k * kRowsPerPass * kStride, valid ? src : gmem, valid);
+        }
+        src += src_step;
     }
 }
+
+// Special registers read through asm volatile: the front end can neither merge
+// these reads with earlier ones nor hoist them out of a loop (ptxas may still
+// merge them; then the value is one register, not a chain of derived ones).
+__device__ __forceinline__ int simt_read_tid() {
+    int r;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ int3 simt_read_ctaid() {
+    int3 r;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r.x));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(r.y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(r.z));
+    return r;
+}
+
+// Where this CTA and thread stand. Formed afresh (from the special registers
+// and the kernel parameters, which live in constant memory) after each inner
+// loop and in the epilogue, so that no index or pointer stays live across
+// the main loop: ptxas's occupancy heuristics otherwise like to spill such
+// long-lived, rarely used values.
+template <int kBlockM, int kNX, bool kIsCausal>
+struct SimtCoords {
+    int tx, ty;       // position in the kNY x kNX thread grid
+    int row_base;     // first query row of the tile
+    int head, batch;
+
+    static __device__ __forceinline__ SimtCoords read() {
+        SimtCoords c;
+        const int tid = simt_read_tid();
+        const int3 cta = simt_read_ctaid();
+        c.tx = tid % kNX;
+        c.ty = tid / kNX;
+        // Causal tiles near the end of the sequence do the most work: launch them first.
+        c.row_base = (kIsCausal ? static_cast<int>(gridDim.x) - 1 - cta.x : cta.x) * kBlockM;
+        c.head = cta.y;
+        c.batch = cta.z;
+        return c;
+    }
+};
 
 // Reductions over the kNX lanes of a row group (consecutive lanes).
 template <int kNX>
@@ -107,6 +185,7 @@ fwd_kernel(const FwdParams p) {
     static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
     using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Coords = SimtCoords<kBlockM, Tile::kNX, kIsCausal>;
     constexpr int kThreads = Tile::kThreads;
     constexpr int kNX = Tile::kNX;
     constexpr int kNY = Tile::kNY;
@@ -119,138 +198,141 @@ fwd_kernel(const FwdParams p) {
     constexpr int kPStride = Tile::kPStride;
 
     extern __shared__ __align__(16) float smem_f32[];
-    float* sQ = smem_f32;
-    float* sK = sQ + kBlockM * kStride;
-    float* sV = sK + kBlockN * kStride;
-    float* sP = sV + kBlockN * kStride;
+    float* const sQ = smem_f32;
+    float* const sK = sQ + kBlockM * kStride;
+    float* const sV = sK + kBlockN * kStride;
+    float* const sP = sV + kBlockN * kStride;
+    // Per-thread softmax statistics of its kRows rows, [kRows][2][kThreads]:
+    // the running max (log2 domain of the scaled scores, -inf until a visible
+    // key) and the partial sum of exp2(...). Only this thread touches its
+    // slots. Kept here rather than in registers: they are used once per key
+    // tile, so ptxas would happily spill them to reach an occupancy step.
+    float* const sStat = sP + kBlockM * kPStride;
 
-    const int tid = threadIdx.x;
-    const int tx = tid % kNX;
-    const int ty = tid / kNX;
-    // Causal tiles near the end of the sequence do the most work: launch them first.
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int head_kv = head / p.heads_per_kv;
-
-    const int row_base = m_block * kBlockM;
-    const int rows_valid = min(kBlockM, p.seqlen_q - row_base);
-    const float* gQ = static_cast<const float*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
-                      + row_base * p.q_row_stride;
-    const float* gK = static_cast<const float*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-    const float* gV = static_cast<const float*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-    float* gO = static_cast<float*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
-                + row_base * p.o_row_stride;
-    float* gLse = p.lse ? p.lse + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row_base : nullptr;
-
-    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
-
-    // Column offset (floats) of this thread's O chunk c; the chunks past
-    // head_dim (only in the last, partial round) read a valid column instead
-    // and are never stored.
-    auto o_col = [&](int c) {
-        const int chunk = tx + c * kNX;
-        return 4 * (c < kOChunksFull ? chunk : min(chunk, kChunks - 1));
+    // K or V rows [n0, n0 + kBlockN) of this CTA's kv head.
+    auto kv_tile = [&](const void* base, i64 batch_stride, i64 head_stride, i64 row_stride,
+                       const Coords& c, int n0) {
+        return static_cast<const float*>(base) + c.batch * batch_stride
+               + (c.head / p.heads_per_kv) * head_stride + n0 * row_stride;
     };
 
     float acc_o[kRows][kOChunks][4];
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-        for (int c = 0; c < kOChunks; ++c)
+        for (int cc = 0; cc < kOChunks; ++cc)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[i][c][e] = 0.f;
-    float row_max[kRows];  // log2 domain of the scaled scores; -inf until a visible key
-    float row_sum[kRows];  // per-thread partial sums of exp2(...), reduced at the end
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) { row_max[i] = -CUFLASH_INF; row_sum[i] = 0.f; }
+            for (int e = 0; e < 4; ++e) acc_o[i][cc][e] = 0.f;
 
-    if (n_block_max > 0) {
-        simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
-        {
-            const int n0 = (n_block_max - 1) * kBlockN;
-            simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
+    int n_block;
+    {
+        const Coords c = Coords::read();
+        const int tid = c.ty * kNX + c.tx;
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            sStat[(2 * i) * kThreads + tid] = -CUFLASH_INF;
+            sStat[(2 * i + 1) * kThreads + tid] = 0.f;
         }
-        simt_cp_async_commit();
+        n_block = Range::n_block_max(c.row_base / kBlockM, p.seqlen_q, p.seqlen_k) - 1;
+        if (n_block >= 0) {
+            const float* gQ = static_cast<const float*>(p.q) + c.batch * p.q_batch_stride
+                              + c.head * p.q_head_stride + c.row_base * p.q_row_stride;
+            simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(
+                sQ, gQ, p.q_row_stride, p.seqlen_q - c.row_base, tid);
+            const int n0 = n_block * kBlockN;
+            simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
+                sK, kv_tile(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n0),
+                p.k_row_stride, p.seqlen_k - n0, tid);
+            simt_cp_async_commit();
+        }
+    }
 
-        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+    // Across this loop only acc_o and n_block stay in registers; everything
+    // else is re-derived (Coords::read) after each inner loop.
+    for (; n_block >= 0; --n_block) {
+        float acc_s[kRows][kKeys];
+        {
+            const Coords c = Coords::read();
             const int n0 = n_block * kBlockN;
             simt_cp_async_wait_all();
             __syncthreads();  // K_n landed; every thread is done reading V_{n+1} and sP
             simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid);
+                sV, kv_tile(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, c, n0),
+                p.v_row_stride, p.seqlen_k - n0, c.ty * kNX + c.tx);
             simt_cp_async_commit();
 
             // S = Q K_n^T: each thread a kRows x kKeys block, float4 steps along head_dim.
-            float acc_s[kRows][kKeys];
 #pragma unroll
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k) acc_s[i][k] = 0.f;
-            {
-                const float* q_ptr = sQ + ty * kStride;
-                const float* k_ptr = sK + tx * kStride;
-#pragma unroll 4
-                for (int d = 0; d < kHeadDim; d += 4) {
-                    float4 qv[kRows], kv[kKeys];
+            const float* q_ptr = sQ + c.ty * kStride;
+            const float* k_ptr = sK + c.tx * kStride;
+#pragma unroll SIMT_UNROLL_D
+            for (int d = 0; d < kHeadDim; d += 4) {
+                float4 qv[kRows], kv[kKeys];
 #pragma unroll
-                    for (int i = 0; i < kRows; ++i)
-                        qv[i] = *reinterpret_cast<const float4*>(q_ptr + i * kNY * kStride + d);
+                for (int i = 0; i < kRows; ++i)
+                    qv[i] = *reinterpret_cast<const float4*>(q_ptr + i * kNY * kStride + d);
 #pragma unroll
-                    for (int k = 0; k < kKeys; ++k)
-                        kv[k] = *reinterpret_cast<const float4*>(k_ptr + k * kNX * kStride + d);
-#pragma unroll
-                    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-                        for (int k = 0; k < kKeys; ++k) {
-                            float s = acc_s[i][k];
-                            s = fmaf(qv[i].x, kv[k].x, s);
-                            s = fmaf(qv[i].y, kv[k].y, s);
-                            s = fmaf(qv[i].z, kv[k].z, s);
-                            s = fmaf(qv[i].w, kv[k].w, s);
-                            acc_s[i][k] = s;
-                        }
-                }
-            }
-
-            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+                for (int k = 0; k < kKeys; ++k)
+                    kv[k] = *reinterpret_cast<const float4*>(k_ptr + k * kNX * kStride + d);
 #pragma unroll
                 for (int i = 0; i < kRows; ++i)
 #pragma unroll
                     for (int k = 0; k < kKeys; ++k) {
-                        const int row = row_base + ty + i * kNY;
-                        const int col = n0 + tx + k * kNX;
+                        float s = acc_s[i][k];
+                        s = fmaf(qv[i].x, kv[k].x, s);
+                        s = fmaf(qv[i].y, kv[k].y, s);
+                        s = fmaf(qv[i].z, kv[k].z, s);
+                        s = fmaf(qv[i].w, kv[k].w, s);
+                        acc_s[i][k] = s;
+                    }
+            }
+        }
+
+        {
+            const Coords c = Coords::read();
+            const int n0 = n_block * kBlockN;
+            if (Range::needs_mask(c.row_base / kBlockM, n_block, p.seqlen_q, p.seqlen_k)) {
+#pragma unroll
+                for (int i = 0; i < kRows; ++i)
+#pragma unroll
+                    for (int k = 0; k < kKeys; ++k) {
+                        const int row = c.row_base + c.ty + i * kNY;
+                        const int col = n0 + c.tx + k * kNX;
                         if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k)) acc_s[i][k] = -CUFLASH_INF;
                     }
             }
 
             // Online softmax in the log2 domain; P to shared memory, O rescaled.
+            const int tid = c.ty * kNX + c.tx;
 #pragma unroll
             for (int i = 0; i < kRows; ++i) {
                 float mx = -CUFLASH_INF;
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k) mx = fmaxf(mx, acc_s[i][k]);
                 mx = group_max<kNX>(mx) * p.scale_log2;
-                const float new_max = fmaxf(row_max[i], mx);
+                const float old_max = sStat[(2 * i) * kThreads + tid];
+                const float new_max = fmaxf(old_max, mx);
                 // A row that has seen no visible key keeps max -inf; use 0 as the
                 // reference so that exp2(-inf - ref) = 0 rather than NaN.
                 const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
-                const float rescale = exp2f(row_max[i] - ref);
-                row_max[i] = new_max;
+                const float rescale = exp2f(old_max - ref);
                 float sum = 0.f;
-                float* p_row = sP + (ty + i * kNY) * kPStride + tx;
+                float* p_row = sP + (c.ty + i * kNY) * kPStride + c.tx;
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k) {
                     const float pk = exp2f(fmaf(acc_s[i][k], p.scale_log2, -ref));
                     sum += pk;
                     p_row[k * kNX] = pk;
                 }
-                row_sum[i] = fmaf(row_sum[i], rescale, sum);
+                sStat[(2 * i) * kThreads + tid] = new_max;
+                sStat[(2 * i + 1) * kThreads + tid] = fmaf(sStat[(2 * i + 1) * kThreads + tid], rescale, sum);
 #pragma unroll
-                for (int c = 0; c < kOChunks; ++c)
+                for (int cc = 0; cc < kOChunks; ++cc)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[i][c][e] *= rescale;
+                    for (int e = 0; e < 4; ++e) acc_o[i][cc][e] *= rescale;
             }
 
             simt_cp_async_wait_all();
@@ -258,33 +340,43 @@ fwd_kernel(const FwdParams p) {
             if (n_block > 0) {
                 const int n_prev = n0 - kBlockN;
                 simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                    sK, gK + n_prev * p.k_row_stride, p.k_row_stride, p.seqlen_k - n_prev, tid);
+                    sK, kv_tile(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_prev),
+                    p.k_row_stride, p.seqlen_k - n_prev, tid);
                 simt_cp_async_commit();
             }
+        }
 
-            // O += P V_n: four keys per step, P read as float4 per row.
-            {
-                const float* p_ptr = sP + ty * kPStride;
-#pragma unroll 2
-                for (int j = 0; j < kBlockN; j += 4) {
-                    float4 pv[kRows];
+        // O += P V_n: four keys per step, P read as float4 per row. Chunks
+        // past head_dim (only in the last, partial round of a row group) read
+        // a valid column instead and are never stored.
+        {
+            const Coords c = Coords::read();
+            const float* p_ptr = sP + c.ty * kPStride;
+            int v_col[kOChunks];
 #pragma unroll
-                    for (int i = 0; i < kRows; ++i)
-                        pv[i] = *reinterpret_cast<const float4*>(p_ptr + i * kNY * kPStride + j);
+            for (int cc = 0; cc < kOChunks; ++cc) {
+                const int chunk = c.tx + cc * kNX;
+                v_col[cc] = 4 * (cc < kOChunksFull ? chunk : min(chunk, kChunks - 1));
+            }
+#pragma unroll SIMT_UNROLL_J
+            for (int j = 0; j < kBlockN; j += 4) {
+                float4 pv[kRows];
 #pragma unroll
-                    for (int jj = 0; jj < 4; ++jj) {
-                        const float* v_row = sV + (j + jj) * kStride;
+                for (int i = 0; i < kRows; ++i)
+                    pv[i] = *reinterpret_cast<const float4*>(p_ptr + i * kNY * kPStride + j);
 #pragma unroll
-                        for (int c = 0; c < kOChunks; ++c) {
-                            const float4 v = *reinterpret_cast<const float4*>(v_row + o_col(c));
+                for (int jj = 0; jj < 4; ++jj) {
+                    const float* v_row = sV + (j + jj) * kStride;
 #pragma unroll
-                            for (int i = 0; i < kRows; ++i) {
-                                const float pij = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
-                                acc_o[i][c][0] = fmaf(pij, v.x, acc_o[i][c][0]);
-                                acc_o[i][c][1] = fmaf(pij, v.y, acc_o[i][c][1]);
-                                acc_o[i][c][2] = fmaf(pij, v.z, acc_o[i][c][2]);
-                                acc_o[i][c][3] = fmaf(pij, v.w, acc_o[i][c][3]);
-                            }
+                    for (int cc = 0; cc < kOChunks; ++cc) {
+                        const float4 v = *reinterpret_cast<const float4*>(v_row + v_col[cc]);
+#pragma unroll
+                        for (int i = 0; i < kRows; ++i) {
+                            const float pij = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+                            acc_o[i][cc][0] = fmaf(pij, v.x, acc_o[i][cc][0]);
+                            acc_o[i][cc][1] = fmaf(pij, v.y, acc_o[i][cc][1]);
+                            acc_o[i][cc][2] = fmaf(pij, v.z, acc_o[i][cc][2]);
+                            acc_o[i][cc][3] = fmaf(pij, v.w, acc_o[i][cc][3]);
                         }
                     }
                 }
@@ -294,24 +386,31 @@ fwd_kernel(const FwdParams p) {
 
     // Epilogue: normalise and store straight from registers (a row group
     // writes kNX consecutive 16-byte chunks of a row).
+    const Coords c = Coords::read();
+    const int tid = c.ty * kNX + c.tx;
+    const int rows_valid = min(kBlockM, p.seqlen_q - c.row_base);
+    float* gO = static_cast<float*>(p.o) + c.batch * p.o_batch_stride + c.head * p.o_head_stride
+                + c.row_base * p.o_row_stride;
+    float* gLse = p.lse ? p.lse + (static_cast<i64>(c.batch) * p.heads_q + c.head) * p.seqlen_q + c.row_base
+                        : nullptr;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-        const float sum = group_sum<kNX>(row_sum[i]);
+        const float sum = group_sum<kNX>(sStat[(2 * i + 1) * kThreads + tid]);
         const bool empty = !(sum > 0.f);
         const float inv_sum = empty ? 0.f : 1.f / sum;
-        const int row = ty + i * kNY;
+        const int row = c.ty + i * kNY;
         if (row < rows_valid) {
             float* o_row = gO + row * p.o_row_stride;
 #pragma unroll
-            for (int c = 0; c < kOChunks; ++c) {
-                if (c < kOChunksFull || tx + c * kNX < kChunks) {
-                    *reinterpret_cast<float4*>(o_row + 4 * (tx + c * kNX)) =
-                        make_float4(acc_o[i][c][0] * inv_sum, acc_o[i][c][1] * inv_sum,
-                                    acc_o[i][c][2] * inv_sum, acc_o[i][c][3] * inv_sum);
+            for (int cc = 0; cc < kOChunks; ++cc) {
+                if (cc < kOChunksFull || c.tx + cc * kNX < kChunks) {
+                    *reinterpret_cast<float4*>(o_row + 4 * (c.tx + cc * kNX)) =
+                        make_float4(acc_o[i][cc][0] * inv_sum, acc_o[i][cc][1] * inv_sum,
+                                    acc_o[i][cc][2] * inv_sum, acc_o[i][cc][3] * inv_sum);
                 }
             }
-            if (gLse != nullptr && tx == 0)
-                gLse[row] = empty ? -CUFLASH_INF : (row_max[i] + log2f(sum)) * CUFLASH_LN2;
+            if (gLse != nullptr && c.tx == 0)
+                gLse[row] = empty ? -CUFLASH_INF : (sStat[(2 * i) * kThreads + tid] + log2f(sum)) * CUFLASH_LN2;
         }
     }
 }
