@@ -26,6 +26,7 @@ FAMILIES: dict[str, Family] = {
     # Hopper only (wgmma, TMA, setmaxnreg): chosen only on request (CUFLASH_FWD_BACKEND=sm90).
     "sm90_fwd": Family("sm90_fwd", "sm90/fwd.cu", "fwd_kernel", 90, True),
     "sm90_fwd_overlap": Family("sm90_fwd_overlap", "sm90/fwd.cu", "fwd_overlap_kernel", 90, True),
+    "sm90_fwd_pingpong": Family("sm90_fwd_pingpong", "sm90/fwd.cu", "fwd_pingpong_kernel", 90, True),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
                              ("tag", "num_warps")),

@@ -24,19 +24,25 @@ _SM80_FWD = {  # measured on an H100 (scripts/tune_fwd.py), 2026-11-23
 # Causal tiles where they differ: the diagonal favours wider key tiles at D=128.
 _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 
-# sm90_fwd (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n, num_warps);
-# num_warps = 4 * (1 producer + block_m / 64 consumer warpgroups).
+# sm90 forward (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n,
+# num_warps, consumer schedule without / with the causal mask); num_warps = 4 * (1 producer
+# + block_m / 64 consumer warpgroups). Schedules: "simple" (each consumer warpgroup on its
+# own), "overlap" (softmax of key tile i overlaps P V of tile i-1), "pingpong" (consumer
+# warpgroups take turns at the tensor cores). Picked from H100 runs (2026-11-23,
+# tools/bench_sm90_variants.py, B=4 H=16 N=4096): D=64 fp16 192x128 simple 471 TFLOP/s
+# (128x128: 393); D=128 bf16 overlap 655 (simple 589), causal pingpong 509 (overlap 492);
+# D=256 bf16 overlap 651 (simple 631).
 _SM90_FWD = {
-    32: (128, 128, 12),
-    64: (128, 128, 12),
-    96: (128, 128, 12),
-    128: (128, 128, 12),
-    192: (128, 96, 12),
-    256: (128, 64, 12),
+    32: (192, 128, 16, "simple", "simple"),
+    64: (192, 128, 16, "simple", "simple"),
+    96: (128, 128, 12, "overlap", "pingpong"),
+    128: (128, 128, 12, "overlap", "pingpong"),
+    192: (128, 96, 12, "overlap", "pingpong"),
+    256: (128, 64, 12, "overlap", "pingpong"),
 }
-
-# CUFLASH_FWD_BACKEND value -> sm90 forward family.
-SM90_FWD_BACKENDS = {"sm90": "sm90_fwd", "sm90_overlap": "sm90_fwd_overlap"}
+SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong"}
+# CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
+SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong")
 
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
@@ -70,14 +76,19 @@ def fwd_backend() -> str:
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
-    ``backend`` (default: $CUFLASH_FWD_BACKEND) "sm90" picks the Hopper family where it
-    applies (cc 9.0, fp16/bf16); anything else picks the portable kernels.
+    ``backend`` (default: $CUFLASH_FWD_BACKEND) "sm90" picks the Hopper kernels where they
+    apply (cc 9.0, fp16/bf16) with the tuned schedule, "sm90_simple" / "sm90_overlap" /
+    "sm90_pingpong" force one consumer schedule; anything else picks the portable kernels.
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
-        block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or _SM90_FWD[bucket]
-        return KernelConfig(SM90_FWD_BACKENDS[backend], dtype, head_dim, causal, block_m, block_n, warps)
+        block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
+        block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
+        if backend != "sm90":
+            schedule = schedule_causal = backend[len("sm90_"):]
+        family = SM90_FWD_FAMILIES[schedule_causal if causal else schedule]
+        return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)

@@ -74,6 +74,7 @@ SMEM_BYTES = {
     "simt_bwd_dq": _simt_bwd_dq_smem,
     "sm90_fwd": _sm90_fwd_smem,
     "sm90_fwd_overlap": _sm90_fwd_smem,
+    "sm90_fwd_pingpong": _sm90_fwd_smem,
 }
 
 

@@ -1,24 +1,25 @@
 """Fill CuPy's on-disk kernel cache with many processes, so that a test run finds every
-kernel compiled: python scripts/precompile.py [bwd] [fwd] [-j N]."""
+kernel compiled: python scripts/precompile.py [bwd] [fwd] [small] [-j N]."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _configs(which):
+def configs(which, cc: int):
     from cuflash import heuristics
-    from cuflash.dispatch import device_info
 
-    cc, _ = device_info(0)
     out = []
     if "bwd" in which:
         out += heuristics.all_bwd_configs(cc)
+    if "small" in which:  # the tiles for ~99 KB devices, to run them on a large one
+        out += heuristics.all_bwd_configs(86)
     if "fwd" in which:
         out += heuristics.all_fwd_configs(cc)
-    return out
+    return list({c.key(): c for c in out}.values())
 
 
 def _compile(cfgs):
@@ -33,19 +34,24 @@ def _compile(cfgs):
     return failed
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    jobs = os.cpu_count() or 4
-    if "-j" in args:
-        jobs = int(args[args.index("-j") + 1])
-    which = [a for a in args if a in ("bwd", "fwd")] or ["bwd", "fwd"]
-    cfgs = _configs(which)
-    t0 = time.time()
+def precompile_parallel(cfgs, jobs: int | None = None) -> list[str]:
+    """Compile ``cfgs`` in ``jobs`` fresh (spawned) processes; returns the failures."""
+    jobs = jobs or os.cpu_count() or 4
     chunks = [cfgs[i::jobs] for i in range(jobs)]
-    with ProcessPoolExecutor(jobs) as ex:
-        failed = [f for part in ex.map(_compile, chunks) for f in part]
-    print(f"precompiled {len(cfgs)} kernels with {jobs} processes in {time.time() - t0:.1f} s; "
-          f"{len(failed)} failed", flush=True)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return [f for part in ex.map(_compile, chunks) for f in part]
+
+
+def main() -> int:
+    from cuflash.dispatch import device_info
+
+    args = sys.argv[1:]
+    jobs = int(args[args.index("-j") + 1]) if "-j" in args else None
+    which = [a for a in args if a in ("bwd", "fwd", "small")] or ["bwd", "fwd"]
+    cfgs = configs(which, device_info(0)[0])
+    t0 = time.time()
+    failed = precompile_parallel(cfgs, jobs)
+    print(f"precompiled {len(cfgs)} kernels in {time.time() - t0:.1f} s; {len(failed)} failed", flush=True)
     for f in failed:
         print("  ", f)
     return 1 if failed else 0

@@ -17,16 +17,19 @@ from conftest import poisoned, randn, requires_gpu
 
 pytestmark = requires_gpu
 
-# Relative-norm bounds on each of dq, dk, dv (the forward's are 2e-3, 1.6e-2, 1e-5).
-BWD_TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-5}
+# Relative-norm bounds on each of dq, dk, dv: 1.25-1.5x the forward's (2e-3, 1.6e-2, 1e-5).
+# Measured on an H100 (2026-11-23) over this file's cases: worst fp16 4.5e-4, bf16 3.4e-3,
+# fp32 1.5e-6 (typical 3e-4, 2.4e-3, 5e-7), i.e. about the inputs' rounding level.
+BWD_TOL = {"float16": 2.5e-3, "bfloat16": 2e-2, "float32": 1.5e-5}
 DTYPES = ["float16", "bfloat16", "float32"]
 
 
 def grad_err(x, ref, floor: float) -> float:
     """||x - ref|| / max(||ref||, floor); inf if x has a NaN or inf.
 
-    ``floor`` (a small fraction of the gradients' natural size) keeps the measure meaningful
-    where the exact gradient is ~0, e.g. dq and dk when every query sees a single key.
+    ``floor`` (a tenth of the gradients' natural size) keeps the measure meaningful where the
+    exact gradient is ~0, e.g. dq and dk when every query sees a single key: there the kernels
+    return rounding noise (P = 1 up to an ulp, dP - delta ~ 1e-7 in float32), the reference 0.
     """
     x = x.get().astype(np.float64) if hasattr(x, "get") else np.asarray(x, np.float64)
     if not np.all(np.isfinite(x)):
@@ -67,7 +70,7 @@ def check_bwd(rng, dtype, b, nq, nk, hq, hkv, d, causal, *, deterministic=False,
     assert dq is bufs[0] and dk is bufs[1] and dv is bufs[2]
     cupy.cuda.get_current_stream().synchronize()
     ref = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
-    floor = 1e-3 * max(np.linalg.norm(r.ravel()) * math.sqrt(x.size / r.size) for r, x in zip(ref, (dq, dk, dv))
+    floor = 0.1 * max(np.linalg.norm(r.ravel()) * math.sqrt(x.size / r.size) for r, x in zip(ref, (dq, dk, dv))
                        if r.size)
     errs = [grad_err(x, r, floor) for x, r in zip((dq, dk, dv), ref)]
     tol = BWD_TOL[dtype] if tol is None else tol
@@ -245,7 +248,7 @@ def test_finite_differences_float32(rng):
                 num[idx] = (loss(*args_p) - loss(*args_m)) / h
             err = np.linalg.norm((grads[which] - num).ravel()) / np.linalg.norm(num.ravel())
             _log(f"fd causal={causal} {'qkv'[which]} rel err {err:.3e}")
-            assert err <= 2e-3, f"d{'qkv'[which]} (causal={causal}): finite-difference rel err {err:.3e}"
+            assert err <= 5e-4, f"d{'qkv'[which]} (causal={causal}): finite-difference rel err {err:.3e}"
 
 
 def test_peak_memory_is_linear_at_32k(rng):
@@ -270,6 +273,20 @@ def test_peak_memory_is_linear_at_32k(rng):
              f"{linear / 2**20:.1f} MiB, seqlen^2 fp16 {n * n * 2 / 2**30:.1f} GiB)")
         assert extra <= 2 * linear, f"extra memory {extra} bytes > 2 float32 q-sized tensors"
     assert bool(cupy.isfinite(dq.astype(cupy.float32)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_small_shared_memory_tiles(rng, monkeypatch, dtype, head_dim):
+    """The tiles for ~99 KB devices (sm_86, sm_89, sm_120), run here on whatever GPU is present."""
+    import cuflash.api as api
+    from cuflash import heuristics
+
+    monkeypatch.setattr(heuristics, "smem_class", lambda cc: "small")
+    monkeypatch.setattr(api, "_bwd_plans", {})
+    for det in (False, True):
+        check_bwd(rng, dtype, 2, 203, 150, 4, 2, head_dim, True, deterministic=det, label="small_smem")
+        check_bwd(rng, dtype, 1, 150, 203, 2, 1, head_dim, False, deterministic=det, label="small_smem")
 
 
 # ---- argument errors: raised before any kernel runs ----

@@ -9,23 +9,27 @@ from cuflash.compile import compile_offline
 
 from test_compile import assert_no_spills
 
-SM90_CONFIGS = heuristics.all_sm90_fwd_configs()
+SM90_CONFIGS = heuristics.all_sm90_fwd_configs()  # the tuned table (CUFLASH_FWD_BACKEND=sm90)
 # One instantiation per distinct tile shape (padded head dim), both dtypes and masks.
 SASS_HEAD_DIMS = (40, 64, 96, 128, 192, 256)
 SASS_CONFIGS = [c for c in SM90_CONFIGS if c.head_dim in SASS_HEAD_DIMS]
-# The overlapped variant: one instantiation per tile shape (same tiles, same templates).
-OVERLAP_CONFIGS = [c for c in heuristics.all_sm90_fwd_configs("sm90_overlap") if c.head_dim in SASS_HEAD_DIMS]
+# Each consumer schedule forced (CUFLASH_FWD_BACKEND=sm90_<schedule>): one instantiation per tile shape.
+_tuned_keys = {c.key() for c in SM90_CONFIGS}
+FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
+                       for c in heuristics.all_sm90_fwd_configs(b)
+                       if c.head_dim in SASS_HEAD_DIMS and c.key() not in _tuned_keys}.values())
 
 
 def test_sm90_configs_cover_every_head_dim():
     assert len(SM90_CONFIGS) == 2 * 32 * 2
-    assert all(c.family == "sm90_fwd" and c.fam.arch_specific for c in SM90_CONFIGS)
-    assert all(c.family == "sm90_fwd_overlap" and c.fam.arch_specific for c in OVERLAP_CONFIGS)
+    families = set(heuristics.SM90_FWD_FAMILIES.values())
+    assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
+    assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
 
 
 def test_sm90_fwd_instantiations_compile_without_spills():
     failures = []
-    for cfg in SM90_CONFIGS + OVERLAP_CONFIGS:
+    for cfg in SM90_CONFIGS + FORCED_CONFIGS:
         try:
             _, log = compile_offline(cfg, "90a")
             assert_no_spills(log, f"{cfg.key()} sm_90a")
@@ -37,7 +41,7 @@ def test_sm90_fwd_instantiations_compile_without_spills():
 
 @pytest.mark.skipif(sass.tools_available() is not None,
                     reason=f"SASS tools unavailable: {sass.tools_available()}")
-@pytest.mark.parametrize("cfg", SASS_CONFIGS + OVERLAP_CONFIGS, ids=[c.key() for c in SASS_CONFIGS + OVERLAP_CONFIGS])
+@pytest.mark.parametrize("cfg", SASS_CONFIGS + FORCED_CONFIGS, ids=[c.key() for c in SASS_CONFIGS + FORCED_CONFIGS])
 def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     ops = sass.opcode_counts(sass.sass(cfg, "90a"))
     assert ops["HGMMA"] > 0, f"{cfg.key()}: no HGMMA in SASS"
@@ -49,9 +53,10 @@ def test_sm90_is_opt_in(monkeypatch):
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm80_fwd"
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
-    assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm90_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_overlap")
-    assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm90_fwd_overlap"
+    assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
+    for schedule, family in heuristics.SM90_FWD_FAMILIES.items():
+        monkeypatch.setenv("CUFLASH_FWD_BACKEND", f"sm90_{schedule}")
+        assert heuristics.fwd_config("bfloat16", 128, True, 90).family == family
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"

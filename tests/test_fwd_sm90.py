@@ -11,7 +11,7 @@ from test_fwd import _check
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True, params=["sm90", "sm90_overlap"])
+@pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong"])
 def sm90_backend(request, monkeypatch):
     import cupy
     from cuflash import api
@@ -19,6 +19,7 @@ def sm90_backend(request, monkeypatch):
     if int(cupy.cuda.Device().compute_capability) != 90:
         pytest.skip("needs compute capability 9.0 (sm_90a)")
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", request.param)
+    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
     api._fwd_plans.clear()
     yield request.param
     api._fwd_plans.clear()
@@ -30,7 +31,10 @@ def test_selected(sm90_backend):
     import cupy
 
     _, cfg, _ = api._fwd_plan(cupy.dtype("float16"), 128, False, cupy.cuda.Device().id)
-    assert cfg.family == heuristics.SM90_FWD_BACKENDS[sm90_backend]
+    if sm90_backend == "sm90":
+        assert cfg.family in heuristics.SM90_FWD_FAMILIES.values()
+    else:
+        assert cfg.family == heuristics.SM90_FWD_FAMILIES[sm90_backend[len("sm90_"):]]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -67,3 +71,16 @@ def test_unaligned_strides_fall_back(rng):
     cupy.cuda.get_current_stream().synchronize()
     ref, _ = attention_reference(q, k, v)
     assert rel_err(o, ref) <= 2e-3
+
+
+# Other tile shapes (more consumer warpgroups, wider key tiles), where they fit in shared memory.
+@pytest.mark.parametrize("tiles,d,dtype", [("192,128,16", 64, "float16"), ("128,176,12", 128, "bfloat16"),
+                                           ("128,176,12", 64, "float16")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_variants(rng, monkeypatch, sm90_backend, tiles, d, dtype, causal):
+    from cuflash import api
+
+    monkeypatch.setenv("CUFLASH_SM90_FWD_TILES", tiles)
+    api._fwd_plans.clear()
+    for nq, nk in [(1000, 1000), (113, 203), (203, 113), (239, 1)]:
+        _check(rng, dtype, 2, nq, nk, 3, 1, d, causal)

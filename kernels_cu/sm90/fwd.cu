@@ -10,6 +10,9 @@
 //   warpgroup's m64 accumulator gives each warp the m16 row ownership of mma.sync)
 //   O += P V   (wgmma, P from registers, V from shared memory as an MN-major B)
 // Key tiles are visited from last to first, so masked tiles come first.
+// Three consumer schedules share this body (kMode): simple; overlap (S_i = Q K_i^T
+// and O += P_{i-1} V_{i-1} issued back to back, the softmax of tile i after S_i
+// lands); ping-pong (warpgroups take turns issuing GEMMs via named barriers).
 // Shared tiles hold 64-column blocks (128 bytes per row, TMA's 128-byte
 // swizzle); head dims are padded to a multiple of 64 with TMA's zero fill.
 #include "../common/numeric.cuh"
@@ -19,6 +22,10 @@
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
+
+// Consumer schedules: each warpgroup on its own; with the softmax of one key tile
+// overlapping the P V product of the previous one; or warpgroups taking turns.
+constexpr int kModeSimple = 0, kModeOverlap = 1, kModePingPong = 2;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct Sm90FwdTile {
@@ -39,7 +46,7 @@ struct Sm90FwdTile {
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
 };
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kOverlap>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v) {
     using Tile = Sm90FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
@@ -175,15 +182,23 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
         };
 
-        if (n_block_max > 0 && !kOverlap) {
+        // Ping-pong (kMode == kModePingPong): the consumer warpgroups take turns at
+        // issuing their GEMMs, in a ring of named barriers (ids 1..kConsumerWGs), so that
+        // one warpgroup's softmax runs while the next one's GEMMs use the tensor cores.
+        constexpr bool kPingPong = kMode == kModePingPong && Tile::kConsumerWGs > 1;
+        const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % Tile::kConsumerWGs;
+        if (n_block_max > 0 && kMode != kModeOverlap) {
             mbar_wait(bar_q, 0);
+            if (kPingPong && cw == Tile::kConsumerWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 starts
             for (int i = 0; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
                 const int stage = i % kStages;
                 const u32 parity = (i / kStages) & 1;
                 float acc_s[kBlockN / 2];
                 mbar_wait(bar_k_full(stage), parity);
+                if (kPingPong) named_barrier_sync(my_turn, 256);
                 issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+                if (kPingPong) named_barrier_arrive(next_turn, 256);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
                 mbar_arrive(bar_k_empty(stage));
@@ -194,13 +209,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 u32 pa[kBlockN / 16][4];
                 pack_p(pa, acc_s);
                 mbar_wait(bar_v_full(stage), parity);
+                if (kPingPong) named_barrier_sync(my_turn, 256);
                 issue_pv(pa, sV + stage * Tile::kKVBytes);
+                if (kPingPong) named_barrier_arrive(next_turn, 256);
                 wgmma_wait<0>();
                 fence_operand(acc_o);
                 mbar_arrive(bar_v_empty(stage));
             }
+            // Consume the last warpgroup's final turn signal, so no barrier is left half-arrived.
+            if (kPingPong && cw == 0) named_barrier_sync(1, 256);
         }
-        if (n_block_max > 0 && kOverlap) {
+        if (n_block_max > 0 && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
             mbar_wait(bar_q, 0);
@@ -278,7 +297,7 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
            const __grid_constant__ TmaDesc tma_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p, tma_q, tma_k, tma_v);
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeSimple>(p, tma_q, tma_k, tma_v);
 }
 
 // The same with the softmax of one key tile overlapping the P V product of the previous one.
@@ -286,5 +305,13 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_overlap_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                    const __grid_constant__ TmaDesc tma_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p, tma_q, tma_k, tma_v);
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap>(p, tma_q, tma_k, tma_v);
+}
+
+// The same with the consumer warpgroups taking turns at the tensor cores.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_pingpong_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                    const __grid_constant__ TmaDesc tma_v) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModePingPong>(p, tma_q, tma_k, tma_v);
 }
