@@ -69,6 +69,8 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int):
     if plan is None:
         cc, _ = device_info(device_id)
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc)
+        if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
+            cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
         plan = _fwd_plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
     return plan
 

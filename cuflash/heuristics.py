@@ -195,3 +195,24 @@ def all_bwd_configs(cc: int) -> list[KernelConfig]:
                     for cfg in bwd_configs(dtype, d, causal, cc, det).all():
                         seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
+
+
+def fit_shared_memory(config: KernelConfig, smem_limit: int, smem_of) -> KernelConfig:
+    """``config``, or a smaller tile of the same family whose shared memory fits ``smem_limit``.
+
+    The tables are tuned for the H100 (227 KB per block); GPUs with 99 KB (sm_86, sm_89, sm_120)
+    or 163 KB (A100) get narrower key tiles first, then fewer query rows.
+    """
+    from dataclasses import replace
+
+    cfg = config
+    while smem_of(cfg) > smem_limit:
+        if cfg.block_n > 16:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16 * cfg.num_warps:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
+        elif cfg.num_warps > 1:
+            cfg = replace(cfg, block_m=cfg.block_m // 2, num_warps=cfg.num_warps // 2)
+        else:
+            raise RuntimeError(f"{config.key()} cannot fit in {smem_limit} bytes of shared memory")
+    return cfg

@@ -95,3 +95,35 @@ def test_fast_packing_matches_numpy_field_assignment(struct):
         ref[name] = value
     assert params.pack(dt, **values).tobytes() == ref.tobytes()
     assert params.pack_values(dt, [values[n] for n in dt.names]).tobytes() == ref.tobytes()
+
+
+# Opt-in shared memory per block: sm_86 / sm_89 / sm_120 (99 KB) and A100 (163 KB).
+SMALL_SMEM_LIMITS = [99 * 1024, 163 * 1024]
+
+
+def test_fit_shared_memory_shrinks_until_it_fits():
+    from cuflash.dispatch import smem_bytes
+
+    for cfg in heuristics.all_fwd_configs(cc=90):
+        for limit in SMALL_SMEM_LIMITS:
+            fitted = heuristics.fit_shared_memory(cfg, limit, smem_bytes)
+            assert smem_bytes(fitted) <= limit
+            assert fitted.family == cfg.family and fitted.head_dim == cfg.head_dim
+            if smem_bytes(cfg) <= limit:
+                assert fitted == cfg
+
+
+@pytest.mark.parametrize("limit", SMALL_SMEM_LIMITS)
+def test_small_shared_memory_tiles_compile_without_spills(limit):
+    from cuflash.dispatch import smem_bytes
+
+    configs = {heuristics.fit_shared_memory(c, limit, smem_bytes) for c in heuristics.all_fwd_configs(cc=86)}
+    configs -= set(heuristics.all_fwd_configs(cc=86))
+    failures = []
+    for cfg in sorted(configs, key=lambda c: c.key()):
+        try:
+            _, log = compile_offline(cfg, "80")
+            assert_no_spills(log, f"{cfg.key()} sm_80")
+        except (AssertionError, RuntimeError) as e:
+            failures.append(str(e)[:2000])
+    assert not failures, "\n\n".join(failures[:5])
