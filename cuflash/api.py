@@ -67,7 +67,7 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int):
     key = (dtype, head_dim, causal, device_id)
     plan = _fwd_plans.get(key)
     if plan is None:
-        cc, _ = device_info(device_id)
+        cc, smem_limit = device_info(device_id)
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
