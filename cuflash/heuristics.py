@@ -121,13 +121,27 @@ def all_fwd_configs(cc: int) -> list[KernelConfig]:
 # shared memory per block (sm_80, sm_87, sm_90, sm_100) and for ~99 KB (sm_86,
 # sm_89, sm_120).
 
-# dK/dV kernel (block_n keys held per CTA, block_m query rows streamed).
+# dK/dV kernel (block_n keys held per CTA, block_m query rows streamed), deterministic mode
+# (dQ by its own kernel).
 _SM80_BWD_DKDV = {
     "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 64, 8),
               192: (64, 64, 8), 256: (64, 64, 8)},
     "small": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
               192: (32, 64, 8), 256: (32, 32, 4)},
 }
+# dK/dV kernel with atomic dQ (the default mode). H100, fp16, b4 h16 n4096 (2026-11-23):
+# d=128 (32,128,8) 156 TF/s full, 146 causal vs (64,64,8) 120 / 114; (64,128,8) would be
+# faster still (175 / 162) but spills on sm_80. d=64: (64,128,8) 143 / 131 is the best
+# tile without spills.
+_SM80_BWD_DKDV_DQ = {
+    "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (32, 128, 8),
+              192: (64, 64, 8), 256: (64, 64, 8)},
+    "small": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
+              192: (32, 64, 8), 256: (32, 32, 4)},
+}
+# Head-dim buckets where the dQ kernel beats the atomic dQ even when determinism is not asked
+# for (H100, d=256: 8.5 ms vs 11.3 full, 4.5 vs 5.9 causal): both modes run the same kernels.
+_BWD_DQ_KERNEL_ALWAYS = (192, 256)
 # dQ kernel of the deterministic mode (block_m query rows per CTA, block_n keys streamed).
 _SM80_BWD_DQ = {
     "large": {32: (64, 128, 4), 64: (64, 128, 4), 96: (64, 64, 4), 128: (64, 64, 4),
@@ -176,11 +190,12 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
-    bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV[size][bucket]
-    if deterministic:
+    if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
+        bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV[size][bucket]
         dkdv = KernelConfig("sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
         qm, qn, qw = _override("CUFLASH_SM80_BWD_DQ_TILES") or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
+    bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV_DQ[size][bucket]
     dkdv = KernelConfig("sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
