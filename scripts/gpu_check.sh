@@ -17,6 +17,15 @@ echo "== pytest"
 python3 -m pytest -q -ra ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -n 60
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# On Hopper the dispatcher picks the sm90 kernels; run the forward/backward suites again
+# on the portable (mma.sync) kernels so both families are exercised on this GPU.
+if [ "${BOTH_FAMILIES:-1}" = "1" ] && python3 -c "import cupy,sys; sys.exit(cupy.cuda.Device().compute_capability != '90')"; then
+  echo "== pytest (portable kernels forced: CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"
+  CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q tests/test_fwd.py tests/test_bwd.py \
+    -k "not float32" 2>&1 | tee "$OUT/pytest-sm80.log" | tail -n 5
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if [ "${SANITIZE:-1}" = "1" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck initcheck synccheck; do
     echo "== compute-sanitizer --tool $tool"
