@@ -179,7 +179,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     kern, cfg, smem = pre
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
     kern, cfg, smem = dkdv
-    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem)
+    extra = ()
+    if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
+        kern, cfg, smem, extra = sm90.bwd_launch_args(kern, cfg, smem, q, k, v, dout, device_id)
+    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
 

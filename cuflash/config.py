@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {
     "sm80_bwd_dq": Family("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", 80, False),
     "simt_bwd_dkdv": Family("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", 80, False),
     "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),
+    # Hopper backward (wgmma, TMA): chosen only on request (CUFLASH_BWD_BACKEND=sm90).
+    "sm90_bwd_dkdv_dq": Family("sm90_bwd_dkdv_dq", "sm90/bwd.cu", "bwd_dkdv_dq_kernel", 90, True),
 }
 
 

@@ -155,6 +155,12 @@ _SIMT_BWD = {
     "small": {32: (32, 32, 8), 64: (32, 32, 8), 96: (32, 32, 8), 128: (32, 32, 8),
               192: (16, 16, 8), 256: (16, 16, 8)},
 }
+# sm90 dK/dV + atomic dQ (wgmma, TMA; opt-in: CUFLASH_BWD_BACKEND=sm90): head-dim bucket ->
+# (block_m, block_n, num_warps); one producer and block_n / 64 consumer warpgroups. Buckets not
+# listed, float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
+_SM90_BWD = {64: (64, 128, 12), 128: (64, 128, 12)}
+# CUFLASH_BWD_BACKEND values that select the sm90 backward.
+SM90_BWD_BACKENDS = ("sm90",)
 # Pre/postprocess: 8 threads per query row, 4 * num_warps rows per CTA.
 BWD_AUX_WARPS = 8
 
@@ -181,11 +187,27 @@ def _aux_config(family: str, dtype: str) -> KernelConfig:
     return KernelConfig(family, dtype, 0, False, 4 * BWD_AUX_WARPS, 0, BWD_AUX_WARPS)
 
 
-def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False) -> BwdConfigs:
-    """The backward kernels for these inputs on a device of compute capability ``cc``."""
+def bwd_backend() -> str:
+    """The requested backward backend: "sm90" opts into the Hopper dK/dV kernel (not yet the default)."""
+    return os.environ.get("CUFLASH_BWD_BACKEND", "auto").strip().lower()
+
+
+def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
+                backend: str | None = None) -> BwdConfigs:
+    """The backward kernels for these inputs on a device of compute capability ``cc``.
+
+    ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + atomic dQ kernel
+    where it applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD, not deterministic).
+    """
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
+    backend = bwd_backend() if backend is None else backend
+    if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and not deterministic
+            and bucket in _SM90_BWD):
+        bm, bn, w = _override("CUFLASH_SM90_BWD_TILES") or _SM90_BWD[bucket]
+        dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
+        return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
     if dtype == "float32":
         bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
@@ -208,6 +230,18 @@ def all_bwd_configs(cc: int) -> list[KernelConfig]:
             for causal in (False, True):
                 for det in (False, True):
                     for cfg in bwd_configs(dtype, d, causal, cc, det).all():
+                        seen.setdefault(cfg.key(), cfg)
+    return list(seen.values())
+
+
+def all_sm90_bwd_configs() -> list[KernelConfig]:
+    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90; for the CPU compile test)."""
+    seen: dict[str, KernelConfig] = {}
+    for dtype in ("float16", "bfloat16"):
+        for d in TUNED_HEAD_DIMS:
+            for causal in (False, True):
+                for cfg in bwd_configs(dtype, d, causal, 90, False, backend="sm90").all():
+                    if cfg.fam.arch_specific:
                         seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 

@@ -62,6 +62,17 @@ def _sm90_fwd_smem(c: KernelConfig) -> int:
     return 1024 + tiles + 8 * (1 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers
 
 
+SM90_BWD_STAGES = 2  # Sm90BwdTile::kStages
+
+
+def _sm90_bwd_smem(c: KernelConfig) -> int:
+    """Sm90BwdTile::kSmemBytes (kernels_cu/sm90/bwd.cu) plus 1024 bytes of alignment slack."""
+    pad = _round_up(c.head_dim, 64)
+    s = SM90_BWD_STAGES
+    return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * c.block_m * c.block_n * 2
+            + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s))
+
+
 SMEM_BYTES = {
     "sm80_fwd": _sm80_fwd_smem,
     "simt_fwd": _simt_fwd_smem,
@@ -75,6 +86,7 @@ SMEM_BYTES = {
     "sm90_fwd": _sm90_fwd_smem,
     "sm90_fwd_overlap": _sm90_fwd_smem,
     "sm90_fwd_pingpong": _sm90_fwd_smem,
+    "sm90_bwd_dkdv_dq": _sm90_bwd_smem,
 }
 
 

@@ -21,3 +21,20 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int)
     maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
             tma.bshd_map(v, cfg.dtype, cfg.block_n))
     return kern, cfg, smem, maps
+
+
+def bwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, dout, device_id: int):
+    """(kernel, config, shared memory bytes, extra arguments) of the dK/dV launch.
+
+    For the sm90 backward family the extra arguments are the tensor maps of q, k, v and dout;
+    when TMA cannot address an input the sm80 dK/dV + atomic dQ kernel is used instead (same
+    preprocess / postprocess). Other families pass through unchanged.
+    """
+    if not cfg.family.startswith("sm90_bwd"):
+        return kern, cfg, smem, ()
+    if not all(tma.bshd_ok(x) for x in (q, k, v, dout)):
+        cfg = heuristics.bwd_configs(cfg.dtype, cfg.head_dim, cfg.causal, 90, False, backend="sm80").dkdv
+        return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
+    maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
+            tma.bshd_map(v, cfg.dtype, cfg.block_n), tma.bshd_map(dout, cfg.dtype, cfg.block_m))
+    return kern, cfg, smem, maps

@@ -1,0 +1,333 @@
+// FlashAttention-2 backward for Hopper (sm_90a): dK/dV with atomic dQ on wgmma.
+//
+// One CTA per (key tile of kBlockN = 64 * consumer warpgroups keys, kv head, batch),
+// looping over the query tiles (kBlockM = 64 rows) of every query head of its GQA
+// group. Warpgroup 0 is the producer: it lowers its registers; one thread loads K
+// and V once and then streams Q and dO tiles through a kStages-deep TMA ring
+// (128-byte swizzle, "full"/"empty" mbarriers), and warp 1 copies lse2 / delta of
+// each query tile into shared memory (it arrives on the same "full" barriers).
+// Consumer warpgroup c owns keys 64c..64c+63 of the tile; per query tile:
+//   S^T  = K_c Q^T          wgmma SS (K and Q K-major)
+//   dP^T = V_c dO^T         wgmma SS
+//   P^T  = exp2(S^T * scale_log2 - lse2[m]),  dS^T = P^T * (dP^T - delta[m])
+//   dV_c += P^T dO          wgmma RS (P^T from the accumulators, dO MN-major)
+//   dK_c += dS^T Q          wgmma RS (dS^T from the accumulators, Q MN-major)
+//   dS -> shared memory as [query][key] (128-byte swizzle, K-major A of dQ),
+//   double-buffered; one named barrier per step between the consumer warpgroups
+//   dQ[:, d-slice c] += dS K   wgmma SS (dS K-major, K MN-major), then
+//   red.global.add.v2.f32 into the float32 dq_accum (bwd_postprocess converts).
+// Causal: query tiles before the key tile's first visible row are skipped; odd
+// lengths and head dims come from TMA's zero fill plus masking (P = 0 outside).
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+#include "../common/block_range.cuh"
+#include "../common/bwd_math.cuh"
+#include "wgmma.cuh"
+#include "tma.cuh"
+#include "pipeline.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Sm90BwdTile {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+    static constexpr int kColBlocks = kHeadDimPad / 64;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kConsumerWGs = kBlockN / 64;
+    static constexpr int kThreads = kNWarps_ * 32;
+    static constexpr int kStages = 2;                        // launch.py mirrors this
+    static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
+    static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2; // K or V tile
+    static constexpr int kDsBytes = kBlockM * kBlockN * 2;     // one dS buffer
+    static constexpr int kDqCols = kHeadDimPad / kConsumerWGs; // dQ columns per consumer warpgroup
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    // Bytes after the 1024-byte aligned base (launch.py mirrors this).
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes
+                                      + 2 * kStages * kBlockM * 4 + 8 * (1 + 3 * kStages);
+    static_assert(kBlockM == 64, "one m64 wgmma row block per query tile");
+    static_assert(kBlockN == 128 && kConsumerWGs == 2, "two consumer warpgroups of 64 keys");
+    static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockN / 64 consumer warpgroups");
+    static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
+};
+
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
+                                         const TmaDesc& tma_v, const TmaDesc& tma_do) {
+    using Tile = Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    constexpr int kStages = Tile::kStages;
+    constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kDqCols = Tile::kDqCols;
+
+    extern __shared__ char smem_raw[];
+    const u32 sK = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 sV = sK + Tile::kKVBytes;
+    const u32 sQ = sV + Tile::kKVBytes;                       // [kStages]
+    const u32 sdO = sQ + kStages * Tile::kQBytes;             // [kStages]
+    const u32 sdS = sdO + kStages * Tile::kQBytes;            // [2]
+    const u32 sStat = sdS + 2 * Tile::kDsBytes;               // lse2[kStages][kBlockM], delta[kStages][kBlockM]
+    const u32 bars = sStat + 2 * kStages * kBlockM * 4;
+    float* stat_ptr = reinterpret_cast<float*>(smem_raw + (sStat - smem_u32(smem_raw)));
+    const u32 bar_kv = bars;
+    auto bar_q_full = [&](int s) { return bars + 8 * (1 + s); };
+    auto bar_do_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
+    auto bar_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+
+    const int n_block = blockIdx.x;
+    const int head_kv = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+    const int m_end = ceil_div(p.seqlen_q, kBlockM);
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * p.heads_per_kv;
+    const int head0 = head_kv * p.heads_per_kv;
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(bar_kv, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(bar_q_full(s), 1 + 32);   // TMA thread + the 32 lanes of the lse2 / delta warp
+            mbar_init(bar_do_full(s), 1 + 32);
+            mbar_init(bar_empty(s), Tile::kConsumerWGs * 128);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        setmaxnreg_dec<Tile::kProducerRegs>();
+        const int warp = threadIdx.x / 32;
+        if (warp == 0 && threadIdx.x == 0 && n_iter > 0) {
+            tma_prefetch_desc(&tma_q);
+            tma_prefetch_desc(&tma_k);
+            tma_prefetch_desc(&tma_v);
+            tma_prefetch_desc(&tma_do);
+            mbar_arrive_expect_tx(bar_kv, 2 * Tile::kKVBytes);
+#pragma unroll
+            for (int cb = 0; cb < Tile::kColBlocks; ++cb) {
+                tma_load_4d(sK + cb * kBlockN * 128, &tma_k, bar_kv, cb * 64, n0, head_kv, batch);
+                tma_load_4d(sV + cb * kBlockN * 128, &tma_v, bar_kv, cb * 64, n0, head_kv, batch);
+            }
+            for (int i = 0; i < n_iter; ++i) {
+                const int head = head0 + i / n_m;
+                const int m0 = (m_begin + i % n_m) * kBlockM;
+                const int stage = i % kStages;
+                mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
+                const u32 q_dst = sQ + stage * Tile::kQBytes, do_dst = sdO + stage * Tile::kQBytes;
+                mbar_arrive_expect_tx(bar_q_full(stage), Tile::kQBytes);
+#pragma unroll
+                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                    tma_load_4d(q_dst + cb * kBlockM * 128, &tma_q, bar_q_full(stage), cb * 64, m0, head, batch);
+                mbar_arrive_expect_tx(bar_do_full(stage), Tile::kQBytes);
+#pragma unroll
+                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                    tma_load_4d(do_dst + cb * kBlockM * 128, &tma_do, bar_do_full(stage), cb * 64, m0, head, batch);
+            }
+        } else if (warp == 1 && n_iter > 0) {
+            // lse2 and delta of each query tile; rows past seqlen_q get lse2 = +inf (P = 0), delta = 0.
+            const int lane = threadIdx.x & 31;
+            for (int i = 0; i < n_iter; ++i) {
+                const int head = head0 + i / n_m;
+                const int m0 = (m_begin + i % n_m) * kBlockM;
+                const int stage = i % kStages;
+                mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
+                const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
+                float* lse2_s = stat_ptr + stage * kBlockM;
+                float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
+#pragma unroll
+                for (int r = lane; r < kBlockM; r += 32) {
+                    const int row = m0 + r;
+                    lse2_s[r] = row < p.seqlen_q ? bwd_lse2(p.lse[base + row]) : CUFLASH_INF;
+                }
+                mbar_arrive(bar_q_full(stage));
+#pragma unroll
+                for (int r = lane; r < kBlockM; r += 32) {
+                    const int row = m0 + r;
+                    delta_s[r] = row < p.seqlen_q ? p.delta[base + row] : 0.f;
+                }
+                mbar_arrive(bar_do_full(stage));
+            }
+        }
+    } else {
+        setmaxnreg_inc<Tile::kConsumerRegs>();
+        const int cw = wg - 1;
+        const int lane = threadIdx.x & 31;
+        const int warp = (threadIdx.x >> 5) & 3;
+        const int g = lane >> 2, t4 = lane & 3;
+        const int key_local = cw * 64 + warp * 16 + g;   // this thread's key rows: key_local (+ 8)
+        const int dq_col0 = cw * kDqCols;                // this warpgroup's dQ columns
+
+        float acc_dk[kPad / 2], acc_dv[kPad / 2];
+#pragma unroll
+        for (int i = 0; i < kPad / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
+
+        if (n_iter > 0) mbar_wait(bar_kv, 0);
+        for (int i = 0; i < n_iter; ++i) {
+            const int head = head0 + i / n_m;
+            const int m_block = m_begin + i % n_m;
+            const int m0 = m_block * kBlockM;
+            const int stage = i % kStages;
+            const u32 parity = (i / kStages) & 1;
+            const u32 q_src = sQ + stage * Tile::kQBytes, do_src = sdO + stage * Tile::kQBytes;
+            const u32 ds_buf = sdS + (i & 1) * Tile::kDsBytes;
+
+            // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: the kBlockM queries).
+            float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
+            mbar_wait(bar_q_full(stage), parity);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                const u64 da = make_desc_sw128(sK + (kk / 4) * kBlockN * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 db = make_desc_sw128(q_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                WgmmaSS<Tag, kBlockM>::template run<false>(acc_s, da, db, kk > 0);
+            }
+            wgmma_commit();
+            mbar_wait(bar_do_full(stage), parity);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                const u64 da = make_desc_sw128(sV + (kk / 4) * kBlockN * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 db = make_desc_sw128(do_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                WgmmaSS<Tag, kBlockM>::template run<false>(acc_dp, da, db, kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            fence_operand(acc_dp);
+
+            // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + 8j + 2 t4 + (e & 1).
+            const float* lse2_s = stat_ptr + stage * kBlockM;
+            const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
+            const bool need_mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) {
+                const int qc = 8 * j + 2 * t4;
+                const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc);
+                const float2 dl = *reinterpret_cast<const float2*>(delta_s + qc);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
+                    if (need_mask && !key_visible<kIsCausal>(m0 + qc + (e & 1), n0 + key_local + 8 * (e >> 1),
+                                                             p.seqlen_q, p.seqlen_k))
+                        pr = 0.f;
+                    acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+                    acc_s[4 * j + e] = pr;
+                }
+            }
+            // A-register fragments of P^T and dS^T (k16 step kk = query columns 16kk..16kk+15).
+            u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+                    dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
+                }
+            // dS -> shared memory, [query][key] K-major for the dQ product: this warpgroup's keys are
+            // 64-column block cw; element (m, kl) at m * 128 + (((kl / 8) ^ (m % 8)) * 16) + (kl % 8) * 2.
+            {
+                char* ds_ptr = smem_raw + (ds_buf + cw * kBlockM * 128 - smem_u32(smem_raw));
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int m = 16 * kk + 8 * (r >> 1) + 2 * t4;      // query of the low half
+                        const int kchunk = 2 * warp + (r & 1);              // (key_local % 64) / 8
+                        const u32 w = dsa[kk][r];
+                        *reinterpret_cast<u16*>(ds_ptr + m * 128 + ((kchunk ^ (m & 7)) << 4) + g * 2) =
+                            static_cast<u16>(w & 0xffff);
+                        *reinterpret_cast<u16*>(ds_ptr + (m + 1) * 128 + ((kchunk ^ ((m + 1) & 7)) << 4) + g * 2) =
+                            static_cast<u16>(w >> 16);
+                    }
+            }
+            fence_proxy_async_smem();
+
+            // dV += P^T dO, dK += dS^T Q (B operands MN-major: k16 step = 16 query rows).
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                const u64 db = make_desc_sw128(do_src + kk * 16 * 128, kBlockM * 128, 1024);
+                WgmmaRS<Tag, kPad>::template run<true>(acc_dv, pa[kk], db, 1);
+            }
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                const u64 db = make_desc_sw128(q_src + kk * 16 * 128, kBlockM * 128, 1024);
+                WgmmaRS<Tag, kPad>::template run<true>(acc_dk, dsa[kk], db, 1);
+            }
+            wgmma_commit();
+
+            // Every consumer warpgroup's half of dS is in shared memory.
+            named_barrier_sync(1, Tile::kConsumerWGs * 128);
+
+            // dQ[:, dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
+            float acc_dq[kDqCols / 2];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 db = make_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + (dq_col0 % 64) * 2 + kk * 16 * 128,
+                                               kBlockN * 128, 1024);
+                WgmmaSS<Tag, kDqCols>::template run<true>(acc_dq, da, db, kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operand(acc_dv);
+            fence_operand(acc_dk);
+            fence_operand(acc_dq);
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            mbar_arrive(bar_empty(stage));
+
+            // dq_accum += dQ slice. Register 4j + e: query m0 + 16 warp + g + 8 (e >> 1), column dq_col0 + 8j + 2 t4.
+            float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * p.head_dim;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + warp * 16 + g + 8 * h;
+                if (row < p.seqlen_q) {
+                    float* dst = gdq + static_cast<i64>(row) * p.head_dim;
+#pragma unroll
+                    for (int j = 0; j < kDqCols / 8; ++j) {
+                        const int col = dq_col0 + 8 * j + 2 * t4;
+                        if (col < p.head_dim) red_add_v2(dst + col, acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+                    }
+                }
+            }
+        }
+
+        // Epilogue: dK * softmax_scale and dV (keys past seqlen_k and padded columns skipped).
+        u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride;
+        u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = n0 + key_local + 8 * h;
+            if (key < p.seqlen_k) {
+                u16* k_row = gdK + key * p.dk_row_stride;
+                u16* v_row = gdV + key * p.dv_row_stride;
+#pragma unroll
+                for (int j = 0; j < kPad / 8; ++j) {
+                    const int col = 8 * j + 2 * t4;
+                    if (col < p.head_dim) {
+                        *reinterpret_cast<u32*>(k_row + col) = ElemTraits<Tag>::pack2(
+                            acc_dk[4 * j + 2 * h] * p.softmax_scale, acc_dk[4 * j + 2 * h + 1] * p.softmax_scale);
+                        *reinterpret_cast<u32*>(v_row + col) =
+                            ElemTraits<Tag>::pack2(acc_dv[4 * j + 2 * h], acc_dv[4 * j + 2 * h + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv_dq_kernel(const BwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                   const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do) {
+    bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>(p, tma_q, tma_k, tma_v, tma_do);
+}

@@ -1,0 +1,66 @@
+"""CPU-only: every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90) compiles for sm_90a
+without spills, and its SASS runs on the Hopper tensor cores (HGMMA) with TMA loads, vector
+float32 reductions for dQ and no local-memory traffic (LDL/STL); the backend stays opt-in."""
+from __future__ import annotations
+
+import pytest
+
+from cuflash import heuristics, launch, sass
+from cuflash.compile import compile_offline
+
+from test_compile import assert_no_spills
+
+SM90_BWD_CONFIGS = heuristics.all_sm90_bwd_configs()
+H100_SMEM_OPTIN = 232448
+
+
+def test_sm90_bwd_configs():
+    assert {c.head_dim for c in SM90_BWD_CONFIGS} == {64, 128}
+    assert len(SM90_BWD_CONFIGS) == 2 * 2 * 2
+    for c in SM90_BWD_CONFIGS:
+        assert c.family == "sm90_bwd_dkdv_dq" and c.fam.arch_specific
+        assert launch.SMEM_BYTES[c.family](c) <= H100_SMEM_OPTIN
+
+
+def test_sm90_bwd_instantiations_compile_without_spills():
+    failures = []
+    for cfg in SM90_BWD_CONFIGS:
+        try:
+            _, log = compile_offline(cfg, "90a")
+            assert_no_spills(log, f"{cfg.key()} sm_90a")
+            assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
+        except (AssertionError, RuntimeError) as e:
+            failures.append(str(e)[:2000])
+    assert not failures, f"{len(failures)} of {len(SM90_BWD_CONFIGS)} failed:\n" + "\n\n".join(failures[:5])
+
+
+@pytest.mark.skipif(sass.tools_available() is not None,
+                    reason=f"SASS tools unavailable: {sass.tools_available()}")
+@pytest.mark.parametrize("cfg", SM90_BWD_CONFIGS, ids=[c.key() for c in SM90_BWD_CONFIGS])
+def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
+    ops = sass.opcode_counts(sass.sass(cfg, "90a"))
+    pad = (cfg.head_dim + 63) // 64 * 64
+    # Per query tile and consumer warpgroup: S^T, dP^T (pad / 16 k-steps each), dV, dK
+    # (block_m / 16 each) and dQ (block_n / 16).
+    per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) + cfg.block_n // 16
+    assert ops["HGMMA"] == per_step, f"{cfg.key()}: {ops['HGMMA']} HGMMA, expected {per_step}"
+    assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
+    assert ops["REDG"] > 0, f"{cfg.key()}: no global reduction (atomic dQ) in SASS"
+    assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
+
+
+def test_sm90_bwd_is_opt_in(monkeypatch):
+    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
+    assert heuristics.bwd_configs("bfloat16", 128, False, 90).dkdv.family == "sm80_bwd_dkdv_dq"
+    monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm90")
+    cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
+    assert cfgs.dkdv.family == "sm90_bwd_dkdv_dq" and cfgs.postprocess is not None and cfgs.dq is None
+    assert heuristics.bwd_configs("float16", 40, True, 90).dkdv.family == "sm90_bwd_dkdv_dq"
+    # Other dtypes, GPUs, head-dim buckets and the deterministic mode keep the portable kernels.
+    assert heuristics.bwd_configs("float32", 128, False, 90).dkdv.family == "simt_bwd_dkdv"
+    assert heuristics.bwd_configs("bfloat16", 128, False, 80).dkdv.family == "sm80_bwd_dkdv_dq"
+    assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.family == "sm80_bwd_dkdv"
+    assert heuristics.bwd_configs("bfloat16", 32, False, 90).dkdv.family == "sm80_bwd_dkdv_dq"
+    assert heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True).dkdv.family == "sm80_bwd_dkdv"
+    assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90)
+                   if c.family.startswith("sm80") or c.family.startswith("simt"))
