@@ -34,6 +34,9 @@ FAMILIES: dict[str, Family] = {
                               ("tag", "num_warps")),
     "sm80_bwd_dkdv": Family("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", 80, False),
     "sm80_bwd_dkdv_dq": Family("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", 80, False),
+    # Version 2 of the dK/dV kernels (Q/dO ring, two barriers per step, 2-D warp grids).
+    "sm80_bwd_dkdv2": Family("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", 80, False),
+    "sm80_bwd_dkdv2_dq": Family("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", 80, False),
     "sm80_bwd_dq": Family("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", 80, False),
     "simt_bwd_dkdv": Family("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", 80, False),
     "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),

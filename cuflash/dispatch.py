@@ -7,6 +7,7 @@ memory per (config, device).
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Iterable
 
@@ -40,7 +41,9 @@ def smem_bytes(config: KernelConfig) -> int:
 
 def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
     """The compiled kernel for ``config`` on ``device_id``, compiled on first use."""
-    key = (config.key(), device_id)
+    # Tuning knob: extra NVRTC options (e.g. "-DBWD_KK_UNROLL=1"), part of the cache key.
+    extra = tuple(os.environ.get("CUFLASH_NVRTC_DEFINES", "").split())
+    key = (config.key(), device_id, extra)
     kern = _kernels.get(key)
     if kern is not None:
         return kern
@@ -62,6 +65,7 @@ def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
         options = compile_options(config, f"{cc}a" if fam.arch_specific else str(cc))
         if not fam.arch_specific:
             options = tuple(o for o in options if not o.startswith("-arch="))
+        options += extra
         with cupy.cuda.Device(device_id):
             module = cupy.RawModule(code=load_source(config.source), options=options,
                                     name_expressions=[config.name_expression()])

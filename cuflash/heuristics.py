@@ -149,6 +149,24 @@ _SM80_BWD_DQ = {
     "small": {32: (64, 128, 4), 64: (64, 128, 4), 96: (64, 64, 4), 128: (64, 64, 4),
               192: (64, 32, 4), 256: (32, 32, 2)},
 }
+# dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids; kernels_cu/sm80/bwd.cu
+# bwd_dkdv2_*), the default where it applies: head-dim bucket -> tiles, both modes, for devices with
+# >= 200 KB of shared memory per block (sm_90, sm_100); other buckets and devices keep version 1.
+# H100 (scripts/bench_bwd_v2.py, 2026-11-23, B=4 H=16 N=4096 fp16, atomic dQ, backward TFLOP/s
+# full / causal): d=64 (64,128,8) 192 / 172 (version 1: 143 / 132; v2 (64,64,4) 174 / 167,
+# (128,64,8) 152 / 141; (128,128,8) 217 / 192 but spills 8 bytes); d=128 (64,128,8) 230 / 209
+# (version 1 (32,128,8): 156 / 146; v2 (32,128,8) 180 / 173, (64,64,8) 155 / 149). Without the
+# dQ reductions (BWD2_DIAG_SKIP_DQ=2, wrong dQ) d=128 runs at 313 / 278: they are the limiter now.
+_SM80_BWD_DKDV2 = {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)}
+
+
+def bwd_variant(cc: int, bucket: int) -> int:
+    """dK/dV kernel version: 2 where it applies, unless $CUFLASH_SM80_BWD_VARIANT is "1"."""
+    if cc < 90 or smem_class(cc) != "large" or bucket not in _SM80_BWD_DKDV2:
+        return 1
+    return 1 if os.environ.get("CUFLASH_SM80_BWD_VARIANT", "2").strip() == "1" else 2
+
+
 # float32 (CUDA cores): one tile shape for the dK/dV and the dQ kernel.
 _SIMT_BWD = {
     "large": {d: (32, 32, 8) for d in TUNED_HEAD_DIMS},
@@ -212,13 +230,16 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
+    v2 = bwd_variant(cc, bucket) == 2
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
-        bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV[size][bucket]
-        dkdv = KernelConfig("sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
+        bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
+                     or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket]))
+        dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
         qm, qn, qw = _override("CUFLASH_SM80_BWD_DQ_TILES") or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
-    bm, bn, w = _override("CUFLASH_SM80_BWD_DKDV_TILES") or _SM80_BWD_DKDV_DQ[size][bucket]
-    dkdv = KernelConfig("sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
+    bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
+                 or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket]))
+    dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 

@@ -37,6 +37,12 @@ def _sm80_bwd_dkdv_smem(c: KernelConfig) -> int:
     return ((2 * c.block_m + 2 * c.block_n) * stride + 2 * c.block_n * stride_p) * 2 + 2 * c.block_m * 4
 
 
+def _sm80_bwd_dkdv2_smem(c: KernelConfig) -> int:
+    """BwdDkdvTile2::kSmemBytes: two stages of Q and dO, K, V, P^T, dS^T, two stages of lse2 and delta."""
+    stride = _round_up(c.head_dim, 16) + 8
+    return ((4 * c.block_m + 2 * c.block_n) * stride + 2 * c.block_n * (c.block_m + 8)) * 2 + 4 * c.block_m * 4
+
+
 def _sm80_bwd_dq_smem(c: KernelConfig) -> int:
     """BwdDqTile::kSmemBytes."""
     return (2 * c.block_m + 2 * c.block_n) * (_round_up(c.head_dim, 16) + 8) * 2
@@ -80,6 +86,8 @@ SMEM_BYTES = {
     "bwd_postprocess": lambda c: 0,
     "sm80_bwd_dkdv": _sm80_bwd_dkdv_smem,
     "sm80_bwd_dkdv_dq": _sm80_bwd_dkdv_smem,
+    "sm80_bwd_dkdv2": _sm80_bwd_dkdv2_smem,
+    "sm80_bwd_dkdv2_dq": _sm80_bwd_dkdv2_smem,
     "sm80_bwd_dq": _sm80_bwd_dq_smem,
     "simt_bwd_dkdv": _simt_bwd_dkdv_smem,
     "simt_bwd_dq": _simt_bwd_dq_smem,

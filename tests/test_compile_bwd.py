@@ -3,6 +3,7 @@
 shared-memory sizes agree with the kernels' own."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -26,10 +27,22 @@ def _configs(cc: str) -> list:
     if cc == "86":  # only the tiles the small-shared-memory table adds
         large = {c.key() for c in heuristics.all_bwd_configs(80)}
         return [c for c in heuristics.all_bwd_configs(86) if c.key() not in large]
-    return heuristics.all_bwd_configs(90 if cc.startswith("90") else int(cc))
+    if cc.startswith("90"):  # both dK/dV kernel versions (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1)
+        out = {c.key(): c for c in heuristics.all_bwd_configs(90)}
+        old = os.environ.get("CUFLASH_SM80_BWD_VARIANT")
+        os.environ["CUFLASH_SM80_BWD_VARIANT"] = "1"
+        try:
+            out.update({c.key(): c for c in heuristics.all_bwd_configs(90)})
+        finally:
+            if old is None:
+                del os.environ["CUFLASH_SM80_BWD_VARIANT"]
+            else:
+                os.environ["CUFLASH_SM80_BWD_VARIANT"] = old
+        return list(out.values())
+    return heuristics.all_bwd_configs(int(cc))
 
 
-GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dq", "simt_bwd", "bwd_pre_post"]
+GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dkdv2_dq", "sm80_bwd_dkdv2", "sm80_bwd_dq", "simt_bwd", "bwd_pre_post"]
 
 
 def _in_group(cfg, group: str) -> bool:
@@ -44,6 +57,8 @@ def _in_group(cfg, group: str) -> bool:
 @pytest.mark.parametrize("cc", ["80", "90a", "86"])
 def test_bwd_instantiations_compile_without_spills(cc, group):
     configs = [c for c in _configs(cc) if _in_group(c, group)]
+    if not configs and "dkdv2" in group:
+        pytest.skip(f"{group} is not chosen for sm_{cc} here (CUFLASH_SM80_BWD_VARIANT)")
     if cc != "86":
         assert configs, f"no {group} configs"
     failures = []
@@ -84,6 +99,8 @@ def _tile_expr(cfg) -> str | None:
     return {
         "sm80_bwd_dkdv": f"BwdDkdvTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
         "sm80_bwd_dkdv_dq": f"BwdDkdvTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
+        "sm80_bwd_dkdv2": f"BwdDkdvTile2<{d}, {bm}, {bn}, {w}>::kSmemBytes",
+        "sm80_bwd_dkdv2_dq": f"BwdDkdvTile2<{d}, {bm}, {bn}, {w}>::kSmemBytes",
         "sm80_bwd_dq": f"BwdDqTile<{d}, {bm}, {bn}, {w}>::kSmemBytes",
         "simt_bwd_dkdv": f"SimtBwdTile<{d}, {bn}, {bm}, {w}>::kSmemBytesDkdv",
         "simt_bwd_dq": f"SimtBwdTile<{d}, {bm}, {bn}, {w}>::kSmemBytesDq",

@@ -624,3 +624,396 @@ bwd_dq_kernel(const BwdParams p) {
     u16* gdQ = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + m0 * p.dq_row_stride;
     store_tile_pred<u16, kBlockM, kPad, kStride, kThreads>(gdQ, sQ, p.dq_row_stride, rows_valid, hd, tid);
 }
+
+// ---------------------------------------------------------------------------
+// dK/dV kernel, version 2 (the default on sm_90 for head dims <= 128; CUFLASH_SM80_BWD_VARIANT=1
+// selects version 1).
+// Same products as bwd_dkdv_body, reorganised:
+//   * Q / dO tiles (and lse2 / delta) in a two-stage ring: the loads of step it + 1
+//     are issued at the top of step it and have the whole step to land;
+//   * two barriers per step (top: tiles landed and the other stage free; after the
+//     P^T / dS^T stores) instead of five;
+//   * 2-D warp grids for every product, chosen to minimise the ldmatrix count
+//     (shared-memory bandwidth is the limiter of mma.sync on sm_90);
+//   * dQ partial sums leave with red.global.add.v2.f32 on sm_90 (one vector
+//     reduction per pair of columns), scalar atomics before.
+
+// Unroll of the S^T / dP^T k-loops (both operands from shared memory): 2 is faster (H100: +4%
+// at d=64, +2.5% at d=128) but spills at d=128 with 64 x 128 tiles on sm_90.
+#ifndef BWD2_S_UNROLL
+#define BWD2_S_UNROLL (kPad <= 64 ? 2 : 1)
+#endif
+// Measurement only (wrong dQ): skip the dQ product and its reductions (1) or the reductions (2).
+#ifndef BWD2_DIAG_SKIP_DQ
+#define BWD2_DIAG_SKIP_DQ 0
+#endif
+
+// Warps along M (the rest along N) of an M x N product that minimise the ldmatrix.x4
+// count per 16-wide k-step, wn * M / 16 + wm * N / 16; ties go to more warps along M.
+// Every warp's slice must be whole 16 x 16 steps. -1: no grid fits.
+__host__ __device__ constexpr int bwd_pick_wm(int nwarps, int M, int N) {
+    int best = -1, best_cost = 1 << 30;
+    for (int wm = 1; wm <= nwarps; wm *= 2) {
+        const int wn = nwarps / wm;
+        if (wm * wn != nwarps || M % (16 * wm) != 0 || N % (16 * wn) != 0) continue;
+        const int cost = wn * M / 16 + wm * N / 16;
+        if (cost <= best_cost) { best = wm; best_cost = cost; }
+    }
+    return best;
+}
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdDkdvTile2 {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;
+    static constexpr int kBlockM = kBlockM_;   // query rows per step
+    static constexpr int kBlockN = kBlockN_;   // keys held by the CTA
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    // S^T, dP^T (kBlockN x kBlockM): kWarpsN1 x kWarpsM1.
+    static constexpr int kWarpsN1 = bwd_pick_wm(kNWarps, kBlockN, kBlockM);
+    static constexpr int kWarpsM1 = kNWarps / (kWarpsN1 > 0 ? kWarpsN1 : 1);
+    // dV, dK (kBlockN x head_dim): kWarpsN2 x kWarpsD2.
+    static constexpr int kWarpsN2 = bwd_pick_wm(kNWarps, kBlockN, kHeadDimPad);
+    static constexpr int kWarpsD2 = kNWarps / (kWarpsN2 > 0 ? kWarpsN2 : 1);
+    // dQ (kBlockM x head_dim): kWarpsM3 x kWarpsD3.
+    static constexpr int kWarpsM3 = bwd_pick_wm(kNWarps, kBlockM, kHeadDimPad);
+    static constexpr int kWarpsD3 = kNWarps / (kWarpsM3 > 0 ? kWarpsM3 : 1);
+    static constexpr int kMTiles1 = kBlockN / kWarpsN1 / 16;
+    static constexpr int kNTiles1 = kBlockM / kWarpsM1 / 8;
+    static constexpr int kMTiles2 = kBlockN / kWarpsN2 / 16;
+    static constexpr int kNTiles2 = kHeadDimPad / kWarpsD2 / 8;
+    static constexpr int kMTiles3 = kBlockM / kWarpsM3 / 16;
+    static constexpr int kNTiles3 = kHeadDimPad / kWarpsD3 / 8;
+    static constexpr int kNTiles3Chunk = kNTiles3 % 8 == 0 ? 8 : (kNTiles3 % 6 == 0 ? 6 : (kNTiles3 % 4 == 0 ? 4 : 2));
+    static constexpr int kStride = kHeadDimPad + 8;   // Q, dO, K, V rows (16-byte pad)
+    static constexpr int kStrideP = kBlockM + 8;      // P^T, dS^T rows
+    static constexpr int kSmemElems = (4 * kBlockM + 2 * kBlockN) * kStride + 2 * kBlockN * kStrideP;
+    static constexpr int kSmemBytes = kSmemElems * 2 + 4 * kBlockM * 4;  // + 2 stages of lse2, delta
+
+    static_assert(kWarpsN1 > 0 && kWarpsN2 > 0 && kWarpsM3 > 0, "no warp grid fits these tiles");
+    static_assert(kThreads >= 2 * kBlockM, "one thread per lse / delta value");
+    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+};
+
+// dst[0] += a, dst[1] += b (dst 8-byte aligned), no return value.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
+__device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
+    using Tile = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mma = Mma16816<Tag>;
+    constexpr int kStride = Tile::kStride;
+    constexpr int kStrideP = Tile::kStrideP;
+    constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kThreads = Tile::kThreads;
+    constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
+    constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
+    constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
+    constexpr int kTileM = kBlockM * kStride;
+
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sQ0 = smem;                      // stage s: Q at sQ0 + s * kTileM
+    u16* sdO0 = sQ0 + 2 * kTileM;         // stage s: dO at sdO0 + s * kTileM
+    u16* sK = sdO0 + 2 * kTileM;
+    u16* sV = sK + kBlockN * kStride;
+    u16* sP = sV + kBlockN * kStride;     // P^T  [key][query]
+    u16* sdS = sP + kBlockN * kStrideP;   // dS^T [key][query]
+    float* sStat0 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);  // stage s: lse2, delta at + s * 2 * kBlockM
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int n_block = blockIdx.x;
+    const int head_kv = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, p.seqlen_k - n0);
+    const int hd = p.head_dim;
+
+    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+    const int m_end = ceil_div(p.seqlen_q, kBlockM);
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * p.heads_per_kv;
+    const int head0 = head_kv * p.heads_per_kv;
+
+    const int wn1 = warp % Tile::kWarpsN1, wm1 = warp / Tile::kWarpsN1;
+    const int wn2 = warp % Tile::kWarpsN2, wd2 = warp / Tile::kWarpsN2;
+    const int wm3 = warp % Tile::kWarpsM3, wd3 = warp / Tile::kWarpsM3;
+    const int row1 = wn1 * kMT1 * 16;   // key row of this warp's S^T slice
+    const int col1 = wm1 * kNT1 * 8;    // query column of this warp's S^T slice
+    const int row2 = wn2 * kMT2 * 16;   // key row of this warp's dK/dV slice
+    const int col2 = wd2 * kNT2 * 8;    // head-dim column of this warp's dK/dV slice
+    const int row3 = wm3 * kMT3 * 16;   // query row of this warp's dQ slice
+    const int col3 = wd3 * kNT3 * 8;
+
+    float acc_dk[kMT2][kNT2][4], acc_dv[kMT2][kNT2][4];
+#pragma unroll
+    for (int t = 0; t < kMT2; ++t)
+#pragma unroll
+        for (int n = 0; n < kNT2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { acc_dk[t][n][e] = 0.f; acc_dv[t][n][e] = 0.f; }
+
+    auto fetch_row_stat = [&](int head, int m_block) -> float {
+        const int i = tid < kBlockM ? tid : tid - kBlockM;
+        const int row = m_block * kBlockM + i;
+        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+        if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
+        if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
+        return 0.f;
+    };
+    auto store_row_stat = [&](int stage, float x) {
+        if (tid < 2 * kBlockM) sStat0[stage * 2 * kBlockM + tid] = x;
+    };
+    auto load_qdo = [&](int head, int m_block, int stage) {
+        const int m0 = m_block * kBlockM;
+        const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+                        + m0 * p.q_row_stride;
+        const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride
+                         + m0 * p.do_row_stride;
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sQ0 + stage * kTileM, gQ, p.q_row_stride, p.seqlen_q - m0, hd, tid);
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sdO0 + stage * kTileM, gdO, p.do_row_stride, p.seqlen_q - m0, hd, tid);
+    };
+
+    if (n_iter > 0) {
+        {
+            const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride
+                            + n0 * p.k_row_stride;
+            const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
+                            + n0 * p.v_row_stride;
+            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
+            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
+        }
+        load_qdo(head0, m_begin, 0);
+        cp_async_commit();
+        store_row_stat(0, fetch_row_stat(head0, m_begin));
+
+#pragma unroll 1
+        for (int it = 0; it < n_iter; ++it) {
+            const int stage = it & 1;
+            const int head = head0 + it / n_m;
+            const int m_block = m_begin + it % n_m;
+            const int m0 = m_block * kBlockM;
+            const bool has_next = it + 1 < n_iter;
+
+            cp_async_wait<0>();
+            __syncthreads();  // Q, dO of it landed, its lse2 / delta visible; every warp is done
+                              // with step it - 1 (the other stage, sP, sdS)
+            float stat_next = 0.f;
+            if (has_next) {
+                const int head_next = head0 + (it + 1) / n_m;
+                const int m_next = m_begin + (it + 1) % n_m;
+                load_qdo(head_next, m_next, stage ^ 1);
+                stat_next = fetch_row_stat(head_next, m_next);
+            }
+            cp_async_commit();
+
+            const u16* sQ = sQ0 + stage * kTileM;
+            const u16* sdO = sdO0 + stage * kTileM;
+            const float* sLse2 = sStat0 + stage * 2 * kBlockM;
+            const float* sDelta = sLse2 + kBlockM;
+
+            // S^T = K Q^T, dP^T = V dO^T
+            float acc_s[kMT1][kNT1][4], acc_dp[kMT1][kNT1][4];
+#pragma unroll
+            for (int t = 0; t < kMT1; ++t)
+#pragma unroll
+                for (int n = 0; n < kNT1; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) { acc_s[t][n][e] = 0.f; acc_dp[t][n][e] = 0.f; }
+#pragma unroll BWD2_S_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMT1][4];
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sK, row1 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT1 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sQ, col1 + nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT1; ++t) {
+                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+#pragma unroll BWD2_S_UNROLL
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                u32 a[kMT1][4];
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sV, row1 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT1 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_nk<kStride>(b, sdO, col1 + nn * 16, kk * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT1; ++t) {
+                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            // P^T, dS^T -> shared memory. Element (t, n, e): key row1 + t*16 + g + (e>>1)*8,
+            // query col1 + n*8 + 2*t4 + (e&1).
+            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+            for (int n = 0; n < kNT1; ++n) {
+                const int qc = col1 + n * 8 + 2 * t4;
+                const float2 l = *reinterpret_cast<const float2*>(sLse2 + qc);
+                const float2 d = *reinterpret_cast<const float2*>(sDelta + qc);
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int kr = row1 + t * 16 + g + h * 8;
+                        float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l.x);
+                        float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l.y);
+                        if (mask) {
+                            if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
+                            if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
+                        }
+                        const float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
+                        const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                        *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
+                        *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
+                    }
+                }
+            }
+            if (has_next) store_row_stat(stage ^ 1, stat_next);
+            __syncthreads();  // P^T, dS^T complete
+
+            // dV += P^T dO
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                u32 a[kMT2][4];
+#pragma unroll
+                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sP, row2 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT2 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sdO, kk * 16, col2 + nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT2; ++t) {
+                        Mma::run(acc_dv[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dv[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+            // dK += dS^T Q
+#pragma unroll BWD_KK_UNROLL
+            for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                u32 a[kMT2][4];
+#pragma unroll
+                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sdS, row2 + t * 16, kk * 16, lane);
+#pragma unroll
+                for (int nn = 0; nn < kNT2 / 2; ++nn) {
+                    u32 b[4];
+                    load_b_frag_kn<kStride>(b, sQ, kk * 16, col2 + nn * 16, lane);
+#pragma unroll
+                    for (int t = 0; t < kMT2; ++t) {
+                        Mma::run(acc_dk[t][2 * nn], a[t], b[0], b[1]);
+                        Mma::run(acc_dk[t][2 * nn + 1], a[t], b[2], b[3]);
+                    }
+                }
+            }
+
+            if constexpr (kAtomicDq && BWD2_DIAG_SKIP_DQ != 1) {
+                // dQ_m += dS K: A = dS (query x key), read from dS^T transposed; column chunks
+                // of kNT3c n-tiles bound the live accumulators.
+                constexpr int kNT3c = Tile::kNTiles3Chunk;
+#pragma unroll 1
+                for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
+                    const int colc = col3 + chunk * kNT3c * 8;
+                    float acc_dq[kMT3][kNT3c][4];
+#pragma unroll
+                    for (int t = 0; t < kMT3; ++t)
+#pragma unroll
+                        for (int n = 0; n < kNT3c; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
+#pragma unroll BWD_KK_UNROLL
+                    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                        u32 a[kMT3][4];
+#pragma unroll
+                        for (int t = 0; t < kMT3; ++t)
+                            load_a_frag_trans<kStrideP>(a[t], sdS, row3 + t * 16, kk * 16, lane);
+#pragma unroll
+                        for (int nn = 0; nn < kNT3c / 2; ++nn) {
+                            u32 b[4];
+                            load_b_frag_kn<kStride>(b, sK, kk * 16, colc + nn * 16, lane);
+#pragma unroll
+                            for (int t = 0; t < kMT3; ++t) {
+                                Mma::run(acc_dq[t][2 * nn], a[t], b[0], b[1]);
+                                Mma::run(acc_dq[t][2 * nn + 1], a[t], b[2], b[3]);
+                            }
+                        }
+                    }
+                    float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
+#pragma unroll
+                    for (int t = 0; t < kMT3; ++t)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int row = m0 + row3 + t * 16 + g + h * 8;
+                            if (row < p.seqlen_q) {
+                                float* dst = gdq + static_cast<i64>(row) * hd;
+#pragma unroll
+                                for (int n = 0; n < kNT3c; ++n) {
+                                    const int col = colc + n * 8 + 2 * t4;  // even; hd % 8 == 0
+                                    if (col < hd && BWD2_DIAG_SKIP_DQ != 2) red_add_f32x2(dst + col, acc_dq[t][n][2 * h], acc_dq[t][n][2 * h + 1]);
+                                }
+                            }
+                        }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dK * softmax_scale and dV, staged through the K / V buffers.
+    __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
+#pragma unroll
+    for (int t = 0; t < kMT2; ++t)
+#pragma unroll
+        for (int n = 0; n < kNT2; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row2 + t * 16 + g + h * 8;
+                const int c = col2 + n * 8 + 2 * t4;
+                *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
+                    acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(sV + r * kStride + c) =
+                    ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
+            }
+    __syncthreads();
+    u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride
+               + n0 * p.dk_row_stride;
+    u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
+               + n0 * p.dv_row_stride;
+    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
+    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv2_kernel(const BwdParams p) {
+    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv2_dq_kernel(const BwdParams p) {
+    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p);
+}
