@@ -58,13 +58,13 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = N
     return (out, lse) if return_lse else out
 
 
-# (dtype, head_dim, causal, device) -> (kernel, config, shared memory bytes): keeps the
+# (dtype, head_dim, causal, device, backend) -> (kernel, config, shared memory bytes): keeps the
 # heuristics and the module lookup off the hot path. Tuning scripts clear it.
 _fwd_plans: dict = {}
 
 
 def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int):
-    key = (dtype, head_dim, causal, device_id)
+    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend())
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)

@@ -69,19 +69,24 @@ def _override(name: str):
 
 
 def fwd_backend() -> str:
-    """The requested forward backend: "sm90" opts into the Hopper kernels (not yet the default)."""
+    """$CUFLASH_FWD_BACKEND: "auto" (default: the Hopper kernels on compute capability 9.0 for
+    fp16/bf16, the portable ones elsewhere), "sm80" (force the portable mma.sync kernels),
+    "sm90" or "sm90_<schedule>" (Hopper, one consumer schedule forced)."""
     return os.environ.get("CUFLASH_FWD_BACKEND", "auto").strip().lower()
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
-    ``backend`` (default: $CUFLASH_FWD_BACKEND) "sm90" picks the Hopper kernels where they
-    apply (cc 9.0, fp16/bf16) with the tuned schedule, "sm90_simple" / "sm90_overlap" /
-    "sm90_pingpong" force one consumer schedule; anything else picks the portable kernels.
+    ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
+    Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
+    "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
+    anything else pick the portable kernels.
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
+    if backend == "auto":
+        backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
@@ -104,13 +109,14 @@ def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
             for causal in (False, True)]
 
 
-def all_fwd_configs(cc: int) -> list[KernelConfig]:
-    """Every forward instantiation the dispatcher can choose (for the CPU compile test)."""
+def all_fwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
+    """Every forward instantiation of a backend (default: the portable kernels, which every GPU
+    may run; the Hopper ones are all_sm90_fwd_configs) for the CPU compile tests."""
     out = []
     for dtype in ("float16", "bfloat16", "float32"):
         for d in range(8, MAX_HEAD_DIM + 1, 8):
             for causal in (False, True):
-                out.append(fwd_config(dtype, d, causal, cc))
+                out.append(fwd_config(dtype, d, causal, cc, backend=backend))
     return out
 
 

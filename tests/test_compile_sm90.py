@@ -49,8 +49,16 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
 
 
-def test_sm90_is_opt_in(monkeypatch):
+def test_backend_selection(monkeypatch):
+    """Hopper kernels by default on cc 9.0 for fp16/bf16; CUFLASH_FWD_BACKEND=sm80 forces the
+    portable ones; other GPUs and float32 always take the portable kernels."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
+    assert heuristics.fwd_config("float16", 64, True, 90).family.startswith("sm90_fwd")
+    assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
+    assert heuristics.fwd_config("bfloat16", 128, False, 89).family == "sm80_fwd"
+    assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm80_fwd"
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
