@@ -19,6 +19,8 @@ def configs(which, cc: int):
         out += heuristics.all_bwd_configs(86)
     if "fwd" in which:
         out += heuristics.all_fwd_configs(cc)
+        if cc == 90:  # the Hopper kernels the dispatcher picks by default there
+            out += heuristics.all_sm90_fwd_configs()
     return list({c.key(): c for c in out}.values())
 
 
