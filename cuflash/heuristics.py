@@ -182,7 +182,10 @@ _SIMT_BWD = {
 # sm90 dK/dV + atomic dQ (wgmma, TMA; opt-in: CUFLASH_BWD_BACKEND=sm90): head-dim bucket ->
 # (block_m, block_n, num_warps); one producer and block_n / 64 consumer warpgroups. Buckets not
 # listed, float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
-_SM90_BWD = {64: (64, 128, 12), 128: (64, 128, 12)}
+# H100, B=4 H=16 N=4096 (2026-11-23): d=64 fp16 128-row query tiles 343 TFLOP/s (64 rows: 314);
+# causal 64 rows 237 (128 rows spill 4 bytes under the mask); d=128 bf16 386-391, causal 301-312.
+_SM90_BWD = {64: (128, 128, 12), 128: (64, 128, 12)}
+_SM90_BWD_CAUSAL = {64: (64, 128, 12)}
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)
 # Pre/postprocess: 8 threads per query row, 4 * num_warps rows per CTA.
@@ -229,7 +232,8 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     backend = bwd_backend() if backend is None else backend
     if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and not deterministic
             and bucket in _SM90_BWD):
-        bm, bn, w = _override("CUFLASH_SM90_BWD_TILES") or _SM90_BWD[bucket]
+        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and _SM90_BWD_CAUSAL.get(bucket))
+                     or _SM90_BWD[bucket])
         dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
         return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
     if dtype == "float32":

@@ -13,11 +13,20 @@ import time
 import numpy as np
 
 
-def _set_backend(name: str) -> None:
+def _set_backend(name: str, tiles: str | None = None) -> None:
+    """Backend (CUFLASH_BWD_BACKEND) and sm90 tile override (CUFLASH_SM90_BWD_TILES) for the next calls."""
     import cuflash.api as api
 
     os.environ["CUFLASH_BWD_BACKEND"] = name
+    if tiles:
+        os.environ["CUFLASH_SM90_BWD_TILES"] = tiles
+    else:
+        os.environ.pop("CUFLASH_SM90_BWD_TILES", None)
     api._bwd_plans.clear()
+
+
+# (backend, sm90 tile override) pairs compared by `errors` and `timing`.
+VARIANTS = [("sm90", None), ("sm90", "64,128,12"), ("auto", None)]
 
 
 def _inputs(rng, dtype, b, nq, nk, hq, hkv, d):
@@ -47,6 +56,8 @@ def errors() -> None:
         ("float16", 2, 300, 333, 8, 2, 64, True),
         ("float16", 1, 190, 257, 2, 2, 40, False),
         ("float16", 1, 300, 100, 2, 2, 64, True),
+        ("bfloat16", 2, 1000, 1000, 3, 3, 64, False),
+        ("float16", 2, 300, 333, 8, 2, 40, False),
     ]
     rng = np.random.default_rng(0)
     for case in cases:
@@ -55,9 +66,10 @@ def errors() -> None:
         out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
         ref = attention_reference_backward(do, q, k, v, causal=causal)
         line = [f"{dtype} b{b} nq{nq} nk{nk} h{hq}/{hkv} d{d} causal={causal}:"]
-        for backend in ("sm90", "auto"):
-            _set_backend(backend)
-            fam = heuristics.bwd_configs(dtype, d, causal, 90).dkdv.family
+        for backend, tiles in VARIANTS:
+            _set_backend(backend, tiles)
+            cfg = heuristics.bwd_configs(dtype, d, causal, 90).dkdv
+            fam = f"{cfg.family}[{cfg.block_m}]"
             try:
                 grads = cuflash.backward(do, q, k, v, out, lse, causal=causal)
                 cupy.cuda.get_current_stream().synchronize()
@@ -86,10 +98,16 @@ def timing() -> None:
             out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
             flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
             row = [f"B={b} H={h} N={n} D={d} {dtype} causal={causal}:"]
-            for backend in ("sm90", "auto"):
-                _set_backend(backend)
-                ms = time_cuda(lambda: cuflash.backward(do, q, k, v, out, lse, causal=causal))
-                row.append(f"{backend} {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s |")
+            for backend, tiles in VARIANTS:
+                if d != 64 and tiles:
+                    continue
+                _set_backend(backend, tiles)
+                try:
+                    ms = time_cuda(lambda: cuflash.backward(do, q, k, v, out, lse, causal=causal))
+                    row.append(f"{backend}{'[' + tiles + ']' if tiles else ''} {ms:.3f} ms "
+                               f"{flops / ms / 1e9:.0f} TFLOP/s |")
+                except Exception as e:  # noqa: BLE001
+                    row.append(f"{backend} {tiles} FAILED {type(e).__name__}: {str(e)[:200]} |")
             print(" ".join(row), flush=True)
     _set_backend("sm90")
 

@@ -50,17 +50,22 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
 
 
 def test_sm90_bwd_is_opt_in(monkeypatch):
+    def portable(cfgs):
+        return not any(c.fam.arch_specific for c in cfgs.all())
+
     monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    assert heuristics.bwd_configs("bfloat16", 128, False, 90).dkdv.family == "sm80_bwd_dkdv_dq"
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
+    assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90))
     monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm90")
     cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
-    assert cfgs.dkdv.family == "sm90_bwd_dkdv_dq" and cfgs.postprocess is not None and cfgs.dq is None
-    assert heuristics.bwd_configs("float16", 40, True, 90).dkdv.family == "sm90_bwd_dkdv_dq"
+    tuned = "sm90_bwd_dkdv_dq"
+    assert cfgs.dkdv.family == tuned and cfgs.postprocess is not None and cfgs.dq is None
+    assert heuristics.bwd_configs("float16", 40, True, 90).dkdv.family == tuned
     # Other dtypes, GPUs, head-dim buckets and the deterministic mode keep the portable kernels.
-    assert heuristics.bwd_configs("float32", 128, False, 90).dkdv.family == "simt_bwd_dkdv"
-    assert heuristics.bwd_configs("bfloat16", 128, False, 80).dkdv.family == "sm80_bwd_dkdv_dq"
-    assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.family == "sm80_bwd_dkdv"
-    assert heuristics.bwd_configs("bfloat16", 32, False, 90).dkdv.family == "sm80_bwd_dkdv_dq"
-    assert heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True).dkdv.family == "sm80_bwd_dkdv"
-    assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90)
-                   if c.family.startswith("sm80") or c.family.startswith("simt"))
+    assert portable(heuristics.bwd_configs("float32", 128, False, 90))
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
+    assert portable(heuristics.bwd_configs("bfloat16", 256, False, 90))
+    assert portable(heuristics.bwd_configs("bfloat16", 32, False, 90))
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
+    assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
+    assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 64

@@ -1,7 +1,7 @@
 // FlashAttention-2 backward for Hopper (sm_90a): dK/dV with atomic dQ on wgmma.
 //
 // One CTA per (key tile of kBlockN = 64 * consumer warpgroups keys, kv head, batch),
-// looping over the query tiles (kBlockM = 64 rows) of every query head of its GQA
+// looping over the query tiles (kBlockM = 64 or 128 rows) of every query head of its GQA
 // group. Warpgroup 0 is the producer: it lowers its registers; one thread loads K
 // and V once and then streams Q and dO tiles through a kStages-deep TMA ring
 // (128-byte swizzle, "full"/"empty" mbarriers), and warp 1 copies lse2 / delta of
@@ -14,7 +14,8 @@
 //   dK_c += dS^T Q          wgmma RS (dS^T from the accumulators, Q MN-major)
 //   dS -> shared memory as [query][key] (128-byte swizzle, K-major A of dQ),
 //   double-buffered; one named barrier per step between the consumer warpgroups
-//   dQ[:, d-slice c] += dS K   wgmma SS (dS K-major, K MN-major), then
+//   dQ slice c += dS K      wgmma SS (dS K-major, K MN-major; kBlockM = 64: columns split
+//                           between the warpgroups, 128: rows split), then
 //   red.global.add.v2.f32 into the float32 dq_accum (bwd_postprocess converts).
 // Causal: query tiles before the key tile's first visible row are skipped; odd
 // lengths and head dims come from TMA's zero fill plus masking (P = 0 outside).
@@ -39,13 +40,15 @@ struct Sm90BwdTile {
     static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
     static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2; // K or V tile
     static constexpr int kDsBytes = kBlockM * kBlockN * 2;     // one dS buffer
-    static constexpr int kDqCols = kHeadDimPad / kConsumerWGs; // dQ columns per consumer warpgroup
+    // dQ slice of a consumer warpgroup: with 64-row query tiles, all rows and 1 / kConsumerWGs of the
+    // columns; with 128-row tiles, 64 rows and all columns.
+    static constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / kConsumerWGs : kHeadDimPad;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     // Bytes after the 1024-byte aligned base (launch.py mirrors this).
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes
                                       + 2 * kStages * kBlockM * 4 + 8 * (1 + 3 * kStages);
-    static_assert(kBlockM == 64, "one m64 wgmma row block per query tile");
+    static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
     static_assert(kBlockN == 128 && kConsumerWGs == 2, "two consumer warpgroups of 64 keys");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockN / 64 consumer warpgroups");
     static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
@@ -141,13 +144,13 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
                 float* lse2_s = stat_ptr + stage * kBlockM;
                 float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
-#pragma unroll
+#pragma unroll 1
                 for (int r = lane; r < kBlockM; r += 32) {
                     const int row = m0 + r;
                     lse2_s[r] = row < p.seqlen_q ? bwd_lse2(p.lse[base + row]) : CUFLASH_INF;
                 }
                 mbar_arrive(bar_q_full(stage));
-#pragma unroll
+#pragma unroll 1
                 for (int r = lane; r < kBlockM; r += 32) {
                     const int row = m0 + r;
                     delta_s[r] = row < p.seqlen_q ? p.delta[base + row] : 0.f;
@@ -162,11 +165,31 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
         const int key_local = cw * 64 + warp * 16 + g;   // this thread's key rows: key_local (+ 8)
-        const int dq_col0 = cw * kDqCols;                // this warpgroup's dQ columns
+        const int dq_col0 = kBlockM == 64 ? cw * kDqCols : 0;   // this warpgroup's dQ columns
+        const int dq_row0 = kBlockM == 64 ? 0 : cw * 64;        // and rows
 
         float acc_dk[kPad / 2], acc_dv[kPad / 2];
 #pragma unroll
         for (int i = 0; i < kPad / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
+
+        // dq_accum += a dQ slice; dst: the row of this thread's first query (query row + 8: h = 1),
+        // rows_valid: seqlen_q minus that row. Register 4j + e: query + 8 (e >> 1), column dq_col0 + 8j + 2 t4.
+        float acc_dq[kDqCols / 2];
+        float* dq_dst = nullptr;
+        int dq_rows_valid = 0;
+        auto store_dq = [&]() {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (8 * h < dq_rows_valid) {
+                    float* dst = dq_dst + 8 * h * p.head_dim;
+#pragma unroll
+                    for (int j = 0; j < kDqCols / 8; ++j) {
+                        const int col = dq_col0 + 8 * j + 2 * t4;
+                        if (col < p.head_dim) red_add_v2(dst + col, acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+                    }
+                }
+            }
+        };
 
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int i = 0; i < n_iter; ++i) {
@@ -266,12 +289,12 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // Every consumer warpgroup's half of dS is in shared memory.
             named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
-            // dQ[:, dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
-            float acc_dq[kDqCols / 2];
+            // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + dq_row0 * 128 + (kk % 4) * 32,
+                                               16, 1024);
                 const u64 db = make_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + (dq_col0 % 64) * 2 + kk * 16 * 128,
                                                kBlockN * 128, 1024);
                 WgmmaSS<Tag, kDqCols>::template run<true>(acc_dq, da, db, kk > 0);
@@ -285,20 +308,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
             mbar_arrive(bar_empty(stage));
 
-            // dq_accum += dQ slice. Register 4j + e: query m0 + 16 warp + g + 8 (e >> 1), column dq_col0 + 8j + 2 t4.
-            float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * p.head_dim;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = m0 + warp * 16 + g + 8 * h;
-                if (row < p.seqlen_q) {
-                    float* dst = gdq + static_cast<i64>(row) * p.head_dim;
-#pragma unroll
-                    for (int j = 0; j < kDqCols / 8; ++j) {
-                        const int col = dq_col0 + 8 * j + 2 * t4;
-                        if (col < p.head_dim) red_add_v2(dst + col, acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
-                    }
-                }
-            }
+            const int dq_row = m0 + dq_row0 + warp * 16 + g;
+            dq_dst = p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim;
+            dq_rows_valid = p.seqlen_q - dq_row;
+            store_dq();
         }
 
         // Epilogue: dK * softmax_scale and dV (keys past seqlen_k and padded columns skipped).
