@@ -31,7 +31,7 @@ def dtype_name(dtype) -> str:
     return SUPPORTED_DTYPES[np.dtype(dtype)]
 
 
-def check_array(name: str, x, *, ndim: int = 4) -> None:
+def check_array(name: str, x, *, ndim: int = 4, aligned: bool = True) -> None:
     """``x`` is a CuPy array of a supported dtype with ``ndim`` dims and a contiguous last dim."""
     cupy = _cupy()
     if not isinstance(x, cupy.ndarray):
@@ -45,6 +45,12 @@ def check_array(name: str, x, *, ndim: int = 4) -> None:
     if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.itemsize} bytes), "
                          f"got strides {x.strides}")
+    if aligned:
+        check_aligned(name, x)
+
+
+def check_aligned(name: str, x) -> None:
+    """Kernels load 16-byte chunks: the pointer and every stride of a non-trivial dim align to 16."""
     if x.size:
         misaligned = x.data.ptr % ALIGN_BYTES or any(
             s % ALIGN_BYTES for s, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
@@ -64,7 +70,7 @@ def check_same(name: str, x, ref_name: str, ref) -> None:
 def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, int, int]:
     """Validate q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D). Returns (B, Nq, Nk, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        check_array(name, x)
+        check_array(name, x, aligned=False)  # shape errors first: they say more than alignment
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
     b, nq, hq, d = q.shape
@@ -82,6 +88,8 @@ def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, in
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
     if d not in head_dims:
         raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_aligned(name, x)
     return b, nq, nk, hq, hkv, d
 
 
