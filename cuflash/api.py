@@ -150,7 +150,7 @@ _bwd_plans: dict = {}
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int):
-    key = (dtype, head_dim, causal, deterministic, device_id)
+    key = (dtype, head_dim, causal, deterministic, device_id, heuristics.bwd_backend())
     plan = _bwd_plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)

@@ -179,7 +179,7 @@ _SIMT_BWD = {
     "small": {32: (32, 32, 8), 64: (32, 32, 8), 96: (32, 32, 8), 128: (32, 32, 8),
               192: (16, 16, 8), 256: (16, 16, 8)},
 }
-# sm90 dK/dV + atomic dQ (wgmma, TMA; opt-in: CUFLASH_BWD_BACKEND=sm90): head-dim bucket ->
+# sm90 dK/dV + atomic dQ (wgmma, TMA; the default on cc 9.0 where listed): head-dim bucket ->
 # (block_m, block_n, num_warps); one producer and block_n / 64 consumer warpgroups. Buckets not
 # listed, float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
 # H100, B=4 H=16 N=4096 (2026-11-23): d=64 fp16 128-row query tiles 343 TFLOP/s (64 rows: 314);
@@ -215,7 +215,8 @@ def _aux_config(family: str, dtype: str) -> KernelConfig:
 
 
 def bwd_backend() -> str:
-    """The requested backward backend: "sm90" opts into the Hopper dK/dV kernel (not yet the default)."""
+    """$CUFLASH_BWD_BACKEND: "auto" (default: the Hopper dK/dV kernel on compute capability 9.0
+    where it applies, the portable kernels elsewhere), "sm80" (force portable) or "sm90"."""
     return os.environ.get("CUFLASH_BWD_BACKEND", "auto").strip().lower()
 
 
@@ -230,6 +231,8 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
     backend = bwd_backend() if backend is None else backend
+    if backend == "auto":
+        backend = "sm90" if cc == 90 else "sm80"
     if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and not deterministic
             and bucket in _SM90_BWD):
         bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and _SM90_BWD_CAUSAL.get(bucket))
@@ -253,14 +256,15 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 
-def all_bwd_configs(cc: int) -> list[KernelConfig]:
-    """Every backward instantiation the dispatcher can choose (for the CPU compile test)."""
+def all_bwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
+    """Every backward instantiation of a backend (default: the portable kernels; the Hopper ones
+    are all_sm90_bwd_configs) for the CPU compile tests."""
     seen: dict[str, KernelConfig] = {}
     for dtype in ("float16", "bfloat16", "float32"):
         for d in TUNED_HEAD_DIMS:
             for causal in (False, True):
                 for det in (False, True):
-                    for cfg in bwd_configs(dtype, d, causal, cc, det).all():
+                    for cfg in bwd_configs(dtype, d, causal, cc, det, backend=backend).all():
                         seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 

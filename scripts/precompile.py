@@ -15,6 +15,8 @@ def configs(which, cc: int):
     out = []
     if "bwd" in which:
         out += heuristics.all_bwd_configs(cc)
+        if cc == 90:
+            out += heuristics.all_sm90_bwd_configs()
     if "small" in which:  # the tiles for ~99 KB devices, to run them on a large one
         out += heuristics.all_bwd_configs(86)
     if "fwd" in which:

@@ -49,13 +49,19 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
 
 
-def test_sm90_bwd_is_opt_in(monkeypatch):
+def test_sm90_bwd_backend_selection(monkeypatch):
+    """Default on cc 9.0 where it applies; CUFLASH_BWD_BACKEND=sm80 forces the portable kernels."""
     def portable(cfgs):
         return not any(c.fam.arch_specific for c in cfgs.all())
 
     monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
+    assert not portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
+    assert portable(heuristics.bwd_configs("float32", 128, False, 90))
     assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90))
+    monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm80")
+    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm90")
     cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
     tuned = "sm90_bwd_dkdv_dq"
