@@ -180,12 +180,20 @@ _SIMT_BWD = {
               192: (16, 16, 8), 256: (16, 16, 8)},
 }
 # sm90 dK/dV + atomic dQ (wgmma, TMA; the default on cc 9.0 where listed): head-dim bucket ->
-# (block_m, block_n, num_warps); one producer and block_n / 64 consumer warpgroups. Buckets not
-# listed, float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
+# (block_m, block_n, num_warps); one producer and two consumer warpgroups: block_n = 128, 64 keys
+# each, or block_n = 64 (split-D, head dims 192 / 256): both compute S^T / dP^T of the same 64 keys
+# and each owns half of the head dim of dK, dV and dQ. Buckets 32 / 96 run on head dims padded to
+# 64 / 128 (TMA zero fill). Float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
 # H100, B=4 H=16 N=4096 (2026-11-23): d=64 fp16 128-row query tiles 343 TFLOP/s (64 rows: 314);
 # causal 64 rows 237 (128 rows spill 4 bytes under the mask); d=128 bf16 386-391, causal 301-312.
-_SM90_BWD = {64: (128, 128, 12), 128: (64, 128, 12)}
-_SM90_BWD_CAUSAL = {64: (64, 128, 12)}
+# d=32 fp16 195 / causal 135 (sm80 140 / 124); d=96 bf16 313 / 262 (208 / 191); d=192 bf16
+# 231 / 203 (153 / 148); d=256 bf16 231 / 204 (164 / 161).
+_SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12),
+             192: (64, 64, 12), 256: (64, 64, 12)}
+_SM90_BWD_CAUSAL = {32: (64, 128, 12), 64: (64, 128, 12)}
+# Buckets reachable only with CUFLASH_BWD_BACKEND=sm90 until they pass tests/test_bwd.py on a GPU.
+_SM90_BWD_OPTIN: dict = {}
+_SM90_BWD_OPTIN_CAUSAL: dict = {}
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)
 # Pre/postprocess: 8 threads per query row, 4 * num_warps rows per CTA.
@@ -231,12 +239,15 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
     backend = bwd_backend() if backend is None else backend
+    table, table_causal = _SM90_BWD, _SM90_BWD_CAUSAL
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
+    elif backend in SM90_BWD_BACKENDS:
+        table, table_causal = {**_SM90_BWD, **_SM90_BWD_OPTIN}, {**_SM90_BWD_CAUSAL, **_SM90_BWD_OPTIN_CAUSAL}
     if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and not deterministic
-            and bucket in _SM90_BWD):
-        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and _SM90_BWD_CAUSAL.get(bucket))
-                     or _SM90_BWD[bucket])
+            and bucket in table):
+        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and table_causal.get(bucket))
+                     or table[bucket])
         dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
         return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
     if dtype == "float32":

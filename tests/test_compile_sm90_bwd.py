@@ -15,8 +15,8 @@ H100_SMEM_OPTIN = 232448
 
 
 def test_sm90_bwd_configs():
-    assert {c.head_dim for c in SM90_BWD_CONFIGS} == {64, 128}
-    assert len(SM90_BWD_CONFIGS) == 2 * 2 * 2
+    assert {c.head_dim for c in SM90_BWD_CONFIGS} == {32, 64, 96, 128, 192, 256}
+    assert len(SM90_BWD_CONFIGS) == 6 * 2 * 2
     for c in SM90_BWD_CONFIGS:
         assert c.family == "sm90_bwd_dkdv_dq" and c.fam.arch_specific
         assert launch.SMEM_BYTES[c.family](c) <= H100_SMEM_OPTIN
@@ -41,8 +41,13 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     ops = sass.opcode_counts(sass.sass(cfg, "90a"))
     pad = (cfg.head_dim + 63) // 64 * 64
     # Per query tile and consumer warpgroup: S^T, dP^T (pad / 16 k-steps each), dV, dK
-    # (block_m / 16 each) and dQ (block_n / 16).
-    per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) + cfg.block_n // 16
+    # (block_m / 16 each) and dQ (block_n / 16), times the wgmma pieces of a column slice (split-D
+    # tiles, block_n = 64: half of the head dim per warpgroup, in 32-column pieces at d=192).
+    kv_cols = pad // 2 if cfg.block_n == 64 else pad
+    dq_cols = pad // 2 if cfg.block_m == 64 else pad
+    kv_pieces = 1 if kv_cols % 64 == 0 else kv_cols // 32
+    dq_pieces = 1 if dq_cols % 64 == 0 or dq_cols < 64 else dq_cols // 32
+    per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) * kv_pieces + cfg.block_n // 16 * dq_pieces
     assert ops["HGMMA"] == per_step, f"{cfg.key()}: {ops['HGMMA']} HGMMA, expected {per_step}"
     assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
     assert ops["REDG"] > 0, f"{cfg.key()}: no global reduction (atomic dQ) in SASS"
@@ -56,6 +61,7 @@ def test_sm90_bwd_backend_selection(monkeypatch):
 
     monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
     assert not portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
+    assert not portable(heuristics.bwd_configs("bfloat16", 256, True, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     assert portable(heuristics.bwd_configs("float32", 128, False, 90))
@@ -70,8 +76,10 @@ def test_sm90_bwd_backend_selection(monkeypatch):
     # Other dtypes, GPUs, head-dim buckets and the deterministic mode keep the portable kernels.
     assert portable(heuristics.bwd_configs("float32", 128, False, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
-    assert portable(heuristics.bwd_configs("bfloat16", 256, False, 90))
-    assert portable(heuristics.bwd_configs("bfloat16", 32, False, 90))
+    assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.block_n == 64
+    assert heuristics.bwd_configs("bfloat16", 136, True, 90).dkdv.block_n == 64
+    assert heuristics.bwd_configs("float16", 8, False, 90).dkdv.family == tuned
+    assert heuristics.bwd_configs("float16", 72, True, 90).dkdv.family == tuned
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
     assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 64

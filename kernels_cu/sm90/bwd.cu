@@ -34,7 +34,14 @@ struct Sm90BwdTile {
     static constexpr int kColBlocks = kHeadDimPad / 64;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
-    static constexpr int kConsumerWGs = kBlockN / 64;
+    // Split-D tiles (head dims 192 / 256): 64 keys per CTA and two consumer warpgroups that both
+    // compute S^T / dP^T of those keys (redundantly) and each own half of the head dim of dK, dV
+    // and dQ, so that the float32 dK/dV accumulators fit in registers.
+    static constexpr bool kSplitD = kBlockN == 64;
+    static constexpr int kConsumerWGs = kSplitD ? 2 : kBlockN / 64;
+    // dK / dV columns of one consumer warpgroup; wgmma N of one piece of a column slice (a piece
+    // never starts inside a 64-column swizzle atom and runs into the next one).
+    static constexpr int kKvCols = kSplitD ? kHeadDimPad / 2 : kHeadDimPad;
     static constexpr int kThreads = kNWarps_ * 32;
     static constexpr int kStages = 2;                        // launch.py mirrors this
     static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
@@ -43,13 +50,18 @@ struct Sm90BwdTile {
     // dQ slice of a consumer warpgroup: with 64-row query tiles, all rows and 1 / kConsumerWGs of the
     // columns; with 128-row tiles, 64 rows and all columns.
     static constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / kConsumerWGs : kHeadDimPad;
+    static constexpr int kKvPiece = kKvCols % 64 == 0 ? kKvCols : 32;
+    static constexpr int kDqPiece = kDqCols % 64 == 0 || kDqCols < 64 ? kDqCols : 32;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     // Bytes after the 1024-byte aligned base (launch.py mirrors this).
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes
                                       + 2 * kStages * kBlockM * 4 + 8 * (1 + 3 * kStages);
     static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
-    static_assert(kBlockN == 128 && kConsumerWGs == 2, "two consumer warpgroups of 64 keys");
+    static_assert((kBlockN == 128 || kSplitD) && kConsumerWGs == 2,
+                  "two consumer warpgroups of 64 keys, or of the same 64 keys and half the head dim each");
+    static_assert(!kSplitD || kBlockM == 64, "split-D tiles: 64-row query tiles");
+    static_assert(kKvPiece <= 128 && kDqPiece <= 128, "wgmma N of one piece");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockN / 64 consumer warpgroups");
     static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
 };
@@ -164,13 +176,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         const int lane = threadIdx.x & 31;
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
-        const int key_local = cw * 64 + warp * 16 + g;   // this thread's key rows: key_local (+ 8)
+        constexpr bool kSplitD = Tile::kSplitD;
+        constexpr int kKvCols = Tile::kKvCols, kKvPiece = Tile::kKvPiece, kDqPiece = Tile::kDqPiece;
+        const int key_wg = kSplitD ? 0 : cw;             // 64-key block of this warpgroup
+        const int key_local = key_wg * 64 + warp * 16 + g;   // this thread's key rows: key_local (+ 8)
+        const int kv_col0 = kSplitD ? cw * kKvCols : 0;      // this warpgroup's dK / dV columns
         const int dq_col0 = kBlockM == 64 ? cw * kDqCols : 0;   // this warpgroup's dQ columns
         const int dq_row0 = kBlockM == 64 ? 0 : cw * 64;        // and rows
 
-        float acc_dk[kPad / 2], acc_dv[kPad / 2];
+        float acc_dk[kKvCols / 2], acc_dv[kKvCols / 2];
 #pragma unroll
-        for (int i = 0; i < kPad / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
+        for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
 
         // dq_accum += a dQ slice; dst: the row of this thread's first query (query row + 8: h = 1),
         // rows_valid: seqlen_q minus that row. Register 4j + e: query + 8 (e >> 1), column dq_col0 + 8j + 2 t4.
@@ -207,7 +223,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kPad / 16; ++kk) {
-                const u64 da = make_desc_sw128(sK + (kk / 4) * kBlockN * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 da = make_desc_sw128(sK + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
                 const u64 db = make_desc_sw128(q_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
                 WgmmaSS<Tag, kBlockM>::template run<false>(acc_s, da, db, kk > 0);
             }
@@ -216,7 +232,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kPad / 16; ++kk) {
-                const u64 da = make_desc_sw128(sV + (kk / 4) * kBlockN * 128 + cw * 64 * 128 + (kk % 4) * 32, 16, 1024);
+                const u64 da = make_desc_sw128(sV + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
                 const u64 db = make_desc_sw128(do_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
                 WgmmaSS<Tag, kBlockM>::template run<false>(acc_dp, da, db, kk > 0);
             }
@@ -254,13 +270,15 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
                 }
             // dS -> shared memory, [query][key] K-major for the dQ product: this warpgroup's keys are
-            // 64-column block cw; element (m, kl) at m * 128 + (((kl / 8) ^ (m % 8)) * 16) + (kl % 8) * 2.
+            // 64-column block key_wg; element (m, kl) at m * 128 + (((kl / 8) ^ (m % 8)) * 16) + (kl % 8) * 2.
+            // Split-D: both warpgroups hold the same dS; warpgroup cw stores the query steps kk % 2 == cw.
             {
-                char* ds_ptr = smem_raw + (ds_buf + cw * kBlockM * 128 - smem_u32(smem_raw));
+                char* ds_ptr = smem_raw + (ds_buf + key_wg * kBlockM * 128 - smem_u32(smem_raw));
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
+                        if (kSplitD && (kk & 1) != cw) continue;
                         const int m = 16 * kk + 8 * (r >> 1) + 2 * t4;      // query of the low half
                         const int kchunk = 2 * warp + (r & 1);              // (key_local % 64) / 8
                         const u32 w = dsa[kk][r];
@@ -274,15 +292,28 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 
             // dV += P^T dO, dK += dS^T Q (B operands MN-major: k16 step = 16 query rows).
             wgmma_fence();
+            // Column c of the B tile: 64-column block c / 64 (kBlockM * 128 bytes apart), byte (c % 64) * 2.
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                const u64 db = make_desc_sw128(do_src + kk * 16 * 128, kBlockM * 128, 1024);
-                WgmmaRS<Tag, kPad>::template run<true>(acc_dv, pa[kk], db, 1);
+            for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
+                const int col = kv_col0 + pc * kKvPiece;
+                auto& dv = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc_dv + pc * (kKvPiece / 2));
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                    const u64 db = make_desc_sw128(do_src + (col / 64) * kBlockM * 128 + (col % 64) * 2 + kk * 16 * 128,
+                                                   kBlockM * 128, 1024);
+                    WgmmaRS<Tag, kKvPiece>::template run<true>(dv, pa[kk], db, 1);
+                }
             }
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                const u64 db = make_desc_sw128(q_src + kk * 16 * 128, kBlockM * 128, 1024);
-                WgmmaRS<Tag, kPad>::template run<true>(acc_dk, dsa[kk], db, 1);
+            for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
+                const int col = kv_col0 + pc * kKvPiece;
+                auto& dk = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc_dk + pc * (kKvPiece / 2));
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                    const u64 db = make_desc_sw128(q_src + (col / 64) * kBlockM * 128 + (col % 64) * 2 + kk * 16 * 128,
+                                                   kBlockM * 128, 1024);
+                    WgmmaRS<Tag, kKvPiece>::template run<true>(dk, dsa[kk], db, 1);
+                }
             }
             wgmma_commit();
 
@@ -292,12 +323,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + dq_row0 * 128 + (kk % 4) * 32,
-                                               16, 1024);
-                const u64 db = make_desc_sw128(sK + (dq_col0 / 64) * kBlockN * 128 + (dq_col0 % 64) * 2 + kk * 16 * 128,
-                                               kBlockN * 128, 1024);
-                WgmmaSS<Tag, kDqCols>::template run<true>(acc_dq, da, db, kk > 0);
+            for (int pc = 0; pc < kDqCols / kDqPiece; ++pc) {
+                const int col = dq_col0 + pc * kDqPiece;
+                auto& dq = *reinterpret_cast<float(*)[kDqPiece / 2]>(acc_dq + pc * (kDqPiece / 2));
+#pragma unroll
+                for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                    const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + dq_row0 * 128 + (kk % 4) * 32,
+                                                   16, 1024);
+                    const u64 db = make_desc_sw128(sK + (col / 64) * kBlockN * 128 + (col % 64) * 2 + kk * 16 * 128,
+                                                   kBlockN * 128, 1024);
+                    WgmmaSS<Tag, kDqPiece>::template run<true>(dq, da, db, kk > 0);
+                }
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -324,8 +360,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 u16* k_row = gdK + key * p.dk_row_stride;
                 u16* v_row = gdV + key * p.dv_row_stride;
 #pragma unroll
-                for (int j = 0; j < kPad / 8; ++j) {
-                    const int col = 8 * j + 2 * t4;
+                for (int j = 0; j < kKvCols / 8; ++j) {
+                    const int col = kv_col0 + 8 * j + 2 * t4;
                     if (col < p.head_dim) {
                         *reinterpret_cast<u32*>(k_row + col) = ElemTraits<Tag>::pack2(
                             acc_dk[4 * j + 2 * h] * p.softmax_scale, acc_dk[4 * j + 2 * h + 1] * p.softmax_scale);
