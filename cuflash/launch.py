@@ -75,7 +75,8 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     """Sm90BwdTile::kSmemBytes (kernels_cu/sm90/bwd.cu) plus 1024 bytes of alignment slack."""
     pad = _round_up(c.head_dim, 64)
     s = SM90_BWD_STAGES
-    return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * c.block_m * c.block_n * 2
+    ds_copies = 2 if c.block_n == 64 else 1  # split-D: one dS copy per consumer warpgroup
+    return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
             + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s))
 
 

@@ -47,6 +47,14 @@ struct Sm90BwdTile {
     static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
     static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2; // K or V tile
     static constexpr int kDsBytes = kBlockM * kBlockN * 2;     // one dS buffer
+    // Split-D: each consumer warpgroup stores the whole dS into its own buffers, so the two
+    // warpgroups need no common barrier and drift apart (one's GEMMs overlap the other's
+    // softmax / reductions). -DCUFLASH_SM90_BWD_SHARED_DS: one dS, half stored by each.
+#ifdef CUFLASH_SM90_BWD_SHARED_DS
+    static constexpr int kDsCopies = 1;
+#else
+    static constexpr int kDsCopies = kSplitD ? 2 : 1;
+#endif
     // dQ slice of a consumer warpgroup: with 64-row query tiles, all rows and 1 / kConsumerWGs of the
     // columns; with 128-row tiles, 64 rows and all columns.
     static constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / kConsumerWGs : kHeadDimPad;
@@ -55,7 +63,7 @@ struct Sm90BwdTile {
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     // Bytes after the 1024-byte aligned base (launch.py mirrors this).
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsCopies * kDsBytes
                                       + 2 * kStages * kBlockM * 4 + 8 * (1 + 3 * kStages);
     static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
     static_assert((kBlockN == 128 || kSplitD) && kConsumerWGs == 2,
@@ -84,8 +92,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const u32 sV = sK + Tile::kKVBytes;
     const u32 sQ = sV + Tile::kKVBytes;                       // [kStages]
     const u32 sdO = sQ + kStages * Tile::kQBytes;             // [kStages]
-    const u32 sdS = sdO + kStages * Tile::kQBytes;            // [2]
-    const u32 sStat = sdS + 2 * Tile::kDsBytes;               // lse2[kStages][kBlockM], delta[kStages][kBlockM]
+    const u32 sdS = sdO + kStages * Tile::kQBytes;            // [2][kDsCopies]
+    const u32 sStat = sdS + 2 * Tile::kDsCopies * Tile::kDsBytes;  // lse2[kStages][kBlockM], delta[kStages][kBlockM]
     const u32 bars = sStat + 2 * kStages * kBlockM * 4;
     float* stat_ptr = reinterpret_cast<float*>(smem_raw + (sStat - smem_u32(smem_raw)));
     const u32 bar_kv = bars;
@@ -215,7 +223,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             const int stage = i % kStages;
             const u32 parity = (i / kStages) & 1;
             const u32 q_src = sQ + stage * Tile::kQBytes, do_src = sdO + stage * Tile::kQBytes;
-            const u32 ds_buf = sdS + (i & 1) * Tile::kDsBytes;
+            const u32 ds_buf = sdS + ((i & 1) * Tile::kDsCopies + (Tile::kDsCopies == 2 ? cw : 0)) * Tile::kDsBytes;
 
             // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: the kBlockM queries).
             float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
@@ -271,14 +279,15 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
             // dS -> shared memory, [query][key] K-major for the dQ product: this warpgroup's keys are
             // 64-column block key_wg; element (m, kl) at m * 128 + (((kl / 8) ^ (m % 8)) * 16) + (kl % 8) * 2.
-            // Split-D: both warpgroups hold the same dS; warpgroup cw stores the query steps kk % 2 == cw.
+            // Split-D: both warpgroups hold the same dS; each stores all of it into its own buffer
+            // (kDsCopies = 2), or warpgroup cw stores the query steps kk % 2 == cw of the common one.
             {
                 char* ds_ptr = smem_raw + (ds_buf + key_wg * kBlockM * 128 - smem_u32(smem_raw));
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        if (kSplitD && (kk & 1) != cw) continue;
+                        if (kSplitD && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
                         const int m = 16 * kk + 8 * (r >> 1) + 2 * t4;      // query of the low half
                         const int kchunk = 2 * warp + (r & 1);              // (key_local % 64) / 8
                         const u32 w = dsa[kk][r];
@@ -317,8 +326,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
             wgmma_commit();
 
-            // Every consumer warpgroup's half of dS is in shared memory.
-            named_barrier_sync(1, Tile::kConsumerWGs * 128);
+            // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
+            // warpgroup's copy) is in shared memory.
+            if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
+            else named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
             // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
             wgmma_fence();
