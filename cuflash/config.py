@@ -27,6 +27,11 @@ FAMILIES: dict[str, Family] = {
     "sm90_fwd": Family("sm90_fwd", "sm90/fwd.cu", "fwd_kernel", 90, True),
     "sm90_fwd_overlap": Family("sm90_fwd_overlap", "sm90/fwd.cu", "fwd_overlap_kernel", 90, True),
     "sm90_fwd_pingpong": Family("sm90_fwd_pingpong", "sm90/fwd.cu", "fwd_pingpong_kernel", 90, True),
+    # The same schedules as persistent kernels (grid = min(tiles, SMs); launch.fwd_grid).
+    "sm90_fwd_p": Family("sm90_fwd_p", "sm90/fwd.cu", "fwd_persistent_kernel", 90, True),
+    "sm90_fwd_overlap_p": Family("sm90_fwd_overlap_p", "sm90/fwd.cu", "fwd_overlap_persistent_kernel", 90, True),
+    "sm90_fwd_pingpong_p": Family("sm90_fwd_pingpong_p", "sm90/fwd.cu", "fwd_pingpong_persistent_kernel", 90,
+                                  True),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
                              ("tag", "num_warps")),

@@ -32,17 +32,25 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # tools/bench_sm90_variants.py, B=4 H=16 N=4096): D=64 fp16 192x128 simple 471 TFLOP/s
 # (128x128: 393); D=128 bf16 overlap 655 (simple 589), causal pingpong 509 (overlap 492);
 # D=256 bf16 overlap 651 (simple 631).
+# Causal: persistent kernels ("_p": one CTA per SM, dynamic tile counter, longest tiles first;
+# H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
+# 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
+# persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile.
 _SM90_FWD = {
-    32: (192, 128, 16, "simple", "simple"),
-    64: (192, 128, 16, "simple", "simple"),
-    96: (128, 128, 12, "overlap", "pingpong"),
-    128: (128, 128, 12, "overlap", "pingpong"),
+    32: (192, 128, 16, "simple", "simple_p"),
+    64: (192, 128, 16, "simple", "simple_p"),
+    96: (128, 128, 12, "overlap", "overlap_p"),
+    128: (128, 128, 12, "overlap", "overlap_p"),
     192: (128, 96, 12, "overlap", "pingpong"),
     256: (128, 64, 12, "overlap", "pingpong"),
 }
-SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong"}
+SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
+                     # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
+                     "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
+                     "pingpong_p": "sm90_fwd_pingpong_p"}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
-SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong")
+SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
+                     "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
 
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
@@ -92,6 +100,10 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
             schedule = schedule_causal = backend[len("sm90_"):]
+            if schedule == "overlap_p" and block_m == 192:  # 3 x 160 registers: spills when persistent
+                block_m, warps = 128, 12
+            if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
+                schedule = schedule_causal = "pingpong_p"
         family = SM90_FWD_FAMILIES[schedule_causal if causal else schedule]
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":

@@ -65,7 +65,7 @@ SM90_FWD_STAGES = 2  # Sm90FwdTile::kStages
 def _sm90_fwd_smem(c: KernelConfig) -> int:
     pad = _round_up(c.head_dim, 64)  # Sm90FwdTile::kHeadDimPad
     tiles = (c.block_m + 2 * SM90_FWD_STAGES * c.block_n) * pad * 2
-    return 1024 + tiles + 8 * (1 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers
+    return 1024 + tiles + 8 * (3 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers, tile slot
 
 
 SM90_BWD_STAGES = 2  # Sm90BwdTile::kStages
@@ -95,13 +95,33 @@ SMEM_BYTES = {
     "sm90_fwd": _sm90_fwd_smem,
     "sm90_fwd_overlap": _sm90_fwd_smem,
     "sm90_fwd_pingpong": _sm90_fwd_smem,
+    "sm90_fwd_p": _sm90_fwd_smem,
+    "sm90_fwd_overlap_p": _sm90_fwd_smem,
+    "sm90_fwd_pingpong_p": _sm90_fwd_smem,
     "sm90_bwd_dkdv_dq": _sm90_bwd_smem,
 }
 
 
+_sm_counts: dict = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (cached)."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    n = _sm_counts.get(dev)
+    if n is None:
+        n = _sm_counts[dev] = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return n
+
+
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
-    """One CTA per (query tile, head, batch)."""
-    return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
+    """One CTA per (query tile, head, batch); persistent families (sm90_fwd*_p): one per SM, at
+    most one per tile (the kernel walks the tiles itself)."""
+    tiles = (seqlen_q + c.block_m - 1) // c.block_m
+    if c.family.endswith("_p"):
+        return (max(1, min(tiles * heads_q * batch, sm_count())), 1, 1)
+    return (tiles, heads_q, batch)
 
 
 def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:

@@ -20,7 +20,25 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int)
         return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
     maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
             tma.bshd_map(v, cfg.dtype, cfg.block_n))
+    if cfg.family.endswith("_p"):  # persistent: the tile counter
+        maps = maps + (tile_counter(device_id),)
     return kern, cfg, smem, maps
+
+
+# (device, stream) -> two int32 zeros: the persistent forward's tile counter, which the kernel
+# resets when it finishes (launches on one stream run one after the other).
+_tile_counters: dict = {}
+
+
+def tile_counter(device_id: int):
+    import cupy
+
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    c = _tile_counters.get(key)
+    if c is None:
+        with cupy.cuda.Device(device_id):
+            c = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    return c
 
 
 def bwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, dout, device_id: int):

@@ -23,6 +23,9 @@ def configs(which, cc: int):
         out += heuristics.all_fwd_configs(cc)
         if cc == 90:  # the Hopper kernels the dispatcher picks by default there
             out += heuristics.all_sm90_fwd_configs()
+    if "fwdall" in which and cc == 90:  # every forced sm90 schedule (tests/test_fwd_sm90.py)
+        for b in heuristics.SM90_FWD_BACKENDS:
+            out += heuristics.all_sm90_fwd_configs(b)
     return list({c.key(): c for c in out}.values())
 
 
@@ -51,7 +54,7 @@ def main() -> int:
 
     args = sys.argv[1:]
     jobs = int(args[args.index("-j") + 1]) if "-j" in args else None
-    which = [a for a in args if a in ("bwd", "fwd", "small")] or ["bwd", "fwd"]
+    which = [a for a in args if a in ("bwd", "fwd", "fwdall", "small")] or ["bwd", "fwd"]
     cfgs = configs(which, device_info(0)[0])
     t0 = time.time()
     failed = precompile_parallel(cfgs, jobs)

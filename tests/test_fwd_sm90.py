@@ -11,7 +11,8 @@ from test_fwd import _check
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong"])
+@pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
+                                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p"])
 def sm90_backend(request, monkeypatch):
     import cupy
     from cuflash import api
@@ -55,6 +56,13 @@ def test_other_head_dims(rng, dtype, d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_long(rng, causal):
     _check(rng, "bfloat16", 1, 2049, 2049, 8, 2, 128, causal)
+
+
+def test_persistent_sections(rng):
+    """Several waves of tiles per SM; at d=256 and 4096 keys the causal order groups 6 of the 9
+    heads per L2 section (the last section is partial)."""
+    _check(rng, "bfloat16", 1, 4096, 4096, 9, 3, 256, True)
+    _check(rng, "float16", 3, 1500, 1500, 37, 37, 64, False)
 
 
 def test_unaligned_strides_fall_back(rng):

@@ -46,13 +46,58 @@ struct Sm90FwdTile {
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
 };
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode>
+// Persistent tile order (kPersistent): tiles t = 0 .. num_m * heads_q * batch - 1, handed out
+// dynamically (CTA c starts with tile c, then takes the next one from a global counter). Without
+// the mask, query tiles of one (head, batch) are adjacent (they share K/V in L2). With it, the
+// (head, batch) pairs go in equal sections whose K/V fit in L2, and inside a section the longest
+// query tiles (most key tiles) come first, so that the short ones fill the tail.
+struct PersistentOrder {
+    int num_m, num_hb, num_tiles, group;
+    __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row) {
+        num_m = (p.seqlen_q + block_m - 1) / block_m;
+        num_hb = p.heads_q * p.batch;
+        num_tiles = num_m * num_hb;
+        const long long kv_head = static_cast<long long>(p.seqlen_k) * kv_bytes_per_row;
+        const long long g = (32ll << 20) / (kv_head > 0 ? kv_head : 1);
+        group = static_cast<int>(g < 1 ? 1 : (g > num_hb ? num_hb : g));
+        const int sections = (num_hb + group - 1) / group;
+        group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
+    }
+    template <bool kIsCausal>
+    __device__ __forceinline__ void coords(int t, int heads_q, int& m_block, int& head, int& batch) const {
+        int hb;
+        if (!kIsCausal) {
+            m_block = t % num_m;
+            hb = t / num_m;
+        } else {
+            const int per_section = num_m * group;
+            const int section = t / per_section;
+            const int hb0 = section * group;
+            const int g = min(group, num_hb - hb0);
+            const int r = t - section * per_section;
+            m_block = num_m - 1 - r / g;
+            hb = hb0 + r % g;
+        }
+        head = hb % heads_q;
+        batch = hb / heads_q;
+    }
+};
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode,
+          bool kPersistent = false>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
-                                         const TmaDesc& tma_v) {
+                                         const TmaDesc& tma_v, int* tile_counter = nullptr) {
     using Tile = Sm90FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
+    // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
+    // threads, 128 at 512): producer + consumers must stay within it or setmaxnreg.inc waits
+    // forever. The persistent producer (tile loop) needs more than 24: 40 + 2 * 232 = 3 * 168.
+    constexpr int kProducerRegs = !kPersistent ? Tile::kProducerRegs : (Tile::kConsumerWGs == 2 ? 40 : 32);
+    constexpr int kConsumerRegs = !kPersistent ? Tile::kConsumerRegs : (Tile::kConsumerWGs == 2 ? 232 : 160);
+    static_assert(kProducerRegs + Tile::kConsumerWGs * kConsumerRegs <= (Tile::kConsumerWGs == 2 ? 504 : 512),
+                  "setmaxnreg budget");
 
     extern __shared__ char smem_raw[];
     const u32 sQ = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzle atoms need 1024-byte alignment
@@ -64,16 +109,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     auto bar_v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
     auto bar_k_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
     auto bar_v_empty = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
+    const u32 bar_q_empty = bars + 8 * (1 + 4 * kStages);   // persistent: Q buffer (and tile slot) free again
+    // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done).
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 + 4 * kStages) - smem_u32(smem_raw)));
 
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int head_kv = head / p.heads_per_kv;
-    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    const PersistentOrder order(p, kBlockM, kPad * 4);
+    const int num_tiles = order.num_tiles;
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(bar_q_empty, Tile::kConsumerWGs * 128);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar_k_full(s), 1);
@@ -87,41 +133,101 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 
     if (wg == 0) {
         // Producer warpgroup.
-        setmaxnreg_dec<Tile::kProducerRegs>();
-        if (threadIdx.x == 0 && n_block_max > 0) {
+        setmaxnreg_dec<kProducerRegs>();
+        if (threadIdx.x == 0) {
             tma_prefetch_desc(&tma_q);
             tma_prefetch_desc(&tma_k);
             tma_prefetch_desc(&tma_v);
-            mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
+            int it = 0, q_count = 0;   // K/V ring iterations and Q tiles handed out so far (the phases)
+            int t = kPersistent ? static_cast<int>(blockIdx.x) : 0;
+            for (;;) {
+                int m_block, head, batch;
+                if constexpr (kPersistent) {
+                    if (t >= num_tiles) {   // no work left: tell the consumers, reset the counter
+                        mbar_wait(bar_q_empty, (q_count & 1) ^ 1);
+                        *tile_slot = t;
+                        mbar_arrive(bar_q);
+                        if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+                            tile_counter[0] = 0;   // every CTA has taken its last tile: ready for the next launch
+                            tile_counter[1] = 0;
+                        }
+                        break;
+                    }
+                    order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
+                } else {
+                    m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+                    head = blockIdx.y;
+                    batch = blockIdx.z;
+                }
+                const int t_cur = t;
+                const int head_kv = head / p.heads_per_kv;
+                const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+                auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
+                    mbar_wait(bar_q_empty, (q_count & 1) ^ 1);
+                    *tile_slot = t_cur;
+                    t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
+                };
+                if (n_block_max <= 0) {
+                    if (!kPersistent) break;
+                    publish();
+                    mbar_arrive(bar_q);
+                    ++q_count;
+                    continue;
+                }
+                auto load_q = [&]() {
+                    if (kPersistent) publish();
+                    mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
 #pragma unroll
-            for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * 64, m_block * kBlockM, head, batch);
-            for (int i = 0; i < n_block_max; ++i) {
-                const int n_block = n_block_max - 1 - i;
-                const int stage = i % kStages;
-                const u32 parity = (i / kStages) & 1;
-                const u32 k_dst = sK + stage * Tile::kKVBytes, v_dst = sV + stage * Tile::kKVBytes;
-                mbar_wait(bar_k_empty(stage), parity ^ 1);
-                mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKVBytes);
+                    for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                        tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * 64, m_block * kBlockM, head, batch);
+                };
+                if (!kPersistent) load_q();
+                for (int i = 0; i < n_block_max; ++i, ++it) {
+                    const int n_block = n_block_max - 1 - i;
+                    const int stage = it % kStages;
+                    const u32 parity = (it / kStages) & 1;
+                    const u32 k_dst = sK + stage * Tile::kKVBytes, v_dst = sV + stage * Tile::kKVBytes;
+                    mbar_wait(bar_k_empty(stage), parity ^ 1);
+                    mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKVBytes);
 #pragma unroll
-                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                    tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * 64, n_block * kBlockN,
-                                head_kv, batch);
-                mbar_wait(bar_v_empty(stage), parity ^ 1);
-                mbar_arrive_expect_tx(bar_v_full(stage), Tile::kKVBytes);
+                    for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                        tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * 64, n_block * kBlockN,
+                                    head_kv, batch);
+                    // Persistent: the tile's first K load goes out before the wait for the Q buffer.
+                    if (kPersistent && i == 0) load_q();
+                    mbar_wait(bar_v_empty(stage), parity ^ 1);
+                    mbar_arrive_expect_tx(bar_v_full(stage), Tile::kKVBytes);
 #pragma unroll
-                for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                    tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64, n_block * kBlockN,
-                                head_kv, batch);
+                    for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                        tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64, n_block * kBlockN,
+                                    head_kv, batch);
+                }
+                ++q_count;
+                if (!kPersistent) break;
             }
         }
     } else {
         // Consumer warpgroups: 64 query rows each.
-        setmaxnreg_inc<Tile::kConsumerRegs>();
+        setmaxnreg_inc<kConsumerRegs>();
         const int cw = wg - 1;
         const int lane = threadIdx.x & 31;
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
+        int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
+        for (int k_tile = 0;; ++k_tile) {
+        int m_block, head, batch;
+        if constexpr (kPersistent) {
+            mbar_wait(bar_q, q_count & 1);   // Q and the tile index have landed
+            const int t = *tile_slot;
+            if (t >= num_tiles) break;
+            order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
+        } else {
+            if (k_tile > 0) break;
+            m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+            head = blockIdx.y;
+            batch = blockIdx.z;
+        }
+        const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
 
         float acc_o[kPad / 2];
@@ -187,13 +293,13 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // one warpgroup's softmax runs while the next one's GEMMs use the tensor cores.
         constexpr bool kPingPong = kMode == kModePingPong && Tile::kConsumerWGs > 1;
         const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % Tile::kConsumerWGs;
+        if (!kPersistent && n_block_max > 0) mbar_wait(bar_q, 0);
         if (n_block_max > 0 && kMode != kModeOverlap) {
-            mbar_wait(bar_q, 0);
             if (kPingPong && cw == Tile::kConsumerWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 starts
             for (int i = 0; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
-                const int stage = i % kStages;
-                const u32 parity = (i / kStages) & 1;
+                const int stage = (it + i) % kStages;
+                const u32 parity = ((it + i) / kStages) & 1;
                 float acc_s[kBlockN / 2];
                 mbar_wait(bar_k_full(stage), parity);
                 if (kPingPong) named_barrier_sync(my_turn, 256);
@@ -222,15 +328,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if (n_block_max > 0 && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
-            mbar_wait(bar_q, 0);
             u32 pa[kBlockN / 16][4];
             {
                 float acc_s[kBlockN / 2];
-                mbar_wait(bar_k_full(0), 0);
-                issue_qk(acc_s, sK);
+                const int stage0 = it % kStages;
+                mbar_wait(bar_k_full(stage0), (it / kStages) & 1);
+                issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
-                mbar_arrive(bar_k_empty(0));
+                mbar_arrive(bar_k_empty(stage0));
                 mask(acc_s, n_block_max - 1);
                 float rescale[2];
                 softmax.step(s3_of(acc_s), p.scale_log2, rescale);  // acc_o is still 0: no rescale
@@ -238,8 +344,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             }
             for (int i = 1; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
-                const int stage = i % kStages, prev = (i - 1) % kStages;
-                const u32 parity = (i / kStages) & 1, prev_parity = ((i - 1) / kStages) & 1;
+                const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
+                const u32 parity = ((it + i) / kStages) & 1, prev_parity = ((it + i - 1) / kStages) & 1;
                 float acc_s[kBlockN / 2];
                 mbar_wait(bar_k_full(stage), parity);
                 issue_qk(acc_s, sK + stage * Tile::kKVBytes);
@@ -262,13 +368,18 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 pack_p(pa, acc_s);
                 mbar_arrive(bar_v_empty(prev));
             }
-            const int last = (n_block_max - 1) % kStages;
-            mbar_wait(bar_v_full(last), ((n_block_max - 1) / kStages) & 1);
+            const int last = (it + n_block_max - 1) % kStages;
+            mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
             issue_pv(pa, sV + last * Tile::kKVBytes);
             wgmma_wait<0>();
             fence_operand(acc_o);
             mbar_arrive(bar_v_empty(last));
         }
+
+        // Every QK GEMM of this tile is done: the producer may load the next Q (persistent).
+        if (kPersistent) mbar_arrive(bar_q_empty);
+        it += n_block_max > 0 ? n_block_max : 0;
+        ++q_count;
 
         // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
         float inv_sum[2], lse[2];
@@ -290,6 +401,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
             }
         }
+        }  // tiles
     }
 }
 
@@ -314,4 +426,29 @@ __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_pingpong_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                     const __grid_constant__ TmaDesc tma_v) {
     fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModePingPong>(p, tma_q, tma_k, tma_v);
+}
+
+// Persistent variants (gridDim.x = min(tiles, SMs)): each CTA loops over tiles in PersistentOrder,
+// the producer loading the next tile's K/V and Q while the consumers finish the current one.
+// tile_counter: two ints, zero at launch (the last CTA to run out of tiles resets them).
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                      const __grid_constant__ TmaDesc tma_v,
+                int* tile_counter) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeSimple, true>(p, tma_q, tma_k, tma_v, tile_counter);
+}
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_overlap_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
+                              const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
+                int* tile_counter) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap, true>(p, tma_q, tma_k, tma_v, tile_counter);
+}
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_pingpong_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
+                               const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
+                int* tile_counter) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModePingPong, true>(p, tma_q, tma_k, tma_v, tile_counter);
 }
