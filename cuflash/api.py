@@ -6,9 +6,12 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
+
+if TYPE_CHECKING:  # CuPy is imported lazily at run time
+    from cupy import ndarray
 
 from . import _checks, heuristics, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
@@ -17,8 +20,9 @@ HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
 LOG2E = 1.4426950408889634
 
 
-def forward(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-            return_lse: bool = False, out=None):
+def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
+            softmax_scale: Optional[float] = None, return_lse: bool = False,
+            out: Optional[ndarray] = None) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Args:
@@ -93,8 +97,10 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
 # Backward
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: Optional[float] = None,
-             deterministic: bool = False, dq=None, dk=None, dv=None):
+def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, lse: ndarray, *,
+             causal: bool = False, softmax_scale: Optional[float] = None, deterministic: bool = False,
+             dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
+             dv: Optional[ndarray] = None) -> Tuple[ndarray, ndarray, ndarray]:
     """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
 
     FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
@@ -205,8 +211,9 @@ class AttentionVJP:
                         dq=dq, dk=dk, dv=dv)
 
 
-def vjp(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-        deterministic: bool = False):
+def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
+        softmax_scale: Optional[float] = None,
+        deterministic: bool = False) -> Tuple[ndarray, AttentionVJP]:
     """Forward pass plus its pullback, in the style of ``jax.vjp``.
 
     ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)``.
