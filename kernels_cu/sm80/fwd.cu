@@ -123,22 +123,22 @@ fwd_kernel(const FwdParams p) {
             for (int sub = 0; sub < kBlockN / Tile::kSubN; ++sub) {
                 // S = Q K_n^T over keys [sub * kSubN, (sub + 1) * kSubN) of the stage
                 float acc_s[kMTiles][Tile::kNTilesS][4];
-    #pragma unroll
+#pragma unroll
                 for (int t = 0; t < kMTiles; ++t)
-    #pragma unroll
+#pragma unroll
                     for (int n = 0; n < Tile::kNTilesS; ++n)
-    #pragma unroll
+#pragma unroll
                         for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
-    #pragma unroll
+#pragma unroll
                 for (int kk = 0; kk < Tile::kHeadDimPad / 16; ++kk) {
                     u32 a[kMTiles][4];
-    #pragma unroll
+#pragma unroll
                     for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
-    #pragma unroll
+#pragma unroll
                     for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
                         u32 b[4];
                         load_b_frag_nk<kStride>(b, sK, sub * Tile::kSubN + nn * 16, kk * 16, lane);
-    #pragma unroll
+#pragma unroll
                         for (int t = 0; t < kMTiles; ++t) {
                             Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
                             Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
@@ -147,11 +147,11 @@ fwd_kernel(const FwdParams p) {
                 }
 
                 if (tile_needs_mask) {
-    #pragma unroll
+#pragma unroll
                     for (int t = 0; t < kMTiles; ++t)
-    #pragma unroll
+#pragma unroll
                         for (int n = 0; n < Tile::kNTilesS; ++n)
-    #pragma unroll
+#pragma unroll
                             for (int e = 0; e < 4; ++e) {
                                 const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
                                 const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
@@ -165,25 +165,25 @@ fwd_kernel(const FwdParams p) {
                 // the accumulator rescale (a multiply per output element) when no row
                 // of the warp moved.
                 if (__any_sync(0xffffffff, softmax.step(acc_s, p.scale_log2, rescale))) {
-    #pragma unroll
+#pragma unroll
                     for (int t = 0; t < kMTiles; ++t)
-    #pragma unroll
+#pragma unroll
                         for (int n = 0; n < Tile::kNTilesO; ++n)
-    #pragma unroll
+#pragma unroll
                             for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
                 }
 
                 // O += P V_n, P taken from the S accumulators.
-    #pragma unroll
+#pragma unroll
                 for (int kk = 0; kk < Tile::kNTilesS / 2; ++kk) {
                     u32 a[kMTiles][4];
-    #pragma unroll
+#pragma unroll
                     for (int t = 0; t < kMTiles; ++t) pack_a_from_acc<Tag>(a[t], acc_s[t][2 * kk], acc_s[t][2 * kk + 1]);
-    #pragma unroll
+#pragma unroll
                     for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
                         u32 b[4];
                         load_b_frag_kn<kStride>(b, sV, sub * Tile::kSubN + kk * 16, nn * 16, lane);
-    #pragma unroll
+#pragma unroll
                         for (int t = 0; t < kMTiles; ++t) {
                             Mma::run(acc_o[t][2 * nn], a[t], b[0], b[1]);
                             Mma::run(acc_o[t][2 * nn + 1], a[t], b[2], b[3]);
