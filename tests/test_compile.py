@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 
 from cuflash import heuristics, params
-from cuflash.compile import compile_offline, load_source
+from cuflash.compile import load_source
+from compile_checks import assert_all_compile
 
 from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
 
 ARCHS = ["80", "90a"]
-
-
-def assert_no_spills(log: str, what: str) -> None:
-    frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
-    assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
 
 
 def _ids(configs):
@@ -31,14 +25,7 @@ def _ids(configs):
 def test_fwd_instantiations_compile_without_spills(cc):
     configs = heuristics.all_fwd_configs(cc=90 if cc.startswith("90") else int(cc))
     assert len(configs) >= 3 * 32 * 2
-    failures = []
-    for cfg in configs:
-        try:
-            _, log = compile_offline(cfg, cc)
-            assert_no_spills(log, f"{cfg.key()} sm_{cc}")
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
-    assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+    assert_all_compile(configs, cc)
 
 
 def _ptx(src: str) -> str:
@@ -119,11 +106,4 @@ def test_small_shared_memory_tiles_compile_without_spills(limit):
 
     configs = {heuristics.fit_shared_memory(c, limit, smem_bytes) for c in heuristics.all_fwd_configs(cc=86)}
     configs -= set(heuristics.all_fwd_configs(cc=86))
-    failures = []
-    for cfg in sorted(configs, key=lambda c: c.key()):
-        try:
-            _, log = compile_offline(cfg, "80")
-            assert_no_spills(log, f"{cfg.key()} sm_80")
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
-    assert not failures, "\n\n".join(failures[:5])
+    assert_all_compile(sorted(configs, key=lambda c: c.key()), "80")

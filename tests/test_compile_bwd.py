@@ -4,23 +4,16 @@ shared-memory sizes agree with the kernels' own."""
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 
 from cuflash import heuristics, launch
-from cuflash.compile import compile_offline, load_source
+from cuflash.compile import load_source
+from compile_checks import assert_all_compile
 
 from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
 
 SMEM_LIMIT = {"large": 166912, "small": 101376}  # opt-in bytes per block: sm_80 (A100), sm_86/89
-
-
-def _assert_no_spills(log: str, what: str) -> None:
-    frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
-    assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
 
 
 def _configs(cc: str) -> list:
@@ -61,14 +54,7 @@ def test_bwd_instantiations_compile_without_spills(cc, group):
         pytest.skip(f"{group} is not chosen for sm_{cc} here (CUFLASH_SM80_BWD_VARIANT)")
     if cc != "86":
         assert configs, f"no {group} configs"
-    failures = []
-    for cfg in configs:
-        try:
-            _, log = compile_offline(cfg, cc)
-            _assert_no_spills(log, f"{cfg.key()} sm_{cc}")
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
-    assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+    assert_all_compile(configs, cc)
 
 
 def test_every_head_dim_maps_to_a_compiled_bucket():

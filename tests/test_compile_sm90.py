@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cuflash import heuristics, sass
-from cuflash.compile import compile_offline
 
-from test_compile import assert_no_spills
+from compile_checks import assert_all_compile
 
 SM90_CONFIGS = heuristics.all_sm90_fwd_configs()  # the tuned table (CUFLASH_FWD_BACKEND=sm90)
 # One instantiation per distinct tile shape (padded head dim), both dtypes and masks.
@@ -28,15 +27,7 @@ def test_sm90_configs_cover_every_head_dim():
 
 
 def test_sm90_fwd_instantiations_compile_without_spills():
-    failures = []
-    for cfg in SM90_CONFIGS + FORCED_CONFIGS:
-        try:
-            _, log = compile_offline(cfg, "90a")
-            assert_no_spills(log, f"{cfg.key()} sm_90a")
-            assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
-    assert not failures, f"{len(failures)} of {len(SM90_CONFIGS)} failed:\n" + "\n\n".join(failures[:5])
+    assert_all_compile(SM90_CONFIGS + FORCED_CONFIGS, "90a", no_warnings=True)
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,

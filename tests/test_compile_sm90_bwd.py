@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cuflash import heuristics, launch, sass
-from cuflash.compile import compile_offline
 
-from test_compile import assert_no_spills
+from compile_checks import assert_all_compile
 
 SM90_BWD_CONFIGS = heuristics.all_sm90_bwd_configs()
 H100_SMEM_OPTIN = 232448
@@ -23,15 +22,7 @@ def test_sm90_bwd_configs():
 
 
 def test_sm90_bwd_instantiations_compile_without_spills():
-    failures = []
-    for cfg in SM90_BWD_CONFIGS:
-        try:
-            _, log = compile_offline(cfg, "90a")
-            assert_no_spills(log, f"{cfg.key()} sm_90a")
-            assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
-    assert not failures, f"{len(failures)} of {len(SM90_BWD_CONFIGS)} failed:\n" + "\n\n".join(failures[:5])
+    assert_all_compile(SM90_BWD_CONFIGS, "90a", no_warnings=True)
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,

@@ -1,0 +1,29 @@
+"""Shared CPU compile checks: NVRTC-compile kernel instantiations and read ptxas's report."""
+from __future__ import annotations
+
+import re
+
+from cuflash.compile import compile_offline
+
+
+def assert_no_spills(log: str, what: str) -> None:
+    """ptxas -v reported 0 bytes of stack frame and of spill stores/loads."""
+    frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
+    assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
+
+
+def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
+    """Every config compiles for sm_<cc> without spills (and, optionally, without ptxas warnings);
+    failures are collected so that one run lists them all."""
+    failures = []
+    for cfg in configs:
+        try:
+            _, log = compile_offline(cfg, cc)
+            assert_no_spills(log, f"{cfg.key()} sm_{cc}")
+            if no_warnings:
+                assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
+        except (AssertionError, RuntimeError) as e:
+            failures.append(str(e)[:2000])
+    assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
