@@ -93,6 +93,30 @@ def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, in
     return b, nq, nk, hq, hkv, d
 
 
+# Signatures of (q, k, v) already validated -> their dims: a training or serving loop calls with the
+# same shapes, strides and dtypes again and again, and the full checks cost several microseconds.
+_validated_qkv: dict = {}
+_VALIDATED_MAX = 1024
+
+
+def check_qkv_cached(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, int, int]:
+    """``check_qkv`` remembered per signature: everything the checks read (types, shapes, strides,
+    dtypes, devices, pointer alignment) is in the key, so a hit is exactly a call that passed."""
+    cupy = _cupy()
+    if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
+        return check_qkv(q, k, v, head_dims)
+    qm, km, vm = q.data, k.data, v.data
+    key = (q.shape, q.strides, q.dtype, qm.device_id, k.shape, k.strides, k.dtype, km.device_id,
+           v.shape, v.strides, v.dtype, vm.device_id, (qm.ptr | km.ptr | vm.ptr) % ALIGN_BYTES, head_dims)
+    dims = _validated_qkv.get(key)
+    if dims is None:
+        dims = check_qkv(q, k, v, head_dims)
+        if len(_validated_qkv) >= _VALIDATED_MAX:
+            _validated_qkv.clear()
+        _validated_qkv[key] = dims
+    return dims
+
+
 def check_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -113,6 +137,24 @@ def check_out(name: str, out, shape: tuple, dtype, device_id: int) -> None:
         raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.device.id != device_id:
         raise ValueError(f"{name} is on device {out.device.id}, expected device {device_id}")
+
+
+_validated_out: dict = {}
+
+
+def check_out_cached(name: str, out, shape: tuple, dtype, device_id: int) -> None:
+    """``check_out`` remembered per signature of the buffer and of what it must match."""
+    cupy = _cupy()
+    if type(out) is not cupy.ndarray:
+        return check_out(name, out, shape, dtype, device_id)
+    mem = out.data
+    key = (name, out.shape, out.strides, out.dtype, mem.device_id, mem.ptr % ALIGN_BYTES, tuple(shape),
+           dtype, device_id)
+    if key not in _validated_out:
+        check_out(name, out, shape, dtype, device_id)
+        if len(_validated_out) >= _VALIDATED_MAX:
+            _validated_out.clear()
+        _validated_out[key] = True
 
 
 def check_like(name: str, x, ref_name: str, ref) -> None:

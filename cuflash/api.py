@@ -42,11 +42,11 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     """
     import cupy
 
-    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, HEAD_DIMS)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     scale = _checks.check_scale(softmax_scale, d)
-    dev = q.device.id
+    dev = q.data.device_id
     if out is not None:
-        _checks.check_out("out", out, q.shape, q.dtype, dev)
+        _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
     with cupy.cuda.Device(dev):
         if out is None:
             out = cupy.empty(q.shape, dtype=q.dtype)
@@ -85,7 +85,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
     extra = ()
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
         kern, cfg, smem, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id)
-    p = params.pack_values(params.FWD_PARAMS, (
+    p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(out),
@@ -123,7 +123,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     """
     import cupy
 
-    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, HEAD_DIMS)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     _checks.check_like("dout", dout, "q", q)
     _checks.check_like("out", out, "q", q)
     dev = q.device.id
@@ -175,7 +175,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id)
     delta = cupy.empty((b, hq, nq), dtype=np.float32)
     dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32) if post is not None else None
-    p = params.pack_values(params.BWD_PARAMS, (
+    p = params.pack_bytes(params.BWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
         dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),

@@ -1,6 +1,10 @@
 """Grid, block and shared-memory sizing for each kernel family, and the launch."""
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
+
 import numpy as np
 
 from .config import KernelConfig
@@ -134,8 +138,112 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
     return ((seqlen_k + c.block_n - 1) // c.block_n, heads_kv, batch)
 
 
-def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params: np.ndarray, smem: int,
+# Kernel arguments are packed into one per-thread buffer laid out as the kernel's parameter list
+# (each argument at its C alignment; tests/test_launch_layout.py checks against the PTX), and
+# cuLaunchKernel gets an array of pointers into it. CuPy's own launch path reads
+# ``__array_interface__`` of every NumPy argument (about 1.5 us each, 20 us for a structured
+# dtype); this path costs one memmove. CUFLASH_LAUNCH=cupy selects CuPy's path.
+TMA_DESC_ALIGN = 64      # alignas(64) struct TmaDesc, kernels_cu/sm90/tma.cuh
+_PARAM_BUFFER_BYTES = 4096  # the CUDA limit on kernel parameters
+
+
+class _ParamBuffer(threading.local):
+    """A per-thread parameter buffer and, per argument layout, the array of pointers into it (the
+    driver copies the parameters during cuLaunchKernel: the buffer is free when the call returns)."""
+
+    def __init__(self) -> None:
+        self.data = ctypes.create_string_buffer(_PARAM_BUFFER_BYTES)
+        self.data_ptr = ctypes.addressof(self.data)
+        self.pointer_arrays: dict = {}
+
+    def pointers(self, offsets: tuple) -> int:
+        found = self.pointer_arrays.get(offsets)
+        if found is None:
+            array = (ctypes.c_void_p * len(offsets))(*[self.data_ptr + o for o in offsets])
+            found = self.pointer_arrays[offsets] = (array, ctypes.addressof(array))
+        return found[1]
+
+
+_param_buffer = _ParamBuffer()
+_function_ptrs: dict = {}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class PackedTail:
+    """Kernel arguments packed once (e.g. cached tensor maps): their parameter bytes laid out from a
+    ``TMA_DESC_ALIGN``-aligned offset, and each argument's offset within them."""
+
+    __slots__ = ("args", "blob", "offsets")
+
+    def __init__(self, args: tuple) -> None:
+        self.args = tuple(args)
+        self.blob, self.offsets = _pack(b"", (), args)
+
+
+def _pack(head: bytes, head_offsets: tuple, args) -> tuple[bytes, tuple]:
+    parts, offsets, size = [head], list(head_offsets), len(head)
+    for a in args:
+        if isinstance(a, PackedTail):
+            align, blob = TMA_DESC_ALIGN, a.blob
+        elif isinstance(a, np.ndarray):
+            align, blob = (TMA_DESC_ALIGN if a.dtype.itemsize == 128 else 8), a.tobytes()
+        else:  # a CuPy array: its device pointer
+            align, blob = 8, a.data.ptr.to_bytes(8, "little")
+        pad = -size % align
+        if pad:
+            parts.append(bytes(pad))
+        size += pad
+        offsets.extend([size + o for o in a.offsets] if isinstance(a, PackedTail) else [size])
+        parts.append(blob)
+        size += len(blob)
+    return b"".join(parts), tuple(offsets)
+
+
+def pack_arguments(params, extra_args: tuple = ()) -> tuple[bytes, tuple]:
+    """The kernel parameter bytes of ``(params struct, *extra_args)`` and each argument's offset:
+    the struct (bytes or a one-element array, at 0), then tensor maps (one-element ``V128``
+    arrays, 64-byte aligned), ``PackedTail`` runs of them, and device pointers (CuPy arrays)."""
+    head = params if isinstance(params, bytes) else params.tobytes()
+    return _pack(head, (0,), extra_args)
+
+
+def _function_ptr(kernel, smem: int) -> int:
+    """The CUfunction of a RawKernel, allowed ``smem`` bytes of dynamic shared memory (the
+    attribute that CuPy's own launch path would apply)."""
+    found = _function_ptrs.get(id(kernel))
+    if found is None or found[0] is not kernel or found[2] < smem:
+        from cupy.cuda import driver
+
+        fptr = kernel.kernel.ptr
+        if smem > 48 * 1024:
+            driver.funcSetAttribute(fptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        found = _function_ptrs[id(kernel)] = (kernel, fptr, max(smem, 48 * 1024))
+    return found[1]
+
+
+def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
            extra_args: tuple = ()) -> None:
-    """Launch on CuPy's current stream (of the current device); ``extra_args`` follow the
-    params struct (e.g. the sm90 tensor maps)."""
-    kernel(grid, (config.threads,), (params,) + tuple(extra_args), shared_mem=smem)
+    """Launch on CuPy's current stream (of the current device). ``params``: the parameter struct
+    (bytes, or a one-element array); ``extra_args`` follow it (e.g. the sm90 tensor maps)."""
+    if _LAUNCH_VIA_CUPY:
+        _launch_via_cupy(kernel, config, grid, params, smem, extra_args)
+        return
+    from cupy.cuda import driver, get_current_stream
+
+    args, offsets = pack_arguments(params, extra_args)
+    buf = _param_buffer
+    ctypes.memmove(buf.data_ptr, args, len(args))
+    driver.launchKernel(_function_ptr(kernel, smem), grid[0], grid[1], grid[2], config.threads, 1, 1, smem,
+                        get_current_stream().ptr, buf.pointers(offsets), 0)
+
+
+def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extra_args: tuple) -> None:
+    """CuPy's RawKernel call (one NumPy array per by-value argument)."""
+    head = params if isinstance(params, bytes) else params.tobytes()
+    values = [np.frombuffer(head, dtype=f"V{len(head)}")]
+    for a in extra_args:
+        values.extend(a.args if isinstance(a, PackedTail) else [a])
+    kernel(grid, (config.threads,), tuple(values), shared_mem=smem)
+
+
+_LAUNCH_VIA_CUPY = os.environ.get("CUFLASH_LAUNCH", "").strip().lower() == "cupy"

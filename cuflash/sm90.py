@@ -4,6 +4,7 @@ from __future__ import annotations
 from . import heuristics, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
+from .launch import PackedTail
 
 
 def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int):
@@ -15,14 +16,33 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int)
     """
     if not cfg.family.startswith("sm90_fwd"):
         return kern, cfg, smem, ()
-    if not (tma.bshd_ok(q) and tma.bshd_ok(k) and tma.bshd_ok(v)):
+    maps = _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
+    if maps is None:
         cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80")
         return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
-    maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
-            tma.bshd_map(v, cfg.dtype, cfg.block_n))
     if cfg.family.endswith("_p"):  # persistent: the tile counter
-        maps = maps + (tile_counter(device_id),)
-    return kern, cfg, smem, maps
+        return kern, cfg, smem, (maps, tile_counter(device_id))
+    return kern, cfg, smem, (maps,)
+
+
+# (dtype, box rows, then pointer, shape and strides of each array) -> the arrays' tensor maps, or
+# None where TMA cannot address one of them: one lookup per launch instead of a check and a
+# descriptor-cache lookup per array.
+_map_sets: dict = {}
+_MAP_SETS_MAX = 512
+
+
+def _maps(arrays: tuple, dtype: str, box_rows: tuple):
+    key = (dtype, box_rows) + tuple((x.data.ptr, x.shape, x.strides) for x in arrays)
+    found = _map_sets.get(key, False)
+    if found is False:
+        found = None
+        if all(tma.bshd_ok(x) for x in arrays):
+            found = PackedTail(tuple(tma.bshd_map(x, dtype, rows) for x, rows in zip(arrays, box_rows)))
+        if len(_map_sets) >= _MAP_SETS_MAX:
+            _map_sets.clear()
+        _map_sets[key] = found
+    return found
 
 
 # (device, stream) -> two int32 zeros: the persistent forward's tile counter, which the kernel
@@ -50,9 +70,8 @@ def bwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, dout, device_id
     """
     if not cfg.family.startswith("sm90_bwd"):
         return kern, cfg, smem, ()
-    if not all(tma.bshd_ok(x) for x in (q, k, v, dout)):
+    maps = _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
+    if maps is None:
         cfg = heuristics.bwd_configs(cfg.dtype, cfg.head_dim, cfg.causal, 90, False, backend="sm80").dkdv
         return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
-    maps = (tma.bshd_map(q, cfg.dtype, cfg.block_m), tma.bshd_map(k, cfg.dtype, cfg.block_n),
-            tma.bshd_map(v, cfg.dtype, cfg.block_n), tma.bshd_map(dout, cfg.dtype, cfg.block_m))
-    return kern, cfg, smem, maps
+    return kern, cfg, smem, (maps,)
