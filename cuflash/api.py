@@ -155,12 +155,14 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
 _bwd_plans: dict = {}
 
 
-def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int):
-    key = (dtype, head_dim, causal, deterministic, device_id, heuristics.bwd_backend())
+def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int,
+              backend: Optional[str] = None):
+    backend = heuristics.bwd_backend() if backend is None else backend
+    key = (dtype, head_dim, causal, deterministic, device_id, backend)
     plan = _bwd_plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
-        cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic)
+        cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend)
         plan = _bwd_plans[key] = tuple(
             None if c is None else (get_kernel(c, device_id), c, smem_bytes(c))
             for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq, cfgs.postprocess))
@@ -173,21 +175,37 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
 
     b, nq, nk, hq, hkv, d = dims
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id)
-    delta = cupy.empty((b, hq, nq), dtype=np.float32)
-    dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32) if post is not None else None
-    p = params.pack_bytes(params.BWD_PARAMS, (
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
-        dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
-        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
-        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
-        *params.element_strides(dk), *params.element_strides(dv),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
-    kern, cfg, smem = pre
-    launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
     kern, cfg, smem = dkdv
     extra = ()
-    if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
-        kern, cfg, smem, extra = sm90.bwd_launch_args(kern, cfg, smem, q, k, v, dout, device_id)
+    if cfg.fam.arch_specific:  # sm90: tensor maps, or the portable kernels where TMA cannot address an input
+        maps = sm90.bwd_tensor_maps(cfg, q, k, v, dout)
+        if maps is None:
+            pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80")
+            kern, cfg, smem = dkdv
+        else:
+            extra = (maps,)
+    delta = cupy.empty((b, hq, nq), dtype=np.float32)
+    dq_accum = semaphores = None
+    tiled = post is not None and post[1].family == "bwd_postprocess_tiled"
+    if tiled:  # sm90 tile dQ: zeroed (batch, heads_q, query tiles, block_m * padded head_dim) sums
+        m_blocks = -(-nq // cfg.block_m)
+        dq_accum = cupy.zeros(b * hq * m_blocks * cfg.block_m * sm90.padded_head_dim(cfg.head_dim), dtype=np.float32)
+        if cfg.family.endswith("_ordered"):
+            semaphores = cupy.zeros(b * hq * m_blocks * sm90.BWD_CONSUMER_WARPGROUPS, dtype=np.int32)
+    elif post is not None:  # zeroed by the preprocess
+        dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32)
+    strides = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+               *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
+               *params.element_strides(dk), *params.element_strides(dv),
+               b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E)
+    pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr)
+    outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *strides))
+    # The preprocess zeroes a row-layout dq_accum; a tiled one is already zero.
+    p_pre = params.pack_bytes(params.BWD_PARAMS, (*pointers, 0, *outputs, *strides)) if tiled else p
+    pkern, pcfg, psmem = pre
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p_pre, psmem)
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)

@@ -47,6 +47,14 @@ FAMILIES: dict[str, Family] = {
     "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),
     # Hopper backward (wgmma, TMA): chosen only on request (CUFLASH_BWD_BACKEND=sm90).
     "sm90_bwd_dkdv_dq": Family("sm90_bwd_dkdv_dq", "sm90/bwd.cu", "bwd_dkdv_dq_kernel", 90, True),
+    # dQ slices through shared memory and one bulk reduce each into a tiled dq_accum (128-key tiles),
+    # and the same with the key tiles' slices added in a fixed order (deterministic).
+    "sm90_bwd_dkdv_dqtile": Family("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", 90, True),
+    "sm90_bwd_dkdv_dqtile_ordered": Family("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu",
+                                           "bwd_dkdv_dqtile_ordered_kernel", 90, True),
+    # Converts the tiled dq_accum of the two families above (block_m: their query tile).
+    "bwd_postprocess_tiled": Family("bwd_postprocess_tiled", "aux/bwd_postprocess.cu", "bwd_postprocess_tiled_kernel",
+                                    80, False, ("tag", "head_dim", "block_m", "num_warps")),
 }
 
 

@@ -206,6 +206,26 @@ _SM90_BWD_CAUSAL = {32: (64, 128, 12), 64: (64, 128, 12)}
 # Buckets reachable only with CUFLASH_BWD_BACKEND=sm90 until they pass tests/test_bwd.py on a GPU.
 _SM90_BWD_OPTIN: dict = {}
 _SM90_BWD_OPTIN_CAUSAL: dict = {}
+# How the sm90 backward's dQ slices reach global memory ($CUFLASH_SM90_BWD_DQ): "atomic"
+# (red.global.add per element pair) or "tile" (shared memory + one bulk reduce per slice into a
+# tiled dq_accum; deterministic mode: the same, in a fixed order). Split-D tiles (192 / 256) are
+# always atomic, and the deterministic mode needs "tile" (else the portable kernels run).
+SM90_BWD_DQ_MODES = ("atomic", "tile")
+# H100, B=4 H=16 N=4096, backward TFLOP/s atomic -> tile (2026-11-23, scripts/bench_sm90_bwd_dq.py):
+# d=64 fp16 343 -> 395, causal 237 -> 262; d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16
+# 316 -> 395; B=16 N=1024 d=64 244 -> 266; B=1 N=16384 d=128 causal 359 -> 452. Deterministic
+# (ordered tile) 272 / 174 / 315 / 257 / 240 / 209 / 293, the portable deterministic kernels
+# 166 / 144 / 190 / 171 / 174 / 150 / 192.
+_SM90_BWD_DQ_DEFAULT = "tile"
+
+
+def sm90_bwd_dq_mode() -> str:
+    mode = os.environ.get("CUFLASH_SM90_BWD_DQ", _SM90_BWD_DQ_DEFAULT).strip().lower()
+    if mode not in SM90_BWD_DQ_MODES:
+        raise ValueError(f"CUFLASH_SM90_BWD_DQ must be one of {SM90_BWD_DQ_MODES}, got {mode!r}")
+    return mode
+
+
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)
 # Pre/postprocess: 8 threads per query row, 4 * num_warps rows per CTA.
@@ -241,11 +261,12 @@ def bwd_backend() -> str:
 
 
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None) -> BwdConfigs:
+                backend: str | None = None, dq_mode: str | None = None) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
-    ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + atomic dQ kernel
-    where it applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD, not deterministic).
+    ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + dQ kernel where it
+    applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; deterministic only with the tile dQ
+    mode), ``dq_mode`` (default: $CUFLASH_SM90_BWD_DQ) how its dQ is reduced.
     """
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
@@ -256,12 +277,17 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         backend = "sm90" if cc == 90 else "sm80"
     elif backend in SM90_BWD_BACKENDS:
         table, table_causal = {**_SM90_BWD, **_SM90_BWD_OPTIN}, {**_SM90_BWD_CAUSAL, **_SM90_BWD_OPTIN_CAUSAL}
-    if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and not deterministic
-            and bucket in table):
+    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in table:
         bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and table_causal.get(bucket))
                      or table[bucket])
-        dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
-        return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
+        tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile" and bn == 128
+        if tile:
+            family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
+            post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
+            return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
+        if not deterministic:
+            dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
+            return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
     if dtype == "float32":
         bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
@@ -293,14 +319,17 @@ def all_bwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
 
 
 def all_sm90_bwd_configs() -> list[KernelConfig]:
-    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90; for the CPU compile test)."""
+    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, both dQ modes, deterministic or
+    not) and the postprocess of the tile dQ mode, for the CPU compile tests."""
     seen: dict[str, KernelConfig] = {}
     for dtype in ("float16", "bfloat16"):
         for d in TUNED_HEAD_DIMS:
             for causal in (False, True):
-                for cfg in bwd_configs(dtype, d, causal, 90, False, backend="sm90").all():
-                    if cfg.fam.arch_specific:
-                        seen.setdefault(cfg.key(), cfg)
+                for det in (False, True):
+                    for mode in SM90_BWD_DQ_MODES:
+                        for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", dq_mode=mode).all():
+                            if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
+                                seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 
 

@@ -80,8 +80,9 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     pad = _round_up(c.head_dim, 64)
     s = SM90_BWD_STAGES
     ds_copies = 2 if c.block_n == 64 else 1  # split-D: one dS copy per consumer warpgroup
+    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family else 0  # kDqStageBytes: both warpgroups' slices
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
-            + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s))
+            + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s))
 
 
 SMEM_BYTES = {
@@ -103,6 +104,9 @@ SMEM_BYTES = {
     "sm90_fwd_overlap_p": _sm90_fwd_smem,
     "sm90_fwd_pingpong_p": _sm90_fwd_smem,
     "sm90_bwd_dkdv_dq": _sm90_bwd_smem,
+    "sm90_bwd_dkdv_dqtile": _sm90_bwd_smem,
+    "sm90_bwd_dkdv_dqtile_ordered": _sm90_bwd_smem,
+    "bwd_postprocess_tiled": lambda c: 0,
 }
 
 

@@ -33,7 +33,7 @@ FWD_PARAMS = _struct(
 
 BWD_PARAMS = _struct(
     [("q", _P), ("k", _P), ("v", _P), ("o", _P), ("dout", _P), ("lse", _P), ("delta", _P),
-     ("dq_accum", _P), ("dq", _P), ("dk", _P), ("dv", _P)]
+     ("dq_accum", _P), ("dq", _P), ("dk", _P), ("dv", _P), ("dq_semaphore", _P)]
     + _strides("q") + _strides("k") + _strides("v") + _strides("o") + _strides("do")
     + _strides("dq") + _strides("dk") + _strides("dv")
     + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads_q", _I32),

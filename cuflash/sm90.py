@@ -61,17 +61,16 @@ def tile_counter(device_id: int):
     return c
 
 
-def bwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, dout, device_id: int):
-    """(kernel, config, shared memory bytes, extra arguments) of the dK/dV launch.
+# Consumer warpgroups of the sm90 backward (Sm90BwdTile::kConsumerWGs): dQ slices per query tile.
+BWD_CONSUMER_WARPGROUPS = 2
 
-    For the sm90 backward family the extra arguments are the tensor maps of q, k, v and dout;
-    when TMA cannot address an input the sm80 dK/dV + atomic dQ kernel is used instead (same
-    preprocess / postprocess). Other families pass through unchanged.
-    """
-    if not cfg.family.startswith("sm90_bwd"):
-        return kern, cfg, smem, ()
-    maps = _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
-    if maps is None:
-        cfg = heuristics.bwd_configs(cfg.dtype, cfg.head_dim, cfg.causal, 90, False, backend="sm80").dkdv
-        return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
-    return kern, cfg, smem, (maps,)
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim rounded up to the 64-column swizzle atoms of the sm90 tiles (kHeadDimPad)."""
+    return (head_dim + 63) // 64 * 64
+
+
+def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
+    """The tensor maps of q, k, v and dout for the sm90 backward (a ``PackedTail``), or None when
+    TMA cannot address one of them (the caller then runs the portable kernels)."""
+    return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))

@@ -104,7 +104,7 @@ def parts():
         acc = cupy.full((b, hq, nq, d), np.nan, dtype=np.float32) if post is not None else None
         p = params.pack_values(params.BWD_PARAMS, (
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
-            acc.data.ptr if acc is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+            acc.data.ptr if acc is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
             *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
             *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
             *params.element_strides(dk), *params.element_strides(dv),

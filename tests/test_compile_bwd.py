@@ -75,10 +75,16 @@ def test_name_expressions_are_unique():
 
 
 def test_deterministic_mode_uses_no_atomic_kernel():
-    for dtype in ("float16", "bfloat16", "float32"):
-        cfgs = heuristics.bwd_configs(dtype, 128, True, 90, deterministic=True)
-        assert cfgs.postprocess is None and cfgs.dq is not None
-        assert cfgs.dkdv.family != "sm80_bwd_dkdv_dq"
+    """Deterministic: a separate dQ kernel, or (sm90, 128-key tiles) dQ slices added in a fixed order."""
+    for cc in (80, 90):
+        for dtype in ("float16", "bfloat16", "float32"):
+            for d in heuristics.TUNED_HEAD_DIMS:
+                cfgs = heuristics.bwd_configs(dtype, d, True, cc, deterministic=True)
+                if cfgs.dkdv.family.startswith("sm90"):
+                    assert cfgs.dkdv.family == "sm90_bwd_dkdv_dqtile_ordered", cfgs.dkdv.key()
+                else:
+                    assert cfgs.postprocess is None and cfgs.dq is not None, cfgs.dkdv.key()
+                    assert not cfgs.dkdv.family.endswith("_dq"), cfgs.dkdv.key()
 
 
 def _tile_expr(cfg) -> str | None:

@@ -1,28 +1,59 @@
-"""CPU-only: every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90) compiles for sm_90a
-without spills, and its SASS runs on the Hopper tensor cores (HGMMA) with TMA loads, vector
-float32 reductions for dQ and no local-memory traffic (LDL/STL); the backend stays opt-in."""
+"""CPU-only: every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, both dQ modes)
+compiles for sm_90a without spills, and its SASS runs on the Hopper tensor cores (HGMMA) with TMA
+loads, float32 reductions for dQ (vector atomics, or bulk reduces in the tile modes) and no
+local-memory traffic (LDL/STL); the Python shared-memory sizes match the kernel's."""
 from __future__ import annotations
 
 import pytest
+from cupy.cuda import nvrtc
 
 from cuflash import heuristics, launch, sass
+from cuflash.compile import arch_option, load_source
 
 from compile_checks import assert_all_compile
 
-SM90_BWD_CONFIGS = heuristics.all_sm90_bwd_configs()
+ALL_CONFIGS = heuristics.all_sm90_bwd_configs()
+SM90_BWD_CONFIGS = [c for c in ALL_CONFIGS if c.fam.arch_specific]
+POSTPROCESS_CONFIGS = [c for c in ALL_CONFIGS if not c.fam.arch_specific]
 H100_SMEM_OPTIN = 232448
+DQ_MODE = {"sm90_bwd_dkdv_dq": "kDqAtomic", "sm90_bwd_dkdv_dqtile": "kDqTile",
+           "sm90_bwd_dkdv_dqtile_ordered": "kDqTileOrdered"}
 
 
 def test_sm90_bwd_configs():
     assert {c.head_dim for c in SM90_BWD_CONFIGS} == {32, 64, 96, 128, 192, 256}
-    assert len(SM90_BWD_CONFIGS) == 6 * 2 * 2
+    by_family = {f: [c for c in SM90_BWD_CONFIGS if c.family == f] for f in DQ_MODE}
+    # Atomic: every bucket, dtype and mask; tile modes: the 128-key tiles (not 192 / 256).
+    assert [len(by_family[f]) for f in DQ_MODE] == [6 * 2 * 2, 4 * 2 * 2, 4 * 2 * 2]
+    assert all(c.block_n == 128 for f in DQ_MODE if "dqtile" in f for c in by_family[f])
+    assert {c.family for c in POSTPROCESS_CONFIGS} == {"bwd_postprocess_tiled"}
     for c in SM90_BWD_CONFIGS:
-        assert c.family == "sm90_bwd_dkdv_dq" and c.fam.arch_specific
         assert launch.SMEM_BYTES[c.family](c) <= H100_SMEM_OPTIN
 
 
 def test_sm90_bwd_instantiations_compile_without_spills():
     assert_all_compile(SM90_BWD_CONFIGS, "90a", no_warnings=True)
+
+
+@pytest.mark.parametrize("cc", ["80", "90a"])
+def test_tiled_postprocess_compiles(cc):
+    assert_all_compile(POSTPROCESS_CONFIGS, cc, no_warnings=True)
+
+
+def test_python_smem_sizes_match_the_sm90_bwd_kernel():
+    """launch.SMEM_BYTES = Sm90BwdTile::kSmemBytes + 1024 bytes of alignment slack, every mode."""
+    checks = []
+    for c in SM90_BWD_CONFIGS:
+        expr = f"Sm90BwdTile<{c.head_dim}, {c.block_m}, {c.block_n}, {c.num_warps}, {DQ_MODE[c.family]}>::kSmemBytes"
+        checks.append(f'static_assert({expr} + 1024 == {launch.SMEM_BYTES[c.family](c)}, "{c.key()}");')
+    src = load_source("sm90/bwd.cu") + "\n" + "\n".join(sorted(set(checks))) + "\n"
+    prog = nvrtc.createProgram(src, "smem_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [arch_option("90a"), "-std=c++17"])
+    except nvrtc.NVRTCError as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,
@@ -41,7 +72,11 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) * kv_pieces + cfg.block_n // 16 * dq_pieces
     assert ops["HGMMA"] == per_step, f"{cfg.key()}: {ops['HGMMA']} HGMMA, expected {per_step}"
     assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
-    assert ops["REDG"] > 0, f"{cfg.key()}: no global reduction (atomic dQ) in SASS"
+    if cfg.family == "sm90_bwd_dkdv_dq":
+        assert ops["REDG"] > 0 and ops["UBLKRED"] == 0, f"{cfg.key()}: no global reduction (atomic dQ) in SASS"
+    else:  # one bulk reduce per slice; the ordered mode's only atomic is the semaphore's
+        assert ops["UBLKRED"] == 1, f"{cfg.key()}: {ops['UBLKRED']} bulk reduces"
+        assert ops["REDG"] == (1 if cfg.family.endswith("_ordered") else 0), f"{cfg.key()}: {ops['REDG']} REDG"
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
 
 
@@ -51,26 +86,42 @@ def test_sm90_bwd_backend_selection(monkeypatch):
         return not any(c.fam.arch_specific for c in cfgs.all())
 
     monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
     assert not portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     assert not portable(heuristics.bwd_configs("bfloat16", 256, True, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
-    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     assert portable(heuristics.bwd_configs("float32", 128, False, 90))
     assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90))
     monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm80")
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
-    monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm90")
-    cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
-    tuned = "sm90_bwd_dkdv_dq"
-    assert cfgs.dkdv.family == tuned and cfgs.postprocess is not None and cfgs.dq is None
-    assert heuristics.bwd_configs("float16", 40, True, 90).dkdv.family == tuned
-    # Other dtypes, GPUs, head-dim buckets and the deterministic mode keep the portable kernels.
-    assert portable(heuristics.bwd_configs("float32", 128, False, 90))
-    assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
-    assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.block_n == 64
-    assert heuristics.bwd_configs("bfloat16", 136, True, 90).dkdv.block_n == 64
-    assert heuristics.bwd_configs("float16", 8, False, 90).dkdv.family == tuned
-    assert heuristics.bwd_configs("float16", 72, True, 90).dkdv.family == tuned
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
-    assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
-    assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 64
+    for backend in ("auto", "sm90"):
+        monkeypatch.setenv("CUFLASH_BWD_BACKEND", backend)
+        # Default dQ mode "tile": bulk-reduced dQ on the 128-key tiles, and its ordered variant for
+        # the deterministic mode; split-D tiles (192 / 256) keep atomics and, deterministic, the
+        # portable kernels.
+        cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
+        assert cfgs.dkdv.family == "sm90_bwd_dkdv_dqtile" and cfgs.dq is None
+        assert cfgs.postprocess.family == "bwd_postprocess_tiled" and cfgs.postprocess.block_m == cfgs.dkdv.block_m
+        for d in (8, 40, 72, 128):
+            for causal in (False, True):
+                assert heuristics.bwd_configs("float16", d, causal, 90).dkdv.family == "sm90_bwd_dkdv_dqtile"
+                assert heuristics.bwd_configs("float16", d, causal, 90, deterministic=True).dkdv.family == \
+                    "sm90_bwd_dkdv_dqtile_ordered"
+        assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.family == "sm90_bwd_dkdv_dq"
+        assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.block_n == 64
+        assert heuristics.bwd_configs("bfloat16", 136, True, 90).dkdv.block_n == 64
+        assert portable(heuristics.bwd_configs("bfloat16", 256, False, 90, deterministic=True))
+        assert portable(heuristics.bwd_configs("float32", 128, False, 90))
+        assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
+        assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
+        assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 64
+        # CUFLASH_SM90_BWD_DQ=atomic: red.global dQ everywhere; deterministic: the portable kernels.
+        monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "atomic")
+        assert heuristics.bwd_configs("bfloat16", 128, False, 90).dkdv.family == "sm90_bwd_dkdv_dq"
+        assert heuristics.bwd_configs("bfloat16", 128, False, 90).postprocess.family == "bwd_postprocess"
+        assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
+        monkeypatch.delenv("CUFLASH_SM90_BWD_DQ")
+    monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "nonsense")
+    with pytest.raises(ValueError, match="CUFLASH_SM90_BWD_DQ"):
+        heuristics.bwd_configs("bfloat16", 128, False, 90)

@@ -33,3 +33,53 @@ bwd_postprocess_kernel(const BwdParams p) {
         *reinterpret_cast<uint4*>(dst + c * 8) = r;
     }
 }
+
+// The same for the sm90 tile dQ modes (kernels_cu/sm90/bwd.cu): dq_accum holds, per (batch, head,
+// query tile of kBlockM rows), kBlockM x kHeadDimPad floats as two warpgroup slices of 64 rows x
+// kDqCols columns (kBlockM = 64: column halves; 128: row halves), each in the wgmma accumulator
+// order: float 512 j + 4 t + e of a slice is register 4j + e of thread t = 32 w + 4 g + t4, i.e.
+// row 16 w + g + 8 (e / 2), column 8 j + 2 t4 + (e % 2). One CTA per query tile; a thread writes 8
+// consecutive columns of a row (16 bytes) from four float2 reads.
+template <typename Tag, int kHeadDim, int kBlockM, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_postprocess_tiled_kernel(const BwdParams p) {
+    constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+    constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / 2 : kHeadDimPad;
+    constexpr int kSliceFloats = 64 * kDqCols;
+    static_assert(kBlockM == 64 || kBlockM == 128, "query tiles of 64 or 128 rows");
+    const int m_block = blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int m_blocks = gridDim.x;
+    const float* tile = p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block)
+                                         * (kBlockM * kHeadDimPad);
+    const int groups = p.head_dim / 8;  // 8-column groups of a row
+    const float s = p.softmax_scale;
+    for (int item = threadIdx.x; item < kBlockM * groups; item += kNWarps * 32) {
+        const int r = item / groups;
+        const int col = (item % groups) * 8;
+        const int row = m_block * kBlockM + r;
+        if (row >= p.seqlen_q) break;  // items are row-major: the rest of this thread's rows are past the end
+        const int slice = kBlockM == 64 ? col / kDqCols : r / 64;
+        const int row_in = kBlockM == 64 ? r : r % 64;
+        const int col_in = kBlockM == 64 ? col % kDqCols : col;
+        // Register index 4j + e with e = 2 * (row_in % 16 >= 8) + (col % 2); thread 32 w + 4 g + t4.
+        const int base = slice * kSliceFloats + (col_in / 8) * 512
+                         + 4 * (32 * (row_in / 16) + 4 * (row_in % 8)) + 2 * ((row_in % 16) / 8);
+        float v[8];
+#pragma unroll
+        for (int t4 = 0; t4 < 4; ++t4) {
+            const float2 pair = *reinterpret_cast<const float2*>(tile + base + 4 * t4);
+            v[2 * t4] = pair.x * s;
+            v[2 * t4 + 1] = pair.y * s;
+        }
+        uint4 out;
+        out.x = ElemTraits<Tag>::pack2(v[0], v[1]);
+        out.y = ElemTraits<Tag>::pack2(v[2], v[3]);
+        out.z = ElemTraits<Tag>::pack2(v[4], v[5]);
+        out.w = ElemTraits<Tag>::pack2(v[6], v[7]);
+        u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + row * p.dq_row_stride
+                   + head * p.dq_head_stride + col;
+        *reinterpret_cast<uint4*>(dst) = out;
+    }
+}

@@ -36,10 +36,12 @@ struct BwdParams {
     const void* dout;
     const float* lse;      // (batch, heads_q, seqlen_q), contiguous, natural log
     float* delta;          // (batch, heads_q, seqlen_q), contiguous: rowsum(dout * out)
-    float* dq_accum;       // (batch, heads_q, seqlen_q, head_dim) float32, contiguous; null unless atomic dQ
+    float* dq_accum;       // float32 dQ sums, null unless atomic or tile dQ: (batch, heads_q, seqlen_q, head_dim)
+                           // contiguous, or (sm90 tile modes) tiles in the wgmma accumulator order
     void* dq;
     void* dk;              // (batch, seqlen_k, heads_kv, head_dim)
     void* dv;
+    int* dq_semaphore;     // sm90 ordered dQ: one int per (batch, head, query tile, slice), zeroed; else null
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
