@@ -41,27 +41,34 @@
 __host__ __device__ constexpr int bwd_imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int bwd_imax(int a, int b) { return a > b ? a : b; }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
-struct BwdDkdvTile {
+// ---------------------------------------------------------------------------
+// Pieces shared by both dK/dV kernel versions (bwd_dkdv_body and bwd_dkdv2_body below):
+// they differ in the warp grids, the shared-memory layout and the schedule of loads,
+// barriers and products within a step, not in the products themselves.
+
+// Geometry of a dK/dV tile, given its warp grids: three products with kMTiles x kNTiles
+// m16n8 accumulator tiles per warp.
+//   1: S^T, dP^T (kBlockN x kBlockM), kWarpsN1 x kWarpsM1 warps;
+//   2: dK, dV    (kBlockN x head_dim), kWarpsN2 x kWarpsD2 warps;
+//   3: dQ        (kBlockM x head_dim), kWarpsM3 x kWarpsD3 warps.
+// A warp count <= 0 means no grid fits (the versions' static_asserts say so).
+template <int kHeadDim_, int kHeadDimPad_, int kBlockM_, int kBlockN_, int kNWarps_,
+          int kWarpsN1_, int kWarpsN2_, int kWarpsM3_>
+struct BwdDkdvGeometry {
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimPad = kHeadDimPad_;
     static constexpr int kBlockM = kBlockM_;   // query rows per step
     static constexpr int kBlockN = kBlockN_;   // keys held by the CTA
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kThreads = kNWarps * 32;
-    // GEMM 1/2 (S^T, dP^T: kBlockN x kBlockM): kWarpsN1 x kWarpsM1 warps.
-    static constexpr int kWarpsN1 = bwd_imin(kNWarps, kBlockN / 16);
-    static constexpr int kWarpsM1 = kNWarps / kWarpsN1;
+    static constexpr int kWarpsN1 = kWarpsN1_;
+    static constexpr int kWarpsM1 = kNWarps / (kWarpsN1 > 0 ? kWarpsN1 : 1);
+    static constexpr int kWarpsN2 = kWarpsN2_;
+    static constexpr int kWarpsD2 = kNWarps / (kWarpsN2 > 0 ? kWarpsN2 : 1);
+    static constexpr int kWarpsM3 = kWarpsM3_;
+    static constexpr int kWarpsD3 = kNWarps / (kWarpsM3 > 0 ? kWarpsM3 : 1);
     static constexpr int kMTiles1 = kBlockN / kWarpsN1 / 16;
     static constexpr int kNTiles1 = kBlockM / kWarpsM1 / 8;
-    // GEMM 3/4 (dV, dK: kBlockN x head_dim): kWarpsN2 x kWarpsD2 warps.
-    static constexpr int kWarpsN2 = bwd_imin(kNWarps, kBlockN / 16);
-    static constexpr int kWarpsD2 = kNWarps / kWarpsN2;
-    // GEMM 5 (dQ: kBlockM x head_dim): kWarpsM3 x kWarpsD3 warps.
-    static constexpr int kWarpsM3 = bwd_imin(kNWarps, kBlockM / 16);
-    static constexpr int kWarpsD3 = kNWarps / kWarpsM3;
-    // Head dim padded so that every warp's column slice is whole 16-wide MMA steps.
-    static constexpr int kDAlign = 16 * bwd_imax(kWarpsD2, kWarpsD3);
-    static constexpr int kHeadDimPad = (kHeadDim + kDAlign - 1) / kDAlign * kDAlign;
     static constexpr int kMTiles2 = kBlockN / kWarpsN2 / 16;
     static constexpr int kNTiles2 = kHeadDimPad / kWarpsD2 / 8;
     static constexpr int kMTiles3 = kBlockM / kWarpsM3 / 16;
@@ -71,29 +78,276 @@ struct BwdDkdvTile {
     // 16-bit rows padded by 16 bytes: ldmatrix and fragment stores are conflict-free.
     static constexpr int kStride = kHeadDimPad + 8;   // Q, dO, K, V rows
     static constexpr int kStrideP = kBlockM + 8;      // P^T, dS^T rows
-    static constexpr int kSmemElems = (2 * kBlockM + 2 * kBlockN) * kStride + 2 * kBlockN * kStrideP;
-    static constexpr int kSmemBytes = kSmemElems * 2 + 2 * kBlockM * 4;  // + lse2, delta
+};
 
-    static_assert(kNWarps % kWarpsN1 == 0 && kNWarps % kWarpsM3 == 0, "warp grid");
-    static_assert(kBlockN % (16 * kWarpsN1) == 0 && kBlockM % (16 * kWarpsM1) == 0, "GEMM 1 tiles");
-    static_assert(kNTiles1 % 2 == 0 && kNTiles2 % 2 == 0 && kNTiles3 % 2 == 0, "n-tiles come in pairs");
-    static_assert(kBlockM % (16 * kWarpsM3) == 0, "GEMM 5 tiles");
-    static_assert(kThreads >= 2 * kBlockM, "one thread per lse / delta value");
-    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+template <int kMT, int kNT>
+__device__ __forceinline__ void zero_acc(float (&acc)[kMT][kNT][4]) {
+#pragma unroll
+    for (int t = 0; t < kMT; ++t)
+#pragma unroll
+        for (int n = 0; n < kNT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[t][n][e] = 0.f;
+}
+
+// acc (kMT x kNT m16n8 tiles at A row row0, B column col0) += A B over kKSteps 16-wide
+// k-steps, both operands from shared memory. A is stored [m][k], or [k][m] if kATrans;
+// B is stored [n][k], or [k][n] if kBKn.
+template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, int kStrideA, int kStrideB,
+          int kMT, int kNT>
+__device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u16* sA, int row0,
+                                              const u16* sB, int col0, int lane) {
+#pragma unroll kUnroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        u32 a[kMT][4];
+#pragma unroll
+        for (int t = 0; t < kMT; ++t) {
+            if constexpr (kATrans) load_a_frag_trans<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
+            else load_a_frag<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
+        }
+#pragma unroll
+        for (int nn = 0; nn < kNT / 2; ++nn) {
+            u32 b[4];
+            if constexpr (kBKn) load_b_frag_kn<kStrideB>(b, sB, kk * 16, col0 + nn * 16, lane);
+            else load_b_frag_nk<kStrideB>(b, sB, col0 + nn * 16, kk * 16, lane);
+#pragma unroll
+            for (int t = 0; t < kMT; ++t) {
+                Mma16816<Tag>::run(acc[t][2 * nn], a[t], b[0], b[1]);
+                Mma16816<Tag>::run(acc[t][2 * nn + 1], a[t], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// One thread of a dK/dV CTA (key tile blockIdx.x, kv head blockIdx.y, batch blockIdx.z):
+// its indices, its warp's slices of the three products, and the steps both versions share.
+template <typename Tag, class Tile, bool kIsCausal>
+struct BwdDkdvThread {
+    using Range = BlockRange<Tile::kBlockM, Tile::kBlockN, kIsCausal>;
+    static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+    static constexpr int kPad = Tile::kHeadDimPad, kThreads = Tile::kThreads;
+    static constexpr int kStride = Tile::kStride, kStrideP = Tile::kStrideP;
+    static constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
+    static constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
+    static constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
+
+    const BwdParams& p;
+    int tid, lane, g, t4;
+    int n_block, head_kv, batch, n0, keys_valid, hd;
+    const u16 *gK, *gV;      // this CTA's key tile
+    const u16 *gQb, *gdOb;   // Q, dO of this batch
+    // Step it = 0 .. n_iter - 1 visits query tile m_block_of(it) of query head head_of(it):
+    // the n_m tiles from m_begin of each head of the GQA group from head0.
+    int m_begin, n_m, n_iter, head0;
+    int row1, col1;   // key row, query column of this warp's S^T slice
+    int row2, col2;   // key row, head-dim column of this warp's dK/dV slice
+    int row3, col3;   // query row, head-dim column of this warp's dQ slice
+
+    __device__ __forceinline__ explicit BwdDkdvThread(const BwdParams& params) : p(params) {
+        tid = threadIdx.x;
+        lane = tid & 31;
+        const int warp = tid >> 5;
+        g = lane >> 2;
+        t4 = lane & 3;
+        n_block = blockIdx.x;
+        head_kv = blockIdx.y;
+        batch = blockIdx.z;
+        n0 = n_block * kBlockN;
+        keys_valid = min(kBlockN, p.seqlen_k - n0);
+        hd = p.head_dim;
+        gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride + n0 * p.k_row_stride;
+        gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride + n0 * p.v_row_stride;
+        gQb = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
+        gdOb = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride;
+        m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+        const int m_end = ceil_div(p.seqlen_q, kBlockM);
+        n_m = m_end > m_begin ? m_end - m_begin : 0;
+        n_iter = n_m * p.heads_per_kv;
+        head0 = head_kv * p.heads_per_kv;
+        row1 = warp % Tile::kWarpsN1 * kMT1 * 16;
+        col1 = warp / Tile::kWarpsN1 * kNT1 * 8;
+        row2 = warp % Tile::kWarpsN2 * kMT2 * 16;
+        col2 = warp / Tile::kWarpsN2 * kNT2 * 8;
+        row3 = warp % Tile::kWarpsM3 * kMT3 * 16;
+        col3 = warp / Tile::kWarpsM3 * kNT3 * 8;
+    }
+
+    __device__ __forceinline__ int head_of(int it) const { return head0 + it / n_m; }
+    __device__ __forceinline__ int m_block_of(int it) const { return m_begin + it % n_m; }
+
+    // lse2 / delta of query tile (head, m_block): thread i < kBlockM fetches lse2[i],
+    // thread kBlockM + i fetches delta[i]; stored at sStat[tid] (lse2, then delta).
+    __device__ __forceinline__ float fetch_row_stat(int head, int m_block) const {
+        const int i = tid < kBlockM ? tid : tid - kBlockM;
+        const int row = m_block * kBlockM + i;
+        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+        if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
+        if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
+        return 0.f;
+    }
+    __device__ __forceinline__ void store_row_stat(float* sStat, float x) const {
+        if (tid < 2 * kBlockM) sStat[tid] = x;
+    }
+
+    __device__ __forceinline__ void load_kv(u16* sK, u16* sV) const {
+        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
+    }
+    __device__ __forceinline__ void load_q(u16* sQ, int head, int m_block) const {
+        const int m0 = m_block * kBlockM;
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sQ, gQb + head * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, hd, tid);
+    }
+    __device__ __forceinline__ void load_do(u16* sdO, int head, int m_block) const {
+        const int m0 = m_block * kBlockM;
+        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+            sdO, gdOb + head * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, hd, tid);
+    }
+
+    // acc (key x query) += sKV sQdO^T: S^T = K Q^T or dP^T = V dO^T.
+    template <int kUnroll>
+    __device__ __forceinline__ void key_query_product(float (&acc)[kMT1][kNT1][4], const u16* sKV,
+                                                      const u16* sQdO) const {
+        warp_mma_smem<Tag, kPad / 16, kUnroll, false, false, kStride, kStride>(acc, sKV, row1, sQdO, col1, lane);
+    }
+    // acc (key x head dim) += sPdS sQdO: dK += dS^T Q or dV += P^T dO.
+    __device__ __forceinline__ void key_dim_product(float (&acc)[kMT2][kNT2][4], const u16* sPdS,
+                                                    const u16* sQdO) const {
+        warp_mma_smem<Tag, kBlockM / 16, BWD_KK_UNROLL, false, true, kStrideP, kStride>(acc, sPdS, row2, sQdO, col2, lane);
+    }
+
+    // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T * (dP^T - delta), masked, to sP / sdS
+    // (16-bit, [key][query]). Element (t, n, e) of the accumulators: key row1 + t*16 + g + (e>>1)*8,
+    // query col1 + n*8 + 2*t4 + (e&1). kStatPairs: lse2 / delta pairs read as one float2 each.
+    template <bool kStatPairs>
+    __device__ __forceinline__ void store_p_ds(const float (&acc_s)[kMT1][kNT1][4], const float (&acc_dp)[kMT1][kNT1][4],
+                                               const float* sLse2, const float* sDelta, int m_block,
+                                               u16* sP, u16* sdS) const {
+        const int m0 = m_block * kBlockM;
+        const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+#pragma unroll
+        for (int n = 0; n < kNT1; ++n) {
+            const int qc = col1 + n * 8 + 2 * t4;
+            float2 l, d;
+            if constexpr (kStatPairs) {
+                l = *reinterpret_cast<const float2*>(sLse2 + qc);
+                d = *reinterpret_cast<const float2*>(sDelta + qc);
+            } else {
+                l = make_float2(sLse2[qc], sLse2[qc + 1]);
+                d = make_float2(sDelta[qc], sDelta[qc + 1]);
+            }
+#pragma unroll
+            for (int t = 0; t < kMT1; ++t) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int kr = row1 + t * 16 + g + h * 8;
+                    float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l.x);
+                    float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l.y);
+                    if (mask) {
+                        if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
+                        if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
+                    }
+                    const float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
+                    const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                    *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
+                    *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
+                }
+            }
+        }
+    }
+
+    // dq_accum[query tile (head, m_block)] += dS K; A = dS (query x key), read from dS^T
+    // transposed. Column chunks of kNT3c n-tiles bound the live accumulators. add_pair(dst, a, b)
+    // adds a to dst[0] and b to dst[1].
+    template <class AddPair>
+    __device__ __forceinline__ void add_dq(const u16* sdS, const u16* sK, int head, int m_block,
+                                           AddPair add_pair) const {
+        constexpr int kNT3c = Tile::kNTiles3Chunk;
+        const int m0 = m_block * kBlockM;
+        float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
+#pragma unroll 1
+        for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
+            const int colc = col3 + chunk * kNT3c * 8;
+            float acc_dq[kMT3][kNT3c][4];
+            zero_acc(acc_dq);
+            warp_mma_smem<Tag, kBlockN / 16, BWD_KK_UNROLL, true, true, kStrideP, kStride>(
+                acc_dq, sdS, row3, sK, colc, lane);
+#pragma unroll
+            for (int t = 0; t < kMT3; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = m0 + row3 + t * 16 + g + h * 8;
+                    if (row < p.seqlen_q) {
+                        float* dst = gdq + static_cast<i64>(row) * hd;
+#pragma unroll
+                        for (int n = 0; n < kNT3c; ++n) {
+                            const int col = colc + n * 8 + 2 * t4;  // even; hd % 8 == 0
+                            if (col < hd) add_pair(dst + col, acc_dq[t][n][2 * h], acc_dq[t][n][2 * h + 1]);
+                        }
+                    }
+                }
+        }
+    }
+
+    // Epilogue: dK * softmax_scale and dV, staged through the K / V buffers.
+    __device__ __forceinline__ void store_dkdv(const float (&acc_dk)[kMT2][kNT2][4],
+                                               const float (&acc_dv)[kMT2][kNT2][4], u16* sK, u16* sV) const {
+        __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
+#pragma unroll
+        for (int t = 0; t < kMT2; ++t)
+#pragma unroll
+            for (int n = 0; n < kNT2; ++n)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row2 + t * 16 + g + h * 8;
+                    const int c = col2 + n * 8 + 2 * t4;
+                    *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
+                        acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
+                    *reinterpret_cast<u32*>(sV + r * kStride + c) =
+                        ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
+                }
+        __syncthreads();
+        u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride
+                   + n0 * p.dk_row_stride;
+        u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
+                   + n0 * p.dv_row_stride;
+        store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
+        store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+    }
+};
+
+// Version 1: every product on the warp grid that splits the keys first; the head dim is
+// padded so that every warp's column slice is whole 16-wide MMA steps.
+__host__ __device__ constexpr int bwd_dkdv_head_dim_pad(int head_dim, int block_m, int block_n, int nwarps) {
+    const int align = 16 * bwd_imax(nwarps / bwd_imin(nwarps, block_n / 16), nwarps / bwd_imin(nwarps, block_m / 16));
+    return (head_dim + align - 1) / align * align;
+}
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdDkdvTile
+    : BwdDkdvGeometry<kHeadDim_, bwd_dkdv_head_dim_pad(kHeadDim_, kBlockM_, kBlockN_, kNWarps_), kBlockM_, kBlockN_,
+                      kNWarps_, bwd_imin(kNWarps_, kBlockN_ / 16), bwd_imin(kNWarps_, kBlockN_ / 16),
+                      bwd_imin(kNWarps_, kBlockM_ / 16)> {
+    using Base = BwdDkdvGeometry<kHeadDim_, bwd_dkdv_head_dim_pad(kHeadDim_, kBlockM_, kBlockN_, kNWarps_), kBlockM_,
+                                 kBlockN_, kNWarps_, bwd_imin(kNWarps_, kBlockN_ / 16),
+                                 bwd_imin(kNWarps_, kBlockN_ / 16), bwd_imin(kNWarps_, kBlockM_ / 16)>;
+    static constexpr int kSmemElems = (2 * kBlockM_ + 2 * kBlockN_) * Base::kStride + 2 * kBlockN_ * Base::kStrideP;
+    static constexpr int kSmemBytes = kSmemElems * 2 + 2 * kBlockM_ * 4;  // + lse2, delta
+
+    static_assert(kNWarps_ % Base::kWarpsN1 == 0 && kNWarps_ % Base::kWarpsM3 == 0, "warp grid");
+    static_assert(kBlockN_ % (16 * Base::kWarpsN1) == 0 && kBlockM_ % (16 * Base::kWarpsM1) == 0, "GEMM 1 tiles");
+    static_assert(Base::kNTiles1 % 2 == 0 && Base::kNTiles2 % 2 == 0 && Base::kNTiles3 % 2 == 0,
+                  "n-tiles come in pairs");
+    static_assert(kBlockM_ % (16 * Base::kWarpsM3) == 0, "GEMM 5 tiles");
+    static_assert(Base::kThreads >= 2 * kBlockM_, "one thread per lse / delta value");
+    static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
 };
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     using Tile = BwdDkdvTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
-    using Mma = Mma16816<Tag>;
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideP = Tile::kStrideP;
-    constexpr int kPad = Tile::kHeadDimPad;
-    constexpr int kThreads = Tile::kThreads;
-    constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
-    constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
-    constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
 
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ = smem;
@@ -105,295 +359,64 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     float* sLse2 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);
     float* sDelta = sLse2 + kBlockM;
 
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    const int n_block = blockIdx.x;
-    const int head_kv = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int n0 = n_block * kBlockN;
-    const int keys_valid = min(kBlockN, p.seqlen_k - n0);
-    const int hd = p.head_dim;
+    const BwdDkdvThread<Tag, Tile, kIsCausal> th(p);
 
-    const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride
-                    + n0 * p.k_row_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
-                    + n0 * p.v_row_stride;
-    const u16* gQb = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
-    const u16* gdOb = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride;
+    float acc_dk[Tile::kMTiles2][Tile::kNTiles2][4], acc_dv[Tile::kMTiles2][Tile::kNTiles2][4];
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
 
-    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
-    const int m_end = ceil_div(p.seqlen_q, kBlockM);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * p.heads_per_kv;
-    const int head0 = head_kv * p.heads_per_kv;
-
-    // Warp positions in the three warp grids.
-    const int wn1 = warp % Tile::kWarpsN1, wm1 = warp / Tile::kWarpsN1;
-    const int wn2 = warp % Tile::kWarpsN2, wd2 = warp / Tile::kWarpsN2;
-    const int wm3 = warp % Tile::kWarpsM3, wd3 = warp / Tile::kWarpsM3;
-    const int row1 = wn1 * kMT1 * 16;   // key row of this warp's S^T slice
-    const int col1 = wm1 * kNT1 * 8;    // query column of this warp's S^T slice
-    const int row2 = wn2 * kMT2 * 16;   // key row of this warp's dK/dV slice
-    const int col2 = wd2 * kNT2 * 8;    // head-dim column of this warp's dK/dV slice
-    const int row3 = wm3 * kMT3 * 16;   // query row of this warp's dQ slice
-    const int col3 = wd3 * kNT3 * 8;
-
-    float acc_dk[kMT2][kNT2][4], acc_dv[kMT2][kNT2][4];
-#pragma unroll
-    for (int t = 0; t < kMT2; ++t)
-#pragma unroll
-        for (int n = 0; n < kNT2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) { acc_dk[t][n][e] = 0.f; acc_dv[t][n][e] = 0.f; }
-
-    // lse2 / delta of query tile (head, m_block): thread i < kBlockM fetches
-    // lse2[i], thread kBlockM + i fetches delta[i].
-    auto fetch_row_stat = [&](int head, int m_block) -> float {
-        const int i = tid < kBlockM ? tid : tid - kBlockM;
-        const int row = m_block * kBlockM + i;
-        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
-        if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
-        if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
-        return 0.f;
-    };
-    auto store_row_stat = [&](float x) {
-        if (tid < 2 * kBlockM) sLse2[tid] = x;  // sDelta = sLse2 + kBlockM
-    };
-    auto load_q = [&](int head, int m_block) {
-        const int m0 = m_block * kBlockM;
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
-            sQ, gQb + head * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, hd, tid);
-    };
-    auto load_do = [&](int head, int m_block) {
-        const int m0 = m_block * kBlockM;
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
-            sdO, gdOb + head * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, hd, tid);
-    };
-
-    if (n_iter > 0) {
-        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
-        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
-        load_q(head0, m_begin);
+    if (th.n_iter > 0) {
+        th.load_kv(sK, sV);
+        th.load_q(sQ, th.head0, th.m_begin);
         cp_async_commit();
-        load_do(head0, m_begin);
+        th.load_do(sdO, th.head0, th.m_begin);
         cp_async_commit();
-        store_row_stat(fetch_row_stat(head0, m_begin));
+        th.store_row_stat(sLse2, th.fetch_row_stat(th.head0, th.m_begin));  // sDelta = sLse2 + kBlockM
 
-        for (int it = 0; it < n_iter; ++it) {
-            const int head = head0 + it / n_m;
-            const int m_block = m_begin + it % n_m;
-            const int m0 = m_block * kBlockM;
-            const bool has_next = it + 1 < n_iter;
-            const int head_next = head0 + (it + 1) / n_m;
-            const int m_next = m_begin + (it + 1) % n_m;
+        for (int it = 0; it < th.n_iter; ++it) {
+            const int head = th.head_of(it);
+            const int m_block = th.m_block_of(it);
+            const bool has_next = it + 1 < th.n_iter;
+            const int head_next = th.head_of(it + 1);
+            const int m_next = th.m_block_of(it + 1);
 
             cp_async_wait<1>();
             __syncthreads();  // K, V, Q_it landed; lse2/delta of it visible; sdS free
 
-            // S^T = K Q^T
-            float acc_s[kMT1][kNT1][4];
-#pragma unroll
-            for (int t = 0; t < kMT1; ++t)
-#pragma unroll
-                for (int n = 0; n < kNT1; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMT1][4];
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sK, row1 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT1 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sQ, col1 + nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT1; ++t) {
-                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            float acc_s[Tile::kMTiles1][Tile::kNTiles1][4];
+            zero_acc(acc_s);
+            th.template key_query_product<BWD_KK_UNROLL>(acc_s, sK, sQ);  // S^T = K Q^T
 
             cp_async_wait<0>();
             __syncthreads();  // dO_it landed
 
-            // dP^T = V dO^T
-            float acc_dp[kMT1][kNT1][4];
-#pragma unroll
-            for (int t = 0; t < kMT1; ++t)
-#pragma unroll
-                for (int n = 0; n < kNT1; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_dp[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMT1][4];
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sV, row1 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT1 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sdO, col1 + nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT1; ++t) {
-                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            float acc_dp[Tile::kMTiles1][Tile::kNTiles1][4];
+            zero_acc(acc_dp);
+            th.template key_query_product<BWD_KK_UNROLL>(acc_dp, sV, sdO);  // dP^T = V dO^T
 
-            // P^T, dS^T -> shared memory. Element (t, n, e): key row1 + t*16 + g + (e>>1)*8,
-            // query col1 + n*8 + 2*t4 + (e&1).
-            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
-#pragma unroll
-            for (int n = 0; n < kNT1; ++n) {
-                const int qc = col1 + n * 8 + 2 * t4;
-                const float l0 = sLse2[qc], l1 = sLse2[qc + 1];
-                const float d0 = sDelta[qc], d1 = sDelta[qc + 1];
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int kr = row1 + t * 16 + g + h * 8;
-                        float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l0);
-                        float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l1);
-                        if (mask) {
-                            if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
-                            if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
-                        }
-                        const float ds0 = p0 * (acc_dp[t][n][2 * h] - d0);
-                        const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d1);
-                        *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
-                        *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
-                    }
-                }
-            }
+            th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
             __syncthreads();  // P^T, dS^T complete; every warp is done with sLse2/sDelta
 
-            // dK += dS^T Q
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                u32 a[kMT2][4];
-#pragma unroll
-                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sdS, row2 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT2 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_kn<kStride>(b, sQ, kk * 16, col2 + nn * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT2; ++t) {
-                        Mma::run(acc_dk[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dk[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
             __syncthreads();  // every warp is done with sQ
-            if (has_next) load_q(head_next, m_next);
+            if (has_next) th.load_q(sQ, head_next, m_next);
             cp_async_commit();
-            const float stat_next = has_next ? fetch_row_stat(head_next, m_next) : 0.f;
+            const float stat_next = has_next ? th.fetch_row_stat(head_next, m_next) : 0.f;
 
-            // dV += P^T dO
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                u32 a[kMT2][4];
-#pragma unroll
-                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sP, row2 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT2 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_kn<kStride>(b, sdO, kk * 16, col2 + nn * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT2; ++t) {
-                        Mma::run(acc_dv[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dv[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            th.key_dim_product(acc_dv, sP, sdO);  // dV += P^T dO
             __syncthreads();  // every warp is done with sdO
-            if (has_next) load_do(head_next, m_next);
+            if (has_next) th.load_do(sdO, head_next, m_next);
             cp_async_commit();
-            if (has_next) store_row_stat(stat_next);
+            if (has_next) th.store_row_stat(sLse2, stat_next);
 
-            if constexpr (kAtomicDq) {
-                // dQ_m += dS K: A = dS (query x key), read from dS^T transposed. Done in
-                // column chunks of kNT3c n-tiles to bound the live accumulators.
-                constexpr int kNT3c = Tile::kNTiles3Chunk;
-                float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
-#pragma unroll 1
-                for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
-                    const int colc = col3 + chunk * kNT3c * 8;
-                    float acc_dq[kMT3][kNT3c][4];
-#pragma unroll
-                    for (int t = 0; t < kMT3; ++t)
-#pragma unroll
-                        for (int n = 0; n < kNT3c; ++n)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-                    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                        u32 a[kMT3][4];
-#pragma unroll
-                        for (int t = 0; t < kMT3; ++t)
-                            load_a_frag_trans<kStrideP>(a[t], sdS, row3 + t * 16, kk * 16, lane);
-#pragma unroll
-                        for (int nn = 0; nn < kNT3c / 2; ++nn) {
-                            u32 b[4];
-                            load_b_frag_kn<kStride>(b, sK, kk * 16, colc + nn * 16, lane);
-#pragma unroll
-                            for (int t = 0; t < kMT3; ++t) {
-                                Mma::run(acc_dq[t][2 * nn], a[t], b[0], b[1]);
-                                Mma::run(acc_dq[t][2 * nn + 1], a[t], b[2], b[3]);
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int t = 0; t < kMT3; ++t)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int row = m0 + row3 + t * 16 + g + h * 8;
-                            if (row < p.seqlen_q) {
-                                float* dst = gdq + static_cast<i64>(row) * hd;
-#pragma unroll
-                                for (int n = 0; n < kNT3c; ++n) {
-                                    const int col = colc + n * 8 + 2 * t4;
-                                    if (col < hd) {
-                                        atomicAdd(dst + col, acc_dq[t][n][2 * h]);
-                                        atomicAdd(dst + col + 1, acc_dq[t][n][2 * h + 1]);
-                                    }
-                                }
-                            }
-                        }
-                }
-            }
+            if constexpr (kAtomicDq)  // scalar atomics on every arch (version 2 has the vector ones)
+                th.add_dq(sdS, sK, head, m_block, [](float* dst, float a, float b) {
+                    atomicAdd(dst, a);
+                    atomicAdd(dst + 1, b);
+                });
         }
     }
-
-    // Epilogue: dK * softmax_scale and dV, staged through the K / V buffers.
-    __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
-#pragma unroll
-    for (int t = 0; t < kMT2; ++t)
-#pragma unroll
-        for (int n = 0; n < kNT2; ++n)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row2 + t * 16 + g + h * 8;
-                const int c = col2 + n * 8 + 2 * t4;
-                *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
-                    acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(sV + r * kStride + c) =
-                    ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
-            }
-    __syncthreads();
-    u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride
-               + n0 * p.dk_row_stride;
-    u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
-               + n0 * p.dv_row_stride;
-    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
-    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+    th.store_dkdv(acc_dk, acc_dv, sK, sV);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
@@ -641,7 +664,7 @@ bwd_dq_kernel(const BwdParams p) {
 // Unroll of the S^T / dP^T k-loops (both operands from shared memory): 2 is faster (H100: +4%
 // at d=64, +2.5% at d=128) but spills at d=128 with 64 x 128 tiles on sm_90.
 #ifndef BWD2_S_UNROLL
-#define BWD2_S_UNROLL (kPad <= 64 ? 2 : 1)
+#define BWD2_S_UNROLL (Tile::kHeadDimPad <= 64 ? 2 : 1)
 #endif
 // Measurement only (wrong dQ): skip the dQ product and its reductions (1) or the reductions (2).
 #ifndef BWD2_DIAG_SKIP_DQ
@@ -663,37 +686,21 @@ __host__ __device__ constexpr int bwd_pick_wm(int nwarps, int M, int N) {
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
-struct BwdDkdvTile2 {
-    static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;
-    static constexpr int kBlockM = kBlockM_;   // query rows per step
-    static constexpr int kBlockN = kBlockN_;   // keys held by the CTA
-    static constexpr int kNWarps = kNWarps_;
-    static constexpr int kThreads = kNWarps * 32;
-    // S^T, dP^T (kBlockN x kBlockM): kWarpsN1 x kWarpsM1.
-    static constexpr int kWarpsN1 = bwd_pick_wm(kNWarps, kBlockN, kBlockM);
-    static constexpr int kWarpsM1 = kNWarps / (kWarpsN1 > 0 ? kWarpsN1 : 1);
-    // dV, dK (kBlockN x head_dim): kWarpsN2 x kWarpsD2.
-    static constexpr int kWarpsN2 = bwd_pick_wm(kNWarps, kBlockN, kHeadDimPad);
-    static constexpr int kWarpsD2 = kNWarps / (kWarpsN2 > 0 ? kWarpsN2 : 1);
-    // dQ (kBlockM x head_dim): kWarpsM3 x kWarpsD3.
-    static constexpr int kWarpsM3 = bwd_pick_wm(kNWarps, kBlockM, kHeadDimPad);
-    static constexpr int kWarpsD3 = kNWarps / (kWarpsM3 > 0 ? kWarpsM3 : 1);
-    static constexpr int kMTiles1 = kBlockN / kWarpsN1 / 16;
-    static constexpr int kNTiles1 = kBlockM / kWarpsM1 / 8;
-    static constexpr int kMTiles2 = kBlockN / kWarpsN2 / 16;
-    static constexpr int kNTiles2 = kHeadDimPad / kWarpsD2 / 8;
-    static constexpr int kMTiles3 = kBlockM / kWarpsM3 / 16;
-    static constexpr int kNTiles3 = kHeadDimPad / kWarpsD3 / 8;
-    static constexpr int kNTiles3Chunk = kNTiles3 % 8 == 0 ? 8 : (kNTiles3 % 6 == 0 ? 6 : (kNTiles3 % 4 == 0 ? 4 : 2));
-    static constexpr int kStride = kHeadDimPad + 8;   // Q, dO, K, V rows (16-byte pad)
-    static constexpr int kStrideP = kBlockM + 8;      // P^T, dS^T rows
-    static constexpr int kSmemElems = (4 * kBlockM + 2 * kBlockN) * kStride + 2 * kBlockN * kStrideP;
-    static constexpr int kSmemBytes = kSmemElems * 2 + 4 * kBlockM * 4;  // + 2 stages of lse2, delta
+struct BwdDkdvTile2
+    : BwdDkdvGeometry<kHeadDim_, (kHeadDim_ + 15) / 16 * 16, kBlockM_, kBlockN_, kNWarps_,
+                      bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
+                      bwd_pick_wm(kNWarps_, kBlockN_, (kHeadDim_ + 15) / 16 * 16),
+                      bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16)> {
+    using Base = BwdDkdvGeometry<kHeadDim_, (kHeadDim_ + 15) / 16 * 16, kBlockM_, kBlockN_, kNWarps_,
+                                 bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
+                                 bwd_pick_wm(kNWarps_, kBlockN_, (kHeadDim_ + 15) / 16 * 16),
+                                 bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16)>;
+    static constexpr int kSmemElems = (4 * kBlockM_ + 2 * kBlockN_) * Base::kStride + 2 * kBlockN_ * Base::kStrideP;
+    static constexpr int kSmemBytes = kSmemElems * 2 + 4 * kBlockM_ * 4;  // + 2 stages of lse2, delta
 
-    static_assert(kWarpsN1 > 0 && kWarpsN2 > 0 && kWarpsM3 > 0, "no warp grid fits these tiles");
-    static_assert(kThreads >= 2 * kBlockM, "one thread per lse / delta value");
-    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+    static_assert(Base::kWarpsN1 > 0 && Base::kWarpsN2 > 0 && Base::kWarpsM3 > 0, "no warp grid fits these tiles");
+    static_assert(Base::kThreads >= 2 * kBlockM_, "one thread per lse / delta value");
+    static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
 };
 
 // dst[0] += a, dst[1] += b (dst 8-byte aligned), no return value.
@@ -709,15 +716,8 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
 __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     using Tile = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
-    using Mma = Mma16816<Tag>;
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideP = Tile::kStrideP;
-    constexpr int kPad = Tile::kHeadDimPad;
-    constexpr int kThreads = Tile::kThreads;
-    constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
-    constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
-    constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
     constexpr int kTileM = kBlockM * kStride;
 
     extern __shared__ __align__(128) u16 smem[];
@@ -729,95 +729,36 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     u16* sdS = sP + kBlockN * kStrideP;   // dS^T [key][query]
     float* sStat0 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);  // stage s: lse2, delta at + s * 2 * kBlockM
 
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    const int n_block = blockIdx.x;
-    const int head_kv = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int n0 = n_block * kBlockN;
-    const int keys_valid = min(kBlockN, p.seqlen_k - n0);
-    const int hd = p.head_dim;
+    const BwdDkdvThread<Tag, Tile, kIsCausal> th(p);
 
-    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
-    const int m_end = ceil_div(p.seqlen_q, kBlockM);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * p.heads_per_kv;
-    const int head0 = head_kv * p.heads_per_kv;
+    float acc_dk[Tile::kMTiles2][Tile::kNTiles2][4], acc_dv[Tile::kMTiles2][Tile::kNTiles2][4];
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
 
-    const int wn1 = warp % Tile::kWarpsN1, wm1 = warp / Tile::kWarpsN1;
-    const int wn2 = warp % Tile::kWarpsN2, wd2 = warp / Tile::kWarpsN2;
-    const int wm3 = warp % Tile::kWarpsM3, wd3 = warp / Tile::kWarpsM3;
-    const int row1 = wn1 * kMT1 * 16;   // key row of this warp's S^T slice
-    const int col1 = wm1 * kNT1 * 8;    // query column of this warp's S^T slice
-    const int row2 = wn2 * kMT2 * 16;   // key row of this warp's dK/dV slice
-    const int col2 = wd2 * kNT2 * 8;    // head-dim column of this warp's dK/dV slice
-    const int row3 = wm3 * kMT3 * 16;   // query row of this warp's dQ slice
-    const int col3 = wd3 * kNT3 * 8;
-
-    float acc_dk[kMT2][kNT2][4], acc_dv[kMT2][kNT2][4];
-#pragma unroll
-    for (int t = 0; t < kMT2; ++t)
-#pragma unroll
-        for (int n = 0; n < kNT2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) { acc_dk[t][n][e] = 0.f; acc_dv[t][n][e] = 0.f; }
-
-    auto fetch_row_stat = [&](int head, int m_block) -> float {
-        const int i = tid < kBlockM ? tid : tid - kBlockM;
-        const int row = m_block * kBlockM + i;
-        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
-        if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
-        if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
-        return 0.f;
-    };
-    auto store_row_stat = [&](int stage, float x) {
-        if (tid < 2 * kBlockM) sStat0[stage * 2 * kBlockM + tid] = x;
-    };
-    auto load_qdo = [&](int head, int m_block, int stage) {
-        const int m0 = m_block * kBlockM;
-        const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
-                        + m0 * p.q_row_stride;
-        const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride
-                         + m0 * p.do_row_stride;
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
-            sQ0 + stage * kTileM, gQ, p.q_row_stride, p.seqlen_q - m0, hd, tid);
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
-            sdO0 + stage * kTileM, gdO, p.do_row_stride, p.seqlen_q - m0, hd, tid);
-    };
-
-    if (n_iter > 0) {
-        {
-            const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride
-                            + n0 * p.k_row_stride;
-            const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
-                            + n0 * p.v_row_stride;
-            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
-            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
-        }
-        load_qdo(head0, m_begin, 0);
+    if (th.n_iter > 0) {
+        th.load_kv(sK, sV);
+        th.load_q(sQ0, th.head0, th.m_begin);
+        th.load_do(sdO0, th.head0, th.m_begin);
         cp_async_commit();
-        store_row_stat(0, fetch_row_stat(head0, m_begin));
+        th.store_row_stat(sStat0, th.fetch_row_stat(th.head0, th.m_begin));
 
 #pragma unroll 1
-        for (int it = 0; it < n_iter; ++it) {
+        for (int it = 0; it < th.n_iter; ++it) {
             const int stage = it & 1;
-            const int head = head0 + it / n_m;
-            const int m_block = m_begin + it % n_m;
-            const int m0 = m_block * kBlockM;
-            const bool has_next = it + 1 < n_iter;
+            const int head = th.head_of(it);
+            const int m_block = th.m_block_of(it);
+            const bool has_next = it + 1 < th.n_iter;
 
             cp_async_wait<0>();
             __syncthreads();  // Q, dO of it landed, its lse2 / delta visible; every warp is done
                               // with step it - 1 (the other stage, sP, sdS)
             float stat_next = 0.f;
             if (has_next) {
-                const int head_next = head0 + (it + 1) / n_m;
-                const int m_next = m_begin + (it + 1) % n_m;
-                load_qdo(head_next, m_next, stage ^ 1);
-                stat_next = fetch_row_stat(head_next, m_next);
+                const int head_next = th.head_of(it + 1);
+                const int m_next = th.m_block_of(it + 1);
+                th.load_q(sQ0 + (stage ^ 1) * kTileM, head_next, m_next);
+                th.load_do(sdO0 + (stage ^ 1) * kTileM, head_next, m_next);
+                stat_next = th.fetch_row_stat(head_next, m_next);
             }
             cp_async_commit();
 
@@ -826,184 +767,26 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
             const float* sLse2 = sStat0 + stage * 2 * kBlockM;
             const float* sDelta = sLse2 + kBlockM;
 
-            // S^T = K Q^T, dP^T = V dO^T
-            float acc_s[kMT1][kNT1][4], acc_dp[kMT1][kNT1][4];
-#pragma unroll
-            for (int t = 0; t < kMT1; ++t)
-#pragma unroll
-                for (int n = 0; n < kNT1; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) { acc_s[t][n][e] = 0.f; acc_dp[t][n][e] = 0.f; }
-#pragma unroll BWD2_S_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMT1][4];
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sK, row1 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT1 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sQ, col1 + nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT1; ++t) {
-                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
-#pragma unroll BWD2_S_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMT1][4];
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) load_a_frag<kStride>(a[t], sV, row1 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT1 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sdO, col1 + nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT1; ++t) {
-                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            float acc_s[Tile::kMTiles1][Tile::kNTiles1][4], acc_dp[Tile::kMTiles1][Tile::kNTiles1][4];
+            zero_acc(acc_s);
+            zero_acc(acc_dp);
+            th.template key_query_product<BWD2_S_UNROLL>(acc_s, sK, sQ);   // S^T = K Q^T
+            th.template key_query_product<BWD2_S_UNROLL>(acc_dp, sV, sdO); // dP^T = V dO^T
 
-            // P^T, dS^T -> shared memory. Element (t, n, e): key row1 + t*16 + g + (e>>1)*8,
-            // query col1 + n*8 + 2*t4 + (e&1).
-            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
-#pragma unroll
-            for (int n = 0; n < kNT1; ++n) {
-                const int qc = col1 + n * 8 + 2 * t4;
-                const float2 l = *reinterpret_cast<const float2*>(sLse2 + qc);
-                const float2 d = *reinterpret_cast<const float2*>(sDelta + qc);
-#pragma unroll
-                for (int t = 0; t < kMT1; ++t) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int kr = row1 + t * 16 + g + h * 8;
-                        float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l.x);
-                        float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l.y);
-                        if (mask) {
-                            if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
-                            if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
-                        }
-                        const float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
-                        const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
-                        *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
-                        *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
-                    }
-                }
-            }
-            if (has_next) store_row_stat(stage ^ 1, stat_next);
+            th.template store_p_ds<true>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
+            if (has_next) th.store_row_stat(sStat0 + (stage ^ 1) * 2 * kBlockM, stat_next);
             __syncthreads();  // P^T, dS^T complete
 
-            // dV += P^T dO
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                u32 a[kMT2][4];
-#pragma unroll
-                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sP, row2 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT2 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_kn<kStride>(b, sdO, kk * 16, col2 + nn * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT2; ++t) {
-                        Mma::run(acc_dv[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dv[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
-            // dK += dS^T Q
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                u32 a[kMT2][4];
-#pragma unroll
-                for (int t = 0; t < kMT2; ++t) load_a_frag<kStrideP>(a[t], sdS, row2 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < kNT2 / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_kn<kStride>(b, sQ, kk * 16, col2 + nn * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMT2; ++t) {
-                        Mma::run(acc_dk[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dk[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            th.key_dim_product(acc_dv, sP, sdO);  // dV += P^T dO
+            th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
 
-            if constexpr (kAtomicDq && BWD2_DIAG_SKIP_DQ != 1) {
-                // dQ_m += dS K: A = dS (query x key), read from dS^T transposed; column chunks
-                // of kNT3c n-tiles bound the live accumulators.
-                constexpr int kNT3c = Tile::kNTiles3Chunk;
-#pragma unroll 1
-                for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
-                    const int colc = col3 + chunk * kNT3c * 8;
-                    float acc_dq[kMT3][kNT3c][4];
-#pragma unroll
-                    for (int t = 0; t < kMT3; ++t)
-#pragma unroll
-                        for (int n = 0; n < kNT3c; ++n)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-                    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                        u32 a[kMT3][4];
-#pragma unroll
-                        for (int t = 0; t < kMT3; ++t)
-                            load_a_frag_trans<kStrideP>(a[t], sdS, row3 + t * 16, kk * 16, lane);
-#pragma unroll
-                        for (int nn = 0; nn < kNT3c / 2; ++nn) {
-                            u32 b[4];
-                            load_b_frag_kn<kStride>(b, sK, kk * 16, colc + nn * 16, lane);
-#pragma unroll
-                            for (int t = 0; t < kMT3; ++t) {
-                                Mma::run(acc_dq[t][2 * nn], a[t], b[0], b[1]);
-                                Mma::run(acc_dq[t][2 * nn + 1], a[t], b[2], b[3]);
-                            }
-                        }
-                    }
-                    float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
-#pragma unroll
-                    for (int t = 0; t < kMT3; ++t)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int row = m0 + row3 + t * 16 + g + h * 8;
-                            if (row < p.seqlen_q) {
-                                float* dst = gdq + static_cast<i64>(row) * hd;
-#pragma unroll
-                                for (int n = 0; n < kNT3c; ++n) {
-                                    const int col = colc + n * 8 + 2 * t4;  // even; hd % 8 == 0
-                                    if (col < hd && BWD2_DIAG_SKIP_DQ != 2) red_add_f32x2(dst + col, acc_dq[t][n][2 * h], acc_dq[t][n][2 * h + 1]);
-                                }
-                            }
-                        }
-                }
-            }
+            if constexpr (kAtomicDq && BWD2_DIAG_SKIP_DQ != 1)
+                th.add_dq(sdS, sK, head, m_block, [](float* dst, float a, float b) {
+                    if (BWD2_DIAG_SKIP_DQ != 2) red_add_f32x2(dst, a, b);
+                });
         }
     }
-
-    // Epilogue: dK * softmax_scale and dV, staged through the K / V buffers.
-    __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
-#pragma unroll
-    for (int t = 0; t < kMT2; ++t)
-#pragma unroll
-        for (int n = 0; n < kNT2; ++n)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row2 + t * 16 + g + h * 8;
-                const int c = col2 + n * 8 + 2 * t4;
-                *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
-                    acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(sV + r * kStride + c) =
-                    ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
-            }
-    __syncthreads();
-    u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride
-               + n0 * p.dk_row_stride;
-    u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
-               + n0 * p.dv_row_stride;
-    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
-    store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+    th.store_dkdv(acc_dk, acc_dv, sK, sV);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
