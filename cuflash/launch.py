@@ -82,7 +82,7 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     ds_copies = 2 if c.block_n == 64 else 1  # split-D: one dS copy per consumer warpgroup
     dq_stage = c.block_m * pad * 4 if "dqtile" in c.family else 0  # kDqStageBytes: both warpgroups' slices
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
-            + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s))
+            + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * 2))  # kBarriers
 
 
 SMEM_BYTES = {

@@ -148,6 +148,25 @@ def test_strided_views(rng, dtype, deterministic):
     assert bool(cupy.isnan(big[:, :, 1].astype(cupy.float32)).all()), "wrote outside the gradient views"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_views_tma_cannot_address(rng, d, deterministic):
+    """A size-1 batch dim whose stride is not a multiple of 16 bytes passes the checks (the dim is
+    never stepped) but no tensor map can describe it: the Hopper path hands the whole backward to
+    the portable kernels, dQ reduction included."""
+    from cupy.lib.stride_tricks import as_strided
+
+    n, h = 200, 2
+
+    def odd_batch_stride(x):
+        return as_strided(x, shape=x.shape, strides=(8,) + x.strides[1:])
+
+    q, k, v, dout = (odd_batch_stride(randn(rng, (1, n, h, d), "bfloat16")) for _ in range(4))
+    assert q.strides[0] == 8
+    check_bwd(rng, "bfloat16", 1, n, n, h, h, d, True, deterministic=deterministic, inputs=(q, k, v, dout),
+              label="no-tma")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_non_default_stream(rng, dtype):
     import cupy

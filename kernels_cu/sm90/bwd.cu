@@ -17,11 +17,12 @@
 //   dQ slice c += dS K      wgmma SS (dS K-major, K MN-major; kBlockM = 64: columns split
 //                           between the warpgroups, 128: rows split), then
 //   dQ mode kDqAtomic: red.global.add.v2.f32 into the float32 dq_accum (bwd_postprocess converts);
-//   kDqTile / kDqTileOrdered: the slice goes to shared memory in the accumulators' own order and one
-//   thread adds it to a tile-contiguous dq_accum with one bulk reduce (cp.reduce.async.bulk): one
-//   L2 operation per 16 KB instead of 4096 8-byte atomics (bwd_postprocess_tiled converts).
-//   kDqTileOrdered adds the key tiles' slices in a fixed order (a semaphore per slice), so dQ is
-//   bitwise reproducible.
+//   kDqTile / kDqTileOrdered: the slice goes to shared memory in the accumulators' own order
+//   ("dq_full" mbarrier) and a producer warp per slice (warps 2, 3) adds it to a tile-contiguous
+//   dq_accum with one bulk reduce (cp.reduce.async.bulk): one L2 operation per slice instead of
+//   thousands of 8-byte atomics (bwd_postprocess_tiled converts), and no wait in the consumers.
+//   kDqTileOrdered adds the key tiles' slices in a fixed order (a semaphore per slice, waited on and
+//   released by those warps), so dQ is bitwise reproducible.
 // Causal: query tiles before the key tile's first visible row are skipped; odd
 // lengths and head dims come from TMA's zero fill plus masking (P = 0 outside).
 #include "../common/numeric.cuh"
@@ -73,11 +74,13 @@ struct Sm90BwdTile {
     static constexpr int kDqMode = kDqMode_;
     static constexpr int kDqSliceFloats = 64 * kDqCols;
     static constexpr int kDqStageBytes = kDqMode == kDqAtomic ? 0 : kConsumerWGs * kDqSliceFloats * 4;
+    // kv, q_full / do_full / empty per stage, dq_full / dq_empty per consumer warpgroup.
+    static constexpr int kBarriers = 1 + 3 * kStages + 2 * kConsumerWGs;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     // Bytes after the 1024-byte aligned base (launch.py mirrors this).
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsCopies * kDsBytes
-                                      + kDqStageBytes + 2 * kStages * kBlockM * 4 + 8 * (1 + 3 * kStages);
+                                      + kDqStageBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
     static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
     static_assert((kBlockN == 128 || kSplitD) && kConsumerWGs == 2,
                   "two consumer warpgroups of 64 keys, or of the same 64 keys and half the head dim each");
@@ -139,6 +142,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     auto bar_q_full = [&](int s) { return bars + 8 * (1 + s); };
     auto bar_do_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
     auto bar_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+    // Tile dQ modes: a consumer warpgroup's slice is in shared memory / has been read by the bulk reduce.
+    auto bar_dq_full = [&](int c) { return bars + 8 * (1 + 3 * kStages + c); };
+    auto bar_dq_empty = [&](int c) { return bars + 8 * (1 + 3 * kStages + Tile::kConsumerWGs + c); };
 
     // Ordered dQ, causal: the slices of a query tile are added from the diagonal key tile down, the
     // order in which the CTAs reach it; CTAs start in that order too (a CTA waits only on CTAs that
@@ -161,6 +167,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             mbar_init(bar_q_full(s), 1 + 32);   // TMA thread + the 32 lanes of the lse2 / delta warp
             mbar_init(bar_do_full(s), 1 + 32);
             mbar_init(bar_empty(s), Tile::kConsumerWGs * 128);
+        }
+#pragma unroll
+        for (int c = 0; c < Tile::kConsumerWGs; ++c) {
+            mbar_init(bar_dq_full(c), 128);
+            mbar_init(bar_dq_empty(c), 1);
         }
         fence_barrier_init();
     }
@@ -219,6 +230,36 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
                 mbar_arrive(bar_do_full(stage));
             }
+        } else if (kDqMode != kDqAtomic && (warp == 2 || warp == 3) && (threadIdx.x & 31) == 0 && n_iter > 0) {
+            // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after
+            // the key tiles before this one, and released when its writes are performed).
+            const int cw = warp - 2;
+            const u32 dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;
+            const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+            for (int i = 0; i < n_iter; ++i) {
+                const int head = head0 + i / n_m;
+                const int m_block = m_begin + i % n_m;
+                const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
+                float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
+                int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
+                mbar_wait(bar_dq_full(cw), i & 1);
+                if constexpr (kDqMode == kDqTileOrdered) {
+                    // Ascending key tiles, or (causal) down from the last key tile this query tile sees.
+                    const int order = kIsCausal ? Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k) - 1 - n_block
+                                                : n_block;
+                    semaphore_wait(sem, order);
+                    fence_proxy_async_global();
+                }
+                bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
+                bulk_wait_read();
+                mbar_arrive(bar_dq_empty(cw));
+                if constexpr (kDqMode == kDqTileOrdered) {
+                    bulk_wait_all();
+                    fence_proxy_async_global();
+                    semaphore_release_add(sem);
+                }
+            }
+            bulk_wait_all();  // the CTA's shared memory must outlive its bulk reduces
         }
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
@@ -257,11 +298,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
         };
 
-        // Tile modes: this warpgroup's staging slice and the query-tile count of the tiled dq_accum
-        // ((batch, head, m_block) tiles of kBlockM x kHeadDimPad floats, kConsumerWGs slices each).
-        const u32 dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;
-        const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-        const bool dq_leader = (threadIdx.x & 127) == 0;
+        const u32 dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;  // tile modes: this warpgroup's slice
 
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int i = 0; i < n_iter; ++i) {
@@ -375,11 +412,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             wgmma_commit();
 
             // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
-            // warpgroup's copy) is in shared memory; tile modes: the previous bulk reduce has read
-            // this warpgroup's staging slice.
-            if constexpr (kDqMode != kDqAtomic) {
-                if (dq_leader) bulk_wait_read();
-            }
+            // warpgroup's copy) is in shared memory.
             if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
             else named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
@@ -413,38 +446,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 dq_rows_valid = p.seqlen_q - dq_row;
                 store_dq();
             } else {
-                // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous), then
-                // one bulk reduce by the warpgroup's leader.
+                // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the
+                // previous one has been read, then over to this warpgroup's dQ warp.
+                mbar_wait(bar_dq_empty(cw), (i & 1) ^ 1);
                 float* stage_ptr = reinterpret_cast<float*>(smem_raw + (dq_stage - smem_u32(smem_raw)));
 #pragma unroll
                 for (int j = 0; j < kDqCols / 8; ++j)
                     *reinterpret_cast<float4*>(stage_ptr + 512 * j + 4 * (threadIdx.x & 127)) =
                         make_float4(acc_dq[4 * j], acc_dq[4 * j + 1], acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
                 fence_proxy_async_smem();
-                named_barrier_sync(4 + cw, 128);
-                if (dq_leader) {
-                    const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
-                    float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
-                    int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
-                    if constexpr (kDqMode == kDqTileOrdered) {
-                        // Key tiles add in order: ascending, or (causal) down from the last key tile
-                        // this query tile sees.
-                        const int order = kIsCausal ? Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k) - 1 - n_block
-                                                    : n_block;
-                        semaphore_wait(sem, order);
-                        fence_proxy_async_global();
-                    }
-                    bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
-                    if constexpr (kDqMode == kDqTileOrdered) {
-                        bulk_wait_all();
-                        fence_proxy_async_global();
-                        semaphore_release_add(sem);
-                    }
-                }
+                mbar_arrive(bar_dq_full(cw));
             }
-        }
-        if constexpr (kDqMode != kDqAtomic) {
-            if (dq_leader) bulk_wait_all();  // the CTA's shared memory must outlive its bulk reduces
         }
 
         // Epilogue: dK * softmax_scale and dV (keys past seqlen_k and padded columns skipped).
