@@ -119,6 +119,38 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 
+struct BwdBlock {
+    int n_block, head_kv, batch;
+};
+
+// The (key tile, kv head, batch) of this CTA. Causal (not ordered): a 1-D grid walked heaviest
+// first -- key tile n sees the query tiles from its diagonal on, so low n carry the most work --
+// within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB of L2, so
+// that the last wave holds short CTAs only. Ordered dQ, causal: a query tile's slices are added
+// from the diagonal key tile down, the order in which the CTAs reach it, and CTAs start in that
+// order too (each waits only on CTAs launched before it, so all make progress). Otherwise the
+// grid is (key tile, kv head, batch).
+template <int kBlockN, int kHeadDim, bool kIsCausal, int kDqMode>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
+    if constexpr (kIsCausal && kDqMode != kDqTileOrdered) {
+        const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
+        const int groups = p.batch * (p.heads_q / p.heads_per_kv);
+        const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
+        const int per_section = static_cast<int>(max(1ll, min(static_cast<i64>(groups), (24ll << 20) / group_bytes)));
+        const int linear = blockIdx.x;
+        const int section = linear / (per_section * n_blocks);
+        const int first_group = section * per_section;
+        const int section_groups = min(per_section, groups - first_group);
+        const int within = linear - first_group * n_blocks;
+        const int group = first_group + within % section_groups;
+        const int heads_kv = p.heads_q / p.heads_per_kv;
+        return {within / section_groups, group % heads_kv, group / heads_kv};
+    } else {
+        const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        return {n_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    }
+}
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kDqMode>
 __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, const TmaDesc& tma_do) {
@@ -146,12 +178,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     auto bar_dq_full = [&](int c) { return bars + 8 * (1 + 3 * kStages + c); };
     auto bar_dq_empty = [&](int c) { return bars + 8 * (1 + 3 * kStages + Tile::kConsumerWGs + c); };
 
-    // Ordered dQ, causal: the slices of a query tile are added from the diagonal key tile down, the
-    // order in which the CTAs reach it; CTAs start in that order too (a CTA waits only on CTAs that
-    // were launched before it, so all of them make progress).
-    const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head_kv = blockIdx.y;
-    const int batch = blockIdx.z;
+    const BwdBlock blk = bwd_block<kBlockN, kHeadDim, kIsCausal, kDqMode>(p);
+    const int n_block = blk.n_block;
+    const int head_kv = blk.head_kv;
+    const int batch = blk.batch;
     const int n0 = n_block * kBlockN;
     const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
     const int m_end = ceil_div(p.seqlen_q, kBlockM);
