@@ -208,8 +208,8 @@ _SM90_BWD_OPTIN: dict = {}
 _SM90_BWD_OPTIN_CAUSAL: dict = {}
 # How the sm90 backward's dQ slices reach global memory ($CUFLASH_SM90_BWD_DQ): "atomic"
 # (red.global.add per element pair) or "tile" (shared memory + one bulk reduce per slice into a
-# tiled dq_accum; deterministic mode: the same, in a fixed order). Split-D tiles (192 / 256) are
-# always atomic, and the deterministic mode needs "tile" (else the portable kernels run).
+# tiled dq_accum; deterministic mode: the same, in a fixed order); the deterministic mode needs
+# "tile" (else the portable kernels run).
 SM90_BWD_DQ_MODES = ("atomic", "tile")
 # H100, B=4 H=16 N=4096, backward TFLOP/s atomic -> tile (2026-11-23, scripts/bench_sm90_bwd_dq.py):
 # d=64 fp16 343 -> 395, causal 237 -> 262; d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16
@@ -280,7 +280,7 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in table:
         bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and table_causal.get(bucket))
                      or table[bucket])
-        tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile" and bn == 128
+        tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile"
         if tile:
             family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
             post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)

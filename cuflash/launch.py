@@ -80,7 +80,8 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     pad = _round_up(c.head_dim, 64)
     s = SM90_BWD_STAGES
     ds_copies = 2 if c.block_n == 64 else 1  # split-D: one dS copy per consumer warpgroup
-    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family else 0  # kDqStageBytes: both warpgroups' slices
+    # kDqStageBytes: both warpgroups' dQ slices (split-D tiles stage them in the Q / dO ring)
+    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family and c.block_n == 128 else 0
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
             + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * 2))  # kBarriers
 

@@ -16,7 +16,8 @@ from cuflash.bench import Shape, random_inputs, tflops, time_cuda
 SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 64, "float16", True),
           Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
           Shape(4, 16, 4096, 96, "bfloat16", False), Shape(16, 16, 1024, 64, "float16", False),
-          Shape(1, 16, 16384, 128, "bfloat16", True)]
+          Shape(1, 16, 16384, 128, "bfloat16", True), Shape(4, 16, 4096, 256, "bfloat16", False),
+          Shape(4, 16, 4096, 256, "bfloat16", True), Shape(4, 16, 4096, 192, "bfloat16", False)]
 MODES = [("atomic", "atomic", False), ("tile", "tile", False), ("tile det", "tile", True),
          ("sm80 det", None, True)]
 

@@ -23,9 +23,8 @@ DQ_MODE = {"sm90_bwd_dkdv_dq": "kDqAtomic", "sm90_bwd_dkdv_dqtile": "kDqTile",
 def test_sm90_bwd_configs():
     assert {c.head_dim for c in SM90_BWD_CONFIGS} == {32, 64, 96, 128, 192, 256}
     by_family = {f: [c for c in SM90_BWD_CONFIGS if c.family == f] for f in DQ_MODE}
-    # Atomic: every bucket, dtype and mask; tile modes: the 128-key tiles (not 192 / 256).
-    assert [len(by_family[f]) for f in DQ_MODE] == [6 * 2 * 2, 4 * 2 * 2, 4 * 2 * 2]
-    assert all(c.block_n == 128 for f in DQ_MODE if "dqtile" in f for c in by_family[f])
+    # Every bucket, dtype and mask in each dQ mode.
+    assert [len(by_family[f]) for f in DQ_MODE] == [6 * 2 * 2] * 3
     assert {c.family for c in POSTPROCESS_CONFIGS} == {"bwd_postprocess_tiled"}
     for c in SM90_BWD_CONFIGS:
         assert launch.SMEM_BYTES[c.family](c) <= H100_SMEM_OPTIN
@@ -97,21 +96,18 @@ def test_sm90_bwd_backend_selection(monkeypatch):
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     for backend in ("auto", "sm90"):
         monkeypatch.setenv("CUFLASH_BWD_BACKEND", backend)
-        # Default dQ mode "tile": bulk-reduced dQ on the 128-key tiles, and its ordered variant for
-        # the deterministic mode; split-D tiles (192 / 256) keep atomics and, deterministic, the
-        # portable kernels.
+        # Default dQ mode "tile": bulk-reduced dQ, and its ordered variant for the deterministic mode
+        # (split-D tiles at 192 / 256 included).
         cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
         assert cfgs.dkdv.family == "sm90_bwd_dkdv_dqtile" and cfgs.dq is None
         assert cfgs.postprocess.family == "bwd_postprocess_tiled" and cfgs.postprocess.block_m == cfgs.dkdv.block_m
-        for d in (8, 40, 72, 128):
+        for d in (8, 40, 72, 128, 136, 256):
             for causal in (False, True):
                 assert heuristics.bwd_configs("float16", d, causal, 90).dkdv.family == "sm90_bwd_dkdv_dqtile"
                 assert heuristics.bwd_configs("float16", d, causal, 90, deterministic=True).dkdv.family == \
                     "sm90_bwd_dkdv_dqtile_ordered"
-        assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.family == "sm90_bwd_dkdv_dq"
         assert heuristics.bwd_configs("bfloat16", 256, False, 90).dkdv.block_n == 64
         assert heuristics.bwd_configs("bfloat16", 136, True, 90).dkdv.block_n == 64
-        assert portable(heuristics.bwd_configs("bfloat16", 256, False, 90, deterministic=True))
         assert portable(heuristics.bwd_configs("float32", 128, False, 90))
         assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
         assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128

@@ -73,7 +73,11 @@ struct Sm90BwdTile {
     // accumulator order: chunk j (registers 4j..4j+3) of thread t at float 512 j + 4 t.
     static constexpr int kDqMode = kDqMode_;
     static constexpr int kDqSliceFloats = 64 * kDqCols;
-    static constexpr int kDqStageBytes = kDqMode == kDqAtomic ? 0 : kConsumerWGs * kDqSliceFloats * 4;
+    // Split-D tiles have no shared memory left for the slices (231 KB at d=256): a warpgroup's slice
+    // (64 x 128 floats) goes into the Q (warpgroup 0) or dO (1) buffer of the step's ring stage once
+    // both warpgroups are done with it, and the stage is freed when the bulk reduce has read it.
+    static constexpr bool kDqInRing = kSplitD && kDqMode != kDqAtomic;
+    static constexpr int kDqStageBytes = kDqMode == kDqAtomic || kDqInRing ? 0 : kConsumerWGs * kDqSliceFloats * 4;
     // kv, q_full / do_full / empty per stage, dq_full / dq_empty per consumer warpgroup.
     static constexpr int kBarriers = 1 + 3 * kStages + 2 * kConsumerWGs;
     static constexpr int kProducerRegs = 24;
@@ -88,7 +92,7 @@ struct Sm90BwdTile {
     static_assert(kKvPiece <= 128 && kDqPiece <= 128, "wgmma N of one piece");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockN / 64 consumer warpgroups");
     static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
-    static_assert(kDqMode == kDqAtomic || !kSplitD, "tile dQ modes: 128-key tiles (split-D slices do not fit)");
+    static_assert(!kDqInRing || kDqSliceFloats * 4 == kQBytes, "split-D dQ slice: one Q / dO ring buffer");
 };
 
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
@@ -196,7 +200,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar_q_full(s), 1 + 32);   // TMA thread + the 32 lanes of the lse2 / delta warp
             mbar_init(bar_do_full(s), 1 + 32);
-            mbar_init(bar_empty(s), Tile::kConsumerWGs * 128);
+            // Freed by every consumer thread, or (dQ slices in the ring) by the two dQ warps.
+            mbar_init(bar_empty(s), Tile::kDqInRing ? Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
         }
 #pragma unroll
         for (int c = 0; c < Tile::kConsumerWGs; ++c) {
@@ -264,9 +269,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after
             // the key tiles before this one, and released when its writes are performed).
             const int cw = warp - 2;
-            const u32 dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;
             const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
             for (int i = 0; i < n_iter; ++i) {
+                const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
+                                                     : sDqStage + cw * Tile::kDqSliceFloats * 4;
                 const int head = head0 + i / n_m;
                 const int m_block = m_begin + i % n_m;
                 const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
@@ -282,7 +288,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
                 bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 bulk_wait_read();
-                mbar_arrive(bar_dq_empty(cw));
+                mbar_arrive(Tile::kDqInRing ? bar_empty(i % kStages) : bar_dq_empty(cw));
                 if constexpr (kDqMode == kDqTileOrdered) {
                     bulk_wait_all();
                     fence_proxy_async_global();
@@ -328,7 +334,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
         };
 
-        const u32 dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;  // tile modes: this warpgroup's slice
 
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int i = 0; i < n_iter; ++i) {
@@ -468,7 +473,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             fence_operand(acc_dq);
 #pragma unroll
             for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
-            mbar_arrive(bar_empty(stage));
+            if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
 
             if constexpr (kDqMode == kDqAtomic) {
                 const int dq_row = m0 + dq_row0 + warp * 16 + g;
@@ -477,8 +482,16 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 store_dq();
             } else {
                 // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the
-                // previous one has been read, then over to this warpgroup's dQ warp.
-                mbar_wait(bar_dq_empty(cw), (i & 1) ^ 1);
+                // previous one has been read (ring: once both warpgroups are done with this stage's Q
+                // and dO), then over to this warpgroup's dQ warp.
+                u32 dq_stage;
+                if constexpr (Tile::kDqInRing) {
+                    named_barrier_sync(4, Tile::kConsumerWGs * 128);
+                    dq_stage = (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes;
+                } else {
+                    mbar_wait(bar_dq_empty(cw), (i & 1) ^ 1);
+                    dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;
+                }
                 float* stage_ptr = reinterpret_cast<float*>(smem_raw + (dq_stage - smem_u32(smem_raw)));
 #pragma unroll
                 for (int j = 0; j < kDqCols / 8; ++j)
