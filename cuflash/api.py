@@ -5,7 +5,6 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
@@ -194,16 +193,16 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
             semaphores = cupy.zeros(b * hq * m_blocks * sm90.BWD_CONSUMER_WARPGROUPS, dtype=np.int32)
     elif post is not None:  # zeroed by the preprocess
         dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32)
-    strides = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+    layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
                *params.element_strides(dk), *params.element_strides(dv),
                b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
     p = params.pack_bytes(params.BWD_PARAMS, (
-        *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *strides))
+        *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))
     # The preprocess zeroes a row-layout dq_accum; a tiled one is already zero.
-    p_pre = params.pack_bytes(params.BWD_PARAMS, (*pointers, 0, *outputs, *strides)) if tiled else p
+    p_pre = params.pack_bytes(params.BWD_PARAMS, (*pointers, 0, *outputs, *layout)) if tiled else p
     pkern, pcfg, psmem = pre
     launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p_pre, psmem)
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
