@@ -1,4 +1,4 @@
-// FlashAttention-2 backward for Hopper (sm_90a): dK/dV with atomic dQ on wgmma.
+// FlashAttention-2 backward for Hopper (sm_90a): dK, dV and dQ on wgmma in one kernel.
 //
 // One CTA per (key tile of kBlockN = 64 * consumer warpgroups keys, kv head, batch),
 // looping over the query tiles (kBlockM = 64 or 128 rows) of every query head of its GQA
@@ -22,7 +22,8 @@
 //   dq_accum with one bulk reduce (cp.reduce.async.bulk): one L2 operation per slice instead of
 //   thousands of 8-byte atomics (bwd_postprocess_tiled converts), and no wait in the consumers.
 //   kDqTileOrdered adds the key tiles' slices in a fixed order (a semaphore per slice, waited on and
-//   released by those warps), so dQ is bitwise reproducible.
+//   released by those warps), so dQ is bitwise reproducible. Split-D tiles (head dims 192 / 256, no
+//   shared memory to spare) stage the slices in the Q / dO buffers of the ring stage just consumed.
 // Causal: query tiles before the key tile's first visible row are skipped; odd
 // lengths and head dims come from TMA's zero fill plus masking (P = 0 outside).
 #include "../common/numeric.cuh"
