@@ -373,7 +373,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + 8j + 2 t4 + (e & 1).
             const float* lse2_s = stat_ptr + stage * kBlockM;
             const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
-            const bool need_mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+            // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never
+            // -inf), so that the loop below carries no per-element test.
+            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+#pragma unroll
+                for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!key_visible<kIsCausal>(m0 + 8 * j + 2 * t4 + (e & 1), n0 + key_local + 8 * (e >> 1),
+                                                    p.seqlen_q, p.seqlen_k))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
 #pragma unroll
             for (int j = 0; j < kBlockM / 8; ++j) {
                 const int qc = 8 * j + 2 * t4;
@@ -381,10 +391,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const float2 dl = *reinterpret_cast<const float2*>(delta_s + qc);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
-                    if (need_mask && !key_visible<kIsCausal>(m0 + qc + (e & 1), n0 + key_local + 8 * (e >> 1),
-                                                             p.seqlen_q, p.seqlen_k))
-                        pr = 0.f;
+                    const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
                     acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
                     acc_s[4 * j + e] = pr;
                 }
