@@ -406,16 +406,31 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
                 }
             // dS -> shared memory, [query][key] K-major for the dQ product: this warpgroup's keys are
-            // 64-column block key_wg; element (m, kl) at m * 128 + (((kl / 8) ^ (m % 8)) * 16) + (kl % 8) * 2.
+            // 64-column block key_wg; the 8 keys kl of chunk kl / 8 of query row m are 16 bytes at
+            // m * 128 + ((kl / 8) ^ (m % 8)) * 16. dsa[kk][q] is the 8 x 8 (key, query) block
+            // (keys + 8 (q & 1), queries 16 kk + 8 (q >> 1)); one transposing stmatrix per k16 step
+            // stores the four (a single instruction instead of 32 two-byte stores per thread).
             // Split-D: both warpgroups hold the same dS; each stores all of it into its own buffer
             // (kDsCopies = 2), or warpgroup cw stores the query steps kk % 2 == cw of the common one.
-            {
+            // 128-row query tiles keep two-byte stores: with stmatrix they spill (16 bytes at 168
+            // registers).
+            if constexpr (kBlockM == 64) {
+                const u32 ds_base = ds_buf + key_wg * kBlockM * 128;
+                const int q = lane >> 3, row = lane & 7;             // this lane's block and row
+                const int kchunk = 2 * warp + (q & 1);               // (key_local % 64) / 8 of block q
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk) {
+                    if (kSplitD && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
+                    const int m = 16 * kk + 8 * (q >> 1) + row;      // m % 8 == row
+                    stmatrix_x4_trans(ds_base + m * 128 + ((kchunk ^ row) << 4), dsa[kk][0], dsa[kk][1], dsa[kk][2],
+                                      dsa[kk][3]);
+                }
+            } else {
                 char* ds_ptr = smem_raw + (ds_buf + key_wg * kBlockM * 128 - smem_u32(smem_raw));
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        if (kSplitD && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
                         const int m = 16 * kk + 8 * (r >> 1) + 2 * t4;      // query of the low half
                         const int kchunk = 2 * warp + (r & 1);              // (key_local % 64) / 8
                         const u32 w = dsa[kk][r];

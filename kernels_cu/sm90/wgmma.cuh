@@ -51,6 +51,14 @@ __device__ __forceinline__ void fence_operand(u32 (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
+// Stores four 8x8 16-bit matrices transposed (sm_90 stmatrix): register q of every thread is its
+// mma-fragment piece of matrix q (row lane / 4, columns 2 (lane % 4), +1), and lane 8q + i gives
+// the shared-memory address of row i of the transpose (16 contiguous bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
+}
+
 // Register budget per thread of the calling warpgroup (a multiple of 8 in [24, 256]).
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
