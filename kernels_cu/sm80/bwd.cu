@@ -44,7 +44,8 @@ __host__ __device__ constexpr int bwd_imax(int a, int b) { return a > b ? a : b;
 // ---------------------------------------------------------------------------
 // Pieces shared by both dK/dV kernel versions (bwd_dkdv_body and bwd_dkdv2_body below):
 // they differ in the warp grids, the shared-memory layout and the schedule of loads,
-// barriers and products within a step, not in the products themselves.
+// barriers and products within a step, not in the products themselves. zero_acc and
+// warp_mma_smem also serve the dQ kernel (bwd_dq_kernel).
 
 // Geometry of a dK/dV tile, given its warp grids: three products with kMTiles x kNTiles
 // m16n8 accumulator tiles per warp.
@@ -508,90 +509,48 @@ bwd_dq_kernel(const BwdParams p) {
     }
 
     float acc_dq[kMTiles][Tile::kNTilesO][4];
-#pragma unroll
-    for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-        for (int n = 0; n < Tile::kNTilesO; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[t][n][e] = 0.f;
+    zero_acc(acc_dq);
+
+    // The key tile of K or V from key n0 (gKV: key 0 of this kv head) into sKV; keys past seqlen_k
+    // are zero-filled.
+    auto load_key_tile = [&](u16* sKV, const u16* gKV, i64 row_stride, int n0) {
+        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
+            sKV, gKV + n0 * row_stride, row_stride, p.seqlen_k - n0, hd, tid);
+    };
+    // acc (query x key) = sQdO sKV^T on this warp's query rows: S = Q K^T or dP = dO V^T. The
+    // dK/dV kernels' key_query_product with the operands swapped (queries are the rows here).
+    auto query_key_product = [&](float (&acc)[kMTiles][Tile::kNTilesS][4], const u16* sQdO, const u16* sKV) {
+        zero_acc(acc);
+        warp_mma_smem<Tag, kPad / 16, BWD_KK_UNROLL, false, false, kStride, kStride>(
+            acc, sQdO, warp_row0, sKV, 0, lane);
+    };
 
     const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
     if (n_block_max > 0) {
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
-        {
-            const int n0 = (n_block_max - 1) * kBlockN;
-            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
-                sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, hd, tid);
-        }
+        load_key_tile(sV, gV, p.v_row_stride, (n_block_max - 1) * kBlockN);
         cp_async_commit();
 
         for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
             const int n0 = n_block * kBlockN;
             cp_async_wait<0>();
             __syncthreads();  // Q, dO, V_n landed; every warp is done reading K_{n+1}
-            load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
-                sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, hd, tid);
+            load_key_tile(sK, gK, p.k_row_stride, n0);
             cp_async_commit();
 
-            // dP = dO V_n^T
             float acc_dp[kMTiles][Tile::kNTilesS][4];
-#pragma unroll
-            for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-                for (int n = 0; n < Tile::kNTilesS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_dp[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMTiles][4];
-#pragma unroll
-                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sdO, warp_row0 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sV, nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMTiles; ++t) {
-                        Mma::run(acc_dp[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_dp[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            query_key_product(acc_dp, sdO, sV);  // dP = dO V_n^T
 
             cp_async_wait<0>();
             __syncthreads();  // K_n landed; every warp is done reading V_n
             if (n_block > 0) {
-                const int n_prev = n0 - kBlockN;
-                load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
-                    sV, gV + n_prev * p.v_row_stride, p.v_row_stride, p.seqlen_k - n_prev, hd, tid);
+                load_key_tile(sV, gV, p.v_row_stride, n0 - kBlockN);
                 cp_async_commit();
             }
 
-            // S = Q K_n^T
             float acc_s[kMTiles][Tile::kNTilesS][4];
-#pragma unroll
-            for (int t = 0; t < kMTiles; ++t)
-#pragma unroll
-                for (int n = 0; n < Tile::kNTilesS; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
-#pragma unroll BWD_KK_UNROLL
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                u32 a[kMTiles][4];
-#pragma unroll
-                for (int t = 0; t < kMTiles; ++t) load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
-#pragma unroll
-                for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
-                    u32 b[4];
-                    load_b_frag_nk<kStride>(b, sK, nn * 16, kk * 16, lane);
-#pragma unroll
-                    for (int t = 0; t < kMTiles; ++t) {
-                        Mma::run(acc_s[t][2 * nn], a[t], b[0], b[1]);
-                        Mma::run(acc_s[t][2 * nn + 1], a[t], b[2], b[3]);
-                    }
-                }
-            }
+            query_key_product(acc_s, sQ, sK);  // S = Q K_n^T
 
             // dS = P * (dP - delta), in place in acc_s.
             const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
