@@ -348,24 +348,22 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 
             // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: the kBlockM queries).
             float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
+            // acc = this warpgroup's 64 rows of key_tile (K or V) times query_tile^T (Q or dO), both K-major.
+            auto key_query_product = [&](float (&acc)[kBlockM / 2], u32 key_tile, u32 query_tile) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kPad / 16; ++kk) {
+                    const u64 da = make_desc_sw128(key_tile + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32,
+                                                   16, 1024);
+                    const u64 db = make_desc_sw128(query_tile + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
+                    WgmmaSS<Tag, kBlockM>::template run<false>(acc, da, db, kk > 0);
+                }
+                wgmma_commit();
+            };
             mbar_wait(bar_q_full(stage), parity);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                const u64 da = make_desc_sw128(sK + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
-                const u64 db = make_desc_sw128(q_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
-                WgmmaSS<Tag, kBlockM>::template run<false>(acc_s, da, db, kk > 0);
-            }
-            wgmma_commit();
+            key_query_product(acc_s, sK, q_src);
             mbar_wait(bar_do_full(stage), parity);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                const u64 da = make_desc_sw128(sV + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32, 16, 1024);
-                const u64 db = make_desc_sw128(do_src + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
-                WgmmaSS<Tag, kBlockM>::template run<false>(acc_dp, da, db, kk > 0);
-            }
-            wgmma_commit();
+            key_query_product(acc_dp, sV, do_src);
             wgmma_wait<0>();
             fence_operand(acc_s);
             fence_operand(acc_dp);

@@ -405,50 +405,31 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     }
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
-           const __grid_constant__ TmaDesc tma_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeSimple>(p, tma_q, tma_k, tma_v);
-}
-
-// The same with the softmax of one key tile overlapping the P V product of the previous one.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_overlap_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
-                   const __grid_constant__ TmaDesc tma_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap>(p, tma_q, tma_k, tma_v);
-}
-
-// The same with the consumer warpgroups taking turns at the tensor cores.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_pingpong_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
-                    const __grid_constant__ TmaDesc tma_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModePingPong>(p, tma_q, tma_k, tma_v);
-}
-
-// Persistent variants (gridDim.x = min(tiles, SMs)): each CTA loops over tiles in PersistentOrder,
-// the producer loading the next tile's K/V and Q while the consumers finish the current one.
-// tile_counter: two ints, zero at launch (the last CTA to run out of tiles resets them).
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
-                      const __grid_constant__ TmaDesc tma_v,
-                int* tile_counter) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeSimple, true>(p, tma_q, tma_k, tma_v, tile_counter);
-}
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_overlap_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
-                              const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
-                int* tile_counter) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap, true>(p, tma_q, tma_k, tma_v, tile_counter);
-}
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_pingpong_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
-                               const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
-                int* tile_counter) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModePingPong, true>(p, tma_q, tma_k, tma_v, tile_counter);
-}
+// Entry points: one per consumer schedule (simple; overlap: the softmax of one key tile overlapping
+// the P V product of the previous one; ping-pong: the consumer warpgroups taking turns at the tensor
+// cores), and persistent variants of each (gridDim.x = min(tiles, SMs)): each CTA loops over tiles
+// in PersistentOrder, the producer loading the next tile's K/V and Q while the consumers finish the
+// current one; tile_counter: two ints, zero at launch (the last CTA to run out of tiles resets them).
+#define CUFLASH_SM90_FWD_KERNEL(name, mode)                                                                   \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+    __global__ void __launch_bounds__(kNWarps * 32, 1)                                                          \
+    name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
+         const __grid_constant__ TmaDesc tma_v) {                                                               \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v);            \
+    }
+#define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode)                                                        \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+    __global__ void __launch_bounds__(kNWarps * 32, 1)                                                          \
+    name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
+         const __grid_constant__ TmaDesc tma_v, int* tile_counter) {                                            \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, true>(p, tma_q, tma_k, tma_v,       \
+                                                                                  tile_counter);                \
+    }
+CUFLASH_SM90_FWD_KERNEL(fwd_kernel, kModeSimple)
+CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap)
+CUFLASH_SM90_FWD_KERNEL(fwd_pingpong_kernel, kModePingPong)
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_persistent_kernel, kModeSimple)
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap)
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_pingpong_persistent_kernel, kModePingPong)
+#undef CUFLASH_SM90_FWD_KERNEL
+#undef CUFLASH_SM90_FWD_PERSISTENT_KERNEL
