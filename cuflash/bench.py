@@ -111,6 +111,24 @@ def host_overhead_us(fn: Callable[[], object], *, repeats: int = 2000) -> float:
     return statistics.median(samples)
 
 
+def select_kernels(direction: str, backend: str, tiles: str | None = None) -> None:
+    """For tuning and diagnosis scripts: the next ``direction`` ("fwd" or "bwd") calls use
+    ``backend`` ($CUFLASH_FWD_BACKEND / $CUFLASH_BWD_BACKEND) and, if given, the sm90 tile override
+    ``tiles`` ("bm,bn,w": $CUFLASH_SM90_FWD_TILES / $CUFLASH_SM90_BWD_TILES, cleared otherwise).
+    The cached launch plans of that direction are dropped so that the next call picks again."""
+    import os
+
+    from . import api
+
+    tag = direction.upper()
+    os.environ[f"CUFLASH_{tag}_BACKEND"] = backend
+    if tiles:
+        os.environ[f"CUFLASH_SM90_{tag}_TILES"] = tiles
+    else:
+        os.environ.pop(f"CUFLASH_SM90_{tag}_TILES", None)
+    (api._fwd_plans if direction == "fwd" else api._bwd_plans).clear()
+
+
 def random_inputs(shape: Shape, seed: int = 0):
     """q, k, v CuPy arrays of random normal values in the shape's dtype."""
     import cupy

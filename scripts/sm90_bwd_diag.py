@@ -6,7 +6,6 @@ the float64 reference on small cases, then backward timings beside the sm80 kern
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
@@ -15,14 +14,9 @@ import numpy as np
 
 def _set_backend(name: str, tiles: str | None = None) -> None:
     """Backend (CUFLASH_BWD_BACKEND) and sm90 tile override (CUFLASH_SM90_BWD_TILES) for the next calls."""
-    import cuflash.api as api
+    from cuflash.bench import select_kernels
 
-    os.environ["CUFLASH_BWD_BACKEND"] = name
-    if tiles:
-        os.environ["CUFLASH_SM90_BWD_TILES"] = tiles
-    else:
-        os.environ.pop("CUFLASH_SM90_BWD_TILES", None)
-    api._bwd_plans.clear()
+    select_kernels("bwd", name, tiles)
 
 
 # (backend, sm90 tile override) pairs compared by `errors` and `timing`.

@@ -9,8 +9,7 @@ import sys
 import cupy
 
 import cuflash
-from cuflash import api
-from cuflash.bench import Shape, random_inputs, time_cuda, torch_inputs, torch_sdpa
+from cuflash.bench import Shape, random_inputs, select_kernels, time_cuda, torch_inputs, torch_sdpa
 
 ROWS = {  # name: shape
     "d64": Shape(4, 16, 4096, 64, "float16", False),
@@ -48,12 +47,7 @@ def main():
             print(f"{name:7s} {'cudnn':16s} {'':11s} {ms:.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
             del tq, tk, tv
         for backend, tiles in [("sm90", None)] + [(b, None) for b in PERSISTENT] + EXTRA_TILES.get(name, []):
-            os.environ["CUFLASH_FWD_BACKEND"] = backend
-            if tiles:
-                os.environ["CUFLASH_SM90_FWD_TILES"] = tiles
-            else:
-                os.environ.pop("CUFLASH_SM90_FWD_TILES", None)
-            api._fwd_plans.clear()
+            select_kernels("fwd", backend, tiles)
             try:
                 out = cuflash.forward(q, k, v, causal=s.causal)
                 ms = time_cuda(lambda: cuflash.forward(q, k, v, causal=s.causal, out=out))

@@ -2,15 +2,13 @@
 
     python3 tools/bench_sm90_variants.py
 """
-import os
 
 import cupy
 import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash import api
-from cuflash.bench import time_cuda
+from cuflash.bench import select_kernels, time_cuda
 
 SHAPES = {  # name: (B, H, N, D, dtype, causal)
     "d128": (4, 16, 4096, 128, "bfloat16", False),
@@ -41,12 +39,7 @@ def main():
             cache.clear()
             cache[shape] = inputs(b, h, n, d, dtype)
         q, k, v = cache[shape]
-        os.environ["CUFLASH_FWD_BACKEND"] = backend
-        if tiles:
-            os.environ["CUFLASH_SM90_FWD_TILES"] = tiles
-        else:
-            os.environ.pop("CUFLASH_SM90_FWD_TILES", None)
-        api._fwd_plans.clear()
+        select_kernels("fwd", backend, tiles)
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         try:
             out = cuflash.forward(q, k, v, causal=causal)
