@@ -31,7 +31,9 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # warpgroups take turns at the tensor cores). Picked from H100 runs (2026-11-23,
 # tools/bench_sm90_variants.py, B=4 H=16 N=4096): D=64 fp16 192x128 simple 471 TFLOP/s
 # (128x128: 393); D=128 bf16 overlap 655 (simple 589), causal pingpong 509 (overlap 492);
-# D=256 bf16 overlap 651 (simple 631).
+# D=256 bf16 overlap 651 (simple 631). Since the overlap schedule really overlaps (a scheduling
+# barrier keeps ptxas from hoisting the PV wait above the softmax, 2026-11-23 third session): D=256
+# bf16 680-693, causal overlap 599-611 (pingpong 565).
 # Causal: persistent kernels ("_p": one CTA per SM, dynamic tile counter, longest tiles first;
 # H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
 # 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
@@ -41,8 +43,8 @@ _SM90_FWD = {
     64: (192, 128, 16, "simple", "simple_p"),
     96: (128, 128, 12, "overlap", "overlap_p"),
     128: (128, 128, 12, "overlap", "overlap_p"),
-    192: (128, 96, 12, "overlap", "pingpong"),
-    256: (128, 64, 12, "overlap", "pingpong"),
+    192: (128, 96, 12, "overlap", "overlap"),
+    256: (128, 64, 12, "overlap", "overlap"),
 }
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)

@@ -24,6 +24,9 @@ def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
             assert_no_spills(log, f"{cfg.key()} sm_{cc}")
             if no_warnings:
                 assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
+            # ptxas reports this as "info", not a warning: every wgmma then waits for the previous one.
+            assert "wgmma.mma_async instructions are serialized" not in log, \
+                f"{cfg.key()} sm_{cc}: ptxas serialised the wgmma pipeline:\n{log}"
         except (AssertionError, RuntimeError) as e:
             failures.append(str(e)[:2000])
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])

@@ -316,12 +316,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 #pragma unroll
         for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
 
-        // dq_accum += a dQ slice; dst: the row of this thread's first query (query row + 8: h = 1),
-        // rows_valid: seqlen_q minus that row. Register 4j + e: query + 8 (e >> 1), column dq_col0 + 8j + 2 t4.
-        float acc_dq[kDqCols / 2];
-        float* dq_dst = nullptr;
-        int dq_rows_valid = 0;
-        auto store_dq = [&]() {
+        // dq_accum += a dQ slice (atomic mode); dst: the row of this thread's first query (query row + 8:
+        // h = 1), rows_valid: seqlen_q minus that row. Register 4j + e: query + 8 (e >> 1), column
+        // dq_col0 + 8j + 2 t4.
+        auto store_dq = [&](const float (&acc_dq)[kDqCols / 2], float* dq_dst, int dq_rows_valid) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (8 * h < dq_rows_valid) {
@@ -334,7 +332,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
             }
         };
-
 
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int i = 0; i < n_iter; ++i) {
@@ -466,12 +463,25 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
             }
             wgmma_commit();
+            // d=256: the dK, dV and dQ accumulators (3 x 64 registers) and the P^T / dS^T fragments do not
+            // fit in 240 registers together, and ptxas would then serialise every wgmma of the kernel
+            // (C7512): dV and dK complete before dQ starts.
+            if constexpr (kPad > 192) {
+                wgmma_wait<0>();
+                fence_operand(acc_dv);
+                fence_operand(acc_dk);
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            }
 
             // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
             // warpgroup's copy) is in shared memory.
             if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
             else named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
+            // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
+            // would otherwise keep the last step's values live across the loop.
+            float acc_dq[kDqCols / 2];
             // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
             wgmma_fence();
 #pragma unroll
@@ -498,9 +508,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 
             if constexpr (kDqMode == kDqAtomic) {
                 const int dq_row = m0 + dq_row0 + warp * 16 + g;
-                dq_dst = p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim;
-                dq_rows_valid = p.seqlen_q - dq_row;
-                store_dq();
+                store_dq(acc_dq,
+                         p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim,
+                         p.seqlen_q - dq_row);
             } else {
                 // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the
                 // previous one has been read (ring: once both warpgroups are done with this stage's Q

@@ -357,11 +357,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mask(acc_s, n_block);
                 float rescale[2];
                 softmax.step(s3_of(acc_s), p.scale_log2, rescale);
-                // Pin the softmax before the wait: volatile asm keeps its order, and
-                // these consume the softmax results, so they cannot sink past the wait.
+                // Pin the softmax before the wait: the fences consume its results and the
+                // scheduling barrier keeps ptxas from hoisting the wait above them.
                 fence_operand(acc_s);
                 fence_operand(rescale);
                 fence_operand(softmax.row_sum);
+                scheduling_barrier(p.seqlen_k);
                 wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
                 fence_operand(acc_o);
                 rescale_o(rescale);

@@ -38,6 +38,21 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
+// Ends ptxas's scheduling region here: a uniform branch (never taken for the value passed, which
+// must be >= 0 and the same across the warp) over a no-op. ptxas schedules within a basic block and
+// otherwise hoists a `wgmma.wait_group` above independent work (the softmax of the overlap
+// schedule) and so serialises it with the GEMM it was meant to overlap; the work before this
+// point stays before the wait that follows it.
+__device__ __forceinline__ void scheduling_barrier(int nonnegative) {
+    asm volatile("{\n"
+                 " .reg .pred p;\n"
+                 " setp.ge.s32 p, %0, 0;\n"
+                 " @p bra.uni SCHED_BARRIER_SKIP;\n"
+                 " nanosleep.u32 0;\n"
+                 " SCHED_BARRIER_SKIP:\n"
+                 "}\n" ::"r"(nonnegative) : "memory");
+}
+
 // Keeps the compiler from moving reads or writes of accumulator registers
 // across an in-flight wgmma (call on every register before and after).
 template <int N>
