@@ -193,7 +193,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * p.heads_per_kv;
     const int head0 = head_kv * p.heads_per_kv;
-    const int wg = threadIdx.x / 128;
+    // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
+    // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
+    const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
 
     if (threadIdx.x == 0) {
         mbar_init(bar_kv, 1);

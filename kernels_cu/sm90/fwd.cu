@@ -115,7 +115,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 
     const PersistentOrder order(p, kBlockM, kPad * 4);
     const int num_tiles = order.num_tiles;
-    const int wg = threadIdx.x / 128;
+    // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
+    // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
+    const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
 
     if (threadIdx.x == 0) {
         mbar_init(bar_q, 1);
@@ -411,9 +413,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 // cores), and persistent variants of each (gridDim.x = min(tiles, SMs)): each CTA loops over tiles
 // in PersistentOrder, the producer loading the next tile's K/V and Q while the consumers finish the
 // current one; tile_counter: two ints, zero at launch (the last CTA to run out of tiles resets them).
+// 64-row tiles (8 warps: one consumer warpgroup) are built for two CTAs per SM (128 registers a thread
+// at launch; setmaxnreg moves them from the producer to the consumer).
 #define CUFLASH_SM90_FWD_KERNEL(name, mode)                                                                   \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
-    __global__ void __launch_bounds__(kNWarps * 32, 1)                                                          \
+    __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1)                                       \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v) {                                                               \
         fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v);            \
