@@ -295,8 +295,23 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // one warpgroup's softmax runs while the next one's GEMMs use the tensor cores.
         constexpr bool kPingPong = kMode == kModePingPong && Tile::kConsumerWGs > 1;
         const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % Tile::kConsumerWGs;
-        if (!kPersistent && n_block_max > 0) mbar_wait(bar_q, 0);
-        if (n_block_max > 0 && kMode != kModeOverlap) {
+        // A warpgroup whose 64 rows all lie past seqlen_q (the last query tile when seqlen_q is not a
+        // multiple of kBlockM, e.g. 1024 rows in 192-row tiles) keeps the ring's phases (waits for each
+        // stage, releases it) but runs no GEMM, leaving the tensor cores to the others. Ping-pong
+        // turns need every warpgroup, so that schedule computes them anyway.
+        const bool idle = !kPingPong && m_block * kBlockM + cw * 64 >= p.seqlen_q;
+        if (idle) {
+            for (int i = 0; i < n_block_max; ++i) {
+                const int stage = (it + i) % kStages;
+                const u32 parity = ((it + i) / kStages) & 1;
+                mbar_wait(bar_k_full(stage), parity);
+                mbar_arrive(bar_k_empty(stage));
+                mbar_wait(bar_v_full(stage), parity);
+                mbar_arrive(bar_v_empty(stage));
+            }
+        }
+        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q, 0);
+        if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
             if (kPingPong && cw == Tile::kConsumerWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 starts
             for (int i = 0; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
@@ -327,7 +342,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // Consume the last warpgroup's final turn signal, so no barrier is left half-arrived.
             if (kPingPong && cw == 0) named_barrier_sync(1, 256);
         }
-        if (n_block_max > 0 && kMode == kModeOverlap) {
+        if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
             u32 pa[kBlockN / 16][4];
