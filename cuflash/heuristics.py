@@ -35,14 +35,15 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # barrier keeps ptxas from hoisting the PV wait above the softmax, 2026-11-23 third session): D=256
 # bf16 680-693, causal overlap 599-611 (pingpong 565). With idle warpgroups past seqlen_q skipping
 # their GEMMs: D=64 fp16 192x128 overlap 489 (simple 481, 128x176 overlap 449), B=16 N=1024 373
-# (simple 363, 64x128 two CTAs per SM 373, 128x128 overlap 309).
+# (simple 363, 64x128 two CTAs per SM 373, 128x128 overlap 309); D=64 causal overlap 405
+# (simple_p 395, 128x128 overlap_p 359).
 # Causal: persistent kernels ("_p": one CTA per SM, dynamic tile counter, longest tiles first;
 # H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
 # 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
 # persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile.
 _SM90_FWD = {
-    32: (192, 128, 16, "overlap", "simple_p"),
-    64: (192, 128, 16, "overlap", "simple_p"),
+    32: (192, 128, 16, "overlap", "overlap"),
+    64: (192, 128, 16, "overlap", "overlap"),
     96: (128, 128, 12, "overlap", "overlap_p"),
     128: (128, 128, 12, "overlap", "overlap_p"),
     192: (128, 96, 12, "overlap", "overlap"),

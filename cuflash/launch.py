@@ -139,10 +139,11 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
 
 
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
-    """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal sm90 kernels other than the
-    ordered one take a 1-D grid and walk it heaviest key tiles first (kernels_cu/sm90/bwd.cu: bwd_block)."""
+    """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
+    sm90 kernels take a 1-D grid and walk it key-tile-major in L2-sized sections of (kv head, batch)
+    groups: heaviest key tiles first, or the ordered kernel's rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.causal and c.family.startswith("sm90_bwd") and not c.family.endswith("_ordered"):
+    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered")):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

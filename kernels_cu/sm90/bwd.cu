@@ -128,16 +128,16 @@ struct BwdBlock {
     int n_block, head_kv, batch;
 };
 
-// The (key tile, kv head, batch) of this CTA. Causal (not ordered): a 1-D grid walked heaviest
-// first -- key tile n sees the query tiles from its diagonal on, so low n carry the most work --
-// within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB of L2, so
-// that the last wave holds short CTAs only. Ordered dQ, causal: a query tile's slices are added
-// from the diagonal key tile down, the order in which the CTAs reach it, and CTAs start in that
-// order too (each waits only on CTAs launched before it, so all make progress). Otherwise the
-// grid is (key tile, kv head, batch).
+// The (key tile, kv head, batch) of this CTA. Causal and ordered-dQ kernels: a 1-D grid walked
+// key-tile-major within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB
+// of L2. Causal (not ordered): heaviest first -- key tile n sees the query tiles from its diagonal
+// on, so low n carry the most work -- so that the last wave holds short CTAs only. Ordered dQ: a
+// query tile's slices are added in ascending key-tile order (causal: from the diagonal key tile
+// down, the order in which the CTAs reach it), and CTAs start in that order too (each waits only
+// on CTAs launched before it, so all make progress). Otherwise the grid is (key tile, kv head, batch).
 template <int kBlockN, int kHeadDim, bool kIsCausal, int kDqMode>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
-    if constexpr (kIsCausal && kDqMode != kDqTileOrdered) {
+    if constexpr (kIsCausal || kDqMode == kDqTileOrdered) {
         const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
         const int groups = p.batch * (p.heads_q / p.heads_per_kv);
         const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
@@ -149,10 +149,14 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
         const int within = linear - first_group * n_blocks;
         const int group = first_group + within % section_groups;
         const int heads_kv = p.heads_q / p.heads_per_kv;
-        return {within / section_groups, group % heads_kv, group / heads_kv};
+        // Ordered dQ: key tiles in rank order (ascending; causal: from the last down), so that a CTA only
+        // waits on CTAs launched before it, and key-tile-major inside a section, so that one wave holds
+        // a few key tiles of many groups (a chain of ~132 / per_section links per wave, not n_blocks).
+        const int n_order = within / section_groups;
+        const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? n_blocks - 1 - n_order : n_order;
+        return {n_block, group % heads_kv, group / heads_kv};
     } else {
-        const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-        return {n_block, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+        return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
     }
 }
 
