@@ -126,10 +126,13 @@ def sm_count() -> int:
 
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
     """One CTA per (query tile, head, batch); persistent families (sm90_fwd*_p): one per SM, at
-    most one per tile (the kernel walks the tiles itself)."""
+    most one per tile (the kernel walks the tiles itself); the other causal sm90 families: a 1-D
+    grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords)."""
     tiles = (seqlen_q + c.block_m - 1) // c.block_m
     if c.family.endswith("_p"):
         return (max(1, min(tiles * heads_q * batch, sm_count())), 1, 1)
+    if c.causal and c.family.startswith("sm90_fwd"):
+        return (tiles * heads_q * batch, 1, 1)
     return (tiles, heads_q, batch)
 
 

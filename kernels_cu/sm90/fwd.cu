@@ -115,6 +115,18 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 
     const PersistentOrder order(p, kBlockM, kPad * 4);
     const int num_tiles = order.num_tiles;
+    // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the
+    // persistent order (longest query tiles first within L2-sized sections of heads), so that the
+    // last wave holds short tiles and the waves in flight share K/V in L2.
+    auto grid_coords = [&](int& m_block, int& head, int& batch) {
+        if constexpr (kIsCausal) {
+            order.template coords<true>(static_cast<int>(blockIdx.x), p.heads_q, m_block, head, batch);
+        } else {
+            m_block = blockIdx.x;
+            head = blockIdx.y;
+            batch = blockIdx.z;
+        }
+    };
     // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
     // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
     const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
@@ -157,9 +169,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     }
                     order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
                 } else {
-                    m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-                    head = blockIdx.y;
-                    batch = blockIdx.z;
+                    grid_coords(m_block, head, batch);
                 }
                 const int t_cur = t;
                 const int head_kv = head / p.heads_per_kv;
@@ -225,9 +235,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
         } else {
             if (k_tile > 0) break;
-            m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-            head = blockIdx.y;
-            batch = blockIdx.z;
+            grid_coords(m_block, head, batch);
         }
         const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
