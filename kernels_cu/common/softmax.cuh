@@ -26,7 +26,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // kRows rows per thread (2 per m-tile), kNTiles n8-tiles of scores per row.
-template <int kMTiles, int kNTiles>
+// kMaxSlackLog2 > 0: the running max may trail the true one by up to that much (log2 domain), so
+// that most steps keep it and need no rescale of the output; probabilities then reach up to
+// 2^kMaxSlackLog2 (fine in fp16/bf16 and float32), and the final normalisation by the row sum taken
+// against the same max makes the result exact as before.
+template <int kMTiles, int kNTiles, int kMaxSlackLog2 = 0>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
     float row_max[kRows];   // log2 domain; -inf until a visible key is seen
@@ -53,7 +57,8 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[t][n][2 * h], s[t][n][2 * h + 1]));
                 mx = quad_max(mx) * scale_log2;
-                const float new_max = fmaxf(row_max[r], mx);
+                const bool keep = kMaxSlackLog2 > 0 && mx <= row_max[r] + static_cast<float>(kMaxSlackLog2);
+                const float new_max = keep ? row_max[r] : fmaxf(row_max[r], mx);
                 // A row that has seen no visible key yet keeps max -inf; use 0 as
                 // the reference so that exp2(-inf - ref) = 0 rather than NaN.
                 const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;

@@ -243,7 +243,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         float acc_o[kPad / 2];
 #pragma unroll
         for (int i = 0; i < kPad / 2; ++i) acc_o[i] = 0.f;
-        OnlineSoftmax<1, kBlockN / 8> softmax;
+#ifndef CUFLASH_SM90_FWD_MAX_SLACK
+#define CUFLASH_SM90_FWD_MAX_SLACK 8
+#endif
+        // The running max may trail by up to 2^8: most key tiles then leave it, and O, alone.
+        OnlineSoftmax<1, kBlockN / 8, CUFLASH_SM90_FWD_MAX_SLACK> softmax;
         softmax.init();
 
         auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
@@ -335,8 +339,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
-                softmax.step(s3_of(acc_s), p.scale_log2, rescale);
-                rescale_o(rescale);
+                if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), p.scale_log2, rescale))) rescale_o(rescale);
                 u32 pa[kBlockN / 16][4];
                 pack_p(pa, acc_s);
                 mbar_wait(bar_v_full(stage), parity);
@@ -381,7 +384,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
-                softmax.step(s3_of(acc_s), p.scale_log2, rescale);
+                const bool max_changed = softmax.step(s3_of(acc_s), p.scale_log2, rescale);
                 // Pin the softmax before the wait: the fences consume its results and the
                 // scheduling barrier keeps ptxas from hoisting the wait above them.
                 fence_operand(acc_s);
@@ -390,7 +393,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 scheduling_barrier(p.seqlen_k);
                 wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
                 fence_operand(acc_o);
-                rescale_o(rescale);
+                if (__any_sync(0xffffffff, max_changed)) rescale_o(rescale);   // this warp's rows only
                 pack_p(pa, acc_s);
                 mbar_arrive(bar_v_empty(prev));
             }
