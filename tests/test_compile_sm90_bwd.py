@@ -111,7 +111,8 @@ def test_sm90_bwd_backend_selection(monkeypatch):
         assert portable(heuristics.bwd_configs("float32", 128, False, 90))
         assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
         assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
-        assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 64
+        assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 128
+        assert heuristics.bwd_configs("float16", 128, True, 90).dkdv.block_m == 64
         # CUFLASH_SM90_BWD_DQ=atomic: red.global dQ everywhere; deterministic: the portable kernels.
         monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "atomic")
         assert heuristics.bwd_configs("bfloat16", 128, False, 90).dkdv.family == "sm90_bwd_dkdv_dq"
