@@ -353,15 +353,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
             // acc = this warpgroup's 64 rows of key_tile (K or V) times query_tile^T (Q or dO), both K-major.
             auto key_query_product = [&](float (&acc)[kBlockM / 2], u32 key_tile, u32 query_tile) {
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kPad / 16; ++kk) {
-                    const u64 da = make_desc_sw128(key_tile + (kk / 4) * kBlockN * 128 + key_wg * 64 * 128 + (kk % 4) * 32,
-                                                   16, 1024);
-                    const u64 db = make_desc_sw128(query_tile + (kk / 4) * kBlockM * 128 + (kk % 4) * 32, 16, 1024);
-                    WgmmaSS<Tag, kBlockM>::template run<false>(acc, da, db, kk > 0);
-                }
-                wgmma_commit();
+                wgmma_ss_rows_product<Tag, kBlockM, kPad, kBlockN, kBlockM>(acc, key_tile + key_wg * 64 * 128,
+                                                                            query_tile);
             };
             mbar_wait(bar_q_full(stage), parity);
             key_query_product(acc_s, sK, q_src);

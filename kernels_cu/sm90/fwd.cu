@@ -255,15 +255,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         };
         // S = Q K^T of one key tile (issued, not waited for).
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPad / 16; ++kk) {
-                const u64 da = make_desc_sw128(sQ + (kk / 4) * kBlockM * 128 + cw * 64 * 128 + (kk % 4) * 32,
-                                               16, 1024);
-                const u64 db = make_desc_sw128(k_src + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
-                WgmmaSS<Tag, kBlockN>::template run<false>(acc_s, da, db, kk > 0);
-            }
-            wgmma_commit();
+            wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN>(acc_s, sQ + cw * 64 * 128, k_src);
         };
         // O += P V of one key tile (issued, not waited for).
         auto issue_pv = [&](const u32 (&pa)[kBlockN / 16][4], u32 v_src) {

@@ -38,6 +38,21 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
+// acc (=) A B^T over the (padded) head dim, issued and committed, not waited for: A = the 64 rows at
+// a_rows (a shared-memory address), B = the kN rows at b_rows, both K-major in 64-column blocks of
+// 128-byte swizzled rows (block c of a tile of R rows starts R * 128 bytes after block c - 1).
+template <typename Tag, int kN, int kPad, int kARows, int kBRows>
+__device__ __forceinline__ void wgmma_ss_rows_product(float (&acc)[kN / 2], u32 a_rows, u32 b_rows) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPad / 16; ++kk) {
+        const u64 da = make_desc_sw128(a_rows + (kk / 4) * kARows * 128 + (kk % 4) * 32, 16, 1024);
+        const u64 db = make_desc_sw128(b_rows + (kk / 4) * kBRows * 128 + (kk % 4) * 32, 16, 1024);
+        WgmmaSS<Tag, kN>::template run<false>(acc, da, db, kk > 0);
+    }
+    wgmma_commit();
+}
+
 // Ends ptxas's scheduling region here: a uniform branch (never taken for the value passed, which
 // must be >= 0 and the same across the warp) over a no-op. ptxas schedules within a basic block and
 // otherwise hoists a `wgmma.wait_group` above independent work (the softmax of the overlap
