@@ -53,8 +53,8 @@ __device__ __forceinline__ void wgmma_ss_rows_product(float (&acc)[kN / 2], u32 
     wgmma_commit();
 }
 
-// Ends ptxas's scheduling region here: a uniform branch (never taken for the value passed, which
-// must be >= 0 and the same across the warp) over a no-op. ptxas schedules within a basic block and
+// Ends ptxas's scheduling region here: a uniform branch over a no-op, always taken for the value
+// passed (which must be >= 0 and the same across the warp), that ptxas cannot fold away. ptxas schedules within a basic block and
 // otherwise hoists a `wgmma.wait_group` above independent work (the softmax of the overlap
 // schedule) and so serialises it with the GEMM it was meant to overlap; the work before this
 // point stays before the wait that follows it.
