@@ -60,6 +60,20 @@ def self_check(device_id: int) -> list[tuple[str, float, float]]:
             refs = attention_reference_backward(dout, q, k, v, causal=causal)
             err = max(rel_err(g, r) for g, r in zip(grads, refs))
             rows.append((f"bwd {label}", err, bwd_bounds[dtype]))
+    from .dispatch import device_info
+
+    if device_info(device_id)[0] == 90:  # fp8 forward: against float64 attention of the dequantised inputs
+        import ml_dtypes
+
+        from . import forward_fp8, quantize_fp8
+
+        for (b, nq, nk, hq, hkv, d, causal) in [(2, 257, 257, 4, 2, 64, True), (1, 100, 333, 2, 2, 128, False)]:
+            pairs = [quantize_fp8(cupy.asarray(rng.standard_normal(shape).astype(np.float32)))
+                     for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d))]
+            out = forward_fp8(*(x for x, _ in pairs), *(s for _, s in pairs), causal=causal)
+            deq = [x.get().view(ml_dtypes.float8_e4m3fn).astype(np.float64) * float(s.get()[0]) for x, s in pairs]
+            label = f"fp8 Nq={nq} Nk={nk} Hq={hq} Hkv={hkv} D={d}{' causal' if causal else ''}"
+            rows.append((f"fwd {label}", rel_err(out, attention_reference(*deq, causal=causal)[0]), 4e-2))
     return rows
 
 
@@ -140,6 +154,44 @@ def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
     return results
 
 
+def benchmark_fp8(shapes, repeats: int) -> list[dict]:
+    """fp8 forward rows {shape, pass "fwd fp8", cuflash, sdpa_flash, sdpa_cudnn}: cuflash on e4m3
+    inputs (bf16 output, the V^T pass included) beside SDPA on the bf16 inputs they came from."""
+    import cupy
+
+    from . import forward_fp8
+    from .bench import fp8_inputs, fp8_label, tflops, time_cuda, torch_inputs, torch_sdpa
+
+    results = []
+    for shape in shapes:
+        q8, k8, v8, dq, dk, dv = fp8_inputs(shape)
+        out = cupy.empty(q8.shape, dtype=_bf16())
+        row = {"shape": fp8_label(shape), "pass": "fwd fp8"}
+        row["cuflash"] = tflops(shape.fwd_flops(), time_cuda(
+            lambda: forward_fp8(q8, k8, v8, dq, dk, dv, causal=shape.causal, out=out), repeats=repeats))
+        del q8, k8, v8, out
+        cupy.get_default_memory_pool().free_all_blocks()
+        for backend in ("flash", "cudnn"):
+            fn = torch_sdpa(backend)
+            if fn is None:
+                continue
+            try:
+                tq, tk, tv = torch_inputs(shape)
+                row[f"sdpa_{backend}"] = tflops(shape.fwd_flops(), time_cuda(
+                    lambda: fn(tq, tk, tv, shape.causal), repeats=repeats))
+                del tq, tk, tv
+            except RuntimeError:
+                row[f"sdpa_{backend}"] = None
+        results.append(row)
+    return results
+
+
+def _bf16():
+    from ._checks import BFLOAT16
+
+    return BFLOAT16
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:7.1f}"
 
@@ -182,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true", help="self-check only")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     ap.add_argument("--forward-only", action="store_true", help="skip the backward and forward+backward rows")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward rows (Hopper only)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -190,7 +243,7 @@ def main(argv=None) -> int:
     from cupy.cuda import nvrtc
 
     from . import dispatch, heuristics
-    from .bench import QUICK_SHAPES, STANDARD_SHAPES
+    from .bench import FP8_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
 
     try:
         dev = cupy.cuda.Device()
@@ -219,6 +272,13 @@ def main(argv=None) -> int:
         needed |= {cfg for s in shapes for cfg in heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc).all()}
     needed |= {cfg for dt in ("float16", "bfloat16", "float32") for d in (64, 128) for c in (False, True)
                for cfg in heuristics.bwd_configs(dt, d, c, cc).all()}
+    if cc == 90:  # the fp8 forward and its helpers
+        from .config import KernelConfig
+
+        needed |= {heuristics.fp8_fwd_config(d, c) for d in (64, 128, 256) for c in (False, True)}
+        needed |= {KernelConfig(f, dt, 0, False, 0, 0, 8) for f, dt in
+                   [("fp8_transpose_v", "float8_e4m3fn"), ("fp8_amax", "float32"), ("fp8_quantize", "float32"),
+                    ("fp8_amax", "bfloat16"), ("fp8_quantize", "bfloat16")]}
     t0 = time.time()
     dispatch.precompile(sorted(needed, key=lambda c: c.key()), dev.id, _progress)
     print(f"  {len(needed)} kernels ready in {time.time() - t0:.1f} s (CuPy's kernel cache keeps them)")
@@ -235,6 +295,8 @@ def main(argv=None) -> int:
     if args.no_bench:
         return 0
     results = benchmark(shapes, args.repeats, backward=not args.forward_only)
+    if cc == 90 and not args.shape and not args.quick and not args.no_fp8:
+        results += benchmark_fp8(FP8_SHAPES, args.repeats)
     print_table(results)
     if args.markdown:
         print(markdown_table(results))

@@ -12,7 +12,7 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, heuristics, launch, params, sm90
+from . import _checks, fp8, heuristics, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -90,6 +90,76 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         *params.element_strides(out),
         b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra)
+
+
+# ---------------------------------------------------------------------------
+# fp8 (e4m3) forward, Hopper only
+
+
+def quantize_fp8(x: ndarray) -> Tuple[ndarray, ndarray]:
+    """Per-tensor fp8 (e4m3) quantisation for :func:`forward_fp8`.
+
+    Args:
+        x: CuPy array of any shape, float16, bfloat16 or float32.
+
+    Returns:
+        ``(x8, descale)``: ``x8`` a contiguous uint8 array shaped like ``x`` holding the e4m3fn bytes
+        of ``x / descale`` (round to nearest even, saturated to +-448), and ``descale`` a float32
+        array of shape ``(1,)`` on the device, ``max|x| / 448`` (1 when ``x`` is all zeros), so that
+        ``x ~= x8 * descale``. No host synchronisation.
+    """
+    return fp8.quantize(x)
+
+
+def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, float],
+                descale_k: Union[ndarray, float], descale_v: Union[ndarray, float], *, causal: bool = False,
+                softmax_scale: Optional[float] = None, return_lse: bool = False,
+                out: Optional[ndarray] = None) -> Union[ndarray, Tuple[ndarray, ndarray]]:
+    """Attention over fp8 (e4m3) inputs on Hopper (compute capability 9.0), bfloat16 output.
+
+    Computes ``forward(q8 * descale_q, k8 * descale_k, v8 * descale_v)`` with both products on the
+    fp8 tensor cores: the probabilities P are rounded to e4m3 before P V (FlashAttention-3's fp8
+    scheme), so expect errors of a few percent of the output's norm, not fp16's 1e-3.
+
+    Args:
+        q: ``(batch, seqlen_q, heads_q, head_dim)`` uint8 CuPy array of e4m3fn bytes
+            (:func:`quantize_fp8`); head_dim a multiple of 16 up to 256.
+        k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, the same; heads_q % heads_kv == 0.
+        descale_q, descale_k, descale_v: the per-tensor scales: float32 CuPy arrays of one element
+            (as :func:`quantize_fp8` returns; read on the device) or positive floats.
+        causal, softmax_scale, return_lse: as in :func:`forward` (the scale applies to the
+            dequantised scores).
+        out: optional bfloat16 output buffer shaped like ``q``.
+
+    Returns:
+        ``out`` (bfloat16, shaped like q), or ``(out, lse)`` with ``lse`` float32
+        ``(batch, heads_q, seqlen_q)`` as in :func:`forward`.
+
+    Raises:
+        RuntimeError: the device is not a Hopper GPU.
+    """
+    import cupy
+
+    b, nq, nk, hq, hkv, d = fp8.check_fp8_qkv(q, k, v)
+    scale = _checks.check_scale(softmax_scale, d)
+    dev = q.device.id
+    descales = tuple(fp8.descale_array(name, x, dev) for name, x in
+                     (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)))
+    if out is not None:
+        _checks.check_out_cached("out", out, q.shape, _checks.BFLOAT16, dev)
+    with cupy.cuda.Device(dev):
+        if out is None:
+            out = cupy.empty(q.shape, dtype=_checks.BFLOAT16)
+        lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
+        if b and nq:
+            if nk == 0:
+                out.fill(0)
+                if lse is not None:
+                    lse.fill(-np.inf)
+            else:
+                fp8.launch_forward(q, k, v, out, lse, descales, causal=bool(causal), scale=scale,
+                                   dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------

@@ -61,6 +61,25 @@ STANDARD_SHAPES = [
     Shape(1, 16, 16384, 128, "bfloat16", True), Shape(16, 16, 1024, 64, "float16", False),
 ]
 QUICK_SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 128, "bfloat16", True)]
+# fp8 forward rows (Hopper): e4m3 inputs quantised from these bf16 shapes, bf16 output; peers run bf16.
+FP8_SHAPES = [
+    Shape(4, 16, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 64, "bfloat16", True),
+    Shape(4, 16, 4096, 128, "bfloat16", False), Shape(4, 16, 4096, 128, "bfloat16", True),
+    Shape(4, 16, 4096, 256, "bfloat16", False), Shape(4, 16, 4096, 256, "bfloat16", True),
+    Shape(1, 16, 16384, 128, "bfloat16", True), Shape(16, 16, 1024, 64, "bfloat16", False),
+]
+
+
+def fp8_label(shape: Shape) -> str:
+    return shape.label().replace("bfloat16", "fp8")
+
+
+def fp8_inputs(shape: Shape, seed: int = 0):
+    """(q8, k8, v8, descale_q, descale_k, descale_v): ``random_inputs`` quantised per tensor."""
+    from . import quantize_fp8
+
+    pairs = [quantize_fp8(x) for x in random_inputs(shape, seed)]
+    return tuple(p[0] for p in pairs) + tuple(p[1] for p in pairs)
 
 
 _l2_flush_buffer = None

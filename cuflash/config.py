@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # dtype name -> element tag of kernels_cu/common/numeric.cuh (fp32 kernels take `float`).
-DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float"}
+DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float", "float8_e4m3fn": "e4m3_tag"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,15 @@ FAMILIES: dict[str, Family] = {
     "sm90_fwd_overlap_p": Family("sm90_fwd_overlap_p", "sm90/fwd.cu", "fwd_overlap_persistent_kernel", 90, True),
     "sm90_fwd_pingpong_p": Family("sm90_fwd_pingpong_p", "sm90/fwd.cu", "fwd_pingpong_persistent_kernel", 90,
                                   True),
+    # fp8 (e4m3) inputs with V transposed (cuflash/fp8.py), the overlap schedule; one CTA per tile or
+    # persistent.
+    "sm90_fwd_fp8": Family("sm90_fwd_fp8", "sm90/fwd.cu", "fwd_fp8_kernel", 90, True),
+    "sm90_fwd_fp8_p": Family("sm90_fwd_fp8_p", "sm90/fwd.cu", "fwd_fp8_persistent_kernel", 90, True),
+    # fp8 helpers: V -> V^T in the P-fragment key order, and per-tensor quantisation (tag: the input's).
+    "fp8_transpose_v": Family("fp8_transpose_v", "aux/fp8.cu", "fp8_transpose_v_kernel", 89, False,
+                              ("num_warps",)),
+    "fp8_amax": Family("fp8_amax", "aux/fp8.cu", "fp8_amax_kernel", 89, False, ("tag", "num_warps")),
+    "fp8_quantize": Family("fp8_quantize", "aux/fp8.cu", "fp8_quantize_kernel", 89, False, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
                              ("tag", "num_warps")),
@@ -67,7 +76,7 @@ class KernelConfig:
     """A frozen description of one instantiation; ``key()`` names its cache entry."""
 
     family: str
-    dtype: str           # "float16" | "bfloat16" | "float32"
+    dtype: str           # "float16" | "bfloat16" | "float32" | "float8_e4m3fn"
     head_dim: int
     causal: bool
     block_m: int

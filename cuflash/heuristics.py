@@ -57,6 +57,32 @@ SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingp
 SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
 
+# sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
+# without / with the causal mask). block_n is a whole 128-byte V^T row. First table (2026-11-23): the
+# fp16 tiles where they fit, 128-key tiles throughout; causal D <= 128 persistent as in fp16.
+_SM90_FWD_FP8 = {
+    32: (192, 128, 16, False, False),
+    64: (192, 128, 16, False, False),
+    96: (128, 128, 12, False, True),
+    128: (128, 128, 12, False, True),
+    192: (128, 128, 12, False, False),
+    256: (128, 128, 12, False, False),
+}
+
+
+def fp8_fwd_config(head_dim: int, causal: bool) -> KernelConfig:
+    """The fp8 forward kernel (Hopper only) for this head dim."""
+    block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[head_dim_bucket(head_dim)]
+    block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
+    family = "sm90_fwd_fp8_p" if (persistent_causal if causal else persistent) else "sm90_fwd_fp8"
+    return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
+
+
+def all_fp8_fwd_configs() -> list[KernelConfig]:
+    """Every fp8 forward instantiation (for the CPU compile test)."""
+    return [fp8_fwd_config(d, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for causal in (False, True)]
+
+
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
     32: (64, 64, 4),

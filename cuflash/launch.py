@@ -72,6 +72,15 @@ def _sm90_fwd_smem(c: KernelConfig) -> int:
     return 1024 + tiles + 8 * (3 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers, tile slot
 
 
+def _sm90_fwd_fp8_smem(c: KernelConfig) -> int:
+    """Sm90FwdTile<e4m3_tag>: Q and K rows padded to 128 bytes, V^T tiles of fp8_v_rows rows of block_n bytes."""
+    from .heuristics import head_dim_bucket
+
+    pad = _round_up(c.head_dim, 128)
+    slot = max(c.block_n * pad, c.block_n * head_dim_bucket(c.head_dim))
+    return 1024 + c.block_m * pad + 2 * SM90_FWD_STAGES * slot + 8 * (3 + 4 * SM90_FWD_STAGES)
+
+
 SM90_BWD_STAGES = 2  # Sm90BwdTile::kStages
 
 
@@ -104,6 +113,11 @@ SMEM_BYTES = {
     "sm90_fwd_p": _sm90_fwd_smem,
     "sm90_fwd_overlap_p": _sm90_fwd_smem,
     "sm90_fwd_pingpong_p": _sm90_fwd_smem,
+    "sm90_fwd_fp8": _sm90_fwd_fp8_smem,
+    "sm90_fwd_fp8_p": _sm90_fwd_fp8_smem,
+    "fp8_transpose_v": lambda c: 0,
+    "fp8_amax": lambda c: 0,
+    "fp8_quantize": lambda c: 0,
     "sm90_bwd_dkdv_dq": _sm90_bwd_smem,
     "sm90_bwd_dkdv_dqtile": _sm90_bwd_smem,
     "sm90_bwd_dkdv_dqtile_ordered": _sm90_bwd_smem,

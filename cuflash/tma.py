@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 # CUtensorMapDataType
-DTYPE_CODES = {"float16": 6, "bfloat16": 9}
+DTYPE_CODES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0}  # fp8: as UINT8 bytes
 # CUtensorMapSwizzle
 SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_64B, SWIZZLE_128B = 0, 1, 2, 3
 _L2_PROMOTION_128B = 2
@@ -88,7 +88,8 @@ def bshd_ok(x) -> bool:
 
 def bshd_map(x, dtype: str, box_rows: int, box_cols: int = 64) -> np.ndarray:
     """Rank-4 map over (head_dim, seqlen, heads, batch) of a (batch, seqlen, heads, head_dim) array,
-    box (box_cols, box_rows, 1, 1); 128-byte swizzle (box_cols * itemsize must be 128)."""
+    box (box_cols, box_rows, 1, 1); 128-byte swizzle (box_cols * itemsize must be 128: 64 fp16 or 128 fp8
+    columns)."""
     b, s, h, d = x.shape
     return encode_tiled(x.data.ptr, dtype, (d, s, h, b), (x.strides[1], x.strides[2], x.strides[0]),
                         (box_cols, box_rows, 1, 1), SWIZZLE_128B)

@@ -1,5 +1,5 @@
 """Fill CuPy's on-disk kernel cache with many processes, so that a test run finds every
-kernel compiled: python scripts/precompile.py [bwd] [fwd] [small] [-j N]."""
+kernel compiled: python scripts/precompile.py [bwd] [fwd] [fp8] [small] [-j N]."""
 from __future__ import annotations
 
 import multiprocessing
@@ -23,6 +23,13 @@ def configs(which, cc: int):
         out += heuristics.all_fwd_configs(cc)
         if cc == 90:  # the Hopper kernels the dispatcher picks by default there
             out += heuristics.all_sm90_fwd_configs()
+    if "fp8" in which and cc == 90:  # the fp8 forward and its helpers
+        from cuflash.config import KernelConfig
+
+        out += heuristics.all_fp8_fwd_configs()
+        out += [KernelConfig(f, dt, 0, False, 0, 0, 8) for f, dt in
+                [("fp8_transpose_v", "float8_e4m3fn")] + [(f, dt) for f in ("fp8_amax", "fp8_quantize")
+                                                           for dt in ("float16", "bfloat16", "float32")]]
     if "fwdall" in which and cc == 90:  # every forced sm90 schedule (tests/test_fwd_sm90.py)
         for b in heuristics.SM90_FWD_BACKENDS:
             out += heuristics.all_sm90_fwd_configs(b)
@@ -54,7 +61,7 @@ def main() -> int:
 
     args = sys.argv[1:]
     jobs = int(args[args.index("-j") + 1]) if "-j" in args else None
-    which = [a for a in args if a in ("bwd", "fwd", "fwdall", "small")] or ["bwd", "fwd"]
+    which = [a for a in args if a in ("bwd", "fwd", "fwdall", "small", "fp8")] or ["bwd", "fwd"]
     cfgs = configs(which, device_info(0)[0])
     t0 = time.time()
     failed = precompile_parallel(cfgs, jobs)

@@ -30,6 +30,13 @@ def main() -> int:
                 dout = cupy.asarray(rng.standard_normal(q.shape).astype(DT[dtype]))
                 for det in (False, True):
                     cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+    if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:  # fp8 forward and its helpers
+        for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 48, False),
+                                                (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False),
+                                                (1, 300, 300, 2, 1, 128, True)]:
+            pairs = [cuflash.quantize_fp8(cupy.asarray(rng.standard_normal(shape).astype(np.float32)))
+                     for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d))]
+            cuflash.forward_fp8(*(x for x, _ in pairs), *(s for _, s in pairs), causal=causal, return_lse=True)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize run done")
     return 0

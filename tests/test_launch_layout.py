@@ -57,6 +57,9 @@ CASES = [  # (config, parameter struct, tensor maps, device pointers after the m
     (heuristics.fwd_config("float16", 64, False, 90, backend="sm80"), params.FWD_PARAMS, 0, 0),
     (KernelConfig("sm90_fwd", "bfloat16", 128, False, 128, 128, 12), params.FWD_PARAMS, 3, 0),
     (KernelConfig("sm90_fwd_p", "float16", 64, True, 192, 128, 16), params.FWD_PARAMS, 3, 1),
+    # fp8: the three descale pointers after the maps (and after the tile counter when persistent)
+    (KernelConfig("sm90_fwd_fp8", "float8_e4m3fn", 128, False, 128, 128, 12), params.FWD_PARAMS, 3, 3),
+    (KernelConfig("sm90_fwd_fp8_p", "float8_e4m3fn", 128, True, 128, 128, 12), params.FWD_PARAMS, 3, 4),
     (heuristics.bwd_configs("float16", 64, False, 90, backend="sm90").dkdv, params.BWD_PARAMS, 4, 0),
     (heuristics.bwd_configs("float16", 64, False, 90, backend="sm80").dkdv, params.BWD_PARAMS, 0, 0),
 ]

@@ -13,10 +13,14 @@ typedef long long i64;
 // the MMA instruction and the float conversions.
 struct f16_tag {};
 struct bf16_tag {};
+// fp8 e4m3 (sm_89+ conversions, sm_90a wgmma): raw bytes; attention over fp8 inputs writes bf16.
+struct e4m3_tag {};
 
 template <typename Tag> struct ElemTraits;
 
 template <> struct ElemTraits<f16_tag> {
+    static constexpr int kBytes = 2;
+    using OutTag = f16_tag;   // the element type of the attention output
     // Two floats -> one 32-bit word {lo, hi}, round to nearest.
     static __device__ __forceinline__ u32 pack2(float lo, float hi) {
         u32 r;
@@ -31,6 +35,8 @@ template <> struct ElemTraits<f16_tag> {
 };
 
 template <> struct ElemTraits<bf16_tag> {
+    static constexpr int kBytes = 2;
+    using OutTag = bf16_tag;
     static __device__ __forceinline__ u32 pack2(float lo, float hi) {
         u32 r;
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -39,6 +45,24 @@ template <> struct ElemTraits<bf16_tag> {
     static __device__ __forceinline__ float to_float(u16 x) {
         return __uint_as_float(((u32)x) << 16);
     }
+};
+
+template <> struct ElemTraits<e4m3_tag> {
+    static constexpr int kBytes = 1;
+    using OutTag = bf16_tag;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+    // Four floats -> one 32-bit word {a, b, c, d} (a in the low byte), round to nearest, saturated to
+    // +-448 (e4m3 has no infinity).
+    static __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
+        u32 r;
+        asm("{\n .reg .b16 l, h;\n"
+            " cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n"
+            " cvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
+            " mov.b32 %0, {l, h};\n}\n"
+            : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+        return r;
+    }
+#endif
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -13,8 +13,12 @@
 // Three consumer schedules share this body (kMode): simple; overlap (S_i = Q K_i^T
 // and O += P_{i-1} V_{i-1} issued back to back, the softmax of tile i after S_i
 // lands); ping-pong (warpgroups take turns issuing GEMMs via named barriers).
-// Shared tiles hold 64-column blocks (128 bytes per row, TMA's 128-byte
-// swizzle); head dims are padded to a multiple of 64 with TMA's zero fill.
+// Shared tiles hold 128-byte row blocks (64 fp16 or 128 fp8 columns, TMA's
+// 128-byte swizzle); head dims are padded to whole blocks with TMA's zero fill.
+// fp8 (e4m3): both wgmma operands must be K-major, so V arrives transposed (V^T,
+// head_dim rows of keys, written by aux/fp8.cu with the keys of every 32-key
+// step in the order of the P fragment: see pack_p); S is scaled by the q and k
+// descales, O by the v descale, and the output is bf16.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/block_range.cuh"
@@ -27,23 +31,39 @@
 // overlapping the P V product of the previous one; or warpgroups taking turns.
 constexpr int kModeSimple = 0, kModeOverlap = 1, kModePingPong = 2;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// fp8 V^T rows (the P V product's N): the head dim rounded up to a wgmma N of the tuned head dims
+// (cuflash/sm90.py: fp8_v_rows mirrors this).
+__host__ __device__ constexpr int fp8_v_rows(int head_dim) {
+    return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128
+         : head_dim <= 192 ? 192 : 256;
+}
+
+template <typename Tag, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct Sm90FwdTile {
+    static constexpr int kElemBytes = ElemTraits<Tag>::kBytes;
+    static constexpr bool kFp8 = kElemBytes == 1;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
-    static constexpr int kColBlocks = kHeadDimPad / 64;
+    static constexpr int kBlockCols = 128 / kElemBytes;   // columns of one 128-byte swizzled row block
+    static constexpr int kHeadDimPad = (kHeadDim + kBlockCols - 1) / kBlockCols * kBlockCols;  // Q and K
+    static constexpr int kColBlocks = kHeadDimPad / kBlockCols;
+    // Columns of V and O: fp16 V is an MN-major B in 64-column blocks; fp8 V^T has one row per column.
+    static constexpr int kHeadDimV = kFp8 ? fp8_v_rows(kHeadDim) : kHeadDimPad;
+    static constexpr int kKeyStep = 32 / kElemBytes;        // keys per k-step of the P V product
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kConsumerWGs = kBlockM / 64;
     static constexpr int kThreads = kNWarps_ * 32;
     static constexpr int kStages = 2;                       // launch.py mirrors this
-    static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;
-    static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2;
+    static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
+    static constexpr int kKBytes = kBlockN * kHeadDimPad * kElemBytes;
+    static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // V (fp16) or V^T (fp8) tile
+    static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;   // one ring slot
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
     static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
+    static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: V^T tiles are whole 128-key (128-byte) rows");
 };
 
 // Persistent tile order (kPersistent): tiles t = 0 .. num_m * heads_q * batch - 1, handed out
@@ -83,14 +103,24 @@ struct PersistentOrder {
     }
 };
 
+// fp8 only: the per-tensor scales of the e4m3 inputs (x = x8 * descale), float32 scalars on the device.
+struct Fp8Descale {
+    const float* q = nullptr;
+    const float* k = nullptr;
+    const float* v = nullptr;
+};
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode,
           bool kPersistent = false>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
-                                         const TmaDesc& tma_v, int* tile_counter = nullptr) {
-    using Tile = Sm90FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+                                         const TmaDesc& tma_v, int* tile_counter = nullptr,
+                                         Fp8Descale descale = {}) {
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kPadV = Tile::kHeadDimV;
+    using OutTag = typename ElemTraits<Tag>::OutTag;
     // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
     // threads, 128 at 512): producer + consumers must stay within it or setmaxnreg.inc waits
     // forever. The persistent producer (tile loop) needs more than 24: 40 + 2 * 232 = 3 * 168.
@@ -113,7 +143,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done).
     volatile int* tile_slot = reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 + 4 * kStages) - smem_u32(smem_raw)));
 
-    const PersistentOrder order(p, kBlockM, kPad * 4);
+    const PersistentOrder order(p, kBlockM, (kPad + kPadV) * Tile::kElemBytes);
     const int num_tiles = order.num_tiles;
     // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the
     // persistent order (longest query tiles first within L2-sized sections of heads), so that the
@@ -191,7 +221,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * 64, m_block * kBlockM, head, batch);
+                        tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * Tile::kBlockCols, m_block * kBlockM,
+                                    head, batch);
                 };
                 if (!kPersistent) load_q();
                 for (int i = 0; i < n_block_max; ++i, ++it) {
@@ -200,19 +231,26 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     const u32 parity = (it / kStages) & 1;
                     const u32 k_dst = sK + stage * Tile::kKVBytes, v_dst = sV + stage * Tile::kKVBytes;
                     mbar_wait(bar_k_empty(stage), parity ^ 1);
-                    mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKVBytes);
+                    mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * 64, n_block * kBlockN,
-                                    head_kv, batch);
+                        tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * Tile::kBlockCols,
+                                    n_block * kBlockN, head_kv, batch);
                     // Persistent: the tile's first K load goes out before the wait for the Q buffer.
                     if (kPersistent && i == 0) load_q();
                     mbar_wait(bar_v_empty(stage), parity ^ 1);
-                    mbar_arrive_expect_tx(bar_v_full(stage), Tile::kKVBytes);
+                    mbar_arrive_expect_tx(bar_v_full(stage), Tile::kVBytes);
+                    if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
 #pragma unroll
-                    for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64, n_block * kBlockN,
-                                    head_kv, batch);
+                        for (int cb = 0; cb < kBlockN / 128; ++cb)
+                            tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, bar_v_full(stage), n_block * kBlockN + cb * 128,
+                                        0, head_kv, batch);
+                    } else {
+#pragma unroll
+                        for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                            tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64,
+                                        n_block * kBlockN, head_kv, batch);
+                    }
                 }
                 ++q_count;
                 if (!kPersistent) break;
@@ -240,9 +278,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
 
-        float acc_o[kPad / 2];
+        float acc_o[kPadV / 2];
 #pragma unroll
-        for (int i = 0; i < kPad / 2; ++i) acc_o[i] = 0.f;
+        for (int i = 0; i < kPadV / 2; ++i) acc_o[i] = 0.f;
 #ifndef CUFLASH_SM90_FWD_MAX_SLACK
 #define CUFLASH_SM90_FWD_MAX_SLACK 8
 #endif
@@ -257,13 +295,19 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
             wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN>(acc_s, sQ + cw * 64 * 128, k_src);
         };
+        constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
         // O += P V of one key tile (issued, not waited for).
-        auto issue_pv = [&](const u32 (&pa)[kBlockN / 16][4], u32 v_src) {
+        auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) {
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                const u64 db = make_desc_sw128(v_src + kk * 16 * 128, kBlockN * 128, 1024);
-                WgmmaRS<Tag, kPad>::template run<true>(acc_o, pa[kk], db, 1);
+            for (int kk = 0; kk < kPSteps; ++kk) {
+                if constexpr (Tile::kFp8) {   // V^T, K-major: 32 keys (bytes) of its kPadV rows per step
+                    const u64 db = make_desc_sw128(v_src + (kk / 4) * kPadV * 128 + (kk % 4) * 32, 16, 1024);
+                    WgmmaRS<Tag, kPadV>::template run<false>(acc_o, pa[kk], db, 1);
+                } else {                      // V, MN-major: 16 key rows per step
+                    const u64 db = make_desc_sw128(v_src + kk * 16 * 128, kBlockN * 128, 1024);
+                    WgmmaRS<Tag, kPadV>::template run<true>(acc_o, pa[kk], db, 1);
+                }
             }
             wgmma_commit();
         };
@@ -281,18 +325,38 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         };
         auto rescale_o = [&](const float (&rescale)[2]) {
 #pragma unroll
-            for (int j = 0; j < kPad / 8; ++j)
+            for (int j = 0; j < kPadV / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= rescale[e >> 1];
         };
-        // P in the wgmma A-register fragment: two n8 blocks of S per k16 step.
-        auto pack_p = [&](u32 (&pa)[kBlockN / 16][4], const float (&acc_s)[kBlockN / 2]) {
+        // P in the wgmma A-register fragment: two n8 blocks of S per k16 step (fp16), four per k32
+        // step (fp8). The fp8 A fragment wants keys 4t..4t+3 (and 16 + ...) of rows g and g + 8 where
+        // the accumulator holds keys 2t, 2t+1 of each n8 block: each register takes two blocks' pairs
+        // instead (keys 2t, 2t+1, 8+2t, 9+2t), and V^T's keys are stored in that order, so the
+        // product is unchanged and no shuffle is needed.
+        auto pack_p = [&](u32 (&pa)[kPSteps][4], const float (&acc_s)[kBlockN / 2]) {
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)
+            for (int kk = 0; kk < kPSteps; ++kk) {
+                if constexpr (Tile::kFp8) {
+                    const float* s = acc_s + 16 * kk;
 #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+                    for (int r = 0; r < 4; ++r) {   // r: (row half r % 2, block pair r / 2)
+                        const int b = 8 * (r >> 1) + 2 * (r & 1);
+                        pa[kk][r] = ElemTraits<Tag>::pack4(s[b], s[b + 1], s[b + 4], s[b + 5]);
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+                }
+            }
         };
+        // fp8: the q and k descales scale S; the v descale scales O in the epilogue.
+        float scale_log2 = p.scale_log2, o_scale = 1.f;
+        if constexpr (Tile::kFp8) {
+            scale_log2 *= *descale.q * *descale.k;
+            o_scale = *descale.v;
+        }
 
         // Ping-pong (kMode == kModePingPong): the consumer warpgroups take turns at
         // issuing their GEMMs, in a ring of named barriers (ids 1..kConsumerWGs), so that
@@ -331,8 +395,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
-                if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), p.scale_log2, rescale))) rescale_o(rescale);
-                u32 pa[kBlockN / 16][4];
+                if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
+                u32 pa[kPSteps][4];
                 pack_p(pa, acc_s);
                 mbar_wait(bar_v_full(stage), parity);
                 if (kPingPong) named_barrier_sync(my_turn, 256);
@@ -348,7 +412,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
-            u32 pa[kBlockN / 16][4];
+            u32 pa[kPSteps][4];
             {
                 float acc_s[kBlockN / 2];
                 const int stage0 = it % kStages;
@@ -359,7 +423,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_k_empty(stage0));
                 mask(acc_s, n_block_max - 1);
                 float rescale[2];
-                softmax.step(s3_of(acc_s), p.scale_log2, rescale);  // acc_o is still 0: no rescale
+                softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
                 pack_p(pa, acc_s);
             }
             for (int i = 1; i < n_block_max; ++i) {
@@ -376,7 +440,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
-                const bool max_changed = softmax.step(s3_of(acc_s), p.scale_log2, rescale);
+                const bool max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                 // Pin the softmax before the wait: the fences consume its results and the
                 // scheduling barrier keeps ptxas from hoisting the wait above them.
                 fence_operand(acc_s);
@@ -405,6 +469,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
         float inv_sum[2], lse[2];
         softmax.finalize(inv_sum, lse);
+        inv_sum[0] *= o_scale;
+        inv_sum[1] *= o_scale;
         u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -412,10 +478,10 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             if (row < p.seqlen_q) {
                 u16* o_row = gO + row * p.o_row_stride;
 #pragma unroll
-                for (int j = 0; j < kPad / 8; ++j) {
+                for (int j = 0; j < kPadV / 8; ++j) {
                     const int col = 8 * j + 2 * t4;
                     if (col < kHeadDim)
-                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<Tag>::pack2(
+                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
                             acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
                 }
                 if (p.lse != nullptr && t4 == 0)
@@ -456,3 +522,23 @@ CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap)
 CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_pingpong_persistent_kernel, kModePingPong)
 #undef CUFLASH_SM90_FWD_KERNEL
 #undef CUFLASH_SM90_FWD_PERSISTENT_KERNEL
+
+// fp8 (Tag = e4m3_tag) with the overlap schedule: tma_vt maps V^T (cuflash/fp8.py); descale_q, _k, _v
+// point to the float32 per-tensor scales. One CTA per tile, or persistent.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_fp8_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+               const __grid_constant__ TmaDesc tma_vt, const float* descale_q, const float* descale_k,
+               const float* descale_v) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap>(
+        p, tma_q, tma_k, tma_vt, nullptr, Fp8Descale{descale_q, descale_k, descale_v});
+}
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_fp8_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
+                          const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_vt,
+                          int* tile_counter, const float* descale_q, const float* descale_k,
+                          const float* descale_v) {
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap, true>(
+        p, tma_q, tma_k, tma_vt, tile_counter, Fp8Descale{descale_q, descale_k, descale_v});
+}

@@ -39,13 +39,14 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // acc (=) A B^T over the (padded) head dim, issued and committed, not waited for: A = the 64 rows at
-// a_rows (a shared-memory address), B = the kN rows at b_rows, both K-major in 64-column blocks of
-// 128-byte swizzled rows (block c of a tile of R rows starts R * 128 bytes after block c - 1).
+// a_rows (a shared-memory address), B = the kN rows at b_rows, both K-major in blocks of 128-byte
+// swizzled rows (64 columns of fp16, 128 of fp8; block c of a tile of R rows starts R * 128 bytes
+// after block c - 1). A k-step is 32 bytes of the row: k16 in fp16, k32 in fp8.
 template <typename Tag, int kN, int kPad, int kARows, int kBRows>
 __device__ __forceinline__ void wgmma_ss_rows_product(float (&acc)[kN / 2], u32 a_rows, u32 b_rows) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kPad / 16; ++kk) {
+    for (int kk = 0; kk < kPad * ElemTraits<Tag>::kBytes / 32; ++kk) {
         const u64 da = make_desc_sw128(a_rows + (kk / 4) * kARows * 128 + (kk % 4) * 32, 16, 1024);
         const u64 db = make_desc_sw128(b_rows + (kk / 4) * kBRows * 128 + (kk % 4) * 32, 16, 1024);
         WgmmaSS<Tag, kN>::template run<false>(acc, da, db, kk > 0);

@@ -1,0 +1,179 @@
+"""Host side of the fp8 (e4m3) forward on Hopper: checks, per-tensor quantisation, V^T, launch.
+
+fp8 arrays are CuPy ``uint8`` arrays holding e4m3fn bit patterns (CuPy has no float8 dtype;
+``x8.get().view(ml_dtypes.float8_e4m3fn)`` reads them on the host). A tensor ``x`` is
+represented as ``x8 * descale`` with ``descale`` a float32 scalar on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks, heuristics, launch, params, sm90, tma
+from .config import KernelConfig
+from .dispatch import device_info, get_kernel, smem_bytes
+
+E4M3_MAX = 448.0
+FP8_HEAD_DIMS = range(16, heuristics.MAX_HEAD_DIM + 1, 16)
+_UINT8 = np.dtype(np.uint8)
+try:
+    import ml_dtypes
+
+    _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+except (ImportError, AttributeError):  # pragma: no cover - ml_dtypes is a dependency
+    _E4M3 = None
+FP8_DTYPES = tuple(d for d in (_UINT8, _E4M3) if d is not None)
+_QUANTIZE_INPUTS = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
+if _checks.BFLOAT16 is not None:
+    _QUANTIZE_INPUTS[_checks.BFLOAT16] = "bfloat16"
+_AUX_WARPS = 8
+
+
+def v_rows(head_dim: int) -> int:
+    """Rows of the kernel's V^T tile: the head dim rounded up to a tuned head dim (fwd.cu fp8_v_rows)."""
+    return heuristics.head_dim_bucket(head_dim)
+
+
+def _check_fp8_array(name: str, x) -> None:
+    cupy = _checks._cupy()
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray of e4m3 bytes (uint8), got "
+                        f"{type(x).__module__}.{type(x).__name__}; make one with cuflash.quantize_fp8")
+    if x.dtype not in FP8_DTYPES:
+        raise TypeError(f"{name} must hold fp8 e4m3 bytes (dtype uint8, as cuflash.quantize_fp8 returns), "
+                        f"got {x.dtype}")
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
+    if x.size and x.shape[-1] > 1 and x.strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
+
+
+def check_fp8_qkv(q, k, v):
+    """Validate fp8 q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D). Returns (B, Nq, Nk, Hq, Hkv, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_fp8_array(name, x)
+    for name, x in (("k", k), ("v", v)):
+        if x.device.id != q.device.id:
+            raise ValueError(f"{name} is on device {x.device.id} but q is on device {q.device.id}")
+    b, nq, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    bk, nk, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
+    if dk != d:
+        raise ValueError(f"k and v must have the head_dim of q ({d}), got {dk}")
+    if hq < 1 or hkv < 1:
+        raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
+    if hq % hkv:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    if d not in FP8_HEAD_DIMS:
+        raise ValueError(f"fp8 head_dim must be a multiple of 16 from 16 to 256, got {d}")
+    for name, x in (("q", q), ("k", k)):  # loaded by TMA: 16-byte aligned base and strides
+        if x.size and not tma.bshd_ok(x):
+            raise ValueError(f"{name} must start on a 16-byte boundary with strides that are multiples of 16 "
+                             f"bytes (got strides {x.strides}); pass a contiguous copy")
+    return b, nq, nk, hq, hkv, d
+
+
+def descale_array(name: str, x, device_id: int):
+    """A descale as a float32 device scalar: a positive finite float, or a float32 CuPy array of one
+    element on the device (as returned by quantize_fp8; read by the kernel, no host sync)."""
+    cupy = _checks._cupy()
+    if isinstance(x, cupy.ndarray):
+        if x.dtype != np.float32 or x.size != 1:
+            raise TypeError(f"{name} must be a float32 cupy array of one element or a float, got "
+                            f"{x.dtype} of shape {tuple(x.shape)}")
+        if x.device.id != device_id:
+            raise ValueError(f"{name} is on device {x.device.id} but q is on device {device_id}")
+        return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a positive float or a float32 cupy array of one element, "
+                        f"got {type(x).__name__}")
+    value = float(x)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {x}")
+    with cupy.cuda.Device(device_id):
+        return cupy.full((1,), value, dtype=np.float32)
+
+
+def _aux_kernel(family: str, dtype: str, device_id: int):
+    cfg = KernelConfig(family, dtype, 0, False, 0, 0, _AUX_WARPS)
+    return get_kernel(cfg, device_id), cfg
+
+
+def quantize(x):
+    """(x8, descale): e4m3 bytes of ``x / descale`` (round to nearest even, saturated) with
+    descale = max|x| / 448 as a float32 device array of shape (1,) (1 when x is all zeros)."""
+    cupy = _checks._cupy()
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"x must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+    if x.dtype not in _QUANTIZE_INPUTS:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    dtype = _QUANTIZE_INPUTS[x.dtype]
+    dev = x.device.id
+    with cupy.cuda.Device(dev):
+        x = cupy.ascontiguousarray(x)
+        x8 = cupy.empty(x.shape, dtype=np.uint8)
+        descale = cupy.empty((1,), dtype=np.float32)
+        amax = cupy.zeros((1,), dtype=np.uint32)
+        n = x.size
+        threads = 32 * _AUX_WARPS
+        blocks = max(1, min(-(-n // (4 * threads)), 4 * launch.sm_count()))
+        kern, cfg = _aux_kernel("fp8_amax", dtype, dev)
+        kern((blocks,), (threads,), (x, np.int64(n), amax))
+        kern, cfg = _aux_kernel("fp8_quantize", dtype, dev)
+        kern((blocks,), (threads,), (x, np.int64(n), amax, x8, descale))
+    return x8, descale
+
+
+def transpose_v(v, seqlen_k_pad: int):
+    """V (B, Nk, Hkv, D) e4m3 bytes -> V^T (B, Hkv, D, seqlen_k_pad), keys of every 32-key step in
+    the order of the kernel's P fragment (aux/fp8.cu), keys >= Nk zero."""
+    cupy = _checks._cupy()
+    b, nk, hkv, d = v.shape
+    if v.data.ptr % 16 or any(s % 16 for s in v.strides[:3]):   # the kernel reads 16-byte chunks
+        v = cupy.ascontiguousarray(v)
+    vt = cupy.empty((b, hkv, d, seqlen_k_pad), dtype=np.uint8)
+    kern, cfg = _aux_kernel("fp8_transpose_v", "float8_e4m3fn", v.device.id)
+    kern((-(-seqlen_k_pad // 64), hkv, b), (cfg.threads,),
+         (v.view(np.uint8), vt, np.int64(v.strides[0]), np.int64(v.strides[1]), np.int64(v.strides[2]),
+          np.int32(nk), np.int32(seqlen_k_pad), np.int32(hkv), np.int32(d)))
+    return vt
+
+
+_plans: dict = {}
+
+
+def _plan(head_dim: int, causal: bool, device_id: int):
+    key = (head_dim, causal, device_id)
+    plan = _plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        if cc != 90:
+            raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
+                               f"{cc / 10:.1f}")
+        cfg = heuristics.fp8_fwd_config(head_dim, causal)
+        plan = _plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
+    return plan
+
+
+def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, dims, device_id: int) -> None:
+    """Transposes V and launches the fp8 forward kernel (arguments already checked)."""
+    b, nq, nk, hq, hkv, d = dims
+    kern, cfg, smem = _plan(d, causal, device_id)
+    nk_pad = -(-nk // 32) * 32
+    vt = transpose_v(v, nk_pad)
+    rows = v_rows(d)
+    maps = launch.PackedTail((
+        tma.bshd_map(q, "float8_e4m3fn", cfg.block_m, 128),
+        tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, 128),
+        tma.encode_tiled(vt.data.ptr, "float8_e4m3fn", (nk_pad, d, hkv, b),
+                         (nk_pad, d * nk_pad, hkv * d * nk_pad), (128, rows, 1, 1), tma.SWIZZLE_128B)))
+    extra = (maps, sm90.tile_counter(device_id)) if cfg.family.endswith("_p") else (maps,)
+    p = params.pack_bytes(params.FWD_PARAMS, (
+        q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
+        *params.element_strides(q), *params.element_strides(k), 0, 0, 0,
+        *params.element_strides(out),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * 1.4426950408889634))
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra + tuple(descales))
