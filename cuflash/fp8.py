@@ -69,7 +69,7 @@ def check_fp8_qkv(q, k, v):
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
     if d not in FP8_HEAD_DIMS:
         raise ValueError(f"fp8 head_dim must be a multiple of 16 from 16 to 256, got {d}")
-    for name, x in (("q", q), ("k", k)):  # loaded by TMA: 16-byte aligned base and strides
+    for name, x in (("q", q), ("k", k)):  # loaded by TMA (v goes through transpose_v)
         if x.size and not tma.bshd_ok(x):
             raise ValueError(f"{name} must start on a 16-byte boundary with strides that are multiples of 16 "
                              f"bytes (got strides {x.strides}); pass a contiguous copy")
@@ -136,7 +136,7 @@ def transpose_v(v, seqlen_k_pad: int):
         v = cupy.ascontiguousarray(v)
     vt = cupy.empty((b, hkv, d, seqlen_k_pad), dtype=np.uint8)
     kern, cfg = _aux_kernel("fp8_transpose_v", "float8_e4m3fn", v.device.id)
-    kern((-(-seqlen_k_pad // 64), hkv, b), (cfg.threads,),
+    kern((-(-seqlen_k_pad // 128), hkv, b), (cfg.threads,),
          (v.view(np.uint8), vt, np.int64(v.strides[0]), np.int64(v.strides[1]), np.int64(v.strides[2]),
           np.int32(nk), np.int32(seqlen_k_pad), np.int32(hkv), np.int32(d)))
     return vt

@@ -67,40 +67,48 @@ __device__ __forceinline__ int fp8_vt_key(int kp) {
 
 // v: (batch, seqlen_k, heads_kv, head_dim) e4m3 bytes, head_dim (a multiple of 16, <= 256) contiguous,
 // base and strides (bytes) multiples of 16. vt: (batch, heads_kv, head_dim, seqlen_k_pad) contiguous,
-// seqlen_k_pad a multiple of 32; keys at and past seqlen_k are zero. One CTA: 64 keys of one (kv head,
-// batch), all head dims: 16-byte loads of V rows into shared memory, then one thread per V^T row
-// writes its 64 bytes (four 16-byte stores).
+// seqlen_k_pad a multiple of 32; keys at and past seqlen_k are zero. One CTA: kKeys keys of one
+// (kv head, batch), all head dims: 16-byte loads of V rows into shared memory; then a task is 4 rows
+// x 16 key positions: sixteen 4-byte loads (a warp reads whole shared rows), a 4x4 byte transpose per
+// 4 keys, four 16-byte stores.
 template <int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32)
 fp8_transpose_v_kernel(const u8* v, u8* vt, i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride, int seqlen_k,
                        int seqlen_k_pad, int heads_kv, int head_dim) {
-    __shared__ __align__(16) u8 tile[64][256];
-    const int key0 = blockIdx.x * 64, h = blockIdx.y, b = blockIdx.z;
+    constexpr int kKeys = 128;
+    __shared__ __align__(16) u8 tile[kKeys * 256];   // rows of head_dim bytes
+    const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     const u8* src = v + b * v_batch_stride + h * v_head_stride;
     const int chunks = head_dim / 16;
-    for (int i = threadIdx.x; i < 64 * chunks; i += blockDim.x) {
+    for (int i = threadIdx.x; i < kKeys * chunks; i += blockDim.x) {
         const int r = i / chunks, c = i - r * chunks;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (key0 + r < seqlen_k) x = *reinterpret_cast<const uint4*>(src + (key0 + r) * v_row_stride + 16 * c);
-        *reinterpret_cast<uint4*>(&tile[r][16 * c]) = x;
+        *reinterpret_cast<uint4*>(tile + r * head_dim + 16 * c) = x;
     }
     __syncthreads();
     u8* dst = vt + (static_cast<i64>(b) * heads_kv + h) * head_dim * static_cast<i64>(seqlen_k_pad) + key0;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {   // a warp reads 32 adjacent bytes of a row
+    const int d4s = head_dim / 4;
+    const int positions = min(kKeys, seqlen_k_pad - key0);   // a multiple of 32
+    for (int task = threadIdx.x; task < d4s * (positions / 16); task += blockDim.x) {
+        const int d4 = task % d4s, c = task / d4s;   // rows 4 d4 .. 4 d4 + 3, positions 16 c .. 16 c + 15
+        u32 rows[4][4];   // rows[e][q]: row 4 d4 + e, positions 16 c + 4 q ..
 #pragma unroll
-        for (int pos0 = 0; pos0 < 64; pos0 += 16) {
-            if (key0 + pos0 >= seqlen_k_pad) break;   // seqlen_k_pad % 32 == 0: 16 positions fit
+        for (int q = 0; q < 4; ++q) {
             u32 w[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                w[j] = 0;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int pos = pos0 + 4 * j + e;
-                    w[j] |= static_cast<u32>(tile[(pos & ~31) + fp8_vt_key(pos & 31)][d]) << (8 * e);
-                }
-            }
-            *reinterpret_cast<uint4*>(dst + static_cast<i64>(d) * seqlen_k_pad + pos0) = make_uint4(w[0], w[1], w[2], w[3]);
+            for (int j = 0; j < 4; ++j)   // position 16 c + 4 q + j holds key 16 c + fp8_vt_key(4 q + j)
+                w[j] = *reinterpret_cast<const u32*>(tile + (16 * c + fp8_vt_key(4 * q + j)) * head_dim + 4 * d4);
+            const u32 t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[0], w[1], 0x7362);
+            const u32 t2 = __byte_perm(w[2], w[3], 0x5140), t3 = __byte_perm(w[2], w[3], 0x7362);
+            rows[0][q] = __byte_perm(t0, t2, 0x5410);
+            rows[1][q] = __byte_perm(t0, t2, 0x7632);
+            rows[2][q] = __byte_perm(t1, t3, 0x5410);
+            rows[3][q] = __byte_perm(t1, t3, 0x7632);
         }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            *reinterpret_cast<uint4*>(dst + static_cast<i64>(4 * d4 + e) * seqlen_k_pad + 16 * c) =
+                make_uint4(rows[e][0], rows[e][1], rows[e][2], rows[e][3]);
     }
 }
