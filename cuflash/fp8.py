@@ -165,9 +165,11 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
     nk_pad = -(-nk // 32) * 32
     vt = transpose_v(v, nk_pad)
     rows = v_rows(d)
+    # Q and K rows: 128-byte swizzled blocks, or one 64-byte swizzled block at head dims <= 64
+    cols, swizzle = (64, tma.SWIZZLE_64B) if d <= 64 else (128, tma.SWIZZLE_128B)
     maps = launch.PackedTail((
-        tma.bshd_map(q, "float8_e4m3fn", cfg.block_m, 128),
-        tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, 128),
+        tma.bshd_map(q, "float8_e4m3fn", cfg.block_m, cols, swizzle),
+        tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, cols, swizzle),
         tma.encode_tiled(vt.data.ptr, "float8_e4m3fn", (nk_pad, d, hkv, b),
                          (nk_pad, d * nk_pad, hkv * d * nk_pad), (128, rows, 1, 1), tma.SWIZZLE_128B)))
     extra = (maps, sm90.tile_counter(device_id)) if cfg.family.endswith("_p") else (maps,)

@@ -73,10 +73,11 @@ def _sm90_fwd_smem(c: KernelConfig) -> int:
 
 
 def _sm90_fwd_fp8_smem(c: KernelConfig) -> int:
-    """Sm90FwdTile<e4m3_tag>: Q and K rows padded to 128 bytes, V^T tiles of fp8_v_rows rows of block_n bytes."""
+    """Sm90FwdTile<e4m3_tag>: Q and K rows padded to 128 bytes (64 at head dims <= 64), V^T tiles of
+    fp8_v_rows rows of block_n bytes."""
     from .heuristics import head_dim_bucket
 
-    pad = _round_up(c.head_dim, 128)
+    pad = 64 if c.head_dim <= 64 else _round_up(c.head_dim, 128)  # Sm90FwdTile::kHeadDimPad (kRowBytes)
     slot = max(c.block_n * pad, c.block_n * head_dim_bucket(c.head_dim))
     return 1024 + c.block_m * pad + 2 * SM90_FWD_STAGES * slot + 8 * (3 + 4 * SM90_FWD_STAGES)
 

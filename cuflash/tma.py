@@ -86,10 +86,10 @@ def bshd_ok(x) -> bool:
     return strides_ok(x.data.ptr, [x.strides[1], x.strides[2], x.strides[0]])
 
 
-def bshd_map(x, dtype: str, box_rows: int, box_cols: int = 64) -> np.ndarray:
+def bshd_map(x, dtype: str, box_rows: int, box_cols: int = 64, swizzle: int = SWIZZLE_128B) -> np.ndarray:
     """Rank-4 map over (head_dim, seqlen, heads, batch) of a (batch, seqlen, heads, head_dim) array,
-    box (box_cols, box_rows, 1, 1); 128-byte swizzle (box_cols * itemsize must be 128: 64 fp16 or 128 fp8
-    columns)."""
+    box (box_cols, box_rows, 1, 1); box_cols * itemsize is the swizzle span (128 bytes: 64 fp16 or 128
+    fp8 columns; 64 with SWIZZLE_64B)."""
     b, s, h, d = x.shape
     return encode_tiled(x.data.ptr, dtype, (d, s, h, b), (x.strides[1], x.strides[2], x.strides[0]),
-                        (box_cols, box_rows, 1, 1), SWIZZLE_128B)
+                        (box_cols, box_rows, 1, 1), swizzle)

@@ -43,7 +43,10 @@ struct Sm90FwdTile {
     static constexpr int kElemBytes = ElemTraits<Tag>::kBytes;
     static constexpr bool kFp8 = kElemBytes == 1;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockCols = 128 / kElemBytes;   // columns of one 128-byte swizzled row block
+    // Bytes of a swizzled Q / K row block: 128, or 64 for fp8 head dims <= 64 (the 64-byte swizzle,
+    // so that Q K^T does not run over 64 zero columns).
+    static constexpr int kRowBytes = kFp8 && kHeadDim <= 64 ? 64 : 128;
+    static constexpr int kBlockCols = kRowBytes / kElemBytes;   // columns of one row block
     static constexpr int kHeadDimPad = (kHeadDim + kBlockCols - 1) / kBlockCols * kBlockCols;  // Q and K
     static constexpr int kColBlocks = kHeadDimPad / kBlockCols;
     // Columns of V and O: fp16 V is an MN-major B in 64-column blocks; fp8 V^T has one row per column.
@@ -221,7 +224,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(sQ + cb * kBlockM * 128, &tma_q, bar_q, cb * Tile::kBlockCols, m_block * kBlockM,
+                        tma_load_4d(sQ + cb * kBlockM * Tile::kRowBytes, &tma_q, bar_q, cb * Tile::kBlockCols, m_block * kBlockM,
                                     head, batch);
                 };
                 if (!kPersistent) load_q();
@@ -234,7 +237,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(k_dst + cb * kBlockN * 128, &tma_k, bar_k_full(stage), cb * Tile::kBlockCols,
+                        tma_load_4d(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, bar_k_full(stage), cb * Tile::kBlockCols,
                                     n_block * kBlockN, head_kv, batch);
                     // Persistent: the tile's first K load goes out before the wait for the Q buffer.
                     if (kPersistent && i == 0) load_q();
@@ -293,7 +296,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         };
         // S = Q K^T of one key tile (issued, not waited for).
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
-            wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN>(acc_s, sQ + cw * 64 * 128, k_src);
+            wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
+                acc_s, sQ + cw * 64 * Tile::kRowBytes, k_src);
         };
         constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
         // O += P V of one key tile (issued, not waited for).

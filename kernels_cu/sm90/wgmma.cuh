@@ -24,13 +24,19 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 //     8-row groups, LBO unused; a k16 step inside the row adds 32 bytes.
 //   MN-major operand (rows = K, 64 MN-elements per row): SBO = 1024 between
 //     8-row groups of K, LBO = byte distance to the next 64-wide MN block.
-__device__ __forceinline__ u64 make_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+// kRowBytes = 64: the 64-byte swizzle (rows of 64 bytes, 8-row groups of 512 bytes, 512-byte aligned).
+template <int kRowBytes = 128>
+__device__ __forceinline__ u64 make_desc_swizzled(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte swizzle");
     u64 desc = 0;
     desc |= static_cast<u64>((smem_addr & 0x3FFFF) >> 4);
     desc |= static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16;
     desc |= static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32;
-    desc |= static_cast<u64>(1) << 62;  // layout type 1: 128-byte swizzle
+    desc |= static_cast<u64>(kRowBytes == 128 ? 1 : 2) << 62;  // layout type 1: 128-byte swizzle, 2: 64-byte
     return desc;
+}
+__device__ __forceinline__ u64 make_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+    return make_desc_swizzled<128>(smem_addr, lbo_bytes, sbo_bytes);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -41,14 +47,18 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // acc (=) A B^T over the (padded) head dim, issued and committed, not waited for: A = the 64 rows at
 // a_rows (a shared-memory address), B = the kN rows at b_rows, both K-major in blocks of 128-byte
 // swizzled rows (64 columns of fp16, 128 of fp8; block c of a tile of R rows starts R * 128 bytes
-// after block c - 1). A k-step is 32 bytes of the row: k16 in fp16, k32 in fp8.
-template <typename Tag, int kN, int kPad, int kARows, int kBRows>
+// after block c - 1). A k-step is 32 bytes of the row: k16 in fp16, k32 in fp8. kRowBytes = 64: rows of
+// 64 bytes in the 64-byte swizzle (fp8 at head dims <= 64).
+template <typename Tag, int kN, int kPad, int kARows, int kBRows, int kRowBytes = 128>
 __device__ __forceinline__ void wgmma_ss_rows_product(float (&acc)[kN / 2], u32 a_rows, u32 b_rows) {
+    constexpr int kSteps = kRowBytes / 32;   // k-steps per row block
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPad * ElemTraits<Tag>::kBytes / 32; ++kk) {
-        const u64 da = make_desc_sw128(a_rows + (kk / 4) * kARows * 128 + (kk % 4) * 32, 16, 1024);
-        const u64 db = make_desc_sw128(b_rows + (kk / 4) * kBRows * 128 + (kk % 4) * 32, 16, 1024);
+        const u64 da = make_desc_swizzled<kRowBytes>(
+            a_rows + (kk / kSteps) * kARows * kRowBytes + (kk % kSteps) * 32, 16, 8 * kRowBytes);
+        const u64 db = make_desc_swizzled<kRowBytes>(
+            b_rows + (kk / kSteps) * kBRows * kRowBytes + (kk % kSteps) * 32, 16, 8 * kRowBytes);
         WgmmaSS<Tag, kN>::template run<false>(acc, da, db, kk > 0);
     }
     wgmma_commit();
