@@ -69,8 +69,11 @@ __device__ __forceinline__ int fp8_vt_key(int kp) {
 // base and strides (bytes) multiples of 16. vt: (batch, heads_kv, head_dim, seqlen_k_pad) contiguous,
 // seqlen_k_pad a multiple of 32; keys at and past seqlen_k are zero. One CTA: kKeys keys of one
 // (kv head, batch), all head dims: 16-byte loads of V rows into shared memory; then a task is 4 rows
-// x 16 key positions: sixteen 4-byte loads (a warp reads whole shared rows), a 4x4 byte transpose per
-// 4 keys, four 16-byte stores.
+// x 16 key positions: sixteen 4-byte loads, a 4x4 byte transpose per 4 keys, four 16-byte stores.
+// Consecutive lanes take consecutive 16-position chunks of the same rows, so that a warp's stores
+// cover whole 128-byte row segments (rows of V^T are seqlen_k_pad bytes apart); the shared rows are
+// stored with their 16-byte chunks XOR-swizzled by key / 16, so that those lanes (keys 16 apart)
+// read different banks.
 template <int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32)
 fp8_transpose_v_kernel(const u8* v, u8* vt, i64 v_batch_stride, i64 v_row_stride, i64 v_head_stride, int seqlen_k,
@@ -80,25 +83,28 @@ fp8_transpose_v_kernel(const u8* v, u8* vt, i64 v_batch_stride, i64 v_row_stride
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     const u8* src = v + b * v_batch_stride + h * v_head_stride;
     const int chunks = head_dim / 16;
+    // XOR mask of the chunk swizzle: chunks a power of two (else no swizzle), at most 8 key groups.
+    const int swz_mask = (chunks & (chunks - 1)) ? 0 : min(chunks, 8) - 1;
     for (int i = threadIdx.x; i < kKeys * chunks; i += blockDim.x) {
         const int r = i / chunks, c = i - r * chunks;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (key0 + r < seqlen_k) x = *reinterpret_cast<const uint4*>(src + (key0 + r) * v_row_stride + 16 * c);
-        *reinterpret_cast<uint4*>(tile + r * head_dim + 16 * c) = x;
+        *reinterpret_cast<uint4*>(tile + r * head_dim + 16 * (c ^ ((r >> 4) & swz_mask))) = x;
     }
     __syncthreads();
     u8* dst = vt + (static_cast<i64>(b) * heads_kv + h) * head_dim * static_cast<i64>(seqlen_k_pad) + key0;
-    const int d4s = head_dim / 4;
-    const int positions = min(kKeys, seqlen_k_pad - key0);   // a multiple of 32
-    for (int task = threadIdx.x; task < d4s * (positions / 16); task += blockDim.x) {
-        const int d4 = task % d4s, c = task / d4s;   // rows 4 d4 .. 4 d4 + 3, positions 16 c .. 16 c + 15
+    const int n_chunks = min(kKeys, seqlen_k_pad - key0) / 16;   // 16-position chunks (seqlen_k_pad % 32 == 0)
+    for (int task = threadIdx.x; task < (head_dim / 4) * n_chunks; task += blockDim.x) {
+        const int c = task % n_chunks, d4 = task / n_chunks;   // positions 16 c .., rows 4 d4 .. 4 d4 + 3
+        // byte offset of column 4 d4 in a shared row of key group c
+        const int col = 16 * ((d4 >> 2) ^ (c & swz_mask)) + 4 * (d4 & 3);
         u32 rows[4][4];   // rows[e][q]: row 4 d4 + e, positions 16 c + 4 q ..
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             u32 w[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j)   // position 16 c + 4 q + j holds key 16 c + fp8_vt_key(4 q + j)
-                w[j] = *reinterpret_cast<const u32*>(tile + (16 * c + fp8_vt_key(4 * q + j)) * head_dim + 4 * d4);
+                w[j] = *reinterpret_cast<const u32*>(tile + (16 * c + fp8_vt_key(4 * q + j)) * head_dim + col);
             const u32 t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[0], w[1], 0x7362);
             const u32 t2 = __byte_perm(w[2], w[3], 0x5140), t3 = __byte_perm(w[2], w[3], 0x7362);
             rows[0][q] = __byte_perm(t0, t2, 0x5410);
