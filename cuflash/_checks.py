@@ -73,6 +73,16 @@ def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, in
         check_array(name, x, aligned=False)  # shape errors first: they say more than alignment
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
+    dims = check_qkv_shapes(q, k, v)
+    if dims[-1] not in head_dims:
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {dims[-1]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_aligned(name, x)
+    return dims
+
+
+def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) agree, with Hq % Hkv == 0. Returns (B, Nq, Nk, Hq, Hkv, D)."""
     b, nq, hq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
@@ -86,10 +96,6 @@ def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, in
         raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
     if hq % hkv:
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
-    if d not in head_dims:
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_aligned(name, x)
     return b, nq, nk, hq, hkv, d
 
 

@@ -39,25 +39,32 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         the natural-log log-sum-exp of the scaled scores. A query row that sees no key gets
         output 0 and lse -inf. seqlen_q == 0 gives empty results; seqlen_k == 0 gives zeros and -inf.
     """
-    import cupy
-
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.data.device_id
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
-    with cupy.cuda.Device(dev):
+    return _run_forward(lambda o, lse: _launch_fwd(q, k, v, o, lse, causal=bool(causal), scale=scale,
+                                                   dims=(b, nq, nk, hq, hkv, d), device_id=dev),
+                        out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev)
+
+
+def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int):
+    """Allocates what the caller did not give, handles the empty cases (no query rows: nothing to do;
+    no keys: zeros and lse -inf, no kernel) and calls ``launch_fn(out, lse)`` otherwise."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
         if out is None:
-            out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
-        if b and nq:
-            if nk == 0:
+            out = cupy.empty(shape, dtype=dtype)
+        lse = cupy.empty(lse_shape, dtype=np.float32) if return_lse else None
+        if out.size:
+            if seqlen_k == 0:
                 out.fill(0)
                 if lse is not None:
                     lse.fill(-np.inf)
             else:
-                _launch_fwd(q, k, v, out, lse, causal=bool(causal), scale=scale,
-                            dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+                launch_fn(out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -138,8 +145,6 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
     Raises:
         RuntimeError: the device is not a Hopper GPU.
     """
-    import cupy
-
     b, nq, nk, hq, hkv, d = fp8.check_fp8_qkv(q, k, v)
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.device.id
@@ -147,19 +152,9 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
                      (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)))
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, _checks.BFLOAT16, dev)
-    with cupy.cuda.Device(dev):
-        if out is None:
-            out = cupy.empty(q.shape, dtype=_checks.BFLOAT16)
-        lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
-        if b and nq:
-            if nk == 0:
-                out.fill(0)
-                if lse is not None:
-                    lse.fill(-np.inf)
-            else:
-                fp8.launch_forward(q, k, v, out, lse, descales, causal=bool(causal), scale=scale,
-                                   dims=(b, nq, nk, hq, hkv, d), device_id=dev)
-    return (out, lse) if return_lse else out
+    return _run_forward(lambda o, lse: fp8.launch_forward(q, k, v, o, lse, descales, causal=bool(causal),
+                                                         scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev),
+                        out, q.shape, _checks.BFLOAT16, (b, hq, nq), nk, return_lse, dev)
 
 
 # ---------------------------------------------------------------------------

@@ -54,19 +54,7 @@ def check_fp8_qkv(q, k, v):
     for name, x in (("k", k), ("v", v)):
         if x.device.id != q.device.id:
             raise ValueError(f"{name} is on device {x.device.id} but q is on device {q.device.id}")
-    b, nq, hq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
-                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    bk, nk, hkv, dk = k.shape
-    if bk != b:
-        raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
-    if dk != d:
-        raise ValueError(f"k and v must have the head_dim of q ({d}), got {dk}")
-    if hq < 1 or hkv < 1:
-        raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
-    if hq % hkv:
-        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_shapes(q, k, v)
     if d not in FP8_HEAD_DIMS:
         raise ValueError(f"fp8 head_dim must be a multiple of 16 from 16 to 256, got {d}")
     for name, x in (("q", q), ("k", k)):  # loaded by TMA (v goes through transpose_v)

@@ -57,3 +57,15 @@ def poisoned(shape, dtype_name: str):
     out = cupy.empty(shape, dtype=dtype_of(dtype_name))
     out.fill(np.nan)
     return out
+
+
+def assert_lse_matches(lse, ref_lse, shape) -> None:
+    """The kernel's lse (CuPy, float32 ``shape``) against the float64 reference: -inf exactly where
+    the reference is (rows that see no key), else within 1e-3 of max(1, |lse|)."""
+    lse_h = lse.get()
+    assert lse_h.dtype == np.float32 and lse_h.shape == tuple(shape)
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse_h), ~fin), "lse must be -inf exactly for rows that see no key"
+    if fin.any():
+        lse_err = np.abs(lse_h[fin] - ref_lse[fin]).max()
+        assert lse_err <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max()), f"lse abs err {lse_err:.3e}"
