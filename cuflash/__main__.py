@@ -160,12 +160,13 @@ def benchmark_fp8(shapes, repeats: int) -> list[dict]:
     import cupy
 
     from . import forward_fp8
+    from ._checks import BFLOAT16
     from .bench import fp8_inputs, fp8_label, tflops, time_cuda, torch_inputs, torch_sdpa
 
     results = []
     for shape in shapes:
         q8, k8, v8, dq, dk, dv = fp8_inputs(shape)
-        out = cupy.empty(q8.shape, dtype=_bf16())
+        out = cupy.empty(q8.shape, dtype=BFLOAT16)
         row = {"shape": fp8_label(shape), "pass": "fwd fp8"}
         row["cuflash"] = tflops(shape.fwd_flops(), time_cuda(
             lambda: forward_fp8(q8, k8, v8, dq, dk, dv, causal=shape.causal, out=out), repeats=repeats))
@@ -184,12 +185,6 @@ def benchmark_fp8(shapes, repeats: int) -> list[dict]:
                 row[f"sdpa_{backend}"] = None
         results.append(row)
     return results
-
-
-def _bf16():
-    from ._checks import BFLOAT16
-
-    return BFLOAT16
 
 
 def _fmt(x) -> str:
@@ -273,12 +268,10 @@ def main(argv=None) -> int:
     needed |= {cfg for dt in ("float16", "bfloat16", "float32") for d in (64, 128) for c in (False, True)
                for cfg in heuristics.bwd_configs(dt, d, c, cc).all()}
     if cc == 90:  # the fp8 forward and its helpers
-        from .config import KernelConfig
+        from . import fp8
 
         needed |= {heuristics.fp8_fwd_config(d, c) for d in (64, 128, 256) for c in (False, True)}
-        needed |= {KernelConfig(f, dt, 0, False, 0, 0, 8) for f, dt in
-                   [("fp8_transpose_v", "float8_e4m3fn"), ("fp8_amax", "float32"), ("fp8_quantize", "float32"),
-                    ("fp8_amax", "bfloat16"), ("fp8_quantize", "bfloat16")]}
+        needed |= set(fp8.aux_configs())
     t0 = time.time()
     dispatch.precompile(sorted(needed, key=lambda c: c.key()), dev.id, _progress)
     print(f"  {len(needed)} kernels ready in {time.time() - t0:.1f} s (CuPy's kernel cache keeps them)")

@@ -12,7 +12,6 @@ from . import _checks, heuristics, launch, params, sm90, tma
 from .config import KernelConfig
 from .dispatch import device_info, get_kernel, smem_bytes
 
-E4M3_MAX = 448.0
 FP8_HEAD_DIMS = range(16, heuristics.MAX_HEAD_DIM + 1, 16)
 _UINT8 = np.dtype(np.uint8)
 try:
@@ -81,13 +80,41 @@ def descale_array(name: str, x, device_id: int):
     value = float(x)
     if not (np.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be positive and finite, got {x}")
-    with cupy.cuda.Device(device_id):
-        return cupy.full((1,), value, dtype=np.float32)
+    # One device scalar per (value, device), reused: no allocation and fill per call for a fixed scale.
+    key = (value, device_id)
+    found = _float_descales.get(key)
+    if found is None:
+        if len(_float_descales) >= 256:
+            _float_descales.clear()
+        with cupy.cuda.Device(device_id):
+            found = _float_descales[key] = cupy.full((1,), value, dtype=np.float32)
+    return found
+
+
+_float_descales: dict = {}
+
+
+def _aux_config(family: str, dtype: str) -> KernelConfig:
+    return KernelConfig(family, dtype, 0, False, 0, 0, _AUX_WARPS)
+
+
+def aux_configs() -> list[KernelConfig]:
+    """Every instantiation of the fp8 helpers (V^T pass; amax and quantisation per input dtype)."""
+    return [_aux_config("fp8_transpose_v", "float8_e4m3fn")] + [
+        _aux_config(f, dt) for f in ("fp8_amax", "fp8_quantize") for dt in _QUANTIZE_INPUTS.values()]
+
+
+_aux_kernels: dict = {}
 
 
 def _aux_kernel(family: str, dtype: str, device_id: int):
-    cfg = KernelConfig(family, dtype, 0, False, 0, 0, _AUX_WARPS)
-    return get_kernel(cfg, device_id), cfg
+    """(kernel, config) of an fp8 helper, looked up once per (family, dtype, device)."""
+    key = (family, dtype, device_id)
+    found = _aux_kernels.get(key)
+    if found is None:
+        cfg = _aux_config(family, dtype)
+        found = _aux_kernels[key] = (get_kernel(cfg, device_id), cfg)
+    return found
 
 
 def quantize(x):

@@ -24,12 +24,9 @@ def configs(which, cc: int):
         if cc == 90:  # the Hopper kernels the dispatcher picks by default there
             out += heuristics.all_sm90_fwd_configs()
     if "fp8" in which and cc == 90:  # the fp8 forward and its helpers
-        from cuflash.config import KernelConfig
+        from cuflash import fp8
 
-        out += heuristics.all_fp8_fwd_configs()
-        out += [KernelConfig(f, dt, 0, False, 0, 0, 8) for f, dt in
-                [("fp8_transpose_v", "float8_e4m3fn")] + [(f, dt) for f in ("fp8_amax", "fp8_quantize")
-                                                           for dt in ("float16", "bfloat16", "float32")]]
+        out += heuristics.all_fp8_fwd_configs() + fp8.aux_configs()
     if "fwdall" in which and cc == 90:  # every forced sm90 schedule (tests/test_fwd_sm90.py)
         for b in heuristics.SM90_FWD_BACKENDS:
             out += heuristics.all_sm90_fwd_configs(b)
