@@ -156,12 +156,20 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
     return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
 
 
+# sm90 backward, not causal, not ordered: key sequences up to this long take the sectioned 1-D grid.
+# H100, B=16 H=16 N=1024 D=64 fp16 (scripts/bench_bwd_ab.py, 2026-11-23): 0.643 -> 0.578 ms; at
+# N=4096 the (key tile, kv head, batch) grid stays ahead (D=64 fp16 1.71 vs 1.76 ms, D=256 7.19 vs 7.35).
+SM90_BWD_SECTIONED_MAX_SEQLEN_K = 1024
+
+
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
     """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
-    sm90 kernels take a 1-D grid and walk it key-tile-major in L2-sized sections of (kv head, batch)
-    groups: heaviest key tiles first, or the ordered kernel's rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
+    sm90 kernels, and the others on short key sequences, take a 1-D grid and walk it key-tile-major
+    in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
+    rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered")):
+    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered")
+                                           or seqlen_k <= SM90_BWD_SECTIONED_MAX_SEQLEN_K):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

@@ -128,16 +128,17 @@ struct BwdBlock {
     int n_block, head_kv, batch;
 };
 
-// The (key tile, kv head, batch) of this CTA. Causal and ordered-dQ kernels: a 1-D grid walked
-// key-tile-major within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB
-// of L2. Causal (not ordered): heaviest first -- key tile n sees the query tiles from its diagonal
-// on, so low n carry the most work -- so that the last wave holds short CTAs only. Ordered dQ: a
-// query tile's slices are added in ascending key-tile order (causal: from the diagonal key tile
-// down, the order in which the CTAs reach it), and CTAs start in that order too (each waits only
-// on CTAs launched before it, so all make progress). Otherwise the grid is (key tile, kv head, batch).
+// The (key tile, kv head, batch) of this CTA. A 1-D grid (causal and ordered-dQ kernels always; the
+// others for short key sequences, launch.py: bwd_dkdv_grid) is walked key-tile-major within sections
+// of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB of L2. Causal (not ordered):
+// heaviest first -- key tile n sees the query tiles from its diagonal on, so low n carry the most
+// work -- so that the last wave holds short CTAs only. Ordered dQ: a query tile's slices are added in
+// ascending key-tile order (causal: from the diagonal key tile down, the order in which the CTAs
+// reach it), and CTAs start in that order too (each waits only on CTAs launched before it, so all
+// make progress). Otherwise the grid is (key tile, kv head, batch); with one group both readings agree.
 template <int kBlockN, int kHeadDim, bool kIsCausal, int kDqMode>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
-    if constexpr (kIsCausal || kDqMode == kDqTileOrdered) {
+    if (kIsCausal || kDqMode == kDqTileOrdered || (gridDim.y == 1 && gridDim.z == 1)) {
         const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
         const int groups = p.batch * (p.heads_q / p.heads_per_kv);
         const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
