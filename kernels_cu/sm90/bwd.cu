@@ -129,8 +129,9 @@ struct BwdBlock {
 };
 
 // The (key tile, kv head, batch) of this CTA. A 1-D grid (causal and ordered-dQ kernels always; the
-// others with 128-row query tiles on short key sequences, launch.py: bwd_dkdv_grid) is walked key-tile-major within sections
-// of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB of L2. Causal (not ordered):
+// others with 128-row query tiles on short key sequences, launch.py: bwd_dkdv_grid) is walked
+// key-tile-major within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB
+// of L2. Causal (not ordered):
 // heaviest first -- key tile n sees the query tiles from its diagonal on, so low n carry the most
 // work -- so that the last wave holds short CTAs only. Ordered dQ: a query tile's slices are added in
 // ascending key-tile order (causal: from the diagonal key tile down, the order in which the CTAs
