@@ -156,23 +156,18 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
     return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
 
 
-# sm90 backward, not causal, not ordered: 128-row query tiles (head dims <= 64) on key sequences up
-# to this long take the sectioned 1-D grid. H100, backward ms 3-D / 1-D grid (2026-11-23, same run):
-# D=64 fp16 B=32 N=512 0.440 / 0.408, B=16 N=1024 0.643 / 0.578 (H=8: 0.328 / 0.302), B=8 N=2048
-# 1.018 / 0.942 (bf16 1.016 / 1.000), B=4 N=4096 1.723 / 1.750; D=32 N=1024 0.586 / 0.577. The 64-row
-# tiles lose on it: D=96 N=1024 0.838 / 0.887, D=128 N=512 0.631 / 0.703, N=1024 0.889 / 0.951,
-# N=2048 1.424 / 1.486, D=256 N=1024 2.33 / 2.43.
-SM90_BWD_SECTIONED_MAX_SEQLEN_K = 2048
-
-
+# sm90 backward, not causal, not ordered: 128-row query tiles (head dims <= 64) take the sectioned 1-D
+# grid. H100, backward TFLOP/s, same run (2026-11-23): 3-D grid / 1-D grid in 8 MB sections: D=64 fp16
+# N=4096 400 / 444, B=16 N=1024 298 / 303 (1-D in 24 MB sections: 0.643 -> 0.578 ms at N=1024 but
+# 1.723 -> 1.750 ms at N=4096). The 64-row tiles (D=96..128) are level or slower on it (D=128 N=4096
+# 543 / 541, D=256 379 / 372; in 24 MB sections D=128 N=1024 0.889 / 0.951 ms): they keep the 3-D grid.
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
     """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
-    sm90 kernels, and the others with 128-row query tiles on short key sequences, take a 1-D grid and
-    walk it key-tile-major in L2-sized sections of (kv head, batch) groups: heaviest key tiles first,
-    or the ordered kernel's rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
+    sm90 kernels, and the others with 128-row query tiles, take a 1-D grid and walk it key-tile-major
+    in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
+    rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or (
-            c.block_m == 128 and seqlen_k <= SM90_BWD_SECTIONED_MAX_SEQLEN_K)):
+    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or c.block_m == 128):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

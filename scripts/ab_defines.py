@@ -1,6 +1,7 @@
 """A/B timing of NVRTC define sets (CUFLASH_NVRTC_DEFINES) on the same inputs, interleaved.
 
     python3 scripts/ab_defines.py bwd "" "-DCUFLASH_SM90_BWD_NO_EARLY_DV"
+    AB_SHAPES="4,16,4096,64,float16,0;16,16,1024,64,float16,0" python3 scripts/ab_defines.py bwd ...
 Prints, per shape, the median time of each define set over alternating rounds (TFLOP/s).
 """
 from __future__ import annotations
@@ -20,8 +21,21 @@ SHAPES = [Shape(4, 16, 4096, 64, "float16", True), Shape(4, 16, 4096, 128, "bflo
           Shape(1, 16, 16384, 128, "bfloat16", True), Shape(4, 16, 4096, 192, "bfloat16", False)]
 
 
+def _shapes() -> list[Shape]:
+    """$AB_SHAPES ("B,H,N,D,dtype,causal;...") or the default list."""
+    spec = os.environ.get("AB_SHAPES")
+    if not spec:
+        return SHAPES
+    out = []
+    for item in spec.split(";"):
+        b, h, n, d, dtype, causal = item.split(",")
+        out.append(Shape(int(b), int(h), int(n), int(d), dtype, causal.strip() in ("1", "True", "true")))
+    return out
+
+
 def main(direction: str, variants: list[str]) -> None:
-    for shape in SHAPES:
+    env_names = {t[1:].partition("=")[0] for v in variants for t in v.split() if t.startswith("@")}
+    for shape in _shapes():
         q, k, v = random_inputs(shape)
         dout = random_inputs(shape, seed=1)[0]
         out, lse = cuflash.forward(q, k, v, causal=shape.causal, return_lse=True)
@@ -36,7 +50,15 @@ def main(direction: str, variants: list[str]) -> None:
         times = {v: [] for v in variants}
         for _ in range(3):
             for var in variants:
-                os.environ["CUFLASH_NVRTC_DEFINES"] = var
+                # "@NAME=VALUE" tokens set environment variables for this variant only.
+                tokens = var.split()
+                for t in env_names:
+                    os.environ.pop(t, None)
+                for t in tokens:
+                    if t.startswith("@"):
+                        name, _, value = t[1:].partition("=")
+                        os.environ[name] = value
+                os.environ["CUFLASH_NVRTC_DEFINES"] = " ".join(t for t in tokens if not t.startswith("@"))
                 api._bwd_plans.clear()
                 api._fwd_plans.clear()
                 times[var].append(time_cuda(run, repeats=20))

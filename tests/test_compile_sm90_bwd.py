@@ -126,15 +126,14 @@ def test_sm90_bwd_backend_selection(monkeypatch):
 
 
 def test_sm90_bwd_grid_order():
-    """Causal and ordered kernels always, the others with 128-row query tiles on key sequences
-    <= 2048, take the sectioned 1-D grid (bwd_block reads a grid with gridDim.y == gridDim.z == 1 that
-    way); the rest the (key tile, kv head, batch) grid, and the portable kernels always the 3-D one."""
+    """Causal and ordered kernels, and the others with 128-row query tiles, take the sectioned 1-D
+    grid (bwd_block reads a grid with gridDim.y == gridDim.z == 1 that way); the rest the (key tile,
+    kv head, batch) grid, and the portable kernels always the 3-D one."""
     def grid(family, causal, nk, block_m=128):
         return launch.bwd_dkdv_grid(KernelConfig(family, "float16", 64, causal, block_m, 128, 12), 4, 8, nk)
 
-    n = launch.SM90_BWD_SECTIONED_MAX_SEQLEN_K
-    assert grid("sm90_bwd_dkdv_dqtile", False, n) == (n // 128 * 32, 1, 1)
-    assert grid("sm90_bwd_dkdv_dqtile", False, n + 1) == (n // 128 + 1, 8, 4)
+    assert grid("sm90_bwd_dkdv_dqtile", False, 2048) == (16 * 32, 1, 1)
+    assert grid("sm90_bwd_dkdv_dqtile", False, 4097) == (33 * 32, 1, 1)
     assert grid("sm90_bwd_dkdv_dqtile", False, 1024, block_m=64) == (8, 8, 4)
     assert grid("sm90_bwd_dkdv_dqtile", True, 4096, block_m=64) == (32 * 32, 1, 1)
     assert grid("sm90_bwd_dkdv_dqtile_ordered", False, 4096) == (32 * 32, 1, 1)

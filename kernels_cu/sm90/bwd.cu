@@ -124,14 +124,21 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 
+// L2 budget of one section of the 1-D grid (bwd_block), in MB: about one wave of CTAs at head dim 64
+// (4 groups of 32 key tiles at N = 4096). The ordered kernel keeps wider sections: its CTAs wait on the
+// key tiles before them, and a wave of fewer groups is a longer chain of such waits.
+#ifndef CUFLASH_SM90_BWD_SECTION_MB
+#define CUFLASH_SM90_BWD_SECTION_MB 8
+#endif
+#define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
+
 struct BwdBlock {
     int n_block, head_kv, batch;
 };
 
 // The (key tile, kv head, batch) of this CTA. A 1-D grid (causal and ordered-dQ kernels always; the
-// others with 128-row query tiles on short key sequences, launch.py: bwd_dkdv_grid) is walked
-// key-tile-major within sections of (kv head, batch) groups whose Q, dO, K and V fit in about 24 MB
-// of L2. Causal (not ordered):
+// others with 128-row query tiles, launch.py: bwd_dkdv_grid) is walked key-tile-major within sections
+// of (kv head, batch) groups whose Q, dO, K and V fit in CUFLASH_SM90_BWD_SECTION_MB of L2. Causal (not ordered):
 // heaviest first -- key tile n sees the query tiles from its diagonal on, so low n carry the most
 // work -- so that the last wave holds short CTAs only. Ordered dQ: a query tile's slices are added in
 // ascending key-tile order (causal: from the diagonal key tile down, the order in which the CTAs
@@ -143,7 +150,9 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
         const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
         const int groups = p.batch * (p.heads_q / p.heads_per_kv);
         const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
-        const int per_section = static_cast<int>(max(1ll, min(static_cast<i64>(groups), (24ll << 20) / group_bytes)));
+        constexpr i64 kSectionBytes = static_cast<i64>(kDqMode == kDqTileOrdered ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
+                                                                                 : CUFLASH_SM90_BWD_SECTION_MB) << 20;
+        const int per_section = static_cast<int>(max(1ll, min(static_cast<i64>(groups), kSectionBytes / group_bytes)));
         const int linear = blockIdx.x;
         const int section = linear / (per_section * n_blocks);
         const int first_group = section * per_section;

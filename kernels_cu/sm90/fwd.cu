@@ -74,6 +74,9 @@ struct Sm90FwdTile {
 // the mask, query tiles of one (head, batch) are adjacent (they share K/V in L2). With it, the
 // (head, batch) pairs go in equal sections whose K/V fit in L2, and inside a section the longest
 // query tiles (most key tiles) come first, so that the short ones fill the tail.
+#ifndef CUFLASH_SM90_FWD_SECTION_MB
+#define CUFLASH_SM90_FWD_SECTION_MB 32   // L2 budget of one section of heads, in MB
+#endif
 struct PersistentOrder {
     int num_m, num_hb, num_tiles, group;
     __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row) {
@@ -81,7 +84,7 @@ struct PersistentOrder {
         num_hb = p.heads_q * p.batch;
         num_tiles = num_m * num_hb;
         const long long kv_head = static_cast<long long>(p.seqlen_k) * kv_bytes_per_row;
-        const long long g = (32ll << 20) / (kv_head > 0 ? kv_head : 1);
+        const long long g = (static_cast<long long>(CUFLASH_SM90_FWD_SECTION_MB) << 20) / (kv_head > 0 ? kv_head : 1);
         group = static_cast<int>(g < 1 ? 1 : (g > num_hb ? num_hb : g));
         const int sections = (num_hb + group - 1) / group;
         group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
