@@ -125,12 +125,15 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
 }
 
 // L2 budget of one section of the 1-D grid (bwd_block), in MB: about one wave of CTAs at head dim 64
-// (4 groups of 32 key tiles at N = 4096). The ordered kernel keeps wider sections: its CTAs wait on the
-// key tiles before them, and a wave of fewer groups is a longer chain of such waits.
+// (4 groups of 32 key tiles at N = 4096). The ordered kernel above head dim 64 keeps wider sections:
+// its CTAs wait on the key tiles before them, and at d = 256 (8 MB groups of 64 key tiles) one group
+// per section is half a wave and a longer chain of such waits (8.2 -> 8.5 ms, H100).
 #ifndef CUFLASH_SM90_BWD_SECTION_MB
 #define CUFLASH_SM90_BWD_SECTION_MB 8
 #endif
+#ifndef CUFLASH_SM90_BWD_ORDERED_SECTION_MB
 #define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
+#endif
 
 struct BwdBlock {
     int n_block, head_kv, batch;
@@ -150,8 +153,9 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
         const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
         const int groups = p.batch * (p.heads_q / p.heads_per_kv);
         const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
-        constexpr i64 kSectionBytes = static_cast<i64>(kDqMode == kDqTileOrdered ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
-                                                                                 : CUFLASH_SM90_BWD_SECTION_MB) << 20;
+        constexpr i64 kSectionBytes = static_cast<i64>(kDqMode == kDqTileOrdered && kHeadDim > 64
+                                                           ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
+                                                           : CUFLASH_SM90_BWD_SECTION_MB) << 20;
         const int per_section = static_cast<int>(max(1ll, min(static_cast<i64>(groups), kSectionBytes / group_bytes)));
         const int linear = blockIdx.x;
         const int section = linear / (per_section * n_blocks);
