@@ -31,6 +31,14 @@ def main() -> int:
                 dout = cupy.asarray(rng.standard_normal(q.shape).astype(DT[dtype]))
                 for det in (False, True):
                     cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+    if "bwd" in which:  # the Hopper backward's 1-D grid over several L2 sections (70 groups), fp16 only
+        b, nq, nk, hq, hkv, d = 7, 257, 300, 20, 10, 64
+        q, dout = (cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(np.float16)) for _ in range(2))
+        k, v = (cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(np.float16)) for _ in range(2))
+        for causal in (False, True):
+            out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
+            for det in (False, True):
+                cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
     if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:  # fp8 forward and its helpers
         for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 48, False),
                                                 (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False),

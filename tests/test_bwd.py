@@ -125,6 +125,18 @@ def test_gqa_mqa(rng, dtype, hq, hkv, causal, deterministic):
     check_bwd(rng, dtype, 2, 300, 333, hq, hkv, 64, causal, deterministic=deterministic, label="gqa")
 
 
+@pytest.mark.parametrize("head_dim,causal,deterministic",
+                         [(64, False, False), (64, True, False), (64, False, True), (128, True, False),
+                          (128, False, True), (128, True, True)])
+def test_many_groups(rng, head_dim, causal, deterministic):
+    """More (kv head, batch) groups than one L2 section of the Hopper backward's 1-D grid holds
+    (kernels_cu/sm90/bwd.cu: bwd_block; a group is 4 * d * (nq * heads_per_kv + nk) bytes, a section
+    8 MB, 24 MB for the ordered kernel above d=64), so that the grid spans several sections and the
+    last one is partial: 70 groups of 208 KB (d=64) or 417 KB (d=128)."""
+    check_bwd(rng, "float16", 7, 257, 300, 20, 10, head_dim, causal, deterministic=deterministic,
+              label="many_groups")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_custom_scale(rng, dtype):
     check_bwd(rng, dtype, 1, 100, 130, 2, 2, 64, False, scale=0.3, label="scale")
