@@ -40,7 +40,8 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # Causal: persistent kernels ("_p": one CTA per SM, dynamic tile counter, longest tiles first;
 # H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
 # 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
-# persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile.
+# persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile
+# there, but for short sequences at head dims <= 64 (_SM90_FWD_SHORT).
 _SM90_FWD = {
     32: (192, 128, 16, "overlap", "overlap"),
     64: (192, 128, 16, "overlap", "overlap"),
@@ -49,6 +50,14 @@ _SM90_FWD = {
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
+# Short non-causal sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): the persistent
+# overlap kernel, whose two Q buffers let the next tile's Q load while the consumer warpgroups finish
+# the current one and let them run on into the next tile without meeting. H100 2026-11-23, same run
+# (scripts/ab_defines.py), TFLOP/s one CTA per tile / persistent (two Q buffers) / persistent (one Q
+# buffer): D=64 fp16 B=32 N=512 285 / 333 / 303, B=16 N=1024 372 / 391 / 369, B=8 N=2048 450 / 451 /
+# 436, B=4 N=4096 499 / 480 / 471.
+_SM90_FWD_SHORT = {32: "overlap_p", 64: "overlap_p"}
+SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
@@ -114,13 +123,15 @@ def fwd_backend() -> str:
     return os.environ.get("CUFLASH_FWD_BACKEND", "auto").strip().lower()
 
 
-def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None) -> KernelConfig:
+def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
+               short: bool = False) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
-    anything else pick the portable kernels.
+    anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
+    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own schedules there).
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -128,10 +139,12 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
+        if short:
+            schedule = _SM90_FWD_SHORT.get(bucket, schedule)
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
             schedule = schedule_causal = backend[len("sm90_"):]
-            if schedule == "overlap_p" and block_m == 192:  # 3 x 160 registers: spills when persistent
+            if schedule == "overlap_p" and block_m == 192 and causal:  # 3 x 160 registers: spills under the mask
                 block_m, warps = 128, 12
             if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
                 schedule = schedule_causal = "pingpong_p"
@@ -146,10 +159,12 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
-    """Every instantiation of one sm90 forward family (for the CPU compile test)."""
-    return [fwd_config(dtype, d, causal, 90, backend=backend)
-            for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8)
-            for causal in (False, True)]
+    """Every instantiation of one sm90 forward family or of the tuned table, short sequences
+    included (for the CPU compile test and the precompile script)."""
+    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short)
+           for short in (False, True) for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8)
+           for causal in (False, True)]
+    return list({c.key(): c for c in out}.values())
 
 
 def all_fwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:

@@ -66,20 +66,34 @@ def _simt_bwd_dq_smem(c: KernelConfig) -> int:
 SM90_FWD_STAGES = 2  # Sm90FwdTile::kStages
 
 
-def _sm90_fwd_smem(c: KernelConfig) -> int:
-    pad = _round_up(c.head_dim, 64)  # Sm90FwdTile::kHeadDimPad
-    tiles = (c.block_m + 2 * SM90_FWD_STAGES * c.block_n) * pad * 2
-    return 1024 + tiles + 8 * (3 + 4 * SM90_FWD_STAGES)  # 1024: alignment slack; mbarriers, tile slot
+SM90_SMEM_LIMIT = 232448  # Sm90FwdTile::kSmemLimit: opt-in shared memory per block on sm_90
 
 
-def _sm90_fwd_fp8_smem(c: KernelConfig) -> int:
-    """Sm90FwdTile<e4m3_tag>: Q and K rows padded to 128 bytes (64 at head dims <= 64), V^T tiles of
-    fp8_v_rows rows of block_n bytes."""
+def _sm90_fwd_tiles(c: KernelConfig) -> tuple[int, int]:
+    """(Q tile bytes, K/V ring slot bytes) of Sm90FwdTile. fp8: Q and K rows padded to 128 bytes (64
+    at head dims <= 64), V^T tiles of fp8_v_rows rows of block_n bytes."""
+    if c.dtype != "float8_e4m3fn":
+        pad = _round_up(c.head_dim, 64)  # Sm90FwdTile::kHeadDimPad
+        return c.block_m * pad * 2, c.block_n * pad * 2
     from .heuristics import head_dim_bucket
 
     pad = 64 if c.head_dim <= 64 else _round_up(c.head_dim, 128)  # Sm90FwdTile::kHeadDimPad (kRowBytes)
-    slot = max(c.block_n * pad, c.block_n * head_dim_bucket(c.head_dim))
-    return 1024 + c.block_m * pad + 2 * SM90_FWD_STAGES * slot + 8 * (3 + 4 * SM90_FWD_STAGES)
+    return c.block_m * pad, max(c.block_n * pad, c.block_n * head_dim_bucket(c.head_dim))
+
+
+def sm90_fwd_q_buffers(c: KernelConfig) -> int:
+    """Q buffers of fwd_body: two for the persistent kernels where they fit in shared memory
+    (Sm90FwdTile::kQBuffersPersistent), else one."""
+    q_bytes, kv_slot = _sm90_fwd_tiles(c)
+    fits = 1024 + 2 * q_bytes + 2 * SM90_FWD_STAGES * kv_slot + 8 * (5 + 4 * SM90_FWD_STAGES) <= SM90_SMEM_LIMIT
+    return 2 if c.family.endswith("_p") and fits else 1
+
+
+def _sm90_fwd_smem(c: KernelConfig) -> int:
+    """fwd_body: Q buffers, the K and V rings, mbarriers and tile slots, 1024 bytes of alignment slack."""
+    q_bytes, kv_slot = _sm90_fwd_tiles(c)
+    q_buffers = sm90_fwd_q_buffers(c)
+    return 1024 + q_buffers * q_bytes + 2 * SM90_FWD_STAGES * kv_slot + 8 * (2 * q_buffers + 1 + 4 * SM90_FWD_STAGES)
 
 
 SM90_BWD_STAGES = 2  # Sm90BwdTile::kStages
@@ -114,8 +128,8 @@ SMEM_BYTES = {
     "sm90_fwd_p": _sm90_fwd_smem,
     "sm90_fwd_overlap_p": _sm90_fwd_smem,
     "sm90_fwd_pingpong_p": _sm90_fwd_smem,
-    "sm90_fwd_fp8": _sm90_fwd_fp8_smem,
-    "sm90_fwd_fp8_p": _sm90_fwd_fp8_smem,
+    "sm90_fwd_fp8": _sm90_fwd_smem,
+    "sm90_fwd_fp8_p": _sm90_fwd_smem,
     "fp8_transpose_v": lambda c: 0,
     "fp8_amax": lambda c: 0,
     "fp8_quantize": lambda c: 0,

@@ -20,7 +20,8 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 
 def test_sm90_configs_cover_every_head_dim():
-    assert len(SM90_CONFIGS) == 2 * 32 * 2
+    # every head dim, dtype and mask, plus the short-sequence schedule (non-causal, head dims <= 64)
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * 8
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -59,3 +60,51 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
+
+
+def test_short_sequence_schedule(monkeypatch):
+    """Short non-causal sequences at head dims <= 64 take the persistent overlap kernel with the
+    table's tiles; longer ones, causal ones, other head dims and forced schedules are unchanged."""
+    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
+    for d in (32, 64):
+        short = heuristics.fwd_config("float16", d, False, 90, short=True)
+        long = heuristics.fwd_config("float16", d, False, 90)
+        assert short.family == "sm90_fwd_overlap_p" and long.family == "sm90_fwd_overlap"
+        assert (short.block_m, short.block_n, short.num_warps) == (long.block_m, long.block_n, long.num_warps)
+        assert heuristics.fwd_config("float16", d, True, 90, short=True) == heuristics.fwd_config("float16", d, True, 90)
+    for d in (96, 128, 256):
+        assert heuristics.fwd_config("bfloat16", d, False, 90, short=True) == heuristics.fwd_config("bfloat16", d, False, 90)
+    assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
+    assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
+
+
+def test_python_q_buffers_match_the_sm90_fwd_kernel():
+    """launch.sm90_fwd_q_buffers (and so SMEM_BYTES) mirrors Sm90FwdTile::kQBuffersPersistent: two Q
+    buffers in the persistent kernels where shared memory allows (fp16/bf16 and fp8), one elsewhere."""
+    from cupy.cuda import nvrtc
+
+    from cuflash import launch
+    from cuflash.compile import arch_option, load_source
+
+    tags = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float8_e4m3fn": "e4m3_tag"}
+    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
+                  for c in heuristics.all_sm90_fwd_configs(b)]
+    persistent += [c for c in heuristics.all_fp8_fwd_configs() if c.family.endswith("_p")]
+    checks, counts = set(), set()
+    for c in persistent:
+        expected = launch.sm90_fwd_q_buffers(c)
+        counts.add(expected)
+        tile = f"Sm90FwdTile<{tags[c.dtype]}, {c.head_dim}, {c.block_m}, {c.block_n}, {c.num_warps}>"
+        checks.add(f'static_assert({tile}::kQBuffersPersistent == {expected}, "{c.key()}");')
+    assert counts == {1, 2}, "both cases covered"
+    assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.family.endswith("_p"))
+    src = load_source("sm90/fwd.cu") + "\n" + "\n".join(sorted(checks)) + "\n"
+    prog = nvrtc.createProgram(src, "q_buffers_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [arch_option("90a"), "-std=c++17"])
+    except nvrtc.NVRTCError as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -63,6 +63,12 @@ struct Sm90FwdTile {
     static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;   // one ring slot
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+    // Persistent kernels: two Q buffers where shared memory allows (launch.py mirrors this), so that
+    // the next tile's Q is loaded while the consumers finish this one, and a consumer warpgroup done
+    // with a tile starts the next without waiting for the others.
+    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int kQBuffersPersistent =
+        1024 + 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (5 + 4 * kStages) <= kSmemLimit ? 2 : 1;
     static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
@@ -135,19 +141,29 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     static_assert(kProducerRegs + Tile::kConsumerWGs * kConsumerRegs <= (Tile::kConsumerWGs == 2 ? 504 : 512),
                   "setmaxnreg budget");
 
+#ifdef CUFLASH_SM90_FWD_Q_BUFFERS   // tuning: at most this many Q buffers
+    constexpr int kQBuffers = !kPersistent ? 1
+                            : Tile::kQBuffersPersistent < CUFLASH_SM90_FWD_Q_BUFFERS ? Tile::kQBuffersPersistent
+                                                                                     : CUFLASH_SM90_FWD_Q_BUFFERS;
+#else
+    constexpr int kQBuffers = kPersistent ? Tile::kQBuffersPersistent : 1;
+#endif
+
     extern __shared__ char smem_raw[];
-    const u32 sQ = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzle atoms need 1024-byte alignment
-    const u32 sK = sQ + Tile::kQBytes;
+    const u32 sQ = (smem_u32(smem_raw) + 1023) & ~1023u;   // [kQBuffers]; swizzle atoms need 1024-byte alignment
+    const u32 sK = sQ + kQBuffers * Tile::kQBytes;
     const u32 sV = sK + kStages * Tile::kKVBytes;
     const u32 bars = sV + kStages * Tile::kKVBytes;
-    const u32 bar_q = bars;
-    auto bar_k_full = [&](int s) { return bars + 8 * (1 + s); };
-    auto bar_v_full = [&](int s) { return bars + 8 * (1 + kStages + s); };
-    auto bar_k_empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
-    auto bar_v_empty = [&](int s) { return bars + 8 * (1 + 3 * kStages + s); };
-    const u32 bar_q_empty = bars + 8 * (1 + 4 * kStages);   // persistent: Q buffer (and tile slot) free again
-    // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done).
-    volatile int* tile_slot = reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 + 4 * kStages) - smem_u32(smem_raw)));
+    auto bar_q = [&](int b) { return bars + 8 * b; };       // Q buffer b (and its tile slot) loaded
+    auto bar_k_full = [&](int s) { return bars + 8 * (kQBuffers + s); };
+    auto bar_v_full = [&](int s) { return bars + 8 * (kQBuffers + kStages + s); };
+    auto bar_k_empty = [&](int s) { return bars + 8 * (kQBuffers + 2 * kStages + s); };
+    auto bar_v_empty = [&](int s) { return bars + 8 * (kQBuffers + 3 * kStages + s); };
+    // Persistent: Q buffer b (and its tile slot) free again.
+    auto bar_q_empty = [&](int b) { return bars + 8 * (kQBuffers + 4 * kStages + b); };
+    // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done), per buffer.
+    volatile int* tile_slot =
+        reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 * kQBuffers + 4 * kStages) - smem_u32(smem_raw)));
 
     const PersistentOrder order(p, kBlockM, (kPad + kPadV) * Tile::kElemBytes);
     const int num_tiles = order.num_tiles;
@@ -168,8 +184,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
 
     if (threadIdx.x == 0) {
-        mbar_init(bar_q, 1);
-        mbar_init(bar_q_empty, Tile::kConsumerWGs * 128);
+#pragma unroll
+        for (int b = 0; b < kQBuffers; ++b) {
+            mbar_init(bar_q(b), 1);
+            mbar_init(bar_q_empty(b), Tile::kConsumerWGs * 128);
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar_k_full(s), 1);
@@ -192,11 +211,13 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             int t = kPersistent ? static_cast<int>(blockIdx.x) : 0;
             for (;;) {
                 int m_block, head, batch;
+                const int qb = q_count % kQBuffers;                      // this tile's Q buffer
+                const u32 q_phase = (q_count / kQBuffers) & 1;
                 if constexpr (kPersistent) {
                     if (t >= num_tiles) {   // no work left: tell the consumers, reset the counter
-                        mbar_wait(bar_q_empty, (q_count & 1) ^ 1);
-                        *tile_slot = t;
-                        mbar_arrive(bar_q);
+                        mbar_wait(bar_q_empty(qb), q_phase ^ 1);
+                        tile_slot[qb] = t;
+                        mbar_arrive(bar_q(qb));
                         if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
                             tile_counter[0] = 0;   // every CTA has taken its last tile: ready for the next launch
                             tile_counter[1] = 0;
@@ -211,24 +232,24 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 const int head_kv = head / p.heads_per_kv;
                 const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
                 auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
-                    mbar_wait(bar_q_empty, (q_count & 1) ^ 1);
-                    *tile_slot = t_cur;
+                    mbar_wait(bar_q_empty(qb), q_phase ^ 1);
+                    tile_slot[qb] = t_cur;
                     t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
                 };
                 if (n_block_max <= 0) {
                     if (!kPersistent) break;
                     publish();
-                    mbar_arrive(bar_q);
+                    mbar_arrive(bar_q(qb));
                     ++q_count;
                     continue;
                 }
                 auto load_q = [&]() {
                     if (kPersistent) publish();
-                    mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
+                    mbar_arrive_expect_tx(bar_q(qb), Tile::kQBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(sQ + cb * kBlockM * Tile::kRowBytes, &tma_q, bar_q, cb * Tile::kBlockCols, m_block * kBlockM,
-                                    head, batch);
+                        tma_load_4d(sQ + qb * Tile::kQBytes + cb * kBlockM * Tile::kRowBytes, &tma_q, bar_q(qb),
+                                    cb * Tile::kBlockCols, m_block * kBlockM, head, batch);
                 };
                 if (!kPersistent) load_q();
                 for (int i = 0; i < n_block_max; ++i, ++it) {
@@ -272,9 +293,10 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
         for (int k_tile = 0;; ++k_tile) {
         int m_block, head, batch;
+        const int qb = q_count % kQBuffers;   // this tile's Q buffer
         if constexpr (kPersistent) {
-            mbar_wait(bar_q, q_count & 1);   // Q and the tile index have landed
-            const int t = *tile_slot;
+            mbar_wait(bar_q(qb), (q_count / kQBuffers) & 1);   // Q and the tile index have landed
+            const int t = tile_slot[qb];
             if (t >= num_tiles) break;
             order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
         } else {
@@ -300,7 +322,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // S = Q K^T of one key tile (issued, not waited for).
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
             wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
-                acc_s, sQ + cw * 64 * Tile::kRowBytes, k_src);
+                acc_s, sQ + qb * Tile::kQBytes + cw * 64 * Tile::kRowBytes, k_src);
         };
         constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
         // O += P V of one key tile (issued, not waited for).
@@ -385,7 +407,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_v_empty(stage));
             }
         }
-        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q, 0);
+        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q(0), 0);
         if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
             if (kPingPong && cw == Tile::kConsumerWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 starts
             for (int i = 0; i < n_block_max; ++i) {
@@ -469,7 +491,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         }
 
         // Every QK GEMM of this tile is done: the producer may load the next Q (persistent).
-        if (kPersistent) mbar_arrive(bar_q_empty);
+        if (kPersistent) mbar_arrive(bar_q_empty(qb));
         it += n_block_max > 0 ? n_block_max : 0;
         ++q_count;
 
