@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from cuflash.compile import compile_offline
+from cuflash.compile import compile_offline, load_source
 
 
 def assert_no_spills(log: str, what: str) -> None:
@@ -30,3 +30,18 @@ def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
         except (AssertionError, RuntimeError) as e:
             failures.append(str(e)[:2000])
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+
+
+def assert_static_checks(source: str, checks, options) -> None:
+    """Compile a kernel source (its templates uninstantiated) followed by ``checks`` (C++ lines,
+    typically static_asserts that Python mirrors of tile constants equal the kernel's) with NVRTC."""
+    from cupy.cuda import nvrtc
+
+    src = load_source(source) + "\n" + "\n".join(sorted(set(checks))) + "\n"
+    prog = nvrtc.createProgram(src, "static_checks.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(options))
+    except nvrtc.NVRTCError as e:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -8,10 +8,7 @@ import os
 import pytest
 
 from cuflash import heuristics, launch
-from cuflash.compile import load_source
-from compile_checks import assert_all_compile
-
-from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
+from compile_checks import assert_all_compile, assert_static_checks
 
 SMEM_LIMIT = {"large": 166912, "small": 101376}  # opt-in bytes per block: sm_80 (A100), sm_86/89
 
@@ -114,11 +111,4 @@ def test_python_smem_sizes_match_the_kernels(source):
             assert nbytes <= SMEM_LIMIT[size], f"{cfg.key()} needs {nbytes} bytes ({size} table)"
             checks.append(f'static_assert({expr} == {nbytes}, "{cfg.key()}");')
     assert checks
-    src = load_source(source) + "\n" + "\n".join(checks) + "\n"
-    prog = nvrtc.createProgram(src, "smem_check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_80", "-std=c++17"])
-    except nvrtc.NVRTCError as e:
-        raise AssertionError(nvrtc.getProgramLog(prog)) from e
-    finally:
-        nvrtc.destroyProgram(prog)
+    assert_static_checks(source, checks, ["-arch=compute_80", "-std=c++17"])

@@ -6,7 +6,7 @@ import pytest
 
 from cuflash import heuristics, sass
 
-from compile_checks import assert_all_compile
+from compile_checks import assert_all_compile, assert_static_checks
 
 SM90_CONFIGS = heuristics.all_sm90_fwd_configs()  # the tuned table (CUFLASH_FWD_BACKEND=sm90)
 # One instantiation per distinct tile shape (padded head dim), both dtypes and masks.
@@ -83,10 +83,8 @@ def test_short_sequence_schedule(monkeypatch):
 def test_python_q_buffers_match_the_sm90_fwd_kernel():
     """launch.sm90_fwd_q_buffers (and so SMEM_BYTES) mirrors Sm90FwdTile::kQBuffersPersistent: two Q
     buffers in the persistent kernels where shared memory allows (fp16/bf16 and fp8), one elsewhere."""
-    from cupy.cuda import nvrtc
-
     from cuflash import launch
-    from cuflash.compile import arch_option, load_source
+    from cuflash.compile import arch_option
 
     tags = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float8_e4m3fn": "e4m3_tag"}
     persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
@@ -100,11 +98,4 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
         checks.add(f'static_assert({tile}::kQBuffersPersistent == {expected}, "{c.key()}");')
     assert counts == {1, 2}, "both cases covered"
     assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.family.endswith("_p"))
-    src = load_source("sm90/fwd.cu") + "\n" + "\n".join(sorted(checks)) + "\n"
-    prog = nvrtc.createProgram(src, "q_buffers_check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, [arch_option("90a"), "-std=c++17"])
-    except nvrtc.NVRTCError as e:
-        raise AssertionError(nvrtc.getProgramLog(prog)) from e
-    finally:
-        nvrtc.destroyProgram(prog)
+    assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])

@@ -5,13 +5,12 @@ local-memory traffic (LDL/STL); the Python shared-memory sizes match the kernel'
 from __future__ import annotations
 
 import pytest
-from cupy.cuda import nvrtc
 
 from cuflash import heuristics, launch, sass
 from cuflash.config import KernelConfig
-from cuflash.compile import arch_option, load_source
+from cuflash.compile import arch_option
 
-from compile_checks import assert_all_compile
+from compile_checks import assert_all_compile, assert_static_checks
 
 ALL_CONFIGS = heuristics.all_sm90_bwd_configs()
 SM90_BWD_CONFIGS = [c for c in ALL_CONFIGS if c.fam.arch_specific]
@@ -46,14 +45,7 @@ def test_python_smem_sizes_match_the_sm90_bwd_kernel():
     for c in SM90_BWD_CONFIGS:
         expr = f"Sm90BwdTile<{c.head_dim}, {c.block_m}, {c.block_n}, {c.num_warps}, {DQ_MODE[c.family]}>::kSmemBytes"
         checks.append(f'static_assert({expr} + 1024 == {launch.SMEM_BYTES[c.family](c)}, "{c.key()}");')
-    src = load_source("sm90/bwd.cu") + "\n" + "\n".join(sorted(set(checks))) + "\n"
-    prog = nvrtc.createProgram(src, "smem_check.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, [arch_option("90a"), "-std=c++17"])
-    except nvrtc.NVRTCError as e:
-        raise AssertionError(nvrtc.getProgramLog(prog)) from e
-    finally:
-        nvrtc.destroyProgram(prog)
+    assert_static_checks("sm90/bwd.cu", checks, [arch_option("90a"), "-std=c++17"])
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,
