@@ -41,7 +41,7 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
 # 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
 # persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile
-# there, but for short sequences at head dims <= 64 (_SM90_FWD_SHORT).
+# there, but for short sequences (_SM90_FWD_SHORT).
 _SM90_FWD = {
     32: (192, 128, 16, "overlap", "overlap"),
     64: (192, 128, 16, "overlap", "overlap"),
@@ -50,13 +50,25 @@ _SM90_FWD = {
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
-# Short non-causal sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): the persistent
-# overlap kernel, whose two Q buffers let the next tile's Q load while the consumer warpgroups finish
-# the current one and let them run on into the next tile without meeting. H100 2026-11-23, same run
-# (scripts/ab_defines.py), TFLOP/s one CTA per tile / persistent (two Q buffers) / persistent (one Q
-# buffer): D=64 fp16 B=32 N=512 285 / 333 / 303, B=16 N=1024 372 / 391 / 369, B=8 N=2048 450 / 451 /
-# 436, B=4 N=4096 499 / 480 / 471.
-_SM90_FWD_SHORT = {32: "overlap_p", 64: "overlap_p"}
+# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): persistent kernels, whose
+# two Q buffers let the next tile's Q load while the consumer warpgroups finish the current one, and
+# whose CTAs pay their prologue (barriers, tensor-map prefetch, setmaxnreg) once per SM instead of
+# once per tile. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the causal
+# mask; None keeps the table's kernel. H100 2026-11-23 (scripts/ab_defines.py, TFLOP/s table kernel ->
+# this one, 16k tokens per batch): D=64 fp16 N=512 285 -> 333, N=1024 372 -> 391 (two Q buffers; one
+# Q buffer 303 / 369); causal D=64 N=512 143 -> 189, N=1024 214 -> 265 (192-row tiles spill under the
+# mask in the persistent overlap kernel, so 128); D=128 bf16 N=512 373 -> 422, N=1024 507 -> 533; D=96
+# N=1024 391 -> 414; causal D=192 N=1024 333 -> 385, D=256 N=1024 372 -> 424, N=512 235 -> 276; D=32
+# causal N=1024 123 -> 146. At N=2048 they are level or slower (D=256 causal 548 -> 534, D=128 611 /
+# 609), and so are non-causal D=192/256 at N=1024 (562 -> 541, 577 -> 555).
+_SM90_FWD_SHORT = {
+    32: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
+    64: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
+    96: ((128, 128, 12, "overlap_p"), None),  # causal: the table's overlap_p already
+    128: ((128, 128, 12, "overlap_p"), None),
+    192: (None, (128, 96, 12, "overlap_p")),
+    256: (None, (128, 64, 12, "pingpong_p")),  # overlap_p spills at 232 consumer registers
+}
 SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
@@ -131,7 +143,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
-    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own schedules there).
+    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT).
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -139,8 +151,10 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
-        if short:
-            schedule = _SM90_FWD_SHORT.get(bucket, schedule)
+        short_tile = _SM90_FWD_SHORT[bucket][causal] if short and backend == "sm90" else None
+        if short_tile is not None:
+            block_m, block_n, warps, schedule = short_tile
+            schedule_causal = schedule
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
             schedule = schedule_causal = backend[len("sm90_"):]

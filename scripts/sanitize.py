@@ -38,6 +38,12 @@ def main() -> int:
             out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
             for det in (False, True):
                 cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+    if "fwd" in which:  # more tiles than SMs: each persistent CTA (short sequences) runs several
+        for d in (64, 128, 256):
+            q = cupy.asarray(rng.standard_normal((4, 777, 8, d)).astype(np.float16))
+            k, v = (cupy.asarray(rng.standard_normal((4, 901, 4, d)).astype(np.float16)) for _ in range(2))
+            for causal in (False, True):
+                cuflash.forward(q, k, v, causal=causal, return_lse=True)
     if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:  # fp8 forward and its helpers
         for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 48, False),
                                                 (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False),

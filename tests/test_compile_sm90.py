@@ -20,8 +20,9 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 
 def test_sm90_configs_cover_every_head_dim():
-    # every head dim, dtype and mask, plus the short-sequence schedule (non-causal, head dims <= 64)
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * 8
+    # every head dim, dtype and mask, plus the short-sequence kernels (non-causal head dims <= 128:
+    # 16 of them; causal <= 64 and 136..256: 8 + 16), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 8 + 16)
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -63,21 +64,31 @@ def test_backend_selection(monkeypatch):
 
 
 def test_short_sequence_schedule(monkeypatch):
-    """Short non-causal sequences at head dims <= 64 take the persistent overlap kernel with the
-    table's tiles; longer ones, causal ones, other head dims and forced schedules are unchanged."""
+    """Short sequences take the persistent kernels of _SM90_FWD_SHORT (non-causal at head dims <= 128
+    with the table's tiles, causal at head dims <= 64 with 128-row tiles and at 192/256); the rest,
+    longer sequences and forced schedules keep the table's kernel."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
-    for d in (32, 64):
+    tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
+    for d in (32, 64, 96, 128):
         short = heuristics.fwd_config("float16", d, False, 90, short=True)
         long = heuristics.fwd_config("float16", d, False, 90)
         assert short.family == "sm90_fwd_overlap_p" and long.family == "sm90_fwd_overlap"
-        assert (short.block_m, short.block_n, short.num_warps) == (long.block_m, long.block_n, long.num_warps)
-        assert heuristics.fwd_config("float16", d, True, 90, short=True) == heuristics.fwd_config("float16", d, True, 90)
-    for d in (96, 128, 256):
+        assert tiles(short) == tiles(long)
+    for d in (32, 64):
+        short = heuristics.fwd_config("bfloat16", d, True, 90, short=True)
+        assert short.family == "sm90_fwd_overlap_p" and tiles(short) == (128, 128, 12)
+        assert heuristics.fwd_config("bfloat16", d, True, 90).family == "sm90_fwd_overlap"
+    for d in (96, 128):  # causal: persistent at every length already
+        assert heuristics.fwd_config("bfloat16", d, True, 90, short=True) == heuristics.fwd_config("bfloat16", d, True, 90)
+    for d, family in ((192, "sm90_fwd_overlap_p"), (256, "sm90_fwd_pingpong_p")):
+        short, long = (heuristics.fwd_config("bfloat16", d, True, 90, short=s) for s in (True, False))
+        assert short.family == family and long.family == "sm90_fwd_overlap" and tiles(short) == tiles(long)
         assert heuristics.fwd_config("bfloat16", d, False, 90, short=True) == heuristics.fwd_config("bfloat16", d, False, 90)
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
+    assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
 
 
 def test_python_q_buffers_match_the_sm90_fwd_kernel():

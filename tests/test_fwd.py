@@ -44,6 +44,15 @@ def test_long(rng, dtype, causal):
     _check(rng, dtype, 1, 4097, 4097, 1, 1, 128, causal)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 192, 256])
+def test_past_short_sequences(rng, dtype, causal, head_dim):
+    # seqlen_q > 1024: the Hopper dispatcher's kernels for longer sequences (shorter ones take the
+    # persistent kernels of heuristics._SM90_FWD_SHORT, which the other tests here reach)
+    _check(rng, dtype, 1, 1100, 1237, 2, 1, head_dim, causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(113, 203), (203, 113), (1, 239), (239, 1), (799, 3), (64, 1000)])
