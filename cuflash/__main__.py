@@ -77,74 +77,75 @@ def self_check(device_id: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def _time_torch(shape, backend: str, repeats: int) -> dict:
-    """SDPA forward, backward and forward+backward TFLOP/s for one backend (missing if it cannot run)."""
-    from .bench import tflops, time_cuda, torch_inputs, torch_sdpa
+def _torch_fns(shape, backend: str, backward: bool) -> dict:
+    """pass -> callable running SDPA with one backend on this shape (empty if it cannot run it)."""
+    from .bench import torch_inputs, torch_sdpa
 
     fn = torch_sdpa(backend)
     if fn is None:
         return {}
     import torch
 
-    flops = shape.fwd_flops()
-    res = {}
     try:
-        q, k, v = torch_inputs(shape, requires_grad=True)
-        res["fwd"] = tflops(flops, time_cuda(lambda: fn(q, k, v, shape.causal), repeats=repeats))
-        dout = torch.randn_like(q)
-        o = fn(q, k, v, shape.causal)
-        res["bwd"] = tflops(2.5 * flops, time_cuda(
-            lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True), repeats=repeats))
-        res["fwd+bwd"] = tflops(3.5 * flops, time_cuda(
-            lambda: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), dout), repeats=repeats))
-    except RuntimeError as e:  # the backend does not run this shape
-        res["error"] = str(e).splitlines()[0][:120]
-    return res
+        q, k, v = torch_inputs(shape, requires_grad=backward)
+        fns = {"fwd": lambda: fn(q, k, v, shape.causal)}
+        if backward:
+            dout = torch.randn_like(q)
+            o = fn(q, k, v, shape.causal)
+            fns["bwd"] = lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+            fns["fwd+bwd"] = lambda: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), dout)
+        for f in fns.values():  # fails here if the backend does not run this shape
+            f()
+    except RuntimeError:
+        return {}
+    return fns
+
+
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
-    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s."""
+    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s. cuflash and the SDPA
+    backends of one shape are timed in alternating rounds (bench.time_interleaved)."""
     import cupy
 
     from . import backward as cf_backward, forward
-    from .bench import cupy_naive_fwd, random_inputs, tflops, time_cuda
+    from .bench import cupy_naive_fwd, random_inputs, tflops, time_cuda, time_interleaved
 
     results = []
     for shape in shapes:
         flops = shape.fwd_flops()
-        rows = {p: {"shape": shape.label(), "pass": p} for p in (("fwd", "bwd", "fwd+bwd") if backward else ("fwd",))}
+        passes = ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",)
+        rows = {p: {"shape": shape.label(), "pass": p} for p in passes}
         q, k, v = random_inputs(shape)
-        out = cupy.empty_like(q)
-        rows["fwd"]["cuflash"] = tflops(flops, time_cuda(
-            lambda: forward(q, k, v, causal=shape.causal, out=out), repeats=repeats))
         try:
             rows["fwd"]["cupy"] = tflops(flops, time_cuda(
                 lambda: cupy_naive_fwd(q, k, v, shape.causal), repeats=max(3, repeats // 5)))
         except (cupy.cuda.memory.OutOfMemoryError, TypeError):  # too large, or no bf16 matmul in CuPy
             rows["fwd"]["cupy"] = None
         cupy.get_default_memory_pool().free_all_blocks()
+        out = cupy.empty_like(q)
+        fns = {("cuflash", "fwd"): lambda: forward(q, k, v, causal=shape.causal, out=out)}
         if backward:
             o, lse = forward(q, k, v, causal=shape.causal, return_lse=True)
             dout = random_inputs(shape, seed=1)[0]
             grads = [cupy.empty_like(x) for x in (q, k, v)]
-            rows["bwd"]["cuflash"] = tflops(2.5 * flops, time_cuda(
-                lambda: cf_backward(dout, q, k, v, o, lse, causal=shape.causal,
-                                    dq=grads[0], dk=grads[1], dv=grads[2]), repeats=repeats))
+            fns[("cuflash", "bwd")] = lambda: cf_backward(dout, q, k, v, o, lse, causal=shape.causal,
+                                                          dq=grads[0], dk=grads[1], dv=grads[2])
 
             def fwd_bwd():
                 o2, lse2 = forward(q, k, v, causal=shape.causal, return_lse=True, out=out)
                 cf_backward(dout, q, k, v, o2, lse2, causal=shape.causal, dq=grads[0], dk=grads[1], dv=grads[2])
 
-            rows["fwd+bwd"]["cuflash"] = tflops(3.5 * flops, time_cuda(fwd_bwd, repeats=repeats))
-            del o, lse, dout, grads
-        del q, k, v, out
-        cupy.get_default_memory_pool().free_all_blocks()
+            fns[("cuflash", "fwd+bwd")] = fwd_bwd
         for backend in ("flash", "cudnn"):
-            res = _time_torch(shape, backend, repeats)
-            for p, row in rows.items():
-                if res:
-                    row[f"sdpa_{backend}"] = res.get(p)
+            for p, fn in _torch_fns(shape, backend, backward).items():
+                fns[(f"sdpa_{backend}", p)] = fn
+        for (impl, p), ms in time_interleaved(fns, repeats=repeats).items():
+            rows[p][impl] = tflops(PASS_FLOPS[p] * flops, ms)
+        del fns
         results.extend(rows.values())
+        cupy.get_default_memory_pool().free_all_blocks()
         try:
             import torch
 
@@ -156,34 +157,28 @@ def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
 
 def benchmark_fp8(shapes, repeats: int) -> list[dict]:
     """fp8 forward rows {shape, pass "fwd fp8", cuflash, sdpa_flash, sdpa_cudnn}: cuflash on e4m3
-    inputs (bf16 output, the V^T pass included) beside SDPA on the bf16 inputs they came from."""
+    inputs (bf16 output, the V^T pass included) beside SDPA on the bf16 inputs they came from,
+    timed in alternating rounds."""
     import cupy
 
     from . import forward_fp8
     from ._checks import BFLOAT16
-    from .bench import fp8_inputs, fp8_label, tflops, time_cuda, torch_inputs, torch_sdpa
+    from .bench import fp8_inputs, fp8_label, tflops, time_interleaved
 
     results = []
     for shape in shapes:
         q8, k8, v8, dq, dk, dv = fp8_inputs(shape)
         out = cupy.empty(q8.shape, dtype=BFLOAT16)
-        row = {"shape": fp8_label(shape), "pass": "fwd fp8"}
-        row["cuflash"] = tflops(shape.fwd_flops(), time_cuda(
-            lambda: forward_fp8(q8, k8, v8, dq, dk, dv, causal=shape.causal, out=out), repeats=repeats))
-        del q8, k8, v8, out
-        cupy.get_default_memory_pool().free_all_blocks()
+        fns = {"cuflash": lambda: forward_fp8(q8, k8, v8, dq, dk, dv, causal=shape.causal, out=out)}
         for backend in ("flash", "cudnn"):
-            fn = torch_sdpa(backend)
-            if fn is None:
-                continue
-            try:
-                tq, tk, tv = torch_inputs(shape)
-                row[f"sdpa_{backend}"] = tflops(shape.fwd_flops(), time_cuda(
-                    lambda: fn(tq, tk, tv, shape.causal), repeats=repeats))
-                del tq, tk, tv
-            except RuntimeError:
-                row[f"sdpa_{backend}"] = None
+            fn = _torch_fns(shape, backend, backward=False).get("fwd")
+            if fn is not None:
+                fns[f"sdpa_{backend}"] = fn
+        row = {"shape": fp8_label(shape), "pass": "fwd fp8"}
+        row.update({impl: tflops(shape.fwd_flops(), ms) for impl, ms in time_interleaved(fns, repeats=repeats).items()})
         results.append(row)
+        del fns, q8, k8, v8, out
+        cupy.get_default_memory_pool().free_all_blocks()
     return results
 
 
@@ -271,7 +266,8 @@ def main(argv=None) -> int:
     if cc == 90:  # the fp8 forward and its helpers
         from . import fp8
 
-        needed |= {heuristics.fp8_fwd_config(d, c) for d in (64, 128, 256) for c in (False, True)}
+        needed |= {heuristics.fp8_fwd_config(d, c, short) for d in (64, 128, 256) for c in (False, True)
+                   for short in (False, True)}
         needed |= set(fp8.aux_configs())
     t0 = time.time()
     dispatch.precompile(sorted(needed, key=lambda c: c.key()), dev.id, _progress)

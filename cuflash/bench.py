@@ -85,6 +85,31 @@ def fp8_inputs(shape: Shape, seed: int = 0):
 _l2_flush_buffer = None
 
 
+def _flush_l2() -> None:
+    import cupy
+
+    global _l2_flush_buffer
+    if _l2_flush_buffer is None:
+        _l2_flush_buffer = cupy.empty(256 * 1024 * 1024, dtype=cupy.uint8)
+    _l2_flush_buffer.fill(1)
+
+
+def _samples(fn: Callable[[], object], n: int) -> list[float]:
+    """``n`` device times of ``fn()`` in ms, each after an L2 flush."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(n):
+        _flush_l2()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
+
+
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30) -> float:
     """Median device time of ``fn()`` in milliseconds (CuPy events on the current stream).
 
@@ -92,23 +117,25 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30) -
     cache starts cold, and the GPU is busy while the host enqueues ``fn`` so that Python's
     launch overhead is not counted as kernel time (host overhead is measured separately).
     """
-    import cupy
-
-    global _l2_flush_buffer
-    if _l2_flush_buffer is None:
-        _l2_flush_buffer = cupy.empty(256 * 1024 * 1024, dtype=cupy.uint8)
     for _ in range(warmup):
         fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        _l2_flush_buffer.fill(1)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    return statistics.median(_samples(fn, repeats))
+
+
+def time_interleaved(fns: dict, *, warmup: int = 5, repeats: int = 30, rounds: int = 3) -> dict:
+    """Median device time in ms of each of ``fns`` (name -> callable), as time_cuda, but taken in
+    ``rounds`` alternating rounds of repeats / rounds samples each, so that clock and temperature
+    drift (an H100 at its 700 W limit clocks down from 1980 to ~1650 MHz) falls on all of them
+    alike instead of on whichever runs first."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_round = max(1, -(-repeats // rounds))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name] += _samples(fn, per_round)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def host_overhead_us(fn: Callable[[], object], *, repeats: int = 2000) -> float:

@@ -160,15 +160,15 @@ def transpose_v(v, seqlen_k_pad: int):
 _plans: dict = {}
 
 
-def _plan(head_dim: int, causal: bool, device_id: int):
-    key = (head_dim, causal, device_id)
+def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False):
+    key = (head_dim, causal, device_id, short)
     plan = _plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
         if cc != 90:
             raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
                                f"{cc / 10:.1f}")
-        cfg = heuristics.fp8_fwd_config(head_dim, causal)
+        cfg = heuristics.fp8_fwd_config(head_dim, causal, short)
         plan = _plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
     return plan
 
@@ -176,7 +176,8 @@ def _plan(head_dim: int, causal: bool, device_id: int):
 def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, dims, device_id: int) -> None:
     """Transposes V and launches the fp8 forward kernel (arguments already checked)."""
     b, nq, nk, hq, hkv, d = dims
-    kern, cfg, smem = _plan(d, causal, device_id)
+    short = nq <= heuristics.SM90_FWD_SHORT_SEQLEN_Q and nk <= heuristics.SM90_FWD_SHORT_SEQLEN_K
+    kern, cfg, smem = _plan(d, causal, device_id, short)
     nk_pad = -(-nk // 32) * 32
     vt = transpose_v(v, nk_pad)
     rows = v_rows(d)

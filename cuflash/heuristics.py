@@ -91,17 +91,39 @@ _SM90_FWD_FP8 = {
 }
 
 
-def fp8_fwd_config(head_dim: int, causal: bool) -> KernelConfig:
-    """The fp8 forward kernel (Hopper only) for this head dim."""
-    block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[head_dim_bucket(head_dim)]
+# Short sequences (as _SM90_FWD_SHORT): head-dim bucket -> persistent kernel tiles (block_m,
+# block_n, num_warps) without / with the causal mask, None for the table's kernel. H100 2026-11-23
+# (A/B in one run, forward_fp8 with the table patched, TFLOP/s table -> this): D=64 N=512 284 -> 328, N=1024 395 ->
+# 426, causal N=1024 225 -> 263 (128-row tiles; 192 rows 255), D=128 N=1024 557 -> 613; non-causal
+# D=256 N=1024 781 -> 713 keeps the table's kernel.
+_SM90_FWD_FP8_SHORT = {
+    32: ((192, 128, 16), (128, 128, 12)),
+    64: ((192, 128, 16), (128, 128, 12)),
+    96: ((128, 128, 12), None),  # causal: persistent at every length already
+    128: ((128, 128, 12), None),
+    192: (None, (128, 128, 12)),
+    256: (None, None),  # causal persistent ran 427 -> 465 at N=1024 but spills 140 bytes above D=192
+}
+
+
+def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelConfig:
+    """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config."""
+    bucket = head_dim_bucket(head_dim)
+    block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[bucket]
+    persistent = persistent_causal if causal else persistent
+    short_tile = _SM90_FWD_FP8_SHORT[bucket][causal] if short else None
+    if short_tile is not None:
+        (block_m, block_n, warps), persistent = short_tile, True
     block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
-    family = "sm90_fwd_fp8_p" if (persistent_causal if causal else persistent) else "sm90_fwd_fp8"
+    family = "sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"
     return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
 
 
 def all_fp8_fwd_configs() -> list[KernelConfig]:
-    """Every fp8 forward instantiation (for the CPU compile test)."""
-    return [fp8_fwd_config(d, causal) for d in range(16, MAX_HEAD_DIM + 1, 16) for causal in (False, True)]
+    """Every fp8 forward instantiation, short sequences included (for the CPU compile test)."""
+    out = [fp8_fwd_config(d, causal, short) for d in range(16, MAX_HEAD_DIM + 1, 16)
+           for causal in (False, True) for short in (False, True)]
+    return list({c.key(): c for c in out}.values())
 
 
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).

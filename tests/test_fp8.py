@@ -63,8 +63,20 @@ def test_quantize_reference_round_trip():
 def test_fp8_configs_cover_every_head_dim():
     for d in range(16, 257, 16):
         for causal in (False, True):
-            cfg = heuristics.fp8_fwd_config(d, causal)
-            assert cfg.family in ("sm90_fwd_fp8", "sm90_fwd_fp8_p") and cfg.block_n % 128 == 0
+            for short in (False, True):
+                cfg = heuristics.fp8_fwd_config(d, causal, short)
+                assert cfg.family in ("sm90_fwd_fp8", "sm90_fwd_fp8_p") and cfg.block_n % 128 == 0
+
+
+def test_fp8_short_sequences_take_persistent_kernels(monkeypatch):
+    monkeypatch.delenv("CUFLASH_SM90_FP8_TILES", raising=False)
+    for d, causal, persistent in ((64, False, True), (64, True, True), (128, False, True), (128, True, True),
+                                  (192, False, False), (192, True, True), (256, False, False), (256, True, False)):
+        short = heuristics.fp8_fwd_config(d, causal, short=True)
+        assert short.family == ("sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"), (d, causal)
+    assert heuristics.fp8_fwd_config(64, True, short=True).block_m == 128  # 192 rows: slower under the mask
+    assert heuristics.fp8_fwd_config(64, False).family == "sm90_fwd_fp8"
+    assert heuristics.fp8_fwd_config(256, True).family == "sm90_fwd_fp8"
 
 
 def test_fp8_instantiations_compile_without_spills():
@@ -224,6 +236,15 @@ def test_forward_other_head_dims(rng, d):
     _hopper()
     check_fp8(rng, 1, 190, 257, 2, 2, d, causal=False)
     check_fp8(rng, 1, 257, 190, 2, 1, d, causal=True)
+
+
+@requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 192, 256])
+def test_forward_past_short_sequences(rng, causal, d):
+    # seqlen_q > 1024: the kernels for longer sequences (shorter ones take heuristics._SM90_FWD_FP8_SHORT)
+    _hopper()
+    check_fp8(rng, 1, 1100, 1237, 2, 1, d, causal)
 
 
 @requires_gpu
