@@ -105,8 +105,8 @@ PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
-    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s. cuflash and the SDPA
-    backends of one shape are timed in alternating rounds (bench.time_interleaved)."""
+    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s. For each pass, cuflash
+    and the SDPA backends are timed sample by sample in turn (bench.time_interleaved)."""
     import cupy
 
     from . import backward as cf_backward, forward
@@ -141,8 +141,10 @@ def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
         for backend in ("flash", "cudnn"):
             for p, fn in _torch_fns(shape, backend, backward).items():
                 fns[(f"sdpa_{backend}", p)] = fn
-        for (impl, p), ms in time_interleaved(fns, repeats=repeats).items():
-            rows[p][impl] = tflops(PASS_FLOPS[p] * flops, ms)
+        for p in passes:  # the implementations of one pass sample by sample in turn
+            timed = time_interleaved({key: fn for key, fn in fns.items() if key[1] == p}, repeats=repeats)
+            for (impl, _), ms in timed.items():
+                rows[p][impl] = tflops(PASS_FLOPS[p] * flops, ms)
         del fns
         results.extend(rows.values())
         cupy.get_default_memory_pool().free_all_blocks()
@@ -158,7 +160,7 @@ def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
 def benchmark_fp8(shapes, repeats: int) -> list[dict]:
     """fp8 forward rows {shape, pass "fwd fp8", cuflash, sdpa_flash, sdpa_cudnn}: cuflash on e4m3
     inputs (bf16 output, the V^T pass included) beside SDPA on the bf16 inputs they came from,
-    timed in alternating rounds."""
+    timed sample by sample in turn."""
     import cupy
 
     from . import forward_fp8

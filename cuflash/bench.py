@@ -122,19 +122,18 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 30) -
     return statistics.median(_samples(fn, repeats))
 
 
-def time_interleaved(fns: dict, *, warmup: int = 5, repeats: int = 30, rounds: int = 3) -> dict:
-    """Median device time in ms of each of ``fns`` (name -> callable), as time_cuda, but taken in
-    ``rounds`` alternating rounds of repeats / rounds samples each, so that clock and temperature
-    drift (an H100 at its 700 W limit clocks down from 1980 to ~1650 MHz) falls on all of them
-    alike instead of on whichever runs first."""
+def time_interleaved(fns: dict, *, warmup: int = 5, repeats: int = 30) -> dict:
+    """Median device time in ms of each of ``fns`` (name -> callable), as time_cuda, but with the
+    samples interleaved (one of each in turn, ``repeats`` times), so that clock and temperature drift
+    (an H100 at its 700 W limit clocks down from 1980 to ~1650 MHz) falls on all of them alike
+    instead of on whichever runs first or after the heaviest."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    per_round = max(1, -(-repeats // rounds))
     times = {name: [] for name in fns}
-    for _ in range(rounds):
+    for _ in range(repeats):
         for name, fn in fns.items():
-            times[name] += _samples(fn, per_round)
+            times[name] += _samples(fn, 1)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
