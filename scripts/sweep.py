@@ -11,7 +11,7 @@ import sys
 import cupy
 
 import cuflash
-from cuflash.bench import Shape, random_inputs, tflops, time_cuda, torch_inputs, torch_sdpa
+from cuflash.bench import Shape, random_inputs, tflops, time_interleaved, torch_inputs, torch_sdpa
 
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 TOKENS = 16384
@@ -27,16 +27,13 @@ def measure(causal: bool) -> list[dict]:
         dout = random_inputs(shape, seed=1)[0]
         out = cupy.empty_like(q)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
-        row["cuflash_fwd"] = tflops(flops, time_cuda(lambda: cuflash.forward(q, k, v, causal=causal, out=out),
-                                                     repeats=20))
 
         def fwd_bwd():
             o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
             cuflash.backward(dout, q, k, v, o, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
 
-        row["cuflash_fwd_bwd"] = tflops(3.5 * flops, time_cuda(fwd_bwd, repeats=10))
-        del q, k, v, dout, out, grads
-        cupy.get_default_memory_pool().free_all_blocks()
+        fwd = {"cuflash": lambda: cuflash.forward(q, k, v, causal=causal, out=out)}
+        fwd_bwds = {"cuflash": fwd_bwd}
         for backend in ("cudnn", "flash"):
             fn = torch_sdpa(backend)
             if fn is None:
@@ -46,13 +43,25 @@ def measure(causal: bool) -> list[dict]:
             tq, tk, tv = torch_inputs(shape, requires_grad=True)
             tdo = torch.randn_like(tq)
             try:
-                row[f"{backend}_fwd"] = tflops(flops, time_cuda(lambda: fn(tq, tk, tv, causal), repeats=20))
-                row[f"{backend}_fwd_bwd"] = tflops(3.5 * flops, time_cuda(
-                    lambda: torch.autograd.grad(fn(tq, tk, tv, causal), (tq, tk, tv), tdo), repeats=10))
+                torch.autograd.grad(fn(tq, tk, tv, causal), (tq, tk, tv), tdo)  # runs this shape?
             except RuntimeError:
-                pass
-            del tq, tk, tv, tdo
+                continue
+            fwd[backend] = lambda fn=fn, tq=tq, tk=tk, tv=tv: fn(tq, tk, tv, causal)
+            fwd_bwds[backend] = (lambda fn=fn, tq=tq, tk=tk, tv=tv, tdo=tdo:
+                                 torch.autograd.grad(fn(tq, tk, tv, causal), (tq, tk, tv), tdo))
+        # each pass: the implementations sample by sample in turn (the same clocks for all)
+        for name, ms in time_interleaved(fwd, repeats=20).items():
+            row[f"{name}_fwd"] = tflops(flops, ms)
+        for name, ms in time_interleaved(fwd_bwds, repeats=10).items():
+            row[f"{name}_fwd_bwd"] = tflops(3.5 * flops, ms)
+        del fwd, fwd_bwds, q, k, v, dout, out, grads
+        cupy.get_default_memory_pool().free_all_blocks()
+        try:
+            import torch
+
             torch.cuda.empty_cache()
+        except ImportError:
+            pass
         print(row, flush=True)
         rows.append(row)
     return rows
