@@ -88,7 +88,8 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     from cupy.cuda import nvrtc
 
     src = load_source(config.source)
-    opts = list(compile_options(config, cc)) + ["-ftz=true"]
+    # $CUFLASH_NVRTC_DEFINES as in dispatch.get_kernel, so that a tuning variant's SASS can be read too
+    opts = list(compile_options(config, cc)) + ["-ftz=true"] + os.environ.get("CUFLASH_NVRTC_DEFINES", "").split()
     if ptx:
         opts[0] = f"-arch=compute_{cc}"
     elif verbose_ptxas:
