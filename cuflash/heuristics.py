@@ -70,6 +70,13 @@ _SM90_FWD_SHORT = {
     256: (None, (128, 64, 12, "pingpong_p")),  # overlap_p spills at 232 consumer registers
 }
 SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
+# Medium causal sequences (not short; seqlen_q and seqlen_k <= 2048) at head dims <= 64: the persistent
+# simple kernel with the table's 192-row tiles. H100 2026-11-23, two A/B runs (TFLOP/s table /
+# simple_p / overlap_p with 128-row tiles): D=64 fp16 N=1536 297 / 326 / 313, N=2048 332 / 356 / 340
+# (333 / 357 / 340 the other run), bf16 333 / 360 / 342, H=32 343 / 372 / 351, D=32 179 / 187 / 179;
+# N=3072 398 / 402 / 375 and N=4096 426 / 422 / 393 stay on the table's kernel.
+_SM90_FWD_MEDIUM_CAUSAL = {32: (192, 128, 16, "simple_p"), 64: (192, 128, 16, "simple_p")}
+SM90_FWD_MEDIUM_SEQLEN = 2048
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
@@ -158,14 +165,15 @@ def fwd_backend() -> str:
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False) -> KernelConfig:
+               short: bool = False, medium: bool = False) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
-    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT).
+    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT);
+    ``medium``: not short, seqlen_q and seqlen_k <= SM90_FWD_MEDIUM_SEQLEN (_SM90_FWD_MEDIUM_CAUSAL).
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -173,7 +181,11 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
-        short_tile = _SM90_FWD_SHORT[bucket][causal] if short and backend == "sm90" else None
+        short_tile = None
+        if backend == "sm90" and short:
+            short_tile = _SM90_FWD_SHORT[bucket][causal]
+        elif backend == "sm90" and medium and causal:
+            short_tile = _SM90_FWD_MEDIUM_CAUSAL.get(bucket)
         if short_tile is not None:
             block_m, block_n, warps, schedule = short_tile
             schedule_causal = schedule
@@ -195,11 +207,11 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
-    """Every instantiation of one sm90 forward family or of the tuned table, short sequences
-    included (for the CPU compile test and the precompile script)."""
-    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short)
-           for short in (False, True) for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8)
-           for causal in (False, True)]
+    """Every instantiation of one sm90 forward family or of the tuned table, short and medium
+    sequences included (for the CPU compile test and the precompile script)."""
+    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short, medium=medium)
+           for short, medium in ((False, False), (True, False), (False, True))
+           for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8) for causal in (False, True)]
     return list({c.key(): c for c in out}.values())
 
 

@@ -21,8 +21,8 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 def test_sm90_configs_cover_every_head_dim():
     # every head dim, dtype and mask, plus the short-sequence kernels (non-causal head dims <= 128:
-    # 16 of them; causal <= 64 and 136..256: 8 + 16), per dtype
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 8 + 16)
+    # 16 of them; causal <= 64 and 136..256: 8 + 16) and the medium causal ones (<= 64: 8), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 8 + 16) + 2 * 8
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -65,8 +65,9 @@ def test_backend_selection(monkeypatch):
 
 def test_short_sequence_schedule(monkeypatch):
     """Short sequences take the persistent kernels of _SM90_FWD_SHORT (non-causal at head dims <= 128
-    with the table's tiles, causal at head dims <= 64 with 128-row tiles and at 192/256); the rest,
-    longer sequences and forced schedules keep the table's kernel."""
+    with the table's tiles, causal at head dims <= 64 with 128-row tiles and at 192/256), medium causal
+    ones at head dims <= 64 _SM90_FWD_MEDIUM_CAUSAL's; the rest, longer sequences and forced schedules
+    keep the table's kernel."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
@@ -86,6 +87,13 @@ def test_short_sequence_schedule(monkeypatch):
         assert short.family == family and long.family == "sm90_fwd_overlap" and tiles(short) == tiles(long)
         assert heuristics.fwd_config("bfloat16", d, False, 90, short=True) == heuristics.fwd_config("bfloat16", d, False, 90)
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
+    # medium causal sequences at head dims <= 64: the persistent simple kernel, table tiles
+    for d in (32, 64):
+        medium, long = (heuristics.fwd_config("float16", d, True, 90, medium=m) for m in (True, False))
+        assert medium.family == "sm90_fwd_p" and tiles(medium) == tiles(long) == (192, 128, 16)
+        assert heuristics.fwd_config("float16", d, False, 90, medium=True) == heuristics.fwd_config("float16", d, False, 90)
+    for d in (96, 128, 256):
+        assert heuristics.fwd_config("bfloat16", d, True, 90, medium=True) == heuristics.fwd_config("bfloat16", d, True, 90)
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)

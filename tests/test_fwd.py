@@ -47,10 +47,12 @@ def test_long(rng, dtype, causal):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 192, 256])
-def test_past_short_sequences(rng, dtype, causal, head_dim):
-    # seqlen_q > 1024: the Hopper dispatcher's kernels for longer sequences (shorter ones take the
-    # persistent kernels of heuristics._SM90_FWD_SHORT, which the other tests here reach)
-    _check(rng, dtype, 1, 1100, 1237, 2, 1, head_dim, causal)
+@pytest.mark.parametrize("nq,nk", [(1100, 1237), (2100, 2213)])
+def test_past_short_sequences(rng, dtype, causal, head_dim, nq, nk):
+    # seqlen_q > 1024: the Hopper dispatcher's kernels for medium sequences (heuristics:
+    # _SM90_FWD_MEDIUM_CAUSAL) and, past 2048, longer ones (shorter ones take the persistent kernels
+    # of _SM90_FWD_SHORT, which the other tests here reach)
+    _check(rng, dtype, 1, nq, nk, 2, 1, head_dim, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
