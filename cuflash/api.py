@@ -87,9 +87,7 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
 
 def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
     b, nq, nk, hq, hkv, d = dims
-    short = nq <= heuristics.SM90_FWD_SHORT_SEQLEN_Q and nk <= heuristics.SM90_FWD_SHORT_SEQLEN_K
-    medium = not short and max(nq, nk) <= heuristics.SM90_FWD_MEDIUM_SEQLEN
-    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, short, medium)
+    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, *heuristics.fwd_lengths(nq, nk))
     extra = ()
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
         kern, cfg, smem, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id)

@@ -77,6 +77,14 @@ SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
 # N=3072 398 / 402 / 375 and N=4096 426 / 422 / 393 stay on the table's kernel.
 _SM90_FWD_MEDIUM_CAUSAL = {32: (192, 128, 16, "simple_p"), 64: (192, 128, 16, "simple_p")}
 SM90_FWD_MEDIUM_SEQLEN = 2048
+# (short, medium) pairs that fwd_lengths can return: long, short, medium.
+FWD_LENGTH_CLASSES = ((False, False), (True, False), (False, True))
+
+
+def fwd_lengths(seqlen_q: int, seqlen_k: int) -> tuple[bool, bool]:
+    """(short, medium) for fwd_config / fp8_fwd_config: which length class these sequences are in."""
+    short = seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
+    return short, not short and max(seqlen_q, seqlen_k) <= SM90_FWD_MEDIUM_SEQLEN
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
@@ -100,9 +108,9 @@ _SM90_FWD_FP8 = {
 
 # Short sequences (as _SM90_FWD_SHORT): head-dim bucket -> persistent kernel tiles (block_m,
 # block_n, num_warps) without / with the causal mask, None for the table's kernel. H100 2026-11-23
-# (A/B in one run, forward_fp8 with the table patched, TFLOP/s table -> this): D=64 N=512 284 -> 328, N=1024 395 ->
-# 426, causal N=1024 225 -> 263 (128-row tiles; 192 rows 255), D=128 N=1024 557 -> 613; non-causal
-# D=256 N=1024 781 -> 713 keeps the table's kernel.
+# (A/B in one run, forward_fp8 with the table patched, TFLOP/s table -> this): D=64 N=512 284 -> 328,
+# N=1024 395 -> 426, causal N=1024 225 -> 263 (128-row tiles; 192 rows 255), D=128 N=1024 557 -> 613;
+# non-causal D=256 N=1024 781 -> 713 keeps the table's kernel.
 _SM90_FWD_FP8_SHORT = {
     32: ((192, 128, 16), (128, 128, 12)),
     64: ((192, 128, 16), (128, 128, 12)),
@@ -173,7 +181,8 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
     seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT);
-    ``medium``: not short, seqlen_q and seqlen_k <= SM90_FWD_MEDIUM_SEQLEN (_SM90_FWD_MEDIUM_CAUSAL).
+    ``medium``: not short, seqlen_q and seqlen_k <= SM90_FWD_MEDIUM_SEQLEN (_SM90_FWD_MEDIUM_CAUSAL);
+    both from fwd_lengths.
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -181,13 +190,13 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
-        short_tile = None
+        length_tile = None   # the tuned table's kernel for short / medium sequences, if it has one
         if backend == "sm90" and short:
-            short_tile = _SM90_FWD_SHORT[bucket][causal]
+            length_tile = _SM90_FWD_SHORT[bucket][causal]
         elif backend == "sm90" and medium and causal:
-            short_tile = _SM90_FWD_MEDIUM_CAUSAL.get(bucket)
-        if short_tile is not None:
-            block_m, block_n, warps, schedule = short_tile
+            length_tile = _SM90_FWD_MEDIUM_CAUSAL.get(bucket)
+        if length_tile is not None:
+            block_m, block_n, warps, schedule = length_tile
             schedule_causal = schedule
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
@@ -210,7 +219,7 @@ def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
     """Every instantiation of one sm90 forward family or of the tuned table, short and medium
     sequences included (for the CPU compile test and the precompile script)."""
     out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short, medium=medium)
-           for short, medium in ((False, False), (True, False), (False, True))
+           for short, medium in FWD_LENGTH_CLASSES
            for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8) for causal in (False, True)]
     return list({c.key(): c for c in out}.values())
 

@@ -118,3 +118,14 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
     assert counts == {1, 2}, "both cases covered"
     assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.family.endswith("_p"))
     assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])
+
+
+def test_forward_length_classes():
+    """api._launch_fwd and the fp8 forward classify sequences with heuristics.fwd_lengths."""
+    assert heuristics.fwd_lengths(1024, 2048) == (True, False)
+    assert heuristics.fwd_lengths(1, 1) == (True, False)
+    assert heuristics.fwd_lengths(1025, 1025) == (False, True)
+    assert heuristics.fwd_lengths(1000, 2049) == (False, False)
+    assert heuristics.fwd_lengths(2048, 2048) == (False, True)
+    assert heuristics.fwd_lengths(2049, 100) == (False, False)
+    assert set(heuristics.FWD_LENGTH_CLASSES) == {(False, False), (True, False), (False, True)}
