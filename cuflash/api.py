@@ -251,27 +251,27 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         else:
             extra = (maps,)
     delta = cupy.empty((b, hq, nq), dtype=np.float32)
+    # The float32 dQ sums, zeroed by the preprocess: rows (seqlen_q, head_dim), or (sm90 tile dQ)
+    # query tiles of block_m rows and the padded head dim, in the accumulators' order.
     dq_accum = semaphores = None
-    tiled = post is not None and post[1].family == "bwd_postprocess_tiled"
-    if tiled:  # sm90 tile dQ: zeroed (batch, heads_q, query tiles, block_m * padded head_dim) sums
-        m_blocks = -(-nq // cfg.block_m)
-        dq_accum = cupy.zeros(b * hq * m_blocks * cfg.block_m * sm90.padded_head_dim(cfg.head_dim), dtype=np.float32)
+    accum_rows, accum_cols = nq, d
+    if post is not None and post[1].family == "bwd_postprocess_tiled":
+        accum_rows, accum_cols = -(-nq // cfg.block_m) * cfg.block_m, sm90.padded_head_dim(cfg.head_dim)
         if cfg.family.endswith("_ordered"):
-            semaphores = cupy.zeros(b * hq * m_blocks * sm90.BWD_CONSUMER_WARPGROUPS, dtype=np.int32)
-    elif post is not None:  # zeroed by the preprocess
-        dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32)
+            semaphores = cupy.zeros(b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS,
+                                    dtype=np.int32)
+    if post is not None:
+        dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
     layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
                *params.element_strides(dk), *params.element_strides(dv),
-               b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E)
+               b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
     p = params.pack_bytes(params.BWD_PARAMS, (
         *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))
-    # The preprocess zeroes a row-layout dq_accum; a tiled one is already zero.
-    p_pre = params.pack_bytes(params.BWD_PARAMS, (*pointers, 0, *outputs, *layout)) if tiled else p
     pkern, pcfg, psmem = pre
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p_pre, psmem)
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows)), p, psmem)
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)

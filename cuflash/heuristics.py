@@ -37,16 +37,18 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # their GEMMs: D=64 fp16 192x128 overlap 489 (simple 481, 128x176 overlap 449), B=16 N=1024 373
 # (simple 363, 64x128 two CTAs per SM 373, 128x128 overlap 309); D=64 causal overlap 405
 # (simple_p 395, 128x128 overlap_p 359).
-# Causal: persistent kernels ("_p": one CTA per SM, dynamic tile counter, longest tiles first;
-# H100 2026-11-23, tools/bench_sm90_persistent.py): D=128 bf16 causal overlap_p 581 (pingpong
-# 507, cuDNN 578), B=1 N=16384 633-659 (599), D=64 fp16 causal simple_p 384 (369). Non-causal
-# persistent runs were slower (D=128 overlap_p 621 vs 651), so the table keeps one CTA per tile
-# there, but for short sequences (_SM90_FWD_SHORT).
+# Causal D=96/128 ran the persistent overlap_p kernel at every length until O was staged through
+# shared memory (eighth session, kernels_cu/sm90/NOTES.md): since then one CTA per tile on the
+# causal 1-D grid leads from seqlen 4096 up (H100 2026-11-23, scripts/ab_defines.py, TFLOP/s
+# overlap / overlap_p): D=128 bf16 N=4096 594 / 569, B=1 N=16384 695 / 622, N=32768 674 / 619, D=96
+# N=4096 459 / 449; the persistent kernel keeps seqlen <= 2048 (_SM90_FWD_SHORT, _MEDIUM_CAUSAL).
+# Non-causal persistent runs were slower (D=128 overlap_p 637 vs 675), so the table keeps one CTA
+# per tile there too, but for short sequences.
 _SM90_FWD = {
     32: (192, 128, 16, "overlap", "overlap"),
     64: (192, 128, 16, "overlap", "overlap"),
-    96: (128, 128, 12, "overlap", "overlap_p"),
-    128: (128, 128, 12, "overlap", "overlap_p"),
+    96: (128, 128, 12, "overlap", "overlap"),
+    128: (128, 128, 12, "overlap", "overlap"),
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
@@ -64,18 +66,21 @@ _SM90_FWD = {
 _SM90_FWD_SHORT = {
     32: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
     64: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
-    96: ((128, 128, 12, "overlap_p"), None),  # causal: the table's overlap_p already
-    128: ((128, 128, 12, "overlap_p"), None),
+    96: ((128, 128, 12, "overlap_p"), (128, 128, 12, "overlap_p")),
+    128: ((128, 128, 12, "overlap_p"), (128, 128, 12, "overlap_p")),
     192: (None, (128, 96, 12, "overlap_p")),
     256: (None, (128, 64, 12, "pingpong_p")),  # overlap_p spills at 232 consumer registers
 }
 SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
-# Medium causal sequences (not short; seqlen_q and seqlen_k <= 2048) at head dims <= 64: the persistent
-# simple kernel with the table's 192-row tiles. H100 2026-11-23, two A/B runs (TFLOP/s table /
+# Medium causal sequences (not short; seqlen_q and seqlen_k <= 2048): at head dims <= 64 the persistent
+# simple kernel with the table's 192-row tiles, at 96 / 128 the persistent overlap kernel. H100 2026-11-23, two A/B runs (TFLOP/s table /
 # simple_p / overlap_p with 128-row tiles): D=64 fp16 N=1536 297 / 326 / 313, N=2048 332 / 356 / 340
 # (333 / 357 / 340 the other run), bf16 333 / 360 / 342, H=32 343 / 372 / 351, D=32 179 / 187 / 179;
 # N=3072 398 / 402 / 375 and N=4096 426 / 422 / 393 stay on the table's kernel.
-_SM90_FWD_MEDIUM_CAUSAL = {32: (192, 128, 16, "simple_p"), 64: (192, 128, 16, "simple_p")}
+# Causal D=96/128 (TFLOP/s overlap_p / overlap, 2026-11-23 eighth session): D=128 bf16 B=16 N=1024
+# 399 / 344, B=8 N=2048 506 / 484; D=96 fp16 N=1024 310 / 267.
+_SM90_FWD_MEDIUM_CAUSAL = {32: (192, 128, 16, "simple_p"), 64: (192, 128, 16, "simple_p"),
+                           96: (128, 128, 12, "overlap_p"), 128: (128, 128, 12, "overlap_p")}
 SM90_FWD_MEDIUM_SEQLEN = 2048
 # (short, medium) pairs that fwd_lengths can return: long, short, medium.
 FWD_LENGTH_CLASSES = ((False, False), (True, False), (False, True))

@@ -21,8 +21,9 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 def test_sm90_configs_cover_every_head_dim():
     # every head dim, dtype and mask, plus the short-sequence kernels (non-causal head dims <= 128:
-    # 16 of them; causal <= 64 and 136..256: 8 + 16) and the medium causal ones (<= 64: 8), per dtype
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 8 + 16) + 2 * 8
+    # 16 of them; causal <= 128 and 136..256: 16 + 16) and the medium causal ones (<= 64: 8; at
+    # 72..128 they are the short ones), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 16 + 16) + 2 * 8
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -65,8 +66,8 @@ def test_backend_selection(monkeypatch):
 
 def test_short_sequence_schedule(monkeypatch):
     """Short sequences take the persistent kernels of _SM90_FWD_SHORT (non-causal at head dims <= 128
-    with the table's tiles, causal at head dims <= 64 with 128-row tiles and at 192/256), medium causal
-    ones at head dims <= 64 _SM90_FWD_MEDIUM_CAUSAL's; the rest, longer sequences and forced schedules
+    with the table's tiles, causal at head dims <= 128 with 128-row tiles and at 192/256), medium causal
+    ones at head dims <= 128 _SM90_FWD_MEDIUM_CAUSAL's; the rest, longer sequences and forced schedules
     keep the table's kernel."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
@@ -76,12 +77,10 @@ def test_short_sequence_schedule(monkeypatch):
         long = heuristics.fwd_config("float16", d, False, 90)
         assert short.family == "sm90_fwd_overlap_p" and long.family == "sm90_fwd_overlap"
         assert tiles(short) == tiles(long)
-    for d in (32, 64):
+    for d in (32, 64, 96, 128):
         short = heuristics.fwd_config("bfloat16", d, True, 90, short=True)
         assert short.family == "sm90_fwd_overlap_p" and tiles(short) == (128, 128, 12)
         assert heuristics.fwd_config("bfloat16", d, True, 90).family == "sm90_fwd_overlap"
-    for d in (96, 128):  # causal: persistent at every length already
-        assert heuristics.fwd_config("bfloat16", d, True, 90, short=True) == heuristics.fwd_config("bfloat16", d, True, 90)
     for d, family in ((192, "sm90_fwd_overlap_p"), (256, "sm90_fwd_pingpong_p")):
         short, long = (heuristics.fwd_config("bfloat16", d, True, 90, short=s) for s in (True, False))
         assert short.family == family and long.family == "sm90_fwd_overlap" and tiles(short) == tiles(long)
@@ -92,8 +91,11 @@ def test_short_sequence_schedule(monkeypatch):
         medium, long = (heuristics.fwd_config("float16", d, True, 90, medium=m) for m in (True, False))
         assert medium.family == "sm90_fwd_p" and tiles(medium) == tiles(long) == (192, 128, 16)
         assert heuristics.fwd_config("float16", d, False, 90, medium=True) == heuristics.fwd_config("float16", d, False, 90)
-    for d in (96, 128, 256):
-        assert heuristics.fwd_config("bfloat16", d, True, 90, medium=True) == heuristics.fwd_config("bfloat16", d, True, 90)
+    for d in (96, 128):  # medium causal at 96 / 128: the short sequences' persistent kernel
+        medium = heuristics.fwd_config("bfloat16", d, True, 90, medium=True)
+        assert medium == heuristics.fwd_config("bfloat16", d, True, 90, short=True)
+        assert medium.family == "sm90_fwd_overlap_p"
+    assert heuristics.fwd_config("bfloat16", 256, True, 90, medium=True) == heuristics.fwd_config("bfloat16", 256, True, 90)
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)

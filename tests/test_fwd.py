@@ -46,7 +46,7 @@ def test_long(rng, dtype, causal):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("nq,nk", [(1100, 1237), (2100, 2213)])
 def test_past_short_sequences(rng, dtype, causal, head_dim, nq, nk):
     # seqlen_q > 1024: the Hopper dispatcher's kernels for medium sequences (heuristics:

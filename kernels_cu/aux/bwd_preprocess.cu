@@ -1,5 +1,5 @@
 // Backward preprocess: delta = rowsum(dout * out) in float32, one value per
-// (batch, head, query row), and (atomic-dQ mode) zero the float32 dq_accum.
+// (batch, head, query row), and zero the float32 dq_accum (atomic and tile dQ modes).
 //
 // Memory-bound: 8 threads per row read 16-byte chunks of dout and out (any
 // head_dim, strided views), reduce with shuffles inside the 8-lane group; the
@@ -17,7 +17,7 @@ bwd_preprocess_kernel(const BwdParams p) {
     constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
     const int tid = threadIdx.x;
     const int sub = tid % kThreadsPerRow;
-    const int row = blockIdx.x * kRows + tid / kThreadsPerRow;
+    const int row = blockIdx.x * kRows + tid / kThreadsPerRow;   // the grid covers seqlen_q and dq_accum_rows
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const bool valid = row < p.seqlen_q;
@@ -40,8 +40,10 @@ bwd_preprocess_kernel(const BwdParams p) {
 
     const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
     if (valid && sub == 0) p.delta[row_index] = acc;
-    if (valid && p.dq_accum != nullptr) {
-        float4* dst = reinterpret_cast<float4*>(p.dq_accum + row_index * p.head_dim);
-        for (int c = sub; c < p.head_dim / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Zeroing the dq_accum here saves a memset pass: its stores go out beside this kernel's loads.
+    if (p.dq_accum != nullptr && row < p.dq_accum_rows) {
+        const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + row;
+        float4* dst = reinterpret_cast<float4*>(p.dq_accum + accum_row * p.dq_accum_cols);
+        for (int c = sub; c < p.dq_accum_cols / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }

@@ -58,4 +58,8 @@ struct BwdParams {
     int head_dim;          // run-time head dim; kernels are instantiated per head-dim bucket
     float softmax_scale;
     float scale_log2;      // softmax_scale * log2(e)
+    // dq_accum as the preprocess zeroes it: (batch, heads_q, dq_accum_rows, dq_accum_cols) floats
+    // (seqlen_q x head_dim in rows; sm90 tile modes: query tiles x block_m rows, padded head dim).
+    int dq_accum_rows;
+    int dq_accum_cols;
 };

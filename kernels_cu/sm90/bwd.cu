@@ -547,27 +547,48 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
         }
 
-        // Epilogue: dK * softmax_scale and dV (keys past seqlen_k and padded columns skipped).
-        u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride;
-        u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride;
+        // Epilogue: dK * softmax_scale and dV through shared memory into full 16-byte global stores.
+        // Written straight from the accumulators they would be 4-byte stores, each warp touching eight
+        // rows per instruction; the CTA waits on them before its SM takes the next key tile (+5 % on the
+        // backward at seqlen 1024, sm90/NOTES.md eighth session). The K and V tiles are free once both
+        // warpgroups' last dQ products (which read all of K) are done: dK goes where K was, dV where V
+        // was, as [key][column] rows with 16-byte chunk c of row r at chunk c ^ (r % 8) (no bank
+        // conflicts on either side).
+        named_barrier_sync(5, Tile::kConsumerWGs * 128);
+        auto stage_tile = [&](u32 dst, const float (&acc)[kKvCols / 2], float scale) {
+            char* base = smem_raw + (dst - smem_u32(smem_raw));
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int key = n0 + key_local + 8 * h;
-            if (key < p.seqlen_k) {
-                u16* k_row = gdK + key * p.dk_row_stride;
-                u16* v_row = gdV + key * p.dv_row_stride;
+            for (int h = 0; h < 2; ++h) {
+                const int row = key_local + 8 * h;
 #pragma unroll
                 for (int j = 0; j < kKvCols / 8; ++j) {
-                    const int col = kv_col0 + 8 * j + 2 * t4;
-                    if (col < p.head_dim) {
-                        *reinterpret_cast<u32*>(k_row + col) = ElemTraits<Tag>::pack2(
-                            acc_dk[4 * j + 2 * h] * p.softmax_scale, acc_dk[4 * j + 2 * h + 1] * p.softmax_scale);
-                        *reinterpret_cast<u32*>(v_row + col) =
-                            ElemTraits<Tag>::pack2(acc_dv[4 * j + 2 * h], acc_dv[4 * j + 2 * h + 1]);
-                    }
+                    const int chunk = kv_col0 / 8 + j;
+                    *reinterpret_cast<u32*>(base + row * (kPad * 2) + ((chunk ^ (row % 8)) * 16) + 4 * t4) =
+                        ElemTraits<Tag>::pack2(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
                 }
             }
-        }
+        };
+        stage_tile(sK, acc_dk, p.softmax_scale);
+        stage_tile(sV, acc_dv, 1.f);
+        named_barrier_sync(5, Tile::kConsumerWGs * 128);
+        constexpr int kChunks = kPad / 8;   // 16-byte chunks per row
+        static_assert(kBlockN * kChunks % (Tile::kConsumerWGs * 128) == 0, "whole rounds of 16-byte chunks");
+        const int ctid = threadIdx.x - 128;
+        auto store_tile = [&](u32 src, u16* dst, i64 row_stride) {
+            const char* base = smem_raw + (src - smem_u32(smem_raw));
+#pragma unroll
+            for (int it = 0; it < kBlockN * kChunks / (Tile::kConsumerWGs * 128); ++it) {
+                const int idx = it * Tile::kConsumerWGs * 128 + ctid;
+                const int row = idx / kChunks, chunk = idx % kChunks;
+                if (n0 + row < p.seqlen_k && chunk * 8 < p.head_dim)
+                    *reinterpret_cast<uint4*>(dst + (n0 + row) * row_stride + chunk * 8) =
+                        *reinterpret_cast<const uint4*>(base + row * (kPad * 2) + ((chunk ^ (row % 8)) * 16));
+            }
+        };
+        store_tile(sK, static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + head_kv * p.dk_head_stride,
+                   p.dk_row_stride);
+        store_tile(sV, static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride,
+                   p.dv_row_stride);
     }
 }
 

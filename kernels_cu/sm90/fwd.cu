@@ -234,12 +234,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
                     mbar_wait(bar_q_empty(qb), q_phase ^ 1);
                     tile_slot[qb] = t_cur;
-                    t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
                 };
+                // Persistent: claim the next tile. Only the next trip round the loop reads it, so it is
+                // claimed once this tile's Q and first K/V loads have gone out: the atomic's round trip
+                // to L2 then delays none of them (A/B: level with claiming it first, kept for clarity).
+                auto claim_next = [&]() { t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x); };
                 if (n_block_max <= 0) {
                     if (!kPersistent) break;
                     publish();
                     mbar_arrive(bar_q(qb));
+                    claim_next();
                     ++q_count;
                     continue;
                 }
@@ -278,6 +282,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64,
                                         n_block * kBlockN, head_kv, batch);
                     }
+                    if (kPersistent && i == 0) claim_next();
                 }
                 ++q_count;
                 if (!kPersistent) break;
@@ -490,8 +495,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             mbar_arrive(bar_v_empty(last));
         }
 
-        // Every QK GEMM of this tile is done: the producer may load the next Q (persistent).
-        if (kPersistent) mbar_arrive(bar_q_empty(qb));
+        // 16-bit O goes out through shared memory (kStageO): written straight from the accumulators it
+        // would be 4-byte stores, each warp touching eight rows per instruction, and the warps wait on
+        // them before the next tile (sm90/NOTES.md, eighth session, has the measurements). The staging
+        // area is this warpgroup's rows of its Q buffer, which only its own (finished) Q K^T products
+        // read: the same 64-column blocks of 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8).
+        // fp8 Q rows are too narrow for O's: those store directly, and so do the persistent kernels
+        // above head dim 128 (the staging code spills the overlap one at 192 under the causal mask).
+        constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
+        // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
+        // the producer may load the next Q into it (persistent).
+        if (kPersistent && !kStageO) mbar_arrive(bar_q_empty(qb));
         it += n_block_max > 0 ? n_block_max : 0;
         ++q_count;
 
@@ -501,17 +515,47 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         inv_sum[0] *= o_scale;
         inv_sum[1] *= o_scale;
         u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+        if constexpr (kStageO) {
+            if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
+                char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = warp * 16 + g + 8 * h;
+#pragma unroll
+                    for (int j = 0; j < kPadV / 8; ++j)
+                        *reinterpret_cast<u32*>(sO + (j / 8) * kBlockM * 128 + r * 128 + (((j % 8) ^ (r % 8)) * 16)
+                                                + 4 * t4) =
+                            ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
+                                                      acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+                named_barrier_sync(4 + cw, 128);   // ids 1..3: the ping-pong turns
+                constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
+                const int row_base = m_block * kBlockM + cw * 64;
+#pragma unroll
+                for (int k = 0; k < 64 * kChunks / 128; ++k) {
+                    const int idx = k * 128 + (threadIdx.x & 127);
+                    const int r = idx / kChunks, c = idx % kChunks;
+                    if (row_base + r < p.seqlen_q && c * 8 < kHeadDim)
+                        *reinterpret_cast<uint4*>(gO + (row_base + r) * p.o_row_stride + c * 8) =
+                            *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
+                                                            + (((c % 8) ^ (r % 8)) * 16));
+                }
+            }
+            if (kPersistent) mbar_arrive(bar_q_empty(qb));
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 8 * h;
             if (row < p.seqlen_q) {
-                u16* o_row = gO + row * p.o_row_stride;
+                if constexpr (!kStageO) {
+                    u16* o_row = gO + row * p.o_row_stride;
 #pragma unroll
-                for (int j = 0; j < kPadV / 8; ++j) {
-                    const int col = 8 * j + 2 * t4;
-                    if (col < kHeadDim)
-                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
-                            acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                    for (int j = 0; j < kPadV / 8; ++j) {
+                        const int col = 8 * j + 2 * t4;
+                        if (col < kHeadDim)
+                            *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
+                                acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                    }
                 }
                 if (p.lse != nullptr && t4 == 0)
                     p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
