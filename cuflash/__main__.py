@@ -257,8 +257,8 @@ def main(argv=None) -> int:
         print("PyTorch not installed: SDPA columns omitted")
 
     shapes = args.shape or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
-    needed = {heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc, short=short, medium=medium) for s in shapes
-              for short, medium in heuristics.FWD_LENGTH_CLASSES}
+    needed = {heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc, short=short) for s in shapes
+              for short in (False, True)}
     needed |= {heuristics.fwd_config(dt, d, c, cc) for dt in ("float16", "bfloat16", "float32")
                for d in (64, 128) for c in (False, True)}
     if not args.forward_only:

@@ -73,12 +73,12 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
 _fwd_plans: dict = {}
 
 
-def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, medium: bool = False):
-    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend(), short, medium)
+def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False):
+    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend(), short)
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)
-        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, medium=medium)
+        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
         plan = _fwd_plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
@@ -87,7 +87,7 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
 
 def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
     b, nq, nk, hq, hkv, d = dims
-    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, *heuristics.fwd_lengths(nq, nk))
+    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk))
     extra = ()
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
         kern, cfg, smem, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id)

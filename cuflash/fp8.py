@@ -176,7 +176,7 @@ def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False):
 def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, dims, device_id: int) -> None:
     """Transposes V and launches the fp8 forward kernel (arguments already checked)."""
     b, nq, nk, hq, hkv, d = dims
-    short, _ = heuristics.fwd_lengths(nq, nk)
+    short = heuristics.fwd_short(nq, nk)
     kern, cfg, smem = _plan(d, causal, device_id, short)
     nk_pad = -(-nk // 32) * 32
     vt = transpose_v(v, nk_pad)

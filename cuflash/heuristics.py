@@ -37,59 +37,48 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # their GEMMs: D=64 fp16 192x128 overlap 489 (simple 481, 128x176 overlap 449), B=16 N=1024 373
 # (simple 363, 64x128 two CTAs per SM 373, 128x128 overlap 309); D=64 causal overlap 405
 # (simple_p 395, 128x128 overlap_p 359).
-# Causal D=96/128 ran the persistent overlap_p kernel at every length until O was staged through
-# shared memory (eighth session, kernels_cu/sm90/NOTES.md): since then one CTA per tile on the
-# causal 1-D grid leads from seqlen 4096 up (H100 2026-11-23, scripts/ab_defines.py, TFLOP/s
-# overlap / overlap_p): D=128 bf16 N=4096 594 / 569, B=1 N=16384 695 / 622, N=32768 674 / 619, D=96
-# N=4096 459 / 449; the persistent kernel keeps seqlen <= 2048 (_SM90_FWD_SHORT, _MEDIUM_CAUSAL).
-# Non-causal persistent runs were slower (D=128 overlap_p 637 vs 675), so the table keeps one CTA
-# per tile there too, but for short sequences.
+# Persistent kernels (eighth session, kernels_cu/sm90/NOTES.md): once their consumers read the tile
+# index through a lane-0 broadcast (ptxas had kept every wgmma descriptor in ordinary registers, an
+# R2UR per wgmma, because the index came from shared memory), they lead the one-CTA-per-tile kernels
+# at head dims <= 128 at every length. H100 2026-11-23 (scripts/ab_defines.py, B=4 H=16 N=4096,
+# TFLOP/s overlap / overlap_p / simple_p): D=64 fp16 500 / 522 / 502, causal 423 / 401 (128-row
+# tiles) / 443; D=96 bf16 531 / 540, causal 462 / 498; D=128 bf16 689 / 698, causal 602 / 640; B=1
+# N=16384 D=64 542 / 557; causal D=64 B=2 N=8192 497 / 438 / 500, B=8 N=2048 334 / 346 / 372; causal
+# D=128 B=1 N=32768 661 / 695. At D=192 / 256 one CTA per tile stays ahead: D=192 752 / 736, causal
+# 639 / 572; D=256 780 / 679 (pingpong_p), causal 705 / 611.
 _SM90_FWD = {
-    32: (192, 128, 16, "overlap", "overlap"),
-    64: (192, 128, 16, "overlap", "overlap"),
-    96: (128, 128, 12, "overlap", "overlap"),
-    128: (128, 128, 12, "overlap", "overlap"),
+    32: (192, 128, 16, "overlap_p", "simple_p"),
+    64: (192, 128, 16, "overlap_p", "simple_p"),
+    96: (128, 128, 12, "overlap_p", "overlap_p"),
+    128: (128, 128, 12, "overlap_p", "overlap_p"),
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
-# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): persistent kernels, whose
-# two Q buffers let the next tile's Q load while the consumer warpgroups finish the current one, and
-# whose CTAs pay their prologue (barriers, tensor-map prefetch, setmaxnreg) once per SM instead of
-# once per tile. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the causal
-# mask; None keeps the table's kernel. H100 2026-11-23 (scripts/ab_defines.py, TFLOP/s table kernel ->
-# this one, 16k tokens per batch): D=64 fp16 N=512 285 -> 333, N=1024 372 -> 391 (two Q buffers; one
-# Q buffer 303 / 369); causal D=64 N=512 143 -> 189, N=1024 214 -> 265 (192-row tiles spill under the
-# mask in the persistent overlap kernel, so 128); D=128 bf16 N=512 373 -> 422, N=1024 507 -> 533; D=96
-# N=1024 391 -> 414; causal D=192 N=1024 333 -> 385, D=256 N=1024 372 -> 424, N=512 235 -> 276; D=32
-# causal N=1024 123 -> 146. At N=2048 they are level or slower (D=256 causal 548 -> 534, D=128 611 /
-# 609), and so are non-causal D=192/256 at N=1024 (562 -> 541, 577 -> 555).
+# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): where another persistent kernel
+# than the table's won. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the
+# causal mask; None keeps the table's kernel. Persistent kernels pay their prologue (barriers,
+# tensor-map prefetch, setmaxnreg) once per SM and load the next tile's Q during the current one.
+# H100 2026-11-23 (seventh session, before the broadcast; TFLOP/s one-CTA-per-tile kernel -> this,
+# 16k tokens per batch): causal D=64 N=512 143 -> 189, N=1024 214 -> 265 (128-row overlap_p; 192-row
+# tiles spill under the mask in it; simple_p 185 / 248); causal D=192 N=1024 333 -> 385, D=256 N=1024
+# 372 -> 424, N=512 235 -> 276; D=32 causal N=1024 123 -> 146. Non-causal D=192/256 at N=1024 were
+# slower persistent (562 -> 541, 577 -> 555).
 _SM90_FWD_SHORT = {
-    32: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
-    64: ((192, 128, 16, "overlap_p"), (128, 128, 12, "overlap_p")),
-    96: ((128, 128, 12, "overlap_p"), (128, 128, 12, "overlap_p")),
-    128: ((128, 128, 12, "overlap_p"), (128, 128, 12, "overlap_p")),
+    32: (None, (128, 128, 12, "overlap_p")),
+    64: (None, (128, 128, 12, "overlap_p")),
+    96: (None, None),
+    128: (None, None),
     192: (None, (128, 96, 12, "overlap_p")),
     256: (None, (128, 64, 12, "pingpong_p")),  # overlap_p spills at 232 consumer registers
 }
 SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
-# Medium causal sequences (not short; seqlen_q and seqlen_k <= 2048): at head dims <= 64 the persistent
-# simple kernel with the table's 192-row tiles, at 96 / 128 the persistent overlap kernel. H100 2026-11-23, two A/B runs (TFLOP/s table /
-# simple_p / overlap_p with 128-row tiles): D=64 fp16 N=1536 297 / 326 / 313, N=2048 332 / 356 / 340
-# (333 / 357 / 340 the other run), bf16 333 / 360 / 342, H=32 343 / 372 / 351, D=32 179 / 187 / 179;
-# N=3072 398 / 402 / 375 and N=4096 426 / 422 / 393 stay on the table's kernel.
-# Causal D=96/128 (TFLOP/s overlap_p / overlap, 2026-11-23 eighth session): D=128 bf16 B=16 N=1024
-# 399 / 344, B=8 N=2048 506 / 484; D=96 fp16 N=1024 310 / 267.
-_SM90_FWD_MEDIUM_CAUSAL = {32: (192, 128, 16, "simple_p"), 64: (192, 128, 16, "simple_p"),
-                           96: (128, 128, 12, "overlap_p"), 128: (128, 128, 12, "overlap_p")}
-SM90_FWD_MEDIUM_SEQLEN = 2048
-# (short, medium) pairs that fwd_lengths can return: long, short, medium.
-FWD_LENGTH_CLASSES = ((False, False), (True, False), (False, True))
 
 
-def fwd_lengths(seqlen_q: int, seqlen_k: int) -> tuple[bool, bool]:
-    """(short, medium) for fwd_config / fp8_fwd_config: which length class these sequences are in."""
-    short = seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
-    return short, not short and max(seqlen_q, seqlen_k) <= SM90_FWD_MEDIUM_SEQLEN
+def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether fwd_config / fp8_fwd_config take these sequences as short (their ``short``)."""
+    return seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
+
+
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
@@ -178,16 +167,15 @@ def fwd_backend() -> str:
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False, medium: bool = False) -> KernelConfig:
+               short: bool = False) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
-    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT);
-    ``medium``: not short, seqlen_q and seqlen_k <= SM90_FWD_MEDIUM_SEQLEN (_SM90_FWD_MEDIUM_CAUSAL);
-    both from fwd_lengths.
+    seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT;
+    fwd_short decides).
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -195,13 +183,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
-        length_tile = None   # the tuned table's kernel for short / medium sequences, if it has one
-        if backend == "sm90" and short:
-            length_tile = _SM90_FWD_SHORT[bucket][causal]
-        elif backend == "sm90" and medium and causal:
-            length_tile = _SM90_FWD_MEDIUM_CAUSAL.get(bucket)
-        if length_tile is not None:
-            block_m, block_n, warps, schedule = length_tile
+        short_tile = _SM90_FWD_SHORT[bucket][causal] if backend == "sm90" and short else None
+        if short_tile is not None:
+            block_m, block_n, warps, schedule = short_tile
             schedule_causal = schedule
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
@@ -221,10 +205,10 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
-    """Every instantiation of one sm90 forward family or of the tuned table, short and medium
-    sequences included (for the CPU compile test and the precompile script)."""
-    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short, medium=medium)
-           for short, medium in FWD_LENGTH_CLASSES
+    """Every instantiation of one sm90 forward family or of the tuned table, short sequences included
+    (for the CPU compile test and the precompile script)."""
+    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short)
+           for short in (False, True)
            for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8) for causal in (False, True)]
     return list({c.key(): c for c in out}.values())
 

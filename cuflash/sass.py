@@ -61,3 +61,35 @@ def sass(config: KernelConfig, cc: str) -> str:
 def opcode_counts(sass_text: str) -> collections.Counter:
     """Opcode (without modifiers) -> count, e.g. {"HMMA": 256, "LDSM": 64, ...}."""
     return collections.Counter(_OPCODE.findall(sass_text))
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+_BRANCH_TARGET = re.compile(r"\bBRA\b(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)")
+
+
+def innermost_mma_loop(sass_text: str) -> list[str]:
+    """Opcodes, in address order, of the shortest loop (a backward branch and the instructions it
+    spans) that holds a warpgroup MMA (HGMMA, or QGMMA for fp8): a kernel's key-tile loop, possibly
+    with other code laid out inside its span. Empty if there is none."""
+    instructions = [(int(addr, 16), op, line) for line in sass_text.splitlines()
+                    for addr, op in _INSTRUCTION.findall(line)]
+    best: list[str] = []
+    for addr, op, line in instructions:
+        target = _BRANCH_TARGET.search(line) if op == "BRA" else None
+        if target is None or int(target.group(1), 16) >= addr:
+            continue
+        body = [o for a, o, _ in instructions if int(target.group(1), 16) <= a <= addr]
+        if any(o in _MMA_OPCODES for o in body) and (not best or len(body) < len(best)):
+            best = body
+    return best
+
+
+_MMA_OPCODES = ("HGMMA", "QGMMA")
+
+
+def mma_span_counts(sass_text: str) -> collections.Counter:
+    """Opcode counts from the first to the last warpgroup MMA of the key-tile loop
+    (innermost_mma_loop): what the tensor-core issue waits on."""
+    body = innermost_mma_loop(sass_text)
+    mma = [i for i, o in enumerate(body) if o in _MMA_OPCODES]
+    return collections.Counter(body[mma[0]:mma[-1] + 1] if mma else [])

@@ -20,10 +20,9 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 
 def test_sm90_configs_cover_every_head_dim():
-    # every head dim, dtype and mask, plus the short-sequence kernels (non-causal head dims <= 128:
-    # 16 of them; causal <= 128 and 136..256: 16 + 16) and the medium causal ones (<= 64: 8; at
-    # 72..128 they are the short ones), per dtype
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (16 + 16 + 16) + 2 * 8
+    # every head dim, dtype and mask, plus the short-sequence kernels where they differ from the
+    # table's (causal head dims <= 64 and 136..256: 8 + 16), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (8 + 16)
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -41,6 +40,22 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["HGMMA"] > 0, f"{cfg.key()}: no HGMMA in SASS"
     assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
+
+
+UNIFORM_CONFIGS = [c for c in SASS_CONFIGS if c.head_dim <= 128]
+
+
+@pytest.mark.skipif(sass.tools_available() is not None,
+                    reason=f"SASS tools unavailable: {sass.tools_available()}")
+@pytest.mark.parametrize("cfg", UNIFORM_CONFIGS, ids=[c.key() for c in UNIFORM_CONFIGS])
+def test_sm90_fwd_wgmma_descriptors_stay_uniform(cfg):
+    """No R2UR between the key loop's first and last wgmma: ptxas keeps the descriptors in uniform
+    registers only while it can prove the tile, ring stage and Q buffer warp-uniform (the persistent
+    kernels lost 10 % at long lengths when the tile index came straight from shared memory). The
+    persistent kernels above head dim 128 (short causal sequences only) are not clean yet."""
+    span = sass.mma_span_counts(sass.sass(cfg, "90a"))
+    assert span["HGMMA"] > 0, f"{cfg.key()}: no wgmma loop found"
+    assert span["R2UR"] == 0, f"{cfg.key()}: {span['R2UR']} R2UR among the key loop's wgmma"
 
 
 def test_backend_selection(monkeypatch):
@@ -65,37 +80,29 @@ def test_backend_selection(monkeypatch):
 
 
 def test_short_sequence_schedule(monkeypatch):
-    """Short sequences take the persistent kernels of _SM90_FWD_SHORT (non-causal at head dims <= 128
-    with the table's tiles, causal at head dims <= 128 with 128-row tiles and at 192/256), medium causal
-    ones at head dims <= 128 _SM90_FWD_MEDIUM_CAUSAL's; the rest, longer sequences and forced schedules
-    keep the table's kernel."""
+    """The table runs persistent kernels at head dims <= 128 (overlap_p; causal <= 64 simple_p) and one
+    CTA per tile above; short sequences take _SM90_FWD_SHORT's persistent kernels where it has one
+    (causal head dims <= 64 with 128-row tiles, causal 192 / 256); forced schedules keep the table's
+    tiles."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
     for d in (32, 64, 96, 128):
         short = heuristics.fwd_config("float16", d, False, 90, short=True)
-        long = heuristics.fwd_config("float16", d, False, 90)
-        assert short.family == "sm90_fwd_overlap_p" and long.family == "sm90_fwd_overlap"
-        assert tiles(short) == tiles(long)
-    for d in (32, 64, 96, 128):
-        short = heuristics.fwd_config("bfloat16", d, True, 90, short=True)
+        assert short == heuristics.fwd_config("float16", d, False, 90) and short.family == "sm90_fwd_overlap_p"
+    for d in (32, 64):
+        short, long = (heuristics.fwd_config("bfloat16", d, True, 90, short=s) for s in (True, False))
         assert short.family == "sm90_fwd_overlap_p" and tiles(short) == (128, 128, 12)
-        assert heuristics.fwd_config("bfloat16", d, True, 90).family == "sm90_fwd_overlap"
+        assert long.family == "sm90_fwd_p" and tiles(long) == (192, 128, 16)
+    for d in (96, 128):
+        short = heuristics.fwd_config("bfloat16", d, True, 90, short=True)
+        assert short == heuristics.fwd_config("bfloat16", d, True, 90) and short.family == "sm90_fwd_overlap_p"
     for d, family in ((192, "sm90_fwd_overlap_p"), (256, "sm90_fwd_pingpong_p")):
         short, long = (heuristics.fwd_config("bfloat16", d, True, 90, short=s) for s in (True, False))
         assert short.family == family and long.family == "sm90_fwd_overlap" and tiles(short) == tiles(long)
         assert heuristics.fwd_config("bfloat16", d, False, 90, short=True) == heuristics.fwd_config("bfloat16", d, False, 90)
+        assert heuristics.fwd_config("bfloat16", d, False, 90).family == "sm90_fwd_overlap"
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
-    # medium causal sequences at head dims <= 64: the persistent simple kernel, table tiles
-    for d in (32, 64):
-        medium, long = (heuristics.fwd_config("float16", d, True, 90, medium=m) for m in (True, False))
-        assert medium.family == "sm90_fwd_p" and tiles(medium) == tiles(long) == (192, 128, 16)
-        assert heuristics.fwd_config("float16", d, False, 90, medium=True) == heuristics.fwd_config("float16", d, False, 90)
-    for d in (96, 128):  # medium causal at 96 / 128: the short sequences' persistent kernel
-        medium = heuristics.fwd_config("bfloat16", d, True, 90, medium=True)
-        assert medium == heuristics.fwd_config("bfloat16", d, True, 90, short=True)
-        assert medium.family == "sm90_fwd_overlap_p"
-    assert heuristics.fwd_config("bfloat16", 256, True, 90, medium=True) == heuristics.fwd_config("bfloat16", 256, True, 90)
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
@@ -122,12 +129,9 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
     assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])
 
 
-def test_forward_length_classes():
-    """api._launch_fwd and the fp8 forward classify sequences with heuristics.fwd_lengths."""
-    assert heuristics.fwd_lengths(1024, 2048) == (True, False)
-    assert heuristics.fwd_lengths(1, 1) == (True, False)
-    assert heuristics.fwd_lengths(1025, 1025) == (False, True)
-    assert heuristics.fwd_lengths(1000, 2049) == (False, False)
-    assert heuristics.fwd_lengths(2048, 2048) == (False, True)
-    assert heuristics.fwd_lengths(2049, 100) == (False, False)
-    assert set(heuristics.FWD_LENGTH_CLASSES) == {(False, False), (True, False), (False, True)}
+def test_forward_short_class():
+    """api._launch_fwd and the fp8 forward classify sequences with heuristics.fwd_short."""
+    assert heuristics.fwd_short(1024, 2048) and heuristics.fwd_short(1, 1)
+    assert not heuristics.fwd_short(1025, 1025)
+    assert not heuristics.fwd_short(1000, 2049)
+    assert not heuristics.fwd_short(2049, 100)

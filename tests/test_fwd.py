@@ -49,9 +49,8 @@ def test_long(rng, dtype, causal):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("nq,nk", [(1100, 1237), (2100, 2213)])
 def test_past_short_sequences(rng, dtype, causal, head_dim, nq, nk):
-    # seqlen_q > 1024: the Hopper dispatcher's kernels for medium sequences (heuristics:
-    # _SM90_FWD_MEDIUM_CAUSAL) and, past 2048, longer ones (shorter ones take the persistent kernels
-    # of _SM90_FWD_SHORT, which the other tests here reach)
+    # seqlen_q > 1024: the Hopper dispatcher's table kernels (shorter ones take _SM90_FWD_SHORT's,
+    # which the other tests here reach), with more query tiles than SMs at 2100
     _check(rng, dtype, 1, nq, nk, 2, 1, head_dim, causal)
 
 

@@ -301,7 +301,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int qb = q_count % kQBuffers;   // this tile's Q buffer
         if constexpr (kPersistent) {
             mbar_wait(bar_q(qb), (q_count / kQBuffers) & 1);   // Q and the tile index have landed
-            const int t = tile_slot[qb];
+            // Broadcast from lane 0: ptxas then knows the tile (and so the ring stage and Q buffer of every
+            // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
+            const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
             if (t >= num_tiles) break;
             order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
         } else {
