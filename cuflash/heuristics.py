@@ -54,22 +54,19 @@ _SM90_FWD = {
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
-# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): where another persistent kernel
-# than the table's won. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the
-# causal mask; None keeps the table's kernel. Persistent kernels pay their prologue (barriers,
-# tensor-map prefetch, setmaxnreg) once per SM and load the next tile's Q during the current one.
-# H100 2026-11-23 (seventh session, before the broadcast; TFLOP/s one-CTA-per-tile kernel -> this,
-# 16k tokens per batch): causal D=64 N=512 143 -> 189, N=1024 214 -> 265 (128-row overlap_p; 192-row
-# tiles spill under the mask in it; simple_p 185 / 248); causal D=192 N=1024 333 -> 385, D=256 N=1024
-# 372 -> 424, N=512 235 -> 276; D=32 causal N=1024 123 -> 146. Non-causal D=192/256 at N=1024 were
-# slower persistent (562 -> 541, 577 -> 555).
+# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): where another kernel than the
+# table's won. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the causal
+# mask; None keeps the table's kernel. Causal D<=64: 128-row tiles (H100 2026-11-23, eighth session,
+# TFLOP/s this / the table's simple_p 192x128 / one CTA per tile: D=64 N=1024 275 / 260 / 222, N=512
+# 194 / 195 / 150, D=32 N=1024 149 / 145 / 121). Causal D=192 / 256 lost their persistent short
+# kernels once one CTA per tile wrote O through shared memory (N=1024 387 -> 393, 431 -> 451).
 _SM90_FWD_SHORT = {
     32: (None, (128, 128, 12, "overlap_p")),
     64: (None, (128, 128, 12, "overlap_p")),
     96: (None, None),
     128: (None, None),
-    192: (None, (128, 96, 12, "overlap_p")),
-    256: (None, (128, 64, 12, "pingpong_p")),  # overlap_p spills at 232 consumer registers
+    192: (None, None),
+    256: (None, None),
 }
 SM90_FWD_SHORT_SEQLEN_Q, SM90_FWD_SHORT_SEQLEN_K = 1024, 2048
 
@@ -88,13 +85,15 @@ SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
 
 # sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
-# without / with the causal mask). block_n is a whole 128-byte V^T row. First table (2026-11-23): the
-# fp16 tiles where they fit, 128-key tiles throughout; causal D <= 128 persistent as in fp16.
+# without / with the causal mask). block_n is a whole 128-byte V^T row. The fp16 tiles where they fit,
+# 128-key tiles throughout; persistent at head dims <= 128 as in fp16 (H100 2026-11-23, eighth
+# session, scripts/ab_defines.py fp8, B=4 N=4096 TFLOP/s one CTA per tile -> persistent: D=64 567 ->
+# 596, causal 462 -> 490, D=128 825 -> 864; D=192 976 -> 985 left as it was).
 _SM90_FWD_FP8 = {
-    32: (192, 128, 16, False, False),
-    64: (192, 128, 16, False, False),
-    96: (128, 128, 12, False, True),
-    128: (128, 128, 12, False, True),
+    32: (192, 128, 16, True, True),
+    64: (192, 128, 16, True, True),
+    96: (128, 128, 12, True, True),
+    128: (128, 128, 12, True, True),
     192: (128, 128, 12, False, False),
     256: (128, 128, 12, False, False),
 }
@@ -116,7 +115,9 @@ _SM90_FWD_FP8_SHORT = {
 
 
 def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelConfig:
-    """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config."""
+    """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config. Tuning runs
+    may force the tiles ($CUFLASH_SM90_FP8_TILES="block_m,block_n,warps") and whether the kernel is
+    persistent ($CUFLASH_SM90_FP8_PERSISTENT=0 or 1)."""
     bucket = head_dim_bucket(head_dim)
     block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[bucket]
     persistent = persistent_causal if causal else persistent
@@ -124,6 +125,8 @@ def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelCo
     if short_tile is not None:
         (block_m, block_n, warps), persistent = short_tile, True
     block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
+    forced = os.environ.get("CUFLASH_SM90_FP8_PERSISTENT")
+    persistent = persistent if forced is None else forced == "1"
     family = "sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"
     return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
 

@@ -2,6 +2,7 @@
 
     python3 scripts/ab_defines.py bwd "" "-DCUFLASH_SM90_BWD_NO_EARLY_DV"
     AB_SHAPES="4,16,4096,64,float16,0;16,16,1024,64,float16,0" python3 scripts/ab_defines.py bwd ...
+    python3 scripts/ab_defines.py fp8 "" "@CUFLASH_SM90_FP8_PERSISTENT=1"   (bfloat16 shapes)
 Prints, per shape, the median time of each define set over alternating rounds (TFLOP/s).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import cupy
 
 import cuflash
-from cuflash import api
+from cuflash import api, fp8
 from cuflash.bench import Shape, random_inputs, time_cuda
 
 SHAPES = [Shape(4, 16, 4096, 64, "float16", True), Shape(4, 16, 4096, 128, "bfloat16", False),
@@ -44,6 +45,10 @@ def main(direction: str, variants: list[str]) -> None:
             run = lambda: cuflash.backward(dout, q, k, v, out, lse, causal=shape.causal,  # noqa: E731
                                            dq=grads[0], dk=grads[1], dv=grads[2])
             flops = 2.5 * shape.fwd_flops()
+        elif direction == "fp8":   # forward_fp8 on the inputs quantised per tensor (bf16 shapes)
+            (q8, sq), (k8, sk), (v8, sv) = (cuflash.quantize_fp8(x) for x in (q, k, v))
+            run = lambda: cuflash.forward_fp8(q8, k8, v8, sq, sk, sv, causal=shape.causal, out=out)  # noqa: E731
+            flops = shape.fwd_flops()
         else:
             run = lambda: cuflash.forward(q, k, v, causal=shape.causal, out=out)  # noqa: E731
             flops = shape.fwd_flops()
@@ -61,6 +66,7 @@ def main(direction: str, variants: list[str]) -> None:
                 os.environ["CUFLASH_NVRTC_DEFINES"] = " ".join(t for t in tokens if not t.startswith("@"))
                 api._bwd_plans.clear()
                 api._fwd_plans.clear()
+                fp8._plans.clear()
                 times[var].append(time_cuda(run, repeats=20))
         cells = [f"{flops / statistics.median(t) / 1e9:.0f}" for t in times.values()]
         print(f"{shape.label():45s} " + " | ".join(f"{v or 'default'}: {c}" for v, c in zip(variants, cells)),

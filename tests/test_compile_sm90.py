@@ -21,8 +21,8 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 def test_sm90_configs_cover_every_head_dim():
     # every head dim, dtype and mask, plus the short-sequence kernels where they differ from the
-    # table's (causal head dims <= 64 and 136..256: 8 + 16), per dtype
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * (8 + 16)
+    # table's (causal head dims <= 64: 8), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * 8
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -52,7 +52,7 @@ def test_sm90_fwd_wgmma_descriptors_stay_uniform(cfg):
     """No R2UR between the key loop's first and last wgmma: ptxas keeps the descriptors in uniform
     registers only while it can prove the tile, ring stage and Q buffer warp-uniform (the persistent
     kernels lost 10 % at long lengths when the tile index came straight from shared memory). The
-    persistent kernels above head dim 128 (short causal sequences only) are not clean yet."""
+    persistent kernels above head dim 128 (forced schedules only) are not clean yet."""
     span = sass.mma_span_counts(sass.sass(cfg, "90a"))
     assert span["HGMMA"] > 0, f"{cfg.key()}: no wgmma loop found"
     assert span["R2UR"] == 0, f"{cfg.key()}: {span['R2UR']} R2UR among the key loop's wgmma"
@@ -81,9 +81,8 @@ def test_backend_selection(monkeypatch):
 
 def test_short_sequence_schedule(monkeypatch):
     """The table runs persistent kernels at head dims <= 128 (overlap_p; causal <= 64 simple_p) and one
-    CTA per tile above; short sequences take _SM90_FWD_SHORT's persistent kernels where it has one
-    (causal head dims <= 64 with 128-row tiles, causal 192 / 256); forced schedules keep the table's
-    tiles."""
+    CTA per tile above; short sequences take _SM90_FWD_SHORT's kernel where it has one (causal head
+    dims <= 64: overlap_p with 128-row tiles); forced schedules keep the table's tiles."""
     monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
     monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
@@ -97,11 +96,10 @@ def test_short_sequence_schedule(monkeypatch):
     for d in (96, 128):
         short = heuristics.fwd_config("bfloat16", d, True, 90, short=True)
         assert short == heuristics.fwd_config("bfloat16", d, True, 90) and short.family == "sm90_fwd_overlap_p"
-    for d, family in ((192, "sm90_fwd_overlap_p"), (256, "sm90_fwd_pingpong_p")):
-        short, long = (heuristics.fwd_config("bfloat16", d, True, 90, short=s) for s in (True, False))
-        assert short.family == family and long.family == "sm90_fwd_overlap" and tiles(short) == tiles(long)
-        assert heuristics.fwd_config("bfloat16", d, False, 90, short=True) == heuristics.fwd_config("bfloat16", d, False, 90)
-        assert heuristics.fwd_config("bfloat16", d, False, 90).family == "sm90_fwd_overlap"
+    for d in (192, 256):
+        for causal in (False, True):
+            short = heuristics.fwd_config("bfloat16", d, causal, 90, short=True)
+            assert short == heuristics.fwd_config("bfloat16", d, causal, 90) and short.family == "sm90_fwd_overlap"
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"

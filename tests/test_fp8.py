@@ -68,15 +68,22 @@ def test_fp8_configs_cover_every_head_dim():
                 assert cfg.family in ("sm90_fwd_fp8", "sm90_fwd_fp8_p") and cfg.block_n % 128 == 0
 
 
-def test_fp8_short_sequences_take_persistent_kernels(monkeypatch):
+def test_fp8_persistent_kernels(monkeypatch):
+    """Persistent at head dims <= 128 at every length; short sequences also at causal 192."""
     monkeypatch.delenv("CUFLASH_SM90_FP8_TILES", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_FP8_PERSISTENT", raising=False)
     for d, causal, persistent in ((64, False, True), (64, True, True), (128, False, True), (128, True, True),
                                   (192, False, False), (192, True, True), (256, False, False), (256, True, False)):
         short = heuristics.fp8_fwd_config(d, causal, short=True)
         assert short.family == ("sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"), (d, causal)
     assert heuristics.fp8_fwd_config(64, True, short=True).block_m == 128  # 192 rows: slower under the mask
-    assert heuristics.fp8_fwd_config(64, False).family == "sm90_fwd_fp8"
+    for d in (64, 128):
+        for causal in (False, True):
+            assert heuristics.fp8_fwd_config(d, causal).family == "sm90_fwd_fp8_p"
+    assert heuristics.fp8_fwd_config(192, True).family == "sm90_fwd_fp8"
     assert heuristics.fp8_fwd_config(256, True).family == "sm90_fwd_fp8"
+    monkeypatch.setenv("CUFLASH_SM90_FP8_PERSISTENT", "0")
+    assert heuristics.fp8_fwd_config(64, False).family == "sm90_fwd_fp8"
 
 
 def test_fp8_instantiations_compile_without_spills():
