@@ -65,6 +65,7 @@ def opcode_counts(sass_text: str) -> collections.Counter:
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
 _BRANCH_TARGET = re.compile(r"\bBRA\b(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)")
+_MMA_OPCODES = ("HGMMA", "QGMMA")   # warpgroup MMA: 16-bit and fp8
 
 
 def innermost_mma_loop(sass_text: str) -> list[str]:
@@ -82,9 +83,6 @@ def innermost_mma_loop(sass_text: str) -> list[str]:
         if any(o in _MMA_OPCODES for o in body) and (not best or len(body) < len(best)):
             best = body
     return best
-
-
-_MMA_OPCODES = ("HGMMA", "QGMMA")
 
 
 def mma_span_counts(sass_text: str) -> collections.Counter:
