@@ -222,13 +222,14 @@ _bwd_plans: dict = {}
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int,
-              backend: Optional[str] = None):
+              backend: Optional[str] = None, short: bool = False):
     backend = heuristics.bwd_backend() if backend is None else backend
-    key = (dtype, head_dim, causal, deterministic, device_id, backend)
+    key = (dtype, head_dim, causal, deterministic, device_id, backend, short)
     plan = _bwd_plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
-        cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend)
+        cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend,
+                                      short=short)
         plan = _bwd_plans[key] = tuple(
             None if c is None else (get_kernel(c, device_id), c, smem_bytes(c))
             for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq, cfgs.postprocess))
@@ -240,7 +241,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     import cupy
 
     b, nq, nk, hq, hkv, d = dims
-    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id)
+    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
+                                           short=heuristics.bwd_short(nk, causal))
     kern, cfg, smem = dkdv
     extra = ()
     if cfg.fam.arch_specific:  # sm90: tensor maps, or the portable kernels where TMA cannot address an input

@@ -357,13 +357,35 @@ def bwd_backend() -> str:
     return os.environ.get("CUFLASH_BWD_BACKEND", "auto").strip().lower()
 
 
+# sm90 backward on short key sequences (bwd_short), head dims <= 64: one consumer warpgroup of 64
+# keys per CTA stepping over 64-row query tiles, two CTAs per SM (kernels_cu/sm90/bwd.cu,
+# Sm90BwdTile): one CTA's start and end overlap the other's steps, at the price of m64n64 GEMMs.
+# H100 (2026-11-23, ninth session), backward TFLOP/s two-warpgroup table tile / this one, same run:
+# B=32 N=512 D=64 bf16 224 / 232, causal fp16 136 / 146; B=16 N=1024 D=64 causal 217 / 225, D=32
+# bf16 causal 119 / 123; but B=16 N=1024 D=64 316 / 312, B=8 N=2048 D=64 causal 310 / 304, B=4
+# N=4096 D=64 451 / 393.
+_SM90_BWD_SHORT = {32: (64, 64, 8), 64: (64, 64, 8)}
+SM90_BWD_SHORT_SEQLEN_K = 512
+SM90_BWD_SHORT_SEQLEN_K_CAUSAL = 1024
+
+
+def bwd_short(seqlen_k: int, causal: bool) -> bool:
+    """Whether bwd_configs takes these inputs as short (its ``short``); $CUFLASH_SM90_BWD_SHORT=1 / 0
+    forces it on / off."""
+    forced = os.environ.get("CUFLASH_SM90_BWD_SHORT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return seqlen_k <= (SM90_BWD_SHORT_SEQLEN_K_CAUSAL if causal else SM90_BWD_SHORT_SEQLEN_K)
+
+
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None, dq_mode: str | None = None) -> BwdConfigs:
+                backend: str | None = None, dq_mode: str | None = None, short: bool = False) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
     ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + dQ kernel where it
     applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; deterministic only with the tile dQ
-    mode), ``dq_mode`` (default: $CUFLASH_SM90_BWD_DQ) how its dQ is reduced.
+    mode), ``dq_mode`` (default: $CUFLASH_SM90_BWD_DQ) how its dQ is reduced, ``short``
+    (bwd_short) the tiles of _SM90_BWD_SHORT where it has the head dim.
     """
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
@@ -375,8 +397,8 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     elif backend in SM90_BWD_BACKENDS:
         table, table_causal = {**_SM90_BWD, **_SM90_BWD_OPTIN}, {**_SM90_BWD_CAUSAL, **_SM90_BWD_OPTIN_CAUSAL}
     if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in table:
-        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (causal and table_causal.get(bucket))
-                     or table[bucket])
+        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (short and _SM90_BWD_SHORT.get(bucket))
+                     or (causal and table_causal.get(bucket)) or table[bucket])
         tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile"
         if tile:
             family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
@@ -424,9 +446,11 @@ def all_sm90_bwd_configs() -> list[KernelConfig]:
             for causal in (False, True):
                 for det in (False, True):
                     for mode in SM90_BWD_DQ_MODES:
-                        for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", dq_mode=mode).all():
-                            if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
-                                seen.setdefault(cfg.key(), cfg)
+                        for short in (False, True):
+                            for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", dq_mode=mode,
+                                                   short=short).all():
+                                if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
+                                    seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 
 

@@ -103,11 +103,13 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     """Sm90BwdTile::kSmemBytes (kernels_cu/sm90/bwd.cu) plus 1024 bytes of alignment slack."""
     pad = _round_up(c.head_dim, 64)
     s = SM90_BWD_STAGES
-    ds_copies = 2 if c.block_n == 64 else 1  # split-D: one dS copy per consumer warpgroup
-    # kDqStageBytes: both warpgroups' dQ slices (split-D tiles stage them in the Q / dO ring)
-    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family and c.block_n == 128 else 0
+    consumer_wgs = c.num_warps // 4 - 1
+    split_d = c.block_n == 64 and consumer_wgs == 2
+    ds_copies = 2 if split_d else 1  # split-D: one dS copy per consumer warpgroup
+    # kDqStageBytes: the warpgroups' dQ slices (split-D tiles stage them in the Q / dO ring)
+    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family and not split_d else 0
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
-            + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * 2))  # kBarriers
+            + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * consumer_wgs))  # kBarriers
 
 
 SMEM_BYTES = {
@@ -175,13 +177,17 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
 # N=4096 400 / 444, B=16 N=1024 298 / 303 (1-D in 24 MB sections: 0.643 -> 0.578 ms at N=1024 but
 # 1.723 -> 1.750 ms at N=4096). The 64-row tiles (D=96..128) are level or slower on it (D=128 N=4096
 # 543 / 541, D=256 379 / 372; in 24 MB sections D=128 N=1024 0.889 / 0.951 ms): they keep the 3-D grid.
+# The one-warpgroup short-sequence tiles (num_warps 8) take the 1-D grid: B=16 N=1024 D=64 272 / 312,
+# B=32 N=512 213 / 232, B=4 N=4096 357 / 393 (2026-11-23, ninth session).
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
     """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
-    sm90 kernels, and the others with 128-row query tiles, take a 1-D grid and walk it key-tile-major
+    sm90 kernels, and the others with 128-row query tiles or one consumer warpgroup, take a 1-D grid
+    and walk it key-tile-major
     in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
     rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or c.block_m == 128):
+    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or c.block_m == 128
+                                            or c.num_warps == 8):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

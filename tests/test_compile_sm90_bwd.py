@@ -23,8 +23,12 @@ DQ_MODE = {"sm90_bwd_dkdv_dq": "kDqAtomic", "sm90_bwd_dkdv_dqtile": "kDqTile",
 def test_sm90_bwd_configs():
     assert {c.head_dim for c in SM90_BWD_CONFIGS} == {32, 64, 96, 128, 192, 256}
     by_family = {f: [c for c in SM90_BWD_CONFIGS if c.family == f] for f in DQ_MODE}
-    # Every bucket, dtype and mask in each dQ mode.
-    assert [len(by_family[f]) for f in DQ_MODE] == [6 * 2 * 2] * 3
+    # Every bucket, dtype and mask in each dQ mode, and the short-sequence tiles (one consumer
+    # warpgroup, heuristics._SM90_BWD_SHORT) of its buckets.
+    short = len(heuristics._SM90_BWD_SHORT)
+    assert [len(by_family[f]) for f in DQ_MODE] == [(6 + short) * 2 * 2] * 3
+    assert {(c.block_m, c.block_n, c.num_warps) for c in SM90_BWD_CONFIGS if c.num_warps == 8} \
+        == set(heuristics._SM90_BWD_SHORT.values())
     assert {c.family for c in POSTPROCESS_CONFIGS} == {"bwd_postprocess_tiled"}
     for c in SM90_BWD_CONFIGS:
         assert launch.SMEM_BYTES[c.family](c) <= H100_SMEM_OPTIN
@@ -56,9 +60,12 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     pad = (cfg.head_dim + 63) // 64 * 64
     # Per query tile and consumer warpgroup: S^T, dP^T (pad / 16 k-steps each), dV, dK
     # (block_m / 16 each) and dQ (block_n / 16), times the wgmma pieces of a column slice (split-D
-    # tiles, block_n = 64: half of the head dim per warpgroup, in 32-column pieces at d=192).
-    kv_cols = pad // 2 if cfg.block_n == 64 else pad
-    dq_cols = pad // 2 if cfg.block_m == 64 else pad
+    # tiles, block_n = 64 and two consumer warpgroups: half of the head dim per warpgroup, in
+    # 32-column pieces at d=192).
+    consumer_wgs = cfg.num_warps // 4 - 1
+    split_d = cfg.block_n == 64 and consumer_wgs == 2
+    kv_cols = pad // 2 if split_d else pad
+    dq_cols = pad // consumer_wgs if cfg.block_m == 64 else pad
     kv_pieces = 1 if kv_cols % 64 == 0 else kv_cols // 32
     dq_pieces = 1 if dq_cols % 64 == 0 or dq_cols < 64 else dq_cols // 32
     per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) * kv_pieces + cfg.block_n // 16 * dq_pieces
@@ -130,3 +137,26 @@ def test_sm90_bwd_grid_order():
     assert grid("sm90_bwd_dkdv_dqtile", True, 4096, block_m=64) == (32 * 32, 1, 1)
     assert grid("sm90_bwd_dkdv_dqtile_ordered", False, 4096) == (32 * 32, 1, 1)
     assert grid("sm80_bwd_dkdv", False, 512) == (4, 8, 4)
+
+
+def test_sm90_bwd_short_sequences(monkeypatch):
+    """Short key sequences at head dims <= 64 take the one-consumer-warpgroup tile (two CTAs per SM,
+    64 keys, 64-row query steps) on the sectioned 1-D grid; longer ones and larger head dims do not;
+    $CUFLASH_SM90_BWD_SHORT forces the choice."""
+    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_BWD_SHORT", raising=False)
+    assert heuristics.bwd_short(512, False) and not heuristics.bwd_short(513, False)
+    assert heuristics.bwd_short(1024, True) and not heuristics.bwd_short(1025, True)
+    for d in (32, 64):
+        for det in (False, True):
+            tile = heuristics.bwd_configs("float16", d, False, 90, det, short=True).dkdv
+            assert (tile.block_m, tile.block_n, tile.num_warps) == (64, 64, 8)
+            assert launch.bwd_dkdv_grid(tile, 2, 3, 1000) == (16 * 3 * 2, 1, 1)
+            assert launch.SMEM_BYTES[tile.family](tile) <= H100_SMEM_OPTIN // 2  # two CTAs per SM
+    assert heuristics.bwd_configs("float16", 64, False, 90, short=False).dkdv.num_warps == 12
+    assert heuristics.bwd_configs("float16", 128, False, 90, short=True).dkdv.num_warps == 12
+    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "1")
+    assert heuristics.bwd_short(1 << 20, False)
+    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "0")
+    assert not heuristics.bwd_short(16, True)

@@ -44,11 +44,16 @@ struct Sm90BwdTile {
     static constexpr int kColBlocks = kHeadDimPad / 64;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
-    // Split-D tiles (head dims 192 / 256): 64 keys per CTA and two consumer warpgroups that both
-    // compute S^T / dP^T of those keys (redundantly) and each own half of the head dim of dK, dV
-    // and dQ, so that the float32 dK/dV accumulators fit in registers.
-    static constexpr bool kSplitD = kBlockN == 64;
-    static constexpr int kConsumerWGs = kSplitD ? 2 : kBlockN / 64;
+    // One producer warpgroup and kNWarps / 4 - 1 consumer warpgroups:
+    // - two, 64 keys each (128-key tiles);
+    // - split-D tiles (head dims 192 / 256): 64 keys per CTA and two consumer warpgroups that both
+    //   compute S^T / dP^T of those keys (redundantly) and each own half of the head dim of dK, dV
+    //   and dQ, so that the float32 dK/dV accumulators fit in registers;
+    // - one (64 keys, 64-row query steps, head dims <= 64): a small CTA, two per SM, so that one
+    //   CTA's start (K/V loads, the first step) and end (dK/dV stores) overlap the other's steps.
+    static constexpr int kConsumerWGs = kNWarps_ / 4 - 1;
+    static constexpr bool kSplitD = kBlockN == 64 && kConsumerWGs == 2;
+    static constexpr int kCtasPerSm = kConsumerWGs == 1 ? 2 : 1;
     // dK / dV columns of one consumer warpgroup; wgmma N of one piece of a column slice (a piece
     // never starts inside a 64-column swizzle atom and runs into the next one).
     static constexpr int kKvCols = kSplitD ? kHeadDimPad / 2 : kHeadDimPad;
@@ -81,17 +86,20 @@ struct Sm90BwdTile {
     static constexpr int kDqStageBytes = kDqMode == kDqAtomic || kDqInRing ? 0 : kConsumerWGs * kDqSliceFloats * 4;
     // kv, q_full / do_full / empty per stage, dq_full / dq_empty per consumer warpgroup.
     static constexpr int kBarriers = 1 + 3 * kStages + 2 * kConsumerWGs;
+    // setmaxnreg moves registers within the CTA's launch allocation (65536 / kCtasPerSm / threads each):
+    // 128 * (24 + 2 * 240) <= 384 * 168, and 128 * (24 + 232) == 256 * 128.
     static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 232 : 240;
     // Bytes after the 1024-byte aligned base (launch.py mirrors this).
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsCopies * kDsBytes
                                       + kDqStageBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
     static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
-    static_assert((kBlockN == 128 || kSplitD) && kConsumerWGs == 2,
-                  "two consumer warpgroups of 64 keys, or of the same 64 keys and half the head dim each");
+    static_assert((kBlockN == 128 && kConsumerWGs == 2) || kSplitD
+                      || (kBlockN == 64 && kConsumerWGs == 1 && kBlockM == 64 && kHeadDimPad == 64),
+                  "two consumer warpgroups of 64 keys, or of the same 64 keys and half the head dim each, "
+                  "or one of 64 keys (head dims <= 64, 64-row query steps)");
     static_assert(!kSplitD || kBlockM == 64, "split-D tiles: 64-row query tiles");
     static_assert(kKvPiece <= 128 && kDqPiece <= 128, "wgmma N of one piece");
-    static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockN / 64 consumer warpgroups");
     static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
     static_assert(!kDqInRing || kDqSliceFloats * 4 == kQBytes, "split-D dQ slice: one Q / dO ring buffer");
 };
@@ -287,7 +295,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
                 mbar_arrive(bar_do_full(stage));
             }
-        } else if (kDqMode != kDqAtomic && (warp == 2 || warp == 3) && (threadIdx.x & 31) == 0 && n_iter > 0) {
+        } else if (kDqMode != kDqAtomic && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
+                   && n_iter > 0) {
             // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after
             // the key tiles before this one, and released when its writes are performed).
             const int cw = warp - 2;
@@ -317,7 +326,12 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     semaphore_release_add(sem);
                 }
             }
-            bulk_wait_all();  // the CTA's shared memory must outlive its bulk reduces
+            // Each reduce has read its slice (wait_group.read above), so the CTA's shared memory may go;
+            // the adds themselves complete before the grid does, so the CTA need not wait for them
+            // (as a TMA store's epilogue does not).
+#ifdef CUFLASH_SM90_BWD_EXIT_WAIT_ALL
+            bulk_wait_all();
+#endif
         }
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
@@ -594,7 +608,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 
 #define CUFLASH_SM90_BWD_KERNEL(name, mode)                                                                  \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>               \
-    __global__ void __launch_bounds__(kNWarps * 32, 1)                                                         \
+    __global__ void __launch_bounds__(kNWarps * 32,                                                            \
+                                      (Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kCtasPerSm))          \
     name(const BwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,      \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do) {                      \
         bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v, tma_do);   \
