@@ -147,6 +147,18 @@ struct BwdBlock {
     int n_block, head_kv, batch;
 };
 
+// -DCUFLASH_SM90_BWD_TRACE (scripts/bwd_trace.py): per CTA, the SM and clock64 stamps of its phases in
+// dq_semaphore (as u64[16]: 0-7 phases, 8-15 the end of the first 8 steps); a diagnostic build only.
+#ifdef CUFLASH_SM90_BWD_TRACE
+__device__ __forceinline__ void bwd_trace(const BwdParams& p, int slot, unsigned long long value) {
+    const i64 cta = blockIdx.x + static_cast<i64>(gridDim.x) * (blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z);
+    reinterpret_cast<unsigned long long*>(p.dq_semaphore)[cta * 16 + slot] = value;
+}
+#define CUFLASH_BWD_TRACE(slot, value) bwd_trace(p, slot, value)
+#else
+#define CUFLASH_BWD_TRACE(slot, value)
+#endif
+
 // The (key tile, kv head, batch) of this CTA. A 1-D grid (causal and ordered-dQ kernels always; the
 // others with 128-row query tiles, launch.py: bwd_dkdv_grid) is walked key-tile-major within sections
 // of (kv head, batch) groups whose Q, dO, K and V fit in CUFLASH_SM90_BWD_SECTION_MB of L2. Causal (not ordered):
@@ -241,6 +253,15 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         fence_barrier_init();
     }
     __syncthreads();
+#ifdef CUFLASH_SM90_BWD_TRACE
+    if (threadIdx.x == 0) {
+        u32 smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        CUFLASH_BWD_TRACE(0, smid);
+        CUFLASH_BWD_TRACE(1, clock64());
+        CUFLASH_BWD_TRACE(7, n_iter);
+    }
+#endif
 
     if (wg == 0) {
         setmaxnreg_dec<Tile::kProducerRegs>();
@@ -332,6 +353,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 #ifdef CUFLASH_SM90_BWD_EXIT_WAIT_ALL
             bulk_wait_all();
 #endif
+            if (cw == 0) CUFLASH_BWD_TRACE(6, clock64());
         }
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
@@ -369,6 +391,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         };
 
         if (n_iter > 0) mbar_wait(bar_kv, 0);
+        if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
         for (int i = 0; i < n_iter; ++i) {
             const int head = head0 + i / n_m;
             const int m_block = m_begin + i % n_m;
@@ -392,6 +415,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             wgmma_wait<0>();
             fence_operand(acc_s);
             fence_operand(acc_dp);
+            if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
             // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + 8j + 2 t4 + (e & 1).
             const float* lse2_s = stat_ptr + stage * kBlockM;
@@ -559,6 +583,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 fence_proxy_async_smem();
                 mbar_arrive(bar_dq_full(cw));
             }
+            if (threadIdx.x == 128 && i < 8) CUFLASH_BWD_TRACE(8 + i, clock64());
         }
 
         // Epilogue: dK * softmax_scale and dV through shared memory into full 16-byte global stores.
@@ -568,6 +593,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         // warpgroups' last dQ products (which read all of K) are done: dK goes where K was, dV where V
         // was, as [key][column] rows with 16-byte chunk c of row r at chunk c ^ (r % 8) (no bank
         // conflicts on either side).
+        if (threadIdx.x == 128) CUFLASH_BWD_TRACE(4, clock64());
         named_barrier_sync(5, Tile::kConsumerWGs * 128);
         auto stage_tile = [&](u32 dst, const float (&acc)[kKvCols / 2], float scale) {
             char* base = smem_raw + (dst - smem_u32(smem_raw));
@@ -603,6 +629,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                    p.dk_row_stride);
         store_tile(sV, static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride,
                    p.dv_row_stride);
+        if (threadIdx.x == 128) CUFLASH_BWD_TRACE(5, clock64());
     }
 }
 
