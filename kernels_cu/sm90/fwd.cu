@@ -326,10 +326,42 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
             return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
         };
+        // 16-bit overlap schedule, two consumer warpgroups, head dims <= 128: this warpgroup's 64 Q rows
+        // as wgmma A fragments (k16 step kk in qa[kk]), loaded once per tile, so that Q K^T reads only K
+        // from shared memory (a third less of the key loop's shared-memory reads; +0.6-1 % forward,
+        // sm90/NOTES.md ninth session). Above 128, and with three warpgroups, the 32 registers spill.
+        // -DCUFLASH_SM90_FWD_Q_IN_SMEM builds the shared-memory A operand everywhere.
+#ifdef CUFLASH_SM90_FWD_Q_IN_SMEM
+        constexpr bool kQInRegs = false;
+#else
+        constexpr bool kQInRegs = !Tile::kFp8 && kMode == kModeOverlap && kPad <= 128 && kBlockM == 128;
+#endif
+        u32 qa[kQInRegs ? kPad / 16 : 1][4];
+        auto load_q_frags = [&]() {
+            if constexpr (kQInRegs) {
+                const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+                const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);   // row of this lane's address
+#pragma unroll
+                for (int kk = 0; kk < kPad / 16; ++kk) {
+                    const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
+                    ldmatrix_x4(q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4), qa[kk]);
+                }
+            }
+        };
         // S = Q K^T of one key tile (issued, not waited for).
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
-            wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
-                acc_s, sQ + qb * Tile::kQBytes + cw * 64 * Tile::kRowBytes, k_src);
+            if constexpr (kQInRegs) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kPad / 16; ++kk) {
+                    const u64 db = make_desc_sw128(k_src + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                    WgmmaRS<Tag, kBlockN>::template run<false>(acc_s, qa[kk], db, kk > 0);
+                }
+                wgmma_commit();
+            } else {
+                wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
+                    acc_s, sQ + qb * Tile::kQBytes + cw * 64 * Tile::kRowBytes, k_src);
+            }
         };
         constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
         // O += P V of one key tile (issued, not waited for).
@@ -449,6 +481,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
             u32 pa[kPSteps][4];
+            load_q_frags();
             {
                 float acc_s[kBlockN / 2];
                 const int stage0 = it % kStages;
