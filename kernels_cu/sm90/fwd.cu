@@ -553,6 +553,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if constexpr (kStageO) {
             if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
                 char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
+                // The warp's ldmatrix of these Q rows (kQInRegs) read what other lanes now overwrite.
+                if constexpr (kQInRegs) __syncwarp();
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = warp * 16 + g + 8 * h;
