@@ -326,15 +326,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
             return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
         };
-        // 16-bit overlap schedule, two consumer warpgroups, head dims <= 128: this warpgroup's 64 Q rows
-        // as wgmma A fragments (k16 step kk in qa[kk]), loaded once per tile, so that Q K^T reads only K
-        // from shared memory (a third less of the key loop's shared-memory reads; +0.6-1 % forward,
-        // sm90/NOTES.md ninth session). Above 128, and with three warpgroups, the 32 registers spill.
+        // 16-bit tiles: this warpgroup's 64 Q rows as wgmma A fragments (k16 step kk in qa[kk]), loaded
+        // once per tile, so that Q K^T reads only K from shared memory (a third less of the key loop's
+        // shared-memory reads; sm90/NOTES.md ninth session: +0.6-1 % at D=128, +2-4 % on the causal
+        // D<=64 simple schedule). The overlap schedule with three warpgroups or above head dim 128
+        // spills with the extra registers, so it keeps the shared-memory operand there.
         // -DCUFLASH_SM90_FWD_Q_IN_SMEM builds the shared-memory A operand everywhere.
 #ifdef CUFLASH_SM90_FWD_Q_IN_SMEM
         constexpr bool kQInRegs = false;
 #else
-        constexpr bool kQInRegs = !Tile::kFp8 && kMode == kModeOverlap && kPad <= 128 && kBlockM == 128;
+        constexpr bool kQInRegs = !Tile::kFp8 && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
+                                                  || (kMode == kModeSimple && kPad <= 64));
 #endif
         u32 qa[kQInRegs ? kPad / 16 : 1][4];
         auto load_q_frags = [&]() {
@@ -448,6 +450,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         }
         if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q(0), 0);
         if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
+            load_q_frags();
             if (kPingPong && cw == Tile::kConsumerWGs - 1) named_barrier_arrive(1, 256);  // warpgroup 0 starts
             for (int i = 0; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
