@@ -40,6 +40,12 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["HGMMA"] > 0, f"{cfg.key()}: no HGMMA in SASS"
     assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
+    # Q as the register A operand of Q K^T (kernels_cu/sm90/fwd.cu: kQInRegs): one ldmatrix.x4 per k16
+    # step of the padded head dim, and no other ldmatrix in the forward.
+    pad = (cfg.head_dim + 63) // 64 * 64
+    schedule = cfg.family.removeprefix("sm90_fwd").removesuffix("_p")
+    q_in_regs = (schedule == "_overlap" and cfg.block_m == 128 and pad <= 128) or (schedule == "" and pad <= 64)
+    assert ops["LDSM"] == (pad // 16 if q_in_regs else 0), f"{cfg.key()}: {ops['LDSM']} LDSM"
 
 
 UNIFORM_CONFIGS = [c for c in SASS_CONFIGS if c.head_dim <= 128]
