@@ -261,10 +261,12 @@ def main(argv=None) -> int:
               for short in (False, True)}
     needed |= {heuristics.fwd_config(dt, d, c, cc) for dt in ("float16", "bfloat16", "float32")
                for d in (64, 128) for c in (False, True)}
+    # The backward's kernels for both length classes (heuristics.bwd_short), as the forward's above.
     if not args.forward_only:
-        needed |= {cfg for s in shapes for cfg in heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc).all()}
+        needed |= {cfg for s in shapes for short in (False, True)
+                   for cfg in heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc, short=short).all()}
     needed |= {cfg for dt in ("float16", "bfloat16", "float32") for d in (64, 128) for c in (False, True)
-               for cfg in heuristics.bwd_configs(dt, d, c, cc).all()}
+               for short in (False, True) for cfg in heuristics.bwd_configs(dt, d, c, cc, short=short).all()}
     if cc == 90:  # the fp8 forward and its helpers
         from . import fp8
 
