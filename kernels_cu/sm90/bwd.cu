@@ -143,6 +143,26 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
 #define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
 #endif
 
+// Query tile of step i of a key tile that visits the n_m query tiles from m_begin on. Rotated, each
+// key tile starts at its own query tile (n_block mod n_m) and wraps around, so that the key tiles
+// running side by side add into different dQ tiles at a time rather than all into the same one: the
+// unordered, non-causal 128-row tiles (head dims <= 64). H100, backward TFLOP/s, A/B in one run
+// (2026-11-24): B=16 N=1024 D=64 fp16 318 -> 324, B=4 N=4096 458 / 457, B=8 N=2048 406 / 405; the
+// 64-row tiles lose (D=128 N=1024 412 -> 404), the causal 128-row ones spill with it.
+// -DCUFLASH_SM90_BWD_ROTATE=0 turns it off.
+#ifndef CUFLASH_SM90_BWD_ROTATE
+#define CUFLASH_SM90_BWD_ROTATE 1
+#endif
+template <bool kRotate>
+__device__ __forceinline__ int bwd_query_tile(int i, int m_begin, int n_m, int n_block) {
+    int t = i % n_m;
+    if (kRotate) {
+        t += n_block % n_m;
+        if (t >= n_m) t -= n_m;
+    }
+    return m_begin + t;
+}
+
 struct BwdBlock {
     int n_block, head_kv, batch;
 };
@@ -231,6 +251,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int m_end = ceil_div(p.seqlen_q, kBlockM);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * p.heads_per_kv;
+    // Step i's query tile (bwd_query_tile).
+    constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal && kBlockM == 128;
+    auto query_tile = [&](int i) { return bwd_query_tile<kRotate>(i, m_begin, n_m, n_block); };
     const int head0 = head_kv * p.heads_per_kv;
     // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
     // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
@@ -279,7 +302,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
             for (int i = 0; i < n_iter; ++i) {
                 const int head = head0 + i / n_m;
-                const int m0 = (m_begin + i % n_m) * kBlockM;
+                const int m0 = query_tile(i) * kBlockM;
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const u32 q_dst = sQ + stage * Tile::kQBytes, do_dst = sdO + stage * Tile::kQBytes;
@@ -297,7 +320,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             const int lane = threadIdx.x & 31;
             for (int i = 0; i < n_iter; ++i) {
                 const int head = head0 + i / n_m;
-                const int m0 = (m_begin + i % n_m) * kBlockM;
+                const int m0 = query_tile(i) * kBlockM;
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
@@ -326,7 +349,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
                                                      : sDqStage + cw * Tile::kDqSliceFloats * 4;
                 const int head = head0 + i / n_m;
-                const int m_block = m_begin + i % n_m;
+                const int m_block = query_tile(i);
                 const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
                 float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
@@ -357,6 +380,15 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         }
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
+        // The query-tile range again, from an opaque copy of seqlen_q so that ptxas cannot hoist it
+        // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles).
+        int seqlen_q_opaque = p.seqlen_q;
+        asm volatile("" : "+r"(seqlen_q_opaque));
+        const int m_begin = Range::m_block_min(n_block, seqlen_q_opaque, p.seqlen_k);
+        const int m_end = ceil_div(seqlen_q_opaque, kBlockM);
+        const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+        const int n_iter = n_m * p.heads_per_kv;
+        auto query_tile = [&](int i) { return bwd_query_tile<kRotate>(i, m_begin, n_m, n_block); };
         const int cw = wg - 1;
         const int lane = threadIdx.x & 31;
         const int warp = (threadIdx.x >> 5) & 3;
@@ -394,7 +426,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
         for (int i = 0; i < n_iter; ++i) {
             const int head = head0 + i / n_m;
-            const int m_block = m_begin + i % n_m;
+            const int m_block = query_tile(i);
             const int m0 = m_block * kBlockM;
             const int stage = i % kStages;
             const u32 parity = (i / kStages) & 1;
