@@ -9,17 +9,10 @@
 // registers (see pack_a_from_acc).
 #pragma once
 #include "../common/numeric.cuh"
+#include "../common/smem.cuh"
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 b16 matrices; lane l supplies the address of row (l % 8) of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(smem_row)));
-}
+// ldmatrix_x4 (common/smem.cuh) on a generic pointer into shared memory.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) { ldmatrix_x4(r, smem_u32(smem_row)); }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"

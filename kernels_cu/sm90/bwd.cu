@@ -143,25 +143,36 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
 #define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
 #endif
 
-// Query tile of step i of a key tile that visits the n_m query tiles from m_begin on. Rotated, each
-// key tile starts at its own query tile (n_block mod n_m) and wraps around, so that the key tiles
-// running side by side add into different dQ tiles at a time rather than all into the same one: the
-// unordered, non-causal 128-row tiles (head dims <= 64). H100, backward TFLOP/s, A/B in one run
+// The steps of key tile n_block: the n_m query tiles from m_begin on (causal: from its diagonal) of
+// each query head of its GQA group, n_iter in all; step i takes query head head0 + i / n_m and query
+// tile steps.query_tile(i). Rotated, each key tile starts at its own query tile (n_block mod n_m) and wraps
+// around, so that the key tiles running side by side add into different dQ tiles at a time rather
+// than all into the same one: the unordered, non-causal 128-row tiles (head dims <= 64). H100, backward TFLOP/s, A/B in one run
 // (2026-11-24): B=16 N=1024 D=64 fp16 318 -> 324, B=4 N=4096 458 / 457, B=8 N=2048 406 / 405; the
 // 64-row tiles lose (D=128 N=1024 412 -> 404), the causal 128-row ones spill with it.
 // -DCUFLASH_SM90_BWD_ROTATE=0 turns it off.
 #ifndef CUFLASH_SM90_BWD_ROTATE
 #define CUFLASH_SM90_BWD_ROTATE 1
 #endif
-template <bool kRotate>
-__device__ __forceinline__ int bwd_query_tile(int i, int m_begin, int n_m, int n_block) {
-    int t = i % n_m;
-    if (kRotate) {
-        t += n_block % n_m;
-        if (t >= n_m) t -= n_m;
+template <int kBlockM, int kBlockN, bool kIsCausal, bool kRotate>
+struct BwdSteps {
+    int n_block, m_begin, n_m, n_iter;
+    __device__ __forceinline__ BwdSteps(int n_block_, int seqlen_q, int seqlen_k, int heads_per_kv)
+        : n_block(n_block_) {
+        m_begin = BlockRange<kBlockM, kBlockN, kIsCausal>::m_block_min(n_block, seqlen_q, seqlen_k);
+        const int m_end = ceil_div(seqlen_q, kBlockM);
+        n_m = m_end > m_begin ? m_end - m_begin : 0;
+        n_iter = n_m * heads_per_kv;
     }
-    return m_begin + t;
-}
+    __device__ __forceinline__ int query_tile(int i) const {
+        int t = i % n_m;
+        if (kRotate) {
+            t += n_block % n_m;
+            if (t >= n_m) t -= n_m;
+        }
+        return m_begin + t;
+    }
+};
 
 struct BwdBlock {
     int n_block, head_kv, batch;
@@ -247,13 +258,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int head_kv = blk.head_kv;
     const int batch = blk.batch;
     const int n0 = n_block * kBlockN;
-    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
-    const int m_end = ceil_div(p.seqlen_q, kBlockM);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * p.heads_per_kv;
-    // Step i's query tile (bwd_query_tile).
     constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal && kBlockM == 128;
-    auto query_tile = [&](int i) { return bwd_query_tile<kRotate>(i, m_begin, n_m, n_block); };
+    using Steps = BwdSteps<kBlockM, kBlockN, kIsCausal, kRotate>;
+    const Steps steps(n_block, p.seqlen_q, p.seqlen_k, p.heads_per_kv);
     const int head0 = head_kv * p.heads_per_kv;
     // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
     // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
@@ -282,14 +289,14 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         CUFLASH_BWD_TRACE(0, smid);
         CUFLASH_BWD_TRACE(1, clock64());
-        CUFLASH_BWD_TRACE(7, n_iter);
+        CUFLASH_BWD_TRACE(7, steps.n_iter);
     }
 #endif
 
     if (wg == 0) {
         setmaxnreg_dec<Tile::kProducerRegs>();
         const int warp = threadIdx.x / 32;
-        if (warp == 0 && threadIdx.x == 0 && n_iter > 0) {
+        if (warp == 0 && threadIdx.x == 0 && steps.n_iter > 0) {
             tma_prefetch_desc(&tma_q);
             tma_prefetch_desc(&tma_k);
             tma_prefetch_desc(&tma_v);
@@ -300,9 +307,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 tma_load_4d(sK + cb * kBlockN * 128, &tma_k, bar_kv, cb * 64, n0, head_kv, batch);
                 tma_load_4d(sV + cb * kBlockN * 128, &tma_v, bar_kv, cb * 64, n0, head_kv, batch);
             }
-            for (int i = 0; i < n_iter; ++i) {
-                const int head = head0 + i / n_m;
-                const int m0 = query_tile(i) * kBlockM;
+            for (int i = 0; i < steps.n_iter; ++i) {
+                const int head = head0 + i / steps.n_m;
+                const int m0 = steps.query_tile(i) * kBlockM;
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const u32 q_dst = sQ + stage * Tile::kQBytes, do_dst = sdO + stage * Tile::kQBytes;
@@ -315,12 +322,12 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                     tma_load_4d(do_dst + cb * kBlockM * 128, &tma_do, bar_do_full(stage), cb * 64, m0, head, batch);
             }
-        } else if (warp == 1 && n_iter > 0) {
+        } else if (warp == 1 && steps.n_iter > 0) {
             // lse2 and delta of each query tile; rows past seqlen_q get lse2 = +inf (P = 0), delta = 0.
             const int lane = threadIdx.x & 31;
-            for (int i = 0; i < n_iter; ++i) {
-                const int head = head0 + i / n_m;
-                const int m0 = query_tile(i) * kBlockM;
+            for (int i = 0; i < steps.n_iter; ++i) {
+                const int head = head0 + i / steps.n_m;
+                const int m0 = steps.query_tile(i) * kBlockM;
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
@@ -340,16 +347,16 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 mbar_arrive(bar_do_full(stage));
             }
         } else if (kDqMode != kDqAtomic && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
-                   && n_iter > 0) {
+                   && steps.n_iter > 0) {
             // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after
             // the key tiles before this one, and released when its writes are performed).
             const int cw = warp - 2;
             const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-            for (int i = 0; i < n_iter; ++i) {
+            for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
                                                      : sDqStage + cw * Tile::kDqSliceFloats * 4;
-                const int head = head0 + i / n_m;
-                const int m_block = query_tile(i);
+                const int head = head0 + i / steps.n_m;
+                const int m_block = steps.query_tile(i);
                 const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
                 float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
@@ -380,15 +387,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         }
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
-        // The query-tile range again, from an opaque copy of seqlen_q so that ptxas cannot hoist it
-        // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles).
+        // The steps again (shadowing the CTA's), from an opaque copy of seqlen_q so that ptxas cannot
+        // hoist them above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles).
         int seqlen_q_opaque = p.seqlen_q;
         asm volatile("" : "+r"(seqlen_q_opaque));
-        const int m_begin = Range::m_block_min(n_block, seqlen_q_opaque, p.seqlen_k);
-        const int m_end = ceil_div(seqlen_q_opaque, kBlockM);
-        const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-        const int n_iter = n_m * p.heads_per_kv;
-        auto query_tile = [&](int i) { return bwd_query_tile<kRotate>(i, m_begin, n_m, n_block); };
+        const Steps steps(n_block, seqlen_q_opaque, p.seqlen_k, p.heads_per_kv);
         const int cw = wg - 1;
         const int lane = threadIdx.x & 31;
         const int warp = (threadIdx.x >> 5) & 3;
@@ -422,11 +425,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
         };
 
-        if (n_iter > 0) mbar_wait(bar_kv, 0);
+        if (steps.n_iter > 0) mbar_wait(bar_kv, 0);
         if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
-        for (int i = 0; i < n_iter; ++i) {
-            const int head = head0 + i / n_m;
-            const int m_block = query_tile(i);
+        for (int i = 0; i < steps.n_iter; ++i) {
+            const int head = head0 + i / steps.n_m;
+            const int m_block = steps.query_tile(i);
             const int m0 = m_block * kBlockM;
             const int stage = i % kStages;
             const u32 parity = (i / kStages) & 1;

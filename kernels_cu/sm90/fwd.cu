@@ -346,7 +346,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 #pragma unroll
                 for (int kk = 0; kk < kPad / 16; ++kk) {
                     const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
-                    ldmatrix_x4(q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4), qa[kk]);
+                    ldmatrix_x4(qa[kk], q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4));
                 }
             }
         };

@@ -11,11 +11,8 @@
 #error "kernels_cu/sm90 needs the sm_90a target (wgmma, setmaxnreg)"
 #endif
 #include "../common/numeric.cuh"
+#include "../common/smem.cuh"
 #include "wgmma_ops.cuh"
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
 
 // Matrix descriptor of a 128-byte-swizzled tile (the layout TMA writes with
 // CU_TENSOR_MAP_SWIZZLE_128B and a 128-byte inner box): rows of 128 bytes,
@@ -105,10 +102,3 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
-
-// Loads four 8x8 16-bit matrices (ldmatrix): lane 8q + i gives the address of row i of matrix q
-// (16 contiguous bytes); register q of every thread gets its mma-fragment piece of matrix q.
-__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32 (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}

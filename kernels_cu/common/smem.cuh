@@ -1,0 +1,16 @@
+// Shared-memory addressing shared by the sm80 and sm90 kernels: 32-bit shared-window addresses and
+// ldmatrix on them.
+#pragma once
+#include "numeric.cuh"
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices (ldmatrix): lane l supplies the shared address of row (l % 8) of matrix l / 8
+// (16 contiguous bytes); register q of every thread gets its mma-fragment piece of matrix q.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
