@@ -324,26 +324,33 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
         } else if (warp == 1 && steps.n_iter > 0) {
             // lse2 and delta of each query tile; rows past seqlen_q get lse2 = +inf (P = 0), delta = 0.
+            // All of a tile's loads go out together, before the wait for its ring stage: one memory
+            // latency per tile rather than one per 32 rows and array. A CTA's first tile is usually not
+            // in L2 yet (its key tile starts at its own query tile), and eight dependent DRAM round trips
+            // there held up the first step by ~2.6k cycles (B=16 N=1024 D=64, scripts/bwd_trace.py).
             const int lane = threadIdx.x & 31;
+            constexpr int kRowsPerLane = kBlockM / 32;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const int head = head0 + i / steps.n_m;
                 const int m0 = steps.query_tile(i) * kBlockM;
                 const int stage = i % kStages;
-                mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
+                float lse_r[kRowsPerLane], delta_r[kRowsPerLane];
+#pragma unroll
+                for (int j = 0; j < kRowsPerLane; ++j) {
+                    const int row = m0 + lane + 32 * j;
+                    const bool valid = row < p.seqlen_q;
+                    lse_r[j] = valid ? p.lse[base + row] : -CUFLASH_INF;   // bwd_lse2(-inf) = +inf: P = 0
+                    delta_r[j] = valid ? p.delta[base + row] : 0.f;
+                }
+                mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 float* lse2_s = stat_ptr + stage * kBlockM;
                 float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
-#pragma unroll 1
-                for (int r = lane; r < kBlockM; r += 32) {
-                    const int row = m0 + r;
-                    lse2_s[r] = row < p.seqlen_q ? bwd_lse2(p.lse[base + row]) : CUFLASH_INF;
-                }
+#pragma unroll
+                for (int j = 0; j < kRowsPerLane; ++j) lse2_s[lane + 32 * j] = bwd_lse2(lse_r[j]);
                 mbar_arrive(bar_q_full(stage));
-#pragma unroll 1
-                for (int r = lane; r < kBlockM; r += 32) {
-                    const int row = m0 + r;
-                    delta_s[r] = row < p.seqlen_q ? p.delta[base + row] : 0.f;
-                }
+#pragma unroll
+                for (int j = 0; j < kRowsPerLane; ++j) delta_s[lane + 32 * j] = delta_r[j];
                 mbar_arrive(bar_do_full(stage));
             }
         } else if (kDqMode != kDqAtomic && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
