@@ -81,6 +81,30 @@ def test_unaligned_strides_fall_back(rng):
     assert rel_err(o, ref) <= 2e-3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_output_tma_cannot_address(rng, causal, d):
+    """An ``out`` no tensor map can describe (a size-1 batch dim whose stride is not a multiple of 16
+    bytes): the persistent kernels, which store O with TMA, write a compact stand-in and copy it over;
+    the rest of ``out``'s buffer stays as it was."""
+    from conftest import poisoned, randn
+    from cupy.lib.stride_tricks import as_strided
+
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference, rel_err
+
+    q, k, v = (randn(rng, (1, 300, 2, d), "bfloat16") for _ in range(3))
+    backing = poisoned((1, 300, 2, d), "bfloat16")
+    out = as_strided(backing, shape=backing.shape, strides=(8,) + backing.strides[1:])
+    o, lse = cuflash.forward(q, k, v, causal=causal, out=out, return_lse=True)
+    assert o is out
+    cupy.cuda.get_current_stream().synchronize()
+    ref, ref_lse = attention_reference(q, k, v, causal=causal)
+    assert rel_err(o, ref) <= 1.6e-2
+    assert rel_err(lse, ref_lse) <= 1e-5
+
+
 # Other tile shapes (more consumer warpgroups, wider key tiles), where they fit in shared memory.
 @pytest.mark.parametrize("tiles,d,dtype", [("192,128,16", 64, "float16"), ("128,176,12", 128, "bfloat16"),
                                            ("128,176,12", 64, "float16")])

@@ -114,8 +114,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 byt
                  ::"l"(dst), "r"(src), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Waits until this thread's bulk operations have read their shared-memory source.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Waits until this thread's bulk operations are complete (their writes performed).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async_global() {

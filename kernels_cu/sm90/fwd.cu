@@ -115,6 +115,26 @@ struct PersistentOrder {
     }
 };
 
+// -DCUFLASH_SM90_FWD_TRACE (scripts/fwd_trace.py, persistent kernels only): clock64 stamps per CTA,
+// consumer warpgroup and tile (the first 16) after the two tile-counter ints: u64[(cta * 3 + cw) * 16 +
+// tile][8], slots 0 tile start, 1 Q landed, 2 first K landed, 3 key loop done, 4 epilogue done, 5 SM id,
+// 6 key tiles. A diagnostic build only.
+#ifdef CUFLASH_SM90_FWD_TRACE
+#define CUFLASH_FWD_TRACE(slot, value)                                                                       \
+    do {                                                                                                     \
+        if (kPersistent && (threadIdx.x & 127) == 0 && k_tile < 16)                                          \
+            reinterpret_cast<unsigned long long*>(tile_counter + 64)[((blockIdx.x * 3 + cw) * 16 + k_tile) * 8 \
+                                                                     + (slot)] = (value);                   \
+    } while (0)
+#else
+#define CUFLASH_FWD_TRACE(slot, value)
+#endif
+__device__ __forceinline__ unsigned long long sm_id_u64() {
+    unsigned int smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    return smid;
+}
+
 // fp8 only: the per-tensor scales of the e4m3 inputs (x = x8 * descale), float32 scalars on the device.
 struct Fp8Descale {
     const float* q = nullptr;
@@ -126,7 +146,7 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
           bool kPersistent = false>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
-                                         Fp8Descale descale = {}) {
+                                         Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
     constexpr int kStages = Tile::kStages;
@@ -296,11 +316,22 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
         int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
+        // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
+        // seen read (-1: none), released to the producer once it has been.
+        int o_store_buffer = -1;
         for (int k_tile = 0;; ++k_tile) {
         int m_block, head, batch;
         const int qb = q_count % kQBuffers;   // this tile's Q buffer
+        CUFLASH_FWD_TRACE(0, clock64());
+        CUFLASH_FWD_TRACE(5, sm_id_u64());
         if constexpr (kPersistent) {
             mbar_wait(bar_q(qb), (q_count / kQBuffers) & 1);   // Q and the tile index have landed
+            if (o_store_buffer >= 0) {   // the previous tile's O store (kTmaStoreO): read by now, as a rule
+                bulk_wait_read();
+                mbar_arrive(bar_q_empty(o_store_buffer));
+                o_store_buffer = -1;
+            }
+            CUFLASH_FWD_TRACE(1, clock64());
             // Broadcast from lane 0: ptxas then knows the tile (and so the ring stage and Q buffer of every
             // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
             const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
@@ -489,6 +520,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 float acc_s[kBlockN / 2];
                 const int stage0 = it % kStages;
                 mbar_wait(bar_k_full(stage0), (it / kStages) & 1);
+                CUFLASH_FWD_TRACE(2, clock64());
+                CUFLASH_FWD_TRACE(6, n_block_max);
                 issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
@@ -531,6 +564,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             wgmma_wait<0>();
             fence_operand(acc_o);
             mbar_arrive(bar_v_empty(last));
+            CUFLASH_FWD_TRACE(3, clock64());
         }
 
         // 16-bit O goes out through shared memory (kStageO): written straight from the accumulators it
@@ -541,6 +575,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // fp8 Q rows are too narrow for O's: those store directly, and so do the persistent kernels
         // above head dim 128 (the staging code spills the overlap one at 192 under the causal mask).
         constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
+        // Persistent: staged O leaves through one TMA store per warpgroup, issued by its first thread, so
+        // that the warpgroup goes on to the next tile at once; that thread releases the Q buffer once
+        // the store has read it, at the next tile's start (two Q buffers: the producer is then loading
+        // the other one), or at once (one buffer). H100: B=16 N=1024 D=128 bf16 forward 595 -> 628
+        // TFLOP/s with the O stores skipped (sm90/NOTES.md eleventh session): their issue held every
+        // warpgroup ~1,000 cycles per tile.
+#ifdef CUFLASH_SM90_FWD_DIRECT_O   // A/B: every thread stores its rows' 16-byte chunks
+        constexpr bool kTmaStoreO = false;
+#else
+        constexpr bool kTmaStoreO = kPersistent && kStageO;
+#endif
         // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
         // the producer may load the next Q into it (persistent).
         if (kPersistent && !kStageO) mbar_arrive(bar_q_empty(qb));
@@ -568,6 +613,23 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
                                                       acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
                 }
+                if constexpr (kTmaStoreO) {
+                    fence_proxy_async_smem();   // the staged rows, visible to the TMA engine
+                    named_barrier_sync(4 + cw, 128);   // ids 1..3: the ping-pong turns
+                    if ((threadIdx.x & 127) == 0) {
+                        const u32 rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+#pragma unroll
+                        for (int cb = 0; cb < kPadV / 64; ++cb)
+                            tma_store_4d(tma_o, rows + cb * kBlockM * 128, cb * 64, m_block * kBlockM + cw * 64, head,
+                                         batch);
+                        bulk_commit_group();
+                        if constexpr (kQBuffers == 2) {
+                            o_store_buffer = qb;
+                        } else {
+                            bulk_wait_read();
+                        }
+                    }
+                } else {
                 named_barrier_sync(4 + cw, 128);   // ids 1..3: the ping-pong turns
                 constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
                 const int row_base = m_block * kBlockM + cw * 64;
@@ -580,8 +642,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
                                                             + (((c % 8) ^ (r % 8)) * 16));
                 }
+                }
             }
-            if (kPersistent) mbar_arrive(bar_q_empty(qb));
+            if (kPersistent && o_store_buffer != qb) mbar_arrive(bar_q_empty(qb));
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -601,6 +664,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
             }
         }
+        CUFLASH_FWD_TRACE(4, clock64());
         }  // tiles
     }
 }
@@ -623,9 +687,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
     __global__ void __launch_bounds__(kNWarps * 32, 1)                                                          \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
-         const __grid_constant__ TmaDesc tma_v, int* tile_counter) {                                            \
+         const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o, int* tile_counter) {     \
         fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, true>(p, tma_q, tma_k, tma_v,       \
-                                                                                  tile_counter);                \
+                                                                                  tile_counter, {}, &tma_o);    \
     }
 CUFLASH_SM90_FWD_KERNEL(fwd_kernel, kModeSimple)
 CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap)

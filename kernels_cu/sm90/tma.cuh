@@ -36,3 +36,16 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
+
+// Shared -> global tile store (the box at the given coordinates; elements outside the tensor are not
+// written), in the issuing thread's bulk-async group: commit, then wait (.read: until the shared-memory
+// source may be reused).
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+        ::"l"(reinterpret_cast<unsigned long long>(desc)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk operations have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }

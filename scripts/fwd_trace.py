@@ -1,0 +1,71 @@
+"""Per-tile phase timing of the persistent sm90 forward (a -DCUFLASH_SM90_FWD_TRACE build): clock64
+stamps per CTA, consumer warpgroup and tile at the tile's start, Q landed, first K landed, key loop
+done and epilogue done (the first 16 tiles of each CTA).
+
+    python3 scripts/fwd_trace.py [B,H,N,D,dtype,causal ...]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+os.environ["CUFLASH_NVRTC_DEFINES"] = (os.environ.get("CUFLASH_NVRTC_DEFINES", "") + " -DCUFLASH_SM90_FWD_TRACE").strip()
+
+import cupy  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import sm90  # noqa: E402
+from cuflash.bench import Shape, random_inputs  # noqa: E402
+
+SLOTS, TILES, WGS = 8, 16, 3
+
+
+def trace(shape: Shape) -> None:
+    q, k, v = random_inputs(shape)
+    ctas = 256  # >= the persistent grid (one CTA per SM)
+    buf = cupy.zeros(64 // 2 + ctas * WGS * TILES * SLOTS, dtype=cupy.uint64)   # 64 ints, then the stamps
+    real = sm90.tile_counter
+    sm90.tile_counter = lambda device_id: buf.view(cupy.int32)
+    try:
+        for _ in range(4):  # the last run's stamps count
+            buf[32:] = 0
+            cuflash.forward(q, k, v, causal=shape.causal)
+        cupy.cuda.Device().synchronize()
+    finally:
+        sm90.tile_counter = real
+    t = buf[32:].get().astype(np.int64).reshape(ctas, WGS, TILES, SLOTS)
+    start, q_in, k_in, loop, epi, smid, nk = (t[..., i] for i in range(7))
+    used = (start > 0) & (epi > 0) & (k_in > 0)
+    med = lambda x: float(np.median(x[used[..., :x.shape[-1]] if x.ndim == 3 else used]))  # noqa: E731
+    keys = nk[used]
+    loop_per_key = (loop - k_in)[used] / np.maximum(nk[used] - 1, 1)
+    # gap: this tile's start minus the same warpgroup's previous epilogue end
+    gap = start[..., 1:] - epi[..., :-1]
+    gap_used = used[..., 1:] & used[..., :-1]
+    print(f"{shape.label()}: {int(used.sum())} (cta, warpgroup, tile) records, key tiles per tile {np.median(keys):.0f}")
+    print(f"  median cycles: wait for Q {np.median((q_in - start)[used]):.0f}, then first K {np.median((k_in - q_in)[used]):.0f}, "
+          f"key loop {np.median((loop - k_in)[used]):.0f} ({np.median(loop_per_key):.0f} per key tile after the first), "
+          f"epilogue {np.median((epi - loop)[used]):.0f}, gap to the next tile {np.median(gap[gap_used]):.0f}")
+    for name, x in (("wait for Q", (q_in - start)[used]), ("first K", (k_in - q_in)[used]), ("epilogue", (epi - loop)[used])):
+        print(f"  {name}: p10 {np.percentile(x, 10):.0f} p50 {np.percentile(x, 50):.0f} p90 {np.percentile(x, 90):.0f}")
+    # first tile of each CTA vs the rest
+    first = used[:, :, 0]
+    print(f"  first tile of a CTA: wait for Q {np.median((q_in - start)[:, :, 0][first]):.0f}, first K "
+          f"{np.median((k_in - q_in)[:, :, 0][first]):.0f}")
+    tile_time = (epi - start)[used]
+    print(f"  tile (start to epilogue end) median {np.median(tile_time):.0f}; per key tile {np.median(tile_time / keys):.0f}")
+
+
+def main() -> int:
+    specs = sys.argv[1:] or ["16,16,1024,64,float16,0", "4,16,4096,64,float16,0", "16,16,1024,128,bfloat16,0",
+                             "4,16,4096,128,bfloat16,0"]
+    for spec in specs:
+        b, h, n, d, dtype, causal = spec.split(",")
+        trace(Shape(int(b), int(h), int(n), int(d), dtype, bool(int(causal))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
