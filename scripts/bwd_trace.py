@@ -49,6 +49,7 @@ def trace(shape: Shape) -> None:
     t = captured["buf"].get().astype(np.int64)
     cfg = captured["cfg"]
     sm, t0, kv, first, loop, epi, dq, n_iter = (t[:, i] for i in range(8))
+    entry = t[:, 15]
     end = np.maximum(epi, dq)
     med = lambda x: float(np.median(x))  # noqa: E731
     steps = np.maximum(n_iter - 1, 1)
@@ -57,25 +58,27 @@ def trace(shape: Shape) -> None:
           f"{med(first - kv):.0f}, loop {med(loop - kv):.0f} ({med((loop - first) / steps):.0f}/step after the "
           f"first), epilogue {med(epi - loop):.0f}, last dQ read after loop {med(dq - loop):.0f}, CTA "
           f"{med(end - t0):.0f}")
-    n_steps = int(min(8, n_iter.min()))
+    n_steps = int(min(7, n_iter.min()))
     if n_steps > 1:
         ends = t[:, 8:8 + n_steps]
         per_step = np.diff(np.concatenate([kv[:, None], ends], axis=1), axis=1)
         print("  step durations (median cycles, from K/V ready): "
               + " ".join(f"{np.median(per_step[:, j]):.0f}" for j in range(n_steps)))
-    gaps, spans, busy = [], [], []
+    gaps, entry_gaps, spans, busy = [], [], [], []
     for s in np.unique(sm):
         idx = np.where(sm == s)[0]
         order = idx[np.argsort(t0[idx])]
         # CTAs that overlap (two per SM) make a negative gap; count the idle time between them only.
         for a, b in zip(order[:-1], order[1:]):
             gaps.append(t0[b] - end[a])
+            entry_gaps.append(entry[b] - end[a])
         spans.append(end[order].max() - t0[order].min())
         busy.append(np.sum(end[order] - t0[order]))
     gaps = np.array(gaps)
     print(f"  per SM: {med([len(np.where(sm == s)[0]) for s in np.unique(sm)]):.0f} CTAs, span {med(spans):.0f} "
           f"(max {max(spans):.0f}), CTA-time / span {med(np.array(busy) / np.array(spans)):.2f}; gap to the next "
-          f"CTA median {med(gaps):.0f}, p90 {float(np.percentile(gaps, 90)):.0f}")
+          f"CTA median {med(gaps):.0f}, p90 {float(np.percentile(gaps, 90)):.0f}; of which before the kernel's entry "
+          f"{med(entry_gaps):.0f} and from the entry to the CTA's start (its coordinates, barrier set-up) {med(t0 - entry):.0f}")
 
 
 def main() -> int:

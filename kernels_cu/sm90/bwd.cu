@@ -177,7 +177,8 @@ struct BwdBlock {
 };
 
 // -DCUFLASH_SM90_BWD_TRACE (scripts/bwd_trace.py): per CTA, the SM and clock64 stamps of its phases in
-// dq_semaphore (as u64[16]: 0-7 phases, 8-15 the end of the first 8 steps); a diagnostic build only.
+// dq_semaphore (as u64[16]: 0-7 phases, 8-14 the end of the first 7 steps, 15 the kernel's entry, before
+// the CTA's coordinates are computed); a diagnostic build only.
 #ifdef CUFLASH_SM90_BWD_TRACE
 __device__ __forceinline__ void bwd_trace(const BwdParams& p, int slot, unsigned long long value) {
     const i64 cta = blockIdx.x + static_cast<i64>(gridDim.x) * (blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z);
@@ -199,26 +200,34 @@ __device__ __forceinline__ void bwd_trace(const BwdParams& p, int slot, unsigned
 template <int kBlockN, int kHeadDim, bool kIsCausal, int kDqMode>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
     if (kIsCausal || kDqMode == kDqTileOrdered || (gridDim.y == 1 && gridDim.z == 1)) {
-        const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
-        const int groups = p.batch * (p.heads_q / p.heads_per_kv);
-        const i64 group_bytes = 2ll * kHeadDim * 2 * (static_cast<i64>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
-        constexpr i64 kSectionBytes = static_cast<i64>(kDqMode == kDqTileOrdered && kHeadDim > 64
-                                                           ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
-                                                           : CUFLASH_SM90_BWD_SECTION_MB) << 20;
-        const int per_section = static_cast<int>(max(1ll, min(static_cast<i64>(groups), kSectionBytes / group_bytes)));
-        const int linear = blockIdx.x;
-        const int section = linear / (per_section * n_blocks);
-        const int first_group = section * per_section;
-        const int section_groups = min(per_section, groups - first_group);
-        const int within = linear - first_group * n_blocks;
-        const int group = first_group + within % section_groups;
-        const int heads_kv = p.heads_q / p.heads_per_kv;
+        // Unsigned 32-bit divisions and one float division: every CTA pays this chain before its first
+        // TMA load. With a 64-bit division and signed ones, kernel entry to the CTA's start took 1555
+        // cycles at B=16 N=1024 D=64, now 1266 (607 on the 3-D grid; scripts/bwd_trace.py).
+        const unsigned n_blocks = ceil_div(p.seqlen_k, kBlockN);
+        const unsigned heads_kv = static_cast<unsigned>(p.heads_q) / static_cast<unsigned>(p.heads_per_kv);
+        const unsigned groups = p.batch * heads_kv;
+        // Whole groups per section: any value >= 1 covers the grid (n_blocks x groups CTAs) exactly once,
+        // so float rounding only has to be the same in every thread, which it is.
+        constexpr float kSectionBytes = static_cast<float>((kDqMode == kDqTileOrdered && kHeadDim > 64
+                                                                ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
+                                                                : CUFLASH_SM90_BWD_SECTION_MB) << 20);
+        const float group_bytes = 4.f * kHeadDim * (static_cast<float>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
+        const unsigned per_section = static_cast<unsigned>(
+            fminf(static_cast<float>(groups), fmaxf(1.f, floorf(__fdividef(kSectionBytes, group_bytes)))));
+        const unsigned linear = blockIdx.x;
+        const unsigned section = linear / (per_section * n_blocks);
+        const unsigned first_group = section * per_section;
+        const unsigned section_groups = min(per_section, groups - first_group);
+        const unsigned within = linear - first_group * n_blocks;
         // Ordered dQ: key tiles in rank order (ascending; causal: from the last down), so that a CTA only
         // waits on CTAs launched before it, and key-tile-major inside a section, so that one wave holds
         // a few key tiles of many groups (a chain of ~132 / per_section links per wave, not n_blocks).
-        const int n_order = within / section_groups;
-        const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? n_blocks - 1 - n_order : n_order;
-        return {n_block, group % heads_kv, group / heads_kv};
+        const unsigned n_order = within / section_groups;
+        const unsigned group = first_group + (within - n_order * section_groups);
+        const unsigned batch = group / heads_kv;
+        const int n_block = kDqMode == kDqTileOrdered && kIsCausal ? static_cast<int>(n_blocks - 1 - n_order)
+                                                                   : static_cast<int>(n_order);
+        return {n_block, static_cast<int>(group - batch * heads_kv), static_cast<int>(batch)};
     } else {
         return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
     }
@@ -251,6 +260,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     auto bar_dq_full = [&](int c) { return bars + 8 * (1 + 3 * kStages + c); };
     auto bar_dq_empty = [&](int c) { return bars + 8 * (1 + 3 * kStages + Tile::kConsumerWGs + c); };
 
+    if (threadIdx.x == 0) CUFLASH_BWD_TRACE(15, clock64());   // kernel entry
     const BwdBlock blk = bwd_block<kBlockN, kHeadDim, kIsCausal, kDqMode>(p);
     const int n_block = blk.n_block;
     const int head_kv = blk.head_kv;
@@ -623,7 +633,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 fence_proxy_async_smem();
                 mbar_arrive(bar_dq_full(cw));
             }
-            if (threadIdx.x == 128 && i < 8) CUFLASH_BWD_TRACE(8 + i, clock64());
+            if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
         }
 
         // Epilogue: dK * softmax_scale and dV through shared memory into full 16-byte global stores.
