@@ -46,6 +46,10 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     schedule = cfg.family.removeprefix("sm90_fwd").removesuffix("_p")
     q_in_regs = (schedule == "_overlap" and cfg.block_m == 128 and pad <= 128) or (schedule == "" and pad <= 64)
     assert ops["LDSM"] == (pad // 16 if q_in_regs else 0), f"{cfg.key()}: {ops['LDSM']} LDSM"
+    # The persistent kernels stage O at head dims <= 128 and store it with TMA (kTmaStoreO); the others
+    # store it from registers or shared memory with ordinary stores.
+    tma_store_o = cfg.family.endswith("_p") and pad <= 128
+    assert (ops["UTMASTG"] > 0) == tma_store_o, f"{cfg.key()}: {ops['UTMASTG']} UTMASTG"
 
 
 UNIFORM_CONFIGS = [c for c in SASS_CONFIGS if c.head_dim <= 128]
