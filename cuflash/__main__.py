@@ -24,12 +24,10 @@ def _parse_shape(text: str):
     """B,H,N,D,dtype[,causal] -> Shape."""
     from .bench import Shape
 
-    parts = text.split(",")
-    if len(parts) not in (5, 6):
-        raise argparse.ArgumentTypeError(f"shape must be B,H,N,D,dtype[,causal], got {text!r}")
-    b, h, n, d = (int(x) for x in parts[:4])
-    causal = len(parts) == 6 and parts[5].lower() in ("1", "true", "causal")
-    return Shape(b, h, n, d, parts[4], causal)
+    try:
+        return Shape.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def self_check(device_id: int) -> list[tuple[str, float, float]]:

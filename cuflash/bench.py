@@ -25,6 +25,15 @@ class Shape:
     heads_kv: int | None = None
     seqlen_k: int | None = None
 
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """``"B,H,N,D,dtype[,causal]"`` (causal: 1, true or causal) -> Shape; ValueError otherwise."""
+        parts = [x.strip() for x in text.split(",")]
+        if len(parts) not in (5, 6):
+            raise ValueError(f"shape must be B,H,N,D,dtype[,causal], got {text!r}")
+        b, h, n, d = (int(x) for x in parts[:4])
+        return cls(b, h, n, d, parts[4], len(parts) == 6 and parts[5].lower() in ("1", "true", "causal"))
+
     @property
     def nk(self) -> int:
         return self.seqlen if self.seqlen_k is None else self.seqlen_k

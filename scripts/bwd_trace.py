@@ -85,8 +85,7 @@ def main() -> int:
     specs = sys.argv[1:] or ["16,16,1024,64,float16,0", "4,16,4096,64,float16,0", "16,16,1024,128,bfloat16,0",
                              "4,16,4096,128,bfloat16,0"]
     for spec in specs:
-        b, h, n, d, dtype, causal = spec.split(",")
-        trace(Shape(int(b), int(h), int(n), int(d), dtype, bool(int(causal))))
+        trace(Shape.parse(spec))
     return 0
 
 

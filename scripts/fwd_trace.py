@@ -58,12 +58,14 @@ def trace(shape: Shape) -> None:
     print(f"  tile (start to epilogue end) median {np.median(tile_time):.0f}; per key tile {np.median(tile_time / keys):.0f}")
 
 
+# Short and long sequences at the two head dims of the persistent overlap kernel's tiles.
+DEFAULT_SHAPES = ("16,16,1024,64,float16", "4,16,4096,64,float16", "32,16,512,128,bfloat16",
+                  "16,16,1024,128,bfloat16", "4,16,4096,128,bfloat16")
+
+
 def main() -> int:
-    specs = sys.argv[1:] or ["16,16,1024,64,float16,0", "4,16,4096,64,float16,0", "16,16,1024,128,bfloat16,0",
-                             "4,16,4096,128,bfloat16,0"]
-    for spec in specs:
-        b, h, n, d, dtype, causal = spec.split(",")
-        trace(Shape(int(b), int(h), int(n), int(d), dtype, bool(int(causal))))
+    for spec in sys.argv[1:] or DEFAULT_SHAPES:
+        trace(Shape.parse(spec))
     return 0
 
 
