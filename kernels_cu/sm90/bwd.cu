@@ -335,7 +335,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // All of a tile's loads go out together, before the wait for its ring stage: one memory
             // latency per tile rather than one per 32 rows and array. A CTA's first tile is usually not
             // in L2 yet (its key tile starts at its own query tile), and eight dependent DRAM round trips
-            // there held up the first step by ~2.6k cycles (B=16 N=1024 D=64, scripts/bwd_trace.py).
+            // there held up the first step by ~4k cycles (B=16 N=1024 D=64, scripts/bwd_trace.py: 9220 -> 5104).
             const int lane = threadIdx.x & 31;
             constexpr int kRowsPerLane = kBlockM / 32;
             for (int i = 0; i < steps.n_iter; ++i) {
