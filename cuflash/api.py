@@ -89,21 +89,17 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
     b, nq, nk, hq, hkv, d = dims
     kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk))
     extra = ()
-    out_given = None   # the caller's out where the kernel writes into a compact stand-in
+    written = out   # where the kernel writes O: out, or a compact stand-in copied into it after
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
-        if sm90.fwd_stores_through_tma(cfg) and not sm90.fwd_out_addressable(out):
-            import cupy
-
-            out_given, out = out, cupy.empty(out.shape, dtype=out.dtype)
-        kern, cfg, smem, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id, out)
+        kern, cfg, smem, extra, written = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, device_id, out)
     p = params.pack_bytes(params.FWD_PARAMS, (
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
+        q.data.ptr, k.data.ptr, v.data.ptr, written.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
-        *params.element_strides(out),
+        *params.element_strides(written),
         b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra)
-    if out_given is not None:
-        out_given[...] = out
+    if written is not out:
+        out[...] = written
 
 
 # ---------------------------------------------------------------------------

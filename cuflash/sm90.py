@@ -7,38 +7,40 @@ from .dispatch import get_kernel, smem_bytes
 from .launch import PackedTail
 
 
-def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int, out=None):
-    """(kernel, config, shared memory bytes, kernel arguments after the params struct).
+def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int, out):
+    """(kernel, config, shared memory bytes, kernel arguments after the params struct, the array the
+    kernel writes O into).
 
-    For the sm90 forward families the extra arguments are the tensor maps of q, k and v (and, for
-    the persistent kernels, of ``out``, which they store through TMA, then the tile counter); when
-    TMA cannot address an input (base or strides not 16-byte multiples) the portable kernel is used
-    instead. ``out`` must then be TMA-addressable (``fwd_out_addressable``; the caller passes a
-    stand-in otherwise). Other families pass through unchanged.
+    For the sm90 fp16/bf16 forward families the extra arguments are the tensor maps of q, k and v
+    (and, for the persistent kernels, which store O through TMA, of the output, then the tile
+    counter); when TMA cannot address an input (base or strides not 16-byte multiples) the portable
+    kernel is used instead. Where only ``out`` is the problem for a persistent kernel, the kernel
+    writes a compact stand-in, which the caller copies into ``out``. That check runs only when the
+    tensor-map cache misses. Other families pass through unchanged.
     """
     if not cfg.family.startswith("sm90_fwd"):
-        return kern, cfg, smem, ()
-    persistent = cfg.family.endswith("_p")
-    if persistent:  # O leaves in 64-row boxes, one per consumer warpgroup
-        maps = _maps((q, k, v, out), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, 64))
-    else:
+        return kern, cfg, smem, (), out
+    if not cfg.family.endswith("_p"):
         maps = _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
+        if maps is None:
+            return (*_portable_fwd(cfg, device_id), (), out)
+        return kern, cfg, smem, (maps,), out
+    rows = (cfg.block_m, cfg.block_n, cfg.block_n, 64)   # O leaves in 64-row boxes, one per consumer warpgroup
+    maps = _maps((q, k, v, out), cfg.dtype, rows)
+    if maps is None and not tma.bshd_ok(out) and all(tma.bshd_ok(x) for x in (q, k, v)):
+        import cupy
+
+        out = cupy.empty(out.shape, dtype=out.dtype)
+        maps = _maps((q, k, v, out), cfg.dtype, rows)
     if maps is None:
-        cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80")
-        return get_kernel(cfg, device_id), cfg, smem_bytes(cfg), ()
-    if persistent:
-        return kern, cfg, smem, (maps, tile_counter(device_id))
-    return kern, cfg, smem, (maps,)
+        return (*_portable_fwd(cfg, device_id), (), out)
+    return kern, cfg, smem, (maps, tile_counter(device_id)), out
 
 
-def fwd_stores_through_tma(cfg: KernelConfig) -> bool:
-    """Whether this forward kernel writes O with TMA stores (the persistent sm90 fp16/bf16 kernels)."""
-    return cfg.family.startswith("sm90_fwd") and cfg.family.endswith("_p") and "fp8" not in cfg.family
-
-
-def fwd_out_addressable(out) -> bool:
-    """Whether TMA can store into ``out`` (a (batch, seqlen, heads, head_dim) array)."""
-    return tma.bshd_ok(out)
+def _portable_fwd(cfg: KernelConfig, device_id: int):
+    """(kernel, config, shared memory bytes) of the portable forward for this config's inputs."""
+    cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80")
+    return get_kernel(cfg, device_id), cfg, smem_bytes(cfg)
 
 
 # (dtype, box rows, then pointer, shape and strides of each array) -> the arrays' tensor maps, or

@@ -31,7 +31,7 @@ def main() -> None:
           f"{host_overhead_us(lambda: cuflash.forward(q, k, v, return_lse=True)):.1f} us/call")
 
     kern, cfg, smem = api._fwd_plan(q.dtype, 64, False, 0)
-    kern2, cfg2, smem2, extra = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, 0, out)
+    kern2, cfg2, smem2, extra, _ = sm90.fwd_launch_args(kern, cfg, smem, q, k, v, 0, out)
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),
         *params.element_strides(k), *params.element_strides(v), *params.element_strides(out),
@@ -42,7 +42,6 @@ def main() -> None:
         "check_out_cached": lambda: _checks.check_out_cached("out", out, q.shape, q.dtype, 0),
         "with Device(0)": lambda: cupy.cuda.Device(0).__enter__().__exit__(None, None, None),
         "_fwd_plan": lambda: api._fwd_plan(q.dtype, 64, False, 0),
-        "sm90.fwd_out_addressable": lambda: sm90.fwd_out_addressable(out),
         "sm90.fwd_launch_args": lambda: sm90.fwd_launch_args(kern, cfg, smem, q, k, v, 0, out),
         "pack_bytes + strides": lambda: params.pack_bytes(params.FWD_PARAMS, (
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),

@@ -112,10 +112,8 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                  ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    bulk_commit_group();
 }
-// Waits until this thread's bulk operations are complete (their writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
@@ -293,9 +291,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     __syncthreads();
 #ifdef CUFLASH_SM90_BWD_TRACE
     if (threadIdx.x == 0) {
-        u32 smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        CUFLASH_BWD_TRACE(0, smid);
+        CUFLASH_BWD_TRACE(0, sm_id());
         CUFLASH_BWD_TRACE(1, clock64());
         CUFLASH_BWD_TRACE(7, steps.n_iter);
     }

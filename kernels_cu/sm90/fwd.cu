@@ -129,11 +129,6 @@ struct PersistentOrder {
 #else
 #define CUFLASH_FWD_TRACE(slot, value)
 #endif
-__device__ __forceinline__ unsigned long long sm_id_u64() {
-    unsigned int smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    return smid;
-}
 
 // fp8 only: the per-tensor scales of the e4m3 inputs (x = x8 * descale), float32 scalars on the device.
 struct Fp8Descale {
@@ -323,7 +318,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         int m_block, head, batch;
         const int qb = q_count % kQBuffers;   // this tile's Q buffer
         CUFLASH_FWD_TRACE(0, clock64());
-        CUFLASH_FWD_TRACE(5, sm_id_u64());
+        CUFLASH_FWD_TRACE(5, sm_id());
         if constexpr (kPersistent) {
             mbar_wait(bar_q(qb), (q_count / kQBuffers) & 1);   // Q and the tile index have landed
             if (o_store_buffer >= 0) {   // the previous tile's O store (kTmaStoreO): read by now, as a rule

@@ -49,3 +49,12 @@ __device__ __forceinline__ void tma_store_4d(const TmaDesc* desc, u32 src, int c
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk operations have read their shared-memory source.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until this thread's bulk operations are complete (their writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// The SM this thread runs on (the diagnostic traces of fwd.cu and bwd.cu).
+__device__ __forceinline__ u32 sm_id() {
+    u32 smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    return smid;
+}
