@@ -5,6 +5,7 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
@@ -12,7 +13,7 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, fp8, heuristics, launch, params, sm90
+from . import _checks, call_cache, fp8, heuristics, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -39,17 +40,32 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         the natural-log log-sum-exp of the scaled scores. A query row that sees no key gets
         output 0 and lse -inf. seqlen_q == 0 gives empty results; seqlen_k == 0 gives zeros and -inf.
     """
+    key = call_cache.fwd_key(q, k, v, out, causal, softmax_scale, return_lse)
+    lse = None
+    if key is not None:
+        call = _fwd_calls.get(key)
+        if call is not None:   # a call seen before: same arrays, options, stream and backend
+            launched, out, lse = call.replay(key, q, out, return_lse)
+            if launched:
+                return (out, lse) if return_lse else out
+            # Allocated at other addresses than the recorded ones: the checked path, on these arrays.
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.data.device_id
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
-    return _run_forward(lambda o, lse: _launch_fwd(q, k, v, o, lse, causal=bool(causal), scale=scale,
-                                                   dims=(b, nq, nk, hq, hkv, d), device_id=dev),
-                        out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev)
+
+    def launch_fn(o, l_):
+        prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
+                               device_id=dev)
+        if key is not None and prepared is not None:
+            _fwd_calls.record(key, prepared, o, l_, dev)
+
+    return _run_forward(launch_fn, out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse)
 
 
-def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int):
+def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int,
+                 lse=None):
     """Allocates what the caller did not give, handles the empty cases (no query rows: nothing to do;
     no keys: zeros and lse -inf, no kernel) and calls ``launch_fn(out, lse)`` otherwise."""
     import cupy
@@ -57,7 +73,8 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
     with cupy.cuda.Device(device_id):
         if out is None:
             out = cupy.empty(shape, dtype=dtype)
-        lse = cupy.empty(lse_shape, dtype=np.float32) if return_lse else None
+        if return_lse and lse is None:
+            lse = cupy.empty(lse_shape, dtype=np.float32)
         if out.size:
             if seqlen_k == 0:
                 out.fill(0)
@@ -68,9 +85,11 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
     return (out, lse) if return_lse else out
 
 
+# The forward's call cache (call_cache.py): a hit replays the recorded launch.
+_fwd_calls = call_cache.CallCache()
 # (dtype, head_dim, causal, device, backend) -> (kernel, config, shared memory bytes): keeps the
-# heuristics and the module lookup off the hot path. Tuning scripts clear it.
-_fwd_plans: dict = {}
+# heuristics and the module lookup off the hot path. Tuning scripts clear it (and so the calls).
+_fwd_plans = call_cache.Plans(_fwd_calls)
 
 
 def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False):
@@ -85,7 +104,9 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
     return plan
 
 
-def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int) -> None:
+def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int):
+    """Launches the forward on the current stream; returns the launch as a ``launch.Prepared`` for the
+    call cache, or None where it cannot be replayed as is (O through a stand-in, CuPy's launch path)."""
     b, nq, nk, hq, hkv, d = dims
     kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk))
     extra = ()
@@ -97,9 +118,18 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(written),
         b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
-    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra)
+    grid = launch.fwd_grid(cfg, b, hq, nq)
+    prepared = launch.prepare(kern, cfg, grid, p, smem, extra)
+    if prepared is None:
+        launch.launch(kern, cfg, grid, p, smem, extra)
+    else:
+        import cupy
+
+        prepared(cupy.cuda.get_current_stream().ptr)
     if written is not out:
         out[...] = written
+        return None
+    return prepared
 
 
 # ---------------------------------------------------------------------------

@@ -291,6 +291,40 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
                         get_current_stream().ptr, buf.pointers(offsets), 0)
 
 
+class Prepared:
+    """One launch with its arguments packed into a buffer of its own, ready to be replayed on any
+    stream: the forward's call cache (api.py) keeps these for calls it has seen, so that a repeated
+    call skips the checks, the plan and tensor-map lookups and the packing. The buffer is never
+    written after construction (the driver copies the parameters during cuLaunchKernel), so threads
+    may replay one concurrently."""
+
+    __slots__ = ("kernel", "fptr", "grid", "threads", "smem", "_buffer", "_pointer_array", "pointers")
+
+    def __init__(self, kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
+                 extra_args: tuple = ()) -> None:
+        args, offsets = pack_arguments(params, extra_args)
+        self.kernel = kernel   # keeps the module (and so fptr) alive
+        self.fptr = _function_ptr(kernel, smem)
+        self.grid, self.threads, self.smem = grid, config.threads, smem
+        self._buffer = ctypes.create_string_buffer(args, len(args))
+        base = ctypes.addressof(self._buffer)
+        self._pointer_array = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
+        self.pointers = ctypes.addressof(self._pointer_array)
+
+    def __call__(self, stream_ptr: int) -> None:
+        from cupy.cuda import driver
+
+        gx, gy, gz = self.grid
+        driver.launchKernel(self.fptr, gx, gy, gz, self.threads, 1, 1, self.smem, stream_ptr, self.pointers, 0)
+
+
+def prepare(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
+            extra_args: tuple = ()):
+    """A ``Prepared`` launch (arguments as for ``launch``), or None where launches go through CuPy
+    ($CUFLASH_LAUNCH=cupy)."""
+    return None if _LAUNCH_VIA_CUPY else Prepared(kernel, config, grid, params, smem, extra_args)
+
+
 def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extra_args: tuple) -> None:
     """CuPy's RawKernel call (one NumPy array per by-value argument)."""
     head = params if isinstance(params, bytes) else params.tobytes()

@@ -355,14 +355,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // 16-bit tiles: this warpgroup's 64 Q rows as wgmma A fragments (k16 step kk in qa[kk]), loaded
         // once per tile, so that Q K^T reads only K from shared memory (a third less of the key loop's
         // shared-memory reads; sm90/NOTES.md ninth session: +0.6-1 % at D=128, +2-4 % on the causal
-        // D<=64 simple schedule). The overlap schedule with three warpgroups or above head dim 128
-        // spills with the extra registers, so it keeps the shared-memory operand there.
+        // D<=64 simple schedule). The overlap schedule with three warpgroups, above head dim 128 or
+        // above 128 keys a tile spills with the extra registers, so it keeps the shared-memory operand there.
         // -DCUFLASH_SM90_FWD_Q_IN_SMEM builds the shared-memory A operand everywhere.
 #ifdef CUFLASH_SM90_FWD_Q_IN_SMEM
         constexpr bool kQInRegs = false;
 #else
-        constexpr bool kQInRegs = !Tile::kFp8 && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
-                                                  || (kMode == kModeSimple && kPad <= 64));
+        constexpr bool kQInRegs = !Tile::kFp8 && kBlockN <= 128
+                                  && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
+                                      || (kMode == kModeSimple && kPad <= 64));
 #endif
         u32 qa[kQInRegs ? kPad / 16 : 1][4];
         auto load_q_frags = [&]() {

@@ -1,0 +1,109 @@
+"""The forward's call cache: launches recorded per call signature and replayed as they are.
+
+A serving or training loop calls ``forward`` with the same arrays (or arrays of the same shapes at the
+same addresses, which CuPy's memory pool hands back) again and again. The checked path validates the
+arguments, looks up the plan and the tensor maps and packs the kernel arguments, several microseconds
+of Python; a hit skips all of it and replays the recorded ``launch.Prepared``, so that a small call
+costs little more than the driver's launch.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+CALLS_MAX = 256
+_ndarray = None
+
+
+def _ndarray_type():
+    global _ndarray
+    if _ndarray is None:
+        import cupy
+
+        _ndarray = cupy.ndarray
+    return _ndarray
+
+
+def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
+    """The key of a forward call, or None for a call the cache does not take (arrays that are not plain
+    CuPy arrays, a scale that is not a float or int).
+
+    It holds everything the checks, the plan and the launch read: each array's address, shape, strides
+    and dtype (the address fixes the device), the options, the current stream and device, and
+    $CUFLASH_FWD_BACKEND (tests and tuning runs switch it). An output the call allocates (``out`` None)
+    is not in it: the recorded launch holds the address it wrote, and ``replay`` compares.
+    """
+    nd = _ndarray_type()
+    if type(q) is not nd or type(k) is not nd or type(v) is not nd:
+        return None
+    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+        return None
+    if out is None:
+        out_sig = None
+    elif type(out) is nd:
+        out_sig = (out.data.ptr, out.shape, out.strides, out.dtype)
+    else:
+        return None
+    from cupy.cuda import get_current_stream, runtime
+
+    return (q.data.ptr, q.shape, q.strides, q.dtype, k.data.ptr, k.shape, k.strides, k.dtype,
+            v.data.ptr, v.shape, v.strides, v.dtype, out_sig, bool(causal), softmax_scale, bool(return_lse),
+            get_current_stream().ptr, runtime.getDevice(), os.environ.get("CUFLASH_FWD_BACKEND"))
+
+
+# Positions in fwd_key's tuple.
+_STREAM, _DEVICE = -3, -2
+
+
+class RecordedCall:
+    """A recorded forward launch and the output / lse addresses its arguments hold."""
+
+    __slots__ = ("launch", "out_ptr", "lse_ptr", "lse_shape")
+
+    def __init__(self, launch, out_ptr: int, lse_ptr: int, lse_shape) -> None:
+        self.launch, self.out_ptr, self.lse_ptr, self.lse_shape = launch, out_ptr, lse_ptr, lse_shape
+
+    def replay(self, key: tuple, q, out, return_lse: bool):
+        """``(launched, out, lse)``: allocates what the caller did not give (``lse`` None unless
+        ``return_lse``) and launches again on the key's stream, unless an allocation landed at another
+        address than the recorded one (``launched`` False: the checked path then runs on these arrays
+        and records anew)."""
+        import cupy
+
+        # The current device (in the key) is q's: a call is recorded only then.
+        if out is None:
+            out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty(self.lse_shape, dtype=np.float32) if return_lse else None
+        if out.data.ptr != self.out_ptr or (lse is not None and lse.data.ptr != self.lse_ptr):
+            return False, out, lse
+        self.launch(key[_STREAM])
+        return True, out, lse
+
+
+class CallCache(dict):
+    """fwd_key -> RecordedCall, bounded."""
+
+    def record(self, key: tuple, launch, out, lse, device_id: int) -> None:
+        """Records a launch just made with these output and lse arrays (on the key's stream), if the
+        current device was the arrays' one (allocations on a replay then land on the right device)."""
+        if key[_DEVICE] != device_id:
+            return
+        if len(self) >= CALLS_MAX:
+            self.clear()
+        self[key] = (RecordedCall(launch, out.data.ptr, lse.data.ptr, lse.shape) if lse is not None
+                     else RecordedCall(launch, out.data.ptr, 0, None))
+
+
+class Plans(dict):
+    """A plan cache whose ``clear()`` also drops the calls recorded from its plans (tuning scripts and
+    tests clear the plans when they change the kernel choice)."""
+
+    def __init__(self, *dependents: dict) -> None:
+        super().__init__()
+        self._dependents = dependents
+
+    def clear(self) -> None:
+        super().clear()
+        for d in self._dependents:
+            d.clear()

@@ -1,0 +1,138 @@
+"""The forward's call cache (cuflash/call_cache.py): a repeated call replays its recorded launch
+without the checks, and must still read the arrays' current contents, write where it is told, and
+follow a change of stream, backend or arguments."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, assert_lse_matches, poisoned, randn, requires_gpu
+
+
+def test_plans_clear_drops_recorded_calls():
+    """Tuning scripts and tests clear the plans when they change the kernel choice; the calls
+    recorded from those plans must go with them (CPU: no device needed)."""
+    from cuflash import api, call_cache
+
+    calls = call_cache.CallCache()
+    plans = call_cache.Plans(calls)
+    plans["plan"] = 1
+    calls["call"] = 2
+    plans.clear()
+    assert not plans and not calls
+    assert isinstance(api._fwd_plans, call_cache.Plans) and api._fwd_calls in api._fwd_plans._dependents
+
+
+def test_key_declines_what_it_cannot_take():
+    """NumPy arrays and scales that are not plain numbers take the checked path (which raises or
+    converts); the key is never built from them (CPU)."""
+    from cuflash import call_cache
+
+    x = np.ones((1, 2, 1, 8), np.float16)
+    assert call_cache.fwd_key(x, x, x, None, False, None, False) is None
+
+
+def _inputs(rng, shape, dtype, count=3):
+    return [randn(rng, shape, dtype) for _ in range(count)]
+
+
+def _refill(rng, arrays, dtype):
+    """New values in place: same addresses, so a repeated call hits the cache and must read them."""
+    for x in arrays:
+        x[...] = randn(rng, x.shape, dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16"), (96, "float16"), (256, "bfloat16")])
+def test_repeat_with_out_replays_without_checks(rng, monkeypatch, causal, d, dtype):
+    import cuflash
+    from cuflash import _checks
+    from cuflash.reference import attention_reference, rel_err
+
+    q, k, v = _inputs(rng, (2, 203, 4, d), dtype)
+    k, v = k[:, :150, :2], v[:, :150, :2]   # GQA, seqlen_k != seqlen_q, strided views
+    out = poisoned(q.shape, dtype)
+    cuflash.forward(q, k, v, causal=causal, out=out)
+    assert rel_err(out, attention_reference(q, k, v, causal=causal)[0]) <= FWD_TOL[dtype]
+
+    def no_checks(*args, **kwargs):
+        raise AssertionError("a repeated call must not run the checks")
+
+    monkeypatch.setattr(_checks, "check_qkv_cached", no_checks)
+    for _ in range(2):
+        _refill(rng, (q, k, v), dtype)
+        out.fill(np.nan)
+        assert cuflash.forward(q, k, v, causal=causal, out=out) is out
+        assert rel_err(out, attention_reference(q, k, v, causal=causal)[0]) <= FWD_TOL[dtype]
+
+
+@requires_gpu
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_repeat_allocating_output(rng, return_lse):
+    """``out`` (and lse) allocated by each call: the pool hands back the last call's blocks, which are
+    poisoned here, so a replay that skipped the kernel or wrote elsewhere cannot pass."""
+    import cuflash
+    from cuflash.reference import attention_reference, rel_err
+
+    q, k, v = _inputs(rng, (1, 300, 3, 64), "float16")
+    for _ in range(3):
+        _refill(rng, (q, k, v), "float16")
+        result = cuflash.forward(q, k, v, causal=True, return_lse=return_lse)
+        o, lse = result if return_lse else (result, None)
+        ref, ref_lse = attention_reference(q, k, v, causal=True)
+        assert rel_err(o, ref) <= FWD_TOL["float16"]
+        if return_lse:
+            assert_lse_matches(lse, ref_lse, (1, 3, 300))
+            lse.fill(np.nan)
+        o.fill(np.nan)
+        del o, lse, result
+
+
+@requires_gpu
+def test_other_stream_and_backend(rng, monkeypatch):
+    """The same arrays on another stream, and after $CUFLASH_FWD_BACKEND changes, are other calls."""
+    import cupy
+
+    import cuflash
+    from cuflash import api
+    from cuflash.reference import attention_reference, rel_err
+
+    q, k, v = _inputs(rng, (2, 129, 2, 64), "bfloat16")
+    out = poisoned(q.shape, "bfloat16")
+    cuflash.forward(q, k, v, out=out)
+    before = len(api._fwd_calls)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        _refill(rng, (q, k, v), "bfloat16")
+        out.fill(np.nan)
+        cuflash.forward(q, k, v, out=out)
+        stream.synchronize()
+    assert len(api._fwd_calls) == before + 1
+    assert rel_err(out, attention_reference(q, k, v)[0]) <= FWD_TOL["bfloat16"]
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    out.fill(np.nan)
+    cuflash.forward(q, k, v, out=out)
+    assert rel_err(out, attention_reference(q, k, v)[0]) <= FWD_TOL["bfloat16"]
+    assert any(key[-1] == "sm80" for key in api._fwd_calls)
+
+
+@requires_gpu
+def test_bad_arguments_after_a_recorded_call(rng):
+    """A recorded call does not let a changed argument through: another shape or dtype of out, or a
+    bad scale, still raises."""
+    import cupy
+
+    import cuflash
+
+    q, k, v = _inputs(rng, (1, 64, 2, 64), "float16")
+    out = poisoned(q.shape, "float16")
+    cuflash.forward(q, k, v, out=out, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="out"):
+        cuflash.forward(q, k, v, out=out[:, :32])
+    with pytest.raises(TypeError, match="out"):
+        cuflash.forward(q, k, v, out=cupy.empty(q.shape, cupy.float32))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cuflash.forward(q, k, v, out=out, softmax_scale=-0.1)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        cuflash.forward(q, k, v, out=out, softmax_scale=True)
