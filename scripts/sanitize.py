@@ -24,7 +24,10 @@ def main() -> int:
                                                 (2, 100, 130, 4, 2, 64, False),
                                                 # several query and key tiles: the backward's rotated
                                                 # query order (non-causal, head dims <= 64)
-                                                (1, 300, 390, 2, 1, 64, False)]:
+                                                (1, 300, 390, 2, 1, 64, False),
+                                                # split-D backward tiles (head dims > 128): several query
+                                                # tiles per key tile, both step parities
+                                                (1, 150, 170, 2, 1, 256, True), (1, 130, 100, 2, 2, 192, False)]:
             q = cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(DT[dtype]))
             k = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))
             v = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))

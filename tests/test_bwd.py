@@ -109,6 +109,18 @@ def test_head_dims(rng, dtype, head_dim):
     check_bwd(rng, dtype, 1, 257, 190, 2, 1, head_dim, True, label="head_dims")
 
 
+# Split-D tiles (head dims above 128 on Hopper): each consumer warpgroup computes S^T / dP^T for its half
+# of a query tile's rows and takes the other half's P^T / dS^T from shared memory; odd and unequal
+# lengths end query tiles inside either half.
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk,deterministic", [(1000, 1000, False), (113, 203, False), (203, 113, True),
+                                                 (47, 1, False), (1, 239, False), (300, 300, True)])
+def test_split_d_tiles(rng, dtype, head_dim, causal, nq, nk, deterministic):
+    check_bwd(rng, dtype, 2, nq, nk, 4, 2, head_dim, causal, deterministic=deterministic, label="split_d")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40, 136])
 @pytest.mark.parametrize("causal", [False, True])

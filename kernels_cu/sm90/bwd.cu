@@ -24,6 +24,9 @@
 //   kDqTileOrdered adds the key tiles' slices in a fixed order (a semaphore per slice, waited on and
 //   released by those warps), so dQ is bitwise reproducible. Split-D tiles (head dims 192 / 256, no
 //   shared memory to spare) stage the slices in the Q / dO buffers of the ring stage just consumed.
+// Split-D tiles: both warpgroups own the same 64 keys and half of the head dim each; each computes
+// S^T / dP^T for half of the query rows, stores its P^T and dS^T halves into shared memory, and the
+// dV / dK products take the other half from there (one named barrier per step between them).
 // Causal: query tiles before the key tile's first visible row are skipped; odd
 // lengths and head dims come from TMA's zero fill plus masking (P = 0 outside).
 #include "../common/numeric.cuh"
@@ -46,9 +49,9 @@ struct Sm90BwdTile {
     static constexpr int kBlockN = kBlockN_;
     // One producer warpgroup and kNWarps / 4 - 1 consumer warpgroups:
     // - two, 64 keys each (128-key tiles);
-    // - split-D tiles (head dims 192 / 256): 64 keys per CTA and two consumer warpgroups that both
-    //   compute S^T / dP^T of those keys (redundantly) and each own half of the head dim of dK, dV
-    //   and dQ, so that the float32 dK/dV accumulators fit in registers;
+    // - split-D tiles (head dims 192 / 256): 64 keys per CTA and two consumer warpgroups that each
+    //   compute S^T / dP^T of those keys for half of the query rows (kSplitSdP) and each own half of
+    //   the head dim of dK, dV and dQ, so that the float32 dK/dV accumulators fit in registers;
     // - one (64 keys, 64-row query steps, head dims <= 64): a small CTA, two per SM, so that one
     //   CTA's start (K/V loads, the first step) and end (dK/dV stores) overlap the other's steps.
     static constexpr int kConsumerWGs = kNWarps_ / 4 - 1;
@@ -62,11 +65,20 @@ struct Sm90BwdTile {
     static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
     static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2; // K or V tile
     static constexpr int kDsBytes = kBlockM * kBlockN * 2;     // one dS buffer
-    // Split-D: each consumer warpgroup stores the whole dS into its own buffers, so the two
-    // warpgroups need no common barrier and drift apart (one's GEMMs overlap the other's
-    // softmax / reductions). -DCUFLASH_SM90_BWD_SHARED_DS: one dS, half stored by each.
+    // Split-D: each consumer warpgroup computes S^T / dP^T of its half of the query rows only (32 of 64:
+    // both computing all of them doubled those two GEMMs, two fifths of the step's tensor work) and
+    // stores its P^T and dS^T into common shared buffers, from which the other warpgroup's dV / dK
+    // products take that half (SS, MN-major A). -DCUFLASH_SM90_BWD_DUP_SDP builds the earlier form:
+    // both warpgroups compute all of S^T / dP^T and each stores the whole dS into its own buffers, so
+    // that they need no common barrier (-DCUFLASH_SM90_BWD_SHARED_DS there: one dS, half stored by each).
+#ifdef CUFLASH_SM90_BWD_DUP_SDP
+    static constexpr bool kSplitSdP = false;
+#else
+    static constexpr bool kSplitSdP = kSplitD;
+#endif
+    // 64 x 64 16-bit buffers per step parity: dS (common or one per warpgroup); kSplitSdP: dS and P^T.
 #ifdef CUFLASH_SM90_BWD_SHARED_DS
-    static constexpr int kDsCopies = 1;
+    static constexpr int kDsCopies = kSplitSdP ? 2 : 1;
 #else
     static constexpr int kDsCopies = kSplitD ? 2 : 1;
 #endif
@@ -414,6 +426,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         const int kv_col0 = kSplitD ? cw * kKvCols : 0;      // this warpgroup's dK / dV columns
         const int dq_col0 = kBlockM == 64 ? cw * kDqCols : 0;   // this warpgroup's dQ columns
         const int dq_row0 = kBlockM == 64 ? 0 : cw * 64;        // and rows
+        // Query columns of this warpgroup's S^T / dP^T: all kBlockM, or (kSplitSdP) its half from q_off on.
+        constexpr bool kSplitSdP = Tile::kSplitSdP;
+        constexpr int kQCols = kSplitSdP ? kBlockM / 2 : kBlockM;
+        const int q_off = kSplitSdP ? cw * kQCols : 0;
 
         float acc_dk[kKvCols / 2], acc_dv[kKvCols / 2];
 #pragma unroll
@@ -445,14 +461,16 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             const int stage = i % kStages;
             const u32 parity = (i / kStages) & 1;
             const u32 q_src = sQ + stage * Tile::kQBytes, do_src = sdO + stage * Tile::kQBytes;
-            const u32 ds_buf = sdS + ((i & 1) * Tile::kDsCopies + (Tile::kDsCopies == 2 ? cw : 0)) * Tile::kDsBytes;
+            const u32 ds_buf = sdS + ((i & 1) * Tile::kDsCopies + (Tile::kDsCopies == 2 && !kSplitSdP ? cw : 0))
+                                         * Tile::kDsBytes;
+            const u32 p_buf = ds_buf + Tile::kDsBytes;   // kSplitSdP: the common P^T
 
-            // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: the kBlockM queries).
-            float acc_s[kBlockM / 2], acc_dp[kBlockM / 2];
+            // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: its kQCols queries).
+            float acc_s[kQCols / 2], acc_dp[kQCols / 2];
             // acc = this warpgroup's 64 rows of key_tile (K or V) times query_tile^T (Q or dO), both K-major.
-            auto key_query_product = [&](float (&acc)[kBlockM / 2], u32 key_tile, u32 query_tile) {
-                wgmma_ss_rows_product<Tag, kBlockM, kPad, kBlockN, kBlockM>(acc, key_tile + key_wg * 64 * 128,
-                                                                            query_tile);
+            auto key_query_product = [&](float (&acc)[kQCols / 2], u32 key_tile, u32 query_tile) {
+                wgmma_ss_rows_product<Tag, kQCols, kPad, kBlockN, kBlockM>(acc, key_tile + key_wg * 64 * 128,
+                                                                           query_tile + q_off * 128);
             };
             mbar_wait(bar_q_full(stage), parity);
             key_query_product(acc_s, sK, q_src);
@@ -463,23 +481,23 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             fence_operand(acc_dp);
             if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
-            // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + 8j + 2 t4 + (e & 1).
+            // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + q_off + 8j + 2 t4 + (e & 1).
             const float* lse2_s = stat_ptr + stage * kBlockM;
             const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
             // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never
             // -inf), so that the loop below carries no per-element test.
             if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
 #pragma unroll
-                for (int j = 0; j < kBlockM / 8; ++j)
+                for (int j = 0; j < kQCols / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (!key_visible<kIsCausal>(m0 + 8 * j + 2 * t4 + (e & 1), n0 + key_local + 8 * (e >> 1),
+                        if (!key_visible<kIsCausal>(m0 + q_off + 8 * j + 2 * t4 + (e & 1), n0 + key_local + 8 * (e >> 1),
                                                     p.seqlen_q, p.seqlen_k))
                             acc_s[4 * j + e] = -CUFLASH_INF;
             }
 #pragma unroll
-            for (int j = 0; j < kBlockM / 8; ++j) {
-                const int qc = 8 * j + 2 * t4;
+            for (int j = 0; j < kQCols / 8; ++j) {
+                const int qc = q_off + 8 * j + 2 * t4;
                 const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc);
                 const float2 dl = *reinterpret_cast<const float2*>(delta_s + qc);
 #pragma unroll
@@ -489,10 +507,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     acc_s[4 * j + e] = pr;
                 }
             }
-            // A-register fragments of P^T and dS^T (k16 step kk = query columns 16kk..16kk+15).
-            u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+            // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
+            u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk)
+            for (int kk = 0; kk < kQCols / 16; ++kk)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
@@ -503,7 +521,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // m * 128 + ((kl / 8) ^ (m % 8)) * 16. dsa[kk][q] is the 8 x 8 (key, query) block
             // (keys + 8 (q & 1), queries 16 kk + 8 (q >> 1)); one transposing stmatrix per k16 step
             // stores the four (a single instruction instead of 32 two-byte stores per thread).
-            // Split-D: both warpgroups hold the same dS; each stores all of it into its own buffer
+            // Split-D: each warpgroup stores its query half of dS and of P^T into the common buffers
+            // (kSplitSdP); or, both holding all of dS, each stores all of it into its own buffer
             // (kDsCopies = 2), or warpgroup cw stores the query steps kk % 2 == cw of the common one.
             // 128-row query tiles keep two-byte stores: with stmatrix they spill (16 bytes at 168
             // registers).
@@ -512,11 +531,14 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int q = lane >> 3, row = lane & 7;             // this lane's block and row
                 const int kchunk = 2 * warp + (q & 1);               // (key_local % 64) / 8 of block q
 #pragma unroll
-                for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                    if (kSplitD && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
-                    const int m = 16 * kk + 8 * (q >> 1) + row;      // m % 8 == row
+                for (int kk = 0; kk < kQCols / 16; ++kk) {
+                    if (kSplitD && !kSplitSdP && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
+                    const int m = q_off + 16 * kk + 8 * (q >> 1) + row;      // m % 8 == row
                     stmatrix_x4_trans(ds_base + m * 128 + ((kchunk ^ row) << 4), dsa[kk][0], dsa[kk][1], dsa[kk][2],
                                       dsa[kk][3]);
+                    if constexpr (kSplitSdP)
+                        stmatrix_x4_trans(p_buf + m * 128 + ((kchunk ^ row) << 4), pa[kk][0], pa[kk][1], pa[kk][2],
+                                          pa[kk][3]);
                 }
             } else {
                 char* ds_ptr = smem_raw + (ds_buf + key_wg * kBlockM * 128 - smem_u32(smem_raw));
@@ -535,47 +557,61 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
             fence_proxy_async_smem();
 
-            // dV += P^T dO, dK += dS^T Q (B operands MN-major: k16 step = 16 query rows).
+            // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes here.
+            if constexpr (kSplitSdP) named_barrier_sync(1, Tile::kConsumerWGs * 128);
+
+            // dV += P^T dO, dK += dS^T Q (B operands MN-major: k16 step = 16 query rows). A: this warpgroup's
+            // P^T / dS^T fragments over its query steps; kSplitSdP: then the other half's from shared
+            // memory, stored [query][key] (so an MN-major A: 8-query row groups 1024 bytes apart).
             wgmma_fence();
             // Column c of the B tile: 64-column block c / 64 (kBlockM * 128 bytes apart), byte (c % 64) * 2.
+            auto kv_product = [&](float (&acc)[kKvCols / 2], const u32 (&frag)[kQCols / 16][4], u32 b_tile,
+                                  u32 other_a) {
 #pragma unroll
-            for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
-                const int col = kv_col0 + pc * kKvPiece;
-                auto& dv = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc_dv + pc * (kKvPiece / 2));
+                for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
+                    const int col = kv_col0 + pc * kKvPiece;
+                    auto& d = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc + pc * (kKvPiece / 2));
+                    const u32 b_cols = b_tile + (col / 64) * kBlockM * 128 + (col % 64) * 2;
 #pragma unroll
-                for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                    const u64 db = make_desc_sw128(do_src + (col / 64) * kBlockM * 128 + (col % 64) * 2 + kk * 16 * 128,
-                                                   kBlockM * 128, 1024);
-                    WgmmaRS<Tag, kKvPiece>::template run<true>(dv, pa[kk], db, 1);
+                    for (int kk = 0; kk < kQCols / 16; ++kk)
+                        WgmmaRS<Tag, kKvPiece>::template run<true>(
+                            d, frag[kk], make_desc_sw128(b_cols + (q_off + 16 * kk) * 128, kBlockM * 128, 1024), 1);
+                    if constexpr (kSplitSdP) {
+                        const int other = kQCols - q_off;   // the other warpgroup's first query
+#pragma unroll
+                        for (int kk = 0; kk < kQCols / 16; ++kk) {
+                            const int q = other + 16 * kk;
+                            WgmmaSS<Tag, kKvPiece>::template run<true, true>(
+                                d, make_desc_sw128(other_a + q * 128, 64 * 128, 1024),
+                                make_desc_sw128(b_cols + q * 128, kBlockM * 128, 1024), 1);
+                        }
+                    }
                 }
-            }
-#pragma unroll
-            for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
-                const int col = kv_col0 + pc * kKvPiece;
-                auto& dk = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc_dk + pc * (kKvPiece / 2));
-#pragma unroll
-                for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                    const u64 db = make_desc_sw128(q_src + (col / 64) * kBlockM * 128 + (col % 64) * 2 + kk * 16 * 128,
-                                                   kBlockM * 128, 1024);
-                    WgmmaRS<Tag, kKvPiece>::template run<true>(dk, dsa[kk], db, 1);
-                }
-            }
+            };
+            kv_product(acc_dv, pa, do_src, p_buf);
+            kv_product(acc_dk, dsa, q_src, ds_buf);
             wgmma_commit();
-            // d=256: the dK, dV and dQ accumulators (3 x 64 registers) and the P^T / dS^T fragments do not
-            // fit in 240 registers together, and ptxas would then serialise every wgmma of the kernel
-            // (C7512): dV and dK complete before dQ starts.
-            if constexpr (kPad > 192) {
+            // d=256, both warpgroups computing all of S^T / dP^T: the dK, dV and dQ accumulators (3 x 64
+            // registers) and the P^T / dS^T fragments do not fit in 240 registers together, and ptxas would
+            // then serialise every wgmma of the kernel (C7512): dV and dK complete before dQ starts. With
+            // half the fragments (kSplitSdP) they fit, and dQ is issued behind them (H100 A/B: d=256 bf16
+            // 408 -> 413 TFLOP/s, causal 374 -> 383).
+            if constexpr (kPad > 192 && !kSplitSdP) {
                 wgmma_wait<0>();
                 fence_operand(acc_dv);
                 fence_operand(acc_dk);
 #pragma unroll
-                for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+                for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
             }
 
             // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
-            // warpgroup's copy) is in shared memory.
-            if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
-            else named_barrier_sync(1, Tile::kConsumerWGs * 128);
+            // warpgroup's copy) is in shared memory (kSplitSdP: synchronised before dV / dK).
+            if constexpr (kSplitSdP) {
+            } else if constexpr (Tile::kDsCopies == 2) {
+                named_barrier_sync(2 + cw, 128);
+            } else {
+                named_barrier_sync(1, Tile::kConsumerWGs * 128);
+            }
 
             // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
             // would otherwise keep the last step's values live across the loop.
@@ -601,7 +637,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             fence_operand(acc_dk);
             fence_operand(acc_dq);
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
             if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
 
             if constexpr (kDqMode == kDqAtomic) {
