@@ -13,15 +13,29 @@ import os
 import numpy as np
 
 CALLS_MAX = 256
-_ndarray = None
+# $CUFLASH_FWD_BACKEND as the environment mapping stores it: os.environ.get costs about 1 us (it encodes
+# the name and decodes the value); the mapping's own dict, which os.environ's setters keep current, a
+# twentieth of that. Other platforms' mappings: through os.environ.
+_env_data = getattr(os.environ, "_data", None)
+_encodekey = getattr(os.environ, "encodekey", None)
+if isinstance(_env_data, dict) and _encodekey is not None:
+    _BACKEND_KEY = _encodekey("CUFLASH_FWD_BACKEND")
+    _backend_setting = lambda: _env_data.get(_BACKEND_KEY)  # noqa: E731
+else:  # pragma: no cover
+    _backend_setting = lambda: os.environ.get("CUFLASH_FWD_BACKEND")  # noqa: E731
+# CuPy's array type and current-stream / current-device getters, bound on first use (CuPy is
+# imported lazily): the key is built on every call, and a module lookup or an import statement there
+# costs as much as a field.
+_ndarray = _current_stream = _current_device = None
 
 
-def _ndarray_type():
-    global _ndarray
-    if _ndarray is None:
-        import cupy
+def _bind_cupy():
+    global _ndarray, _current_stream, _current_device
+    import cupy
+    from cupy.cuda import get_current_stream, runtime
 
-        _ndarray = cupy.ndarray
+    _current_stream, _current_device = get_current_stream, runtime.getDevice
+    _ndarray = cupy.ndarray
     return _ndarray
 
 
@@ -34,7 +48,7 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
     $CUFLASH_FWD_BACKEND (tests and tuning runs switch it). An output the call allocates (``out`` None)
     is not in it: the recorded launch holds the address it wrote, and ``replay`` compares.
     """
-    nd = _ndarray_type()
+    nd = _ndarray or _bind_cupy()
     if type(q) is not nd or type(k) is not nd or type(v) is not nd:
         return None
     if softmax_scale is not None and type(softmax_scale) not in (float, int):
@@ -45,11 +59,9 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
         out_sig = (out.data.ptr, out.shape, out.strides, out.dtype)
     else:
         return None
-    from cupy.cuda import get_current_stream, runtime
-
     return (q.data.ptr, q.shape, q.strides, q.dtype, k.data.ptr, k.shape, k.strides, k.dtype,
             v.data.ptr, v.shape, v.strides, v.dtype, out_sig, bool(causal), softmax_scale, bool(return_lse),
-            get_current_stream().ptr, runtime.getDevice(), os.environ.get("CUFLASH_FWD_BACKEND"))
+            _current_stream().ptr, _current_device(), _backend_setting())
 
 
 # Positions in fwd_key's tuple.

@@ -32,6 +32,21 @@ def test_key_declines_what_it_cannot_take():
     assert call_cache.fwd_key(x, x, x, None, False, None, False) is None
 
 
+def test_backend_setting_follows_environment(monkeypatch):
+    """The key reads $CUFLASH_FWD_BACKEND from the environment mapping's own storage; a change made
+    through os.environ (as monkeypatch and users do) must show (CPU)."""
+    from cuflash import call_cache
+
+    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    unset = call_cache._backend_setting()
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    assert call_cache._backend_setting() not in (None, unset)
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
+    sm90 = call_cache._backend_setting()
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    assert call_cache._backend_setting() != sm90
+
+
 def _inputs(rng, shape, dtype, count=3):
     return [randn(rng, shape, dtype) for _ in range(count)]
 
@@ -114,7 +129,7 @@ def test_other_stream_and_backend(rng, monkeypatch):
     out.fill(np.nan)
     cuflash.forward(q, k, v, out=out)
     assert rel_err(out, attention_reference(q, k, v)[0]) <= FWD_TOL["bfloat16"]
-    assert any(key[-1] == "sm80" for key in api._fwd_calls)
+    assert len(api._fwd_calls) == before + 2   # a new record: the backend is part of the key
 
 
 @requires_gpu
