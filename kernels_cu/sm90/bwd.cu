@@ -557,7 +557,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
             fence_proxy_async_smem();
 
-            // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes here.
+            // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes
+            // here. Passing it also means that the other warpgroup finished step i - 1 (every wgmma waited
+            // for), whose buffers (the other parity) this one overwrites at step i + 1: no race.
             if constexpr (kSplitSdP) named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
             // dV += P^T dO, dK += dS^T Q (B operands MN-major: k16 step = 16 query rows). A: this warpgroup's
@@ -606,11 +608,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 
             // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
             // warpgroup's copy) is in shared memory (kSplitSdP: synchronised before dV / dK).
-            if constexpr (kSplitSdP) {
-            } else if constexpr (Tile::kDsCopies == 2) {
-                named_barrier_sync(2 + cw, 128);
-            } else {
-                named_barrier_sync(1, Tile::kConsumerWGs * 128);
+            if constexpr (!kSplitSdP) {
+                if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
+                else named_barrier_sync(1, Tile::kConsumerWGs * 128);
             }
 
             // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
