@@ -26,15 +26,15 @@ else:  # pragma: no cover
 # CuPy's array type and current-stream / current-device getters, bound on first use (CuPy is
 # imported lazily): the key is built on every call, and a module lookup or an import statement there
 # costs as much as a field.
-_ndarray = _current_stream = _current_device = None
+_ndarray = _current_stream = _current_device = _empty = None
 
 
 def _bind_cupy():
-    global _ndarray, _current_stream, _current_device
+    global _ndarray, _current_stream, _current_device, _empty
     import cupy
     from cupy.cuda import get_current_stream, runtime
 
-    _current_stream, _current_device = get_current_stream, runtime.getDevice
+    _current_stream, _current_device, _empty = get_current_stream, runtime.getDevice, cupy.empty
     _ndarray = cupy.ndarray
     return _ndarray
 
@@ -81,12 +81,10 @@ class RecordedCall:
         ``return_lse``) and launches again on the key's stream, unless an allocation landed at another
         address than the recorded one (``launched`` False: the checked path then runs on these arrays
         and records anew)."""
-        import cupy
-
-        # The current device (in the key) is q's: a call is recorded only then.
+        # The current device (in the key) is q's: a call is recorded only then. (A key exists, so CuPy is bound.)
         if out is None:
-            out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty(self.lse_shape, dtype=np.float32) if return_lse else None
+            out = _empty(q.shape, dtype=q.dtype)
+        lse = _empty(self.lse_shape, dtype=np.float32) if return_lse else None
         if out.data.ptr != self.out_ptr or (lse is not None and lse.data.ptr != self.lse_ptr):
             return False, out, lse
         self.launch(key[_STREAM])
