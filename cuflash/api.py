@@ -223,14 +223,14 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     import cupy
 
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
-    _checks.check_like("dout", dout, "q", q)
-    _checks.check_like("out", out, "q", q)
-    dev = q.device.id
-    _checks.check_lse(lse, (b, hq, nq), dev)
+    _checks.check_like_cached("dout", dout, "q", q)
+    _checks.check_like_cached("out", out, "q", q)
+    dev = q.data.device_id
+    _checks.check_lse_cached(lse, (b, hq, nq), dev)
     scale = _checks.check_scale(softmax_scale, d)
     for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is not None:
-            _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
+            _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
     with cupy.cuda.Device(dev):
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
