@@ -156,11 +156,16 @@ def check_out_cached(name: str, out, shape: tuple, dtype, device_id: int) -> Non
     mem = out.data
     key = (name, out.shape, out.strides, out.dtype, mem.device_id, mem.ptr % ALIGN_BYTES, tuple(shape),
            dtype, device_id)
-    if key not in _validated_out:
-        check_out(name, out, shape, dtype, device_id)
-        if len(_validated_out) >= _VALIDATED_MAX:
-            _validated_out.clear()
-        _validated_out[key] = True
+    _remember(_validated_out, key, check_out, name, out, shape, dtype, device_id)
+
+
+def _remember(cache: dict, key: tuple, check, *args) -> None:
+    """Runs ``check(*args)`` unless ``key`` (everything the check reads) passed before, then remembers it."""
+    if key not in cache:
+        check(*args)
+        if len(cache) >= _VALIDATED_MAX:
+            cache.clear()
+        cache[key] = True
 
 
 def check_like(name: str, x, ref_name: str, ref) -> None:
@@ -197,11 +202,7 @@ def check_like_cached(name: str, x, ref_name: str, ref) -> None:
     mem, ref_mem = x.data, ref.data
     key = (name, ref_name, x.shape, x.strides, x.dtype, mem.device_id, mem.ptr % ALIGN_BYTES, ref.shape, ref.dtype,
            ref_mem.device_id)
-    if key not in _validated_like:
-        check_like(name, x, ref_name, ref)
-        if len(_validated_like) >= _VALIDATED_MAX:
-            _validated_like.clear()
-        _validated_like[key] = True
+    _remember(_validated_like, key, check_like, name, x, ref_name, ref)
 
 
 def check_lse_cached(lse, shape: tuple, device_id: int) -> None:
@@ -210,8 +211,4 @@ def check_lse_cached(lse, shape: tuple, device_id: int) -> None:
     if type(lse) is not cupy.ndarray:
         return check_lse(lse, shape, device_id)
     key = ("lse", lse.shape, lse.dtype, lse.data.device_id, tuple(shape), device_id)
-    if key not in _validated_like:
-        check_lse(lse, shape, device_id)
-        if len(_validated_like) >= _VALIDATED_MAX:
-            _validated_like.clear()
-        _validated_like[key] = True
+    _remember(_validated_like, key, check_lse, lse, shape, device_id)

@@ -123,9 +123,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
     if prepared is None:
         launch.launch(kern, cfg, grid, p, smem, extra)
     else:
-        import cupy
-
-        prepared(cupy.cuda.get_current_stream().ptr)
+        prepared.on_current_stream()
     if written is not out:
         out[...] = written
         return None

@@ -329,6 +329,10 @@ class Prepared:
         gx, gy, gz = self.grid
         self._launch_kernel(self.fptr, gx, gy, gz, self.threads, 1, 1, self.smem, stream_ptr, self.pointers, 0)
 
+    def on_current_stream(self) -> None:
+        """Launches on CuPy's current stream (of the current device)."""
+        self(_cuda[1]().ptr)
+
 
 def prepare(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
             extra_args: tuple = ()):
