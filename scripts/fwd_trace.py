@@ -54,6 +54,13 @@ def trace(shape: Shape) -> None:
     first = used[:, :, 0]
     print(f"  first tile of a CTA: wait for Q {np.median((q_in - start)[:, :, 0][first]):.0f}, first K "
           f"{np.median((k_in - q_in)[:, :, 0][first]):.0f}")
+    # slot 7 (warpgroup 0 only): when the producer issued the tile's first K load
+    k_issue = t[:, 0, :, 7]
+    ok = used[:, 0, :] & (k_issue > 0)
+    if ok.any():
+        print(f"  first K load issued: {np.median((k_issue - start[:, 0, :])[ok]):.0f} cycles after the tile's start "
+              f"(negative: before), landed {np.median((k_in[:, 0, :] - k_issue)[ok]):.0f} after its issue; "
+              f"Q landed {np.median((q_in[:, 0, :] - k_issue)[ok]):.0f} after it")
     tile_time = (epi - start)[used]
     print(f"  tile (start to epilogue end) median {np.median(tile_time):.0f}; per key tile {np.median(tile_time / keys):.0f}")
 

@@ -282,6 +282,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                         tma_load_4d(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, bar_k_full(stage), cb * Tile::kBlockCols,
                                     n_block * kBlockN, head_kv, batch);
+#ifdef CUFLASH_SM90_FWD_TRACE   // slot 7 of consumer warpgroup 0's record: the tile's first K load issued
+                    if (kPersistent && i == 0 && q_count < 16)
+                        reinterpret_cast<unsigned long long*>(tile_counter + 64)[(blockIdx.x * 3 * 16 + q_count) * 8 + 7] =
+                            clock64();
+#endif
                     // Persistent: the tile's first K load goes out before the wait for the Q buffer.
                     if (kPersistent && i == 0) load_q();
                     mbar_wait(bar_v_empty(stage), parity ^ 1);
