@@ -224,12 +224,48 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             tma_prefetch_desc(&tma_v);
             int it = 0, q_count = 0;   // K/V ring iterations and Q tiles handed out so far (the phases)
             int t = kPersistent ? static_cast<int>(blockIdx.x) : 0;
+            // V of key tile n_block into the ring stage of iteration v_it, once the consumers have freed it.
+            auto load_v = [&](int v_it, int n_block, int head_kv, int batch) {
+                const int stage = v_it % kStages;
+                const u32 v_dst = sV + stage * Tile::kKVBytes;
+                mbar_wait(bar_v_empty(stage), ((v_it / kStages) & 1) ^ 1);
+                mbar_arrive_expect_tx(bar_v_full(stage), Tile::kVBytes);
+                if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
+#pragma unroll
+                    for (int cb = 0; cb < kBlockN / 128; ++cb)
+                        tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, bar_v_full(stage), n_block * kBlockN + cb * 128,
+                                    0, head_kv, batch);
+                } else {
+#pragma unroll
+                    for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+                        tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64,
+                                    n_block * kBlockN, head_kv, batch);
+                }
+            };
+            // Persistent 16-bit overlap schedule, two consumer warpgroups, head dims 96 / 128: K runs one key
+            // tile ahead of V (K_i, then V_{i-1}; a tile's first K before the previous tile's last V), since K's
+            // stage is freed as soon as Q K^T has read it and V's only after P V. H100 A/B (sm90/NOTES.md,
+            // thirteenth session): D=128 bf16 N=512 497 -> 524 TFLOP/s, N=1024 608 -> 633, causal 423 -> 442,
+            // N=4096 level; the 192-row D=64 tiles lost (N=4096 527 -> 501). -DCUFLASH_SM90_FWD_K_AHEAD=0: off.
+#ifndef CUFLASH_SM90_FWD_K_AHEAD
+#define CUFLASH_SM90_FWD_K_AHEAD 1
+#endif
+            constexpr bool kKAhead = kPersistent && CUFLASH_SM90_FWD_K_AHEAD && kMode == kModeOverlap && !Tile::kFp8
+                                     && Tile::kConsumerWGs == 2 && kPad >= 96;
+            int pending_v_it = -1, pending_v_block = 0, pending_v_head_kv = 0, pending_v_batch = 0;
+            auto flush_v = [&]() {   // the V load deferred behind the next K (kKAhead)
+                if (kKAhead && pending_v_it >= 0) {
+                    load_v(pending_v_it, pending_v_block, pending_v_head_kv, pending_v_batch);
+                    pending_v_it = -1;
+                }
+            };
             for (;;) {
                 int m_block, head, batch;
                 const int qb = q_count % kQBuffers;                      // this tile's Q buffer
                 const u32 q_phase = (q_count / kQBuffers) & 1;
                 if constexpr (kPersistent) {
                     if (t >= num_tiles) {   // no work left: tell the consumers, reset the counter
+                        flush_v();
                         mbar_wait(bar_q_empty(qb), q_phase ^ 1);
                         tile_slot[qb] = t;
                         mbar_arrive(bar_q(qb));
@@ -256,6 +292,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 auto claim_next = [&]() { t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x); };
                 if (n_block_max <= 0) {
                     if (!kPersistent) break;
+                    flush_v();
                     publish();
                     mbar_arrive(bar_q(qb));
                     claim_next();
@@ -275,7 +312,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     const int n_block = n_block_max - 1 - i;
                     const int stage = it % kStages;
                     const u32 parity = (it / kStages) & 1;
-                    const u32 k_dst = sK + stage * Tile::kKVBytes, v_dst = sV + stage * Tile::kKVBytes;
+                    const u32 k_dst = sK + stage * Tile::kKVBytes;
                     mbar_wait(bar_k_empty(stage), parity ^ 1);
                     mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKBytes);
 #pragma unroll
@@ -287,21 +324,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                         reinterpret_cast<unsigned long long*>(tile_counter + 64)[(blockIdx.x * 3 * 16 + q_count) * 8 + 7] =
                             clock64();
 #endif
+                    if (kKAhead) {
+                        flush_v();   // V_{i-1}, or the previous tile's last V
+                        pending_v_it = it;
+                        pending_v_block = n_block;
+                        pending_v_head_kv = head_kv;
+                        pending_v_batch = batch;
+                    }
                     // Persistent: the tile's first K load goes out before the wait for the Q buffer.
                     if (kPersistent && i == 0) load_q();
-                    mbar_wait(bar_v_empty(stage), parity ^ 1);
-                    mbar_arrive_expect_tx(bar_v_full(stage), Tile::kVBytes);
-                    if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
-#pragma unroll
-                        for (int cb = 0; cb < kBlockN / 128; ++cb)
-                            tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, bar_v_full(stage), n_block * kBlockN + cb * 128,
-                                        0, head_kv, batch);
-                    } else {
-#pragma unroll
-                        for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                            tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64,
-                                        n_block * kBlockN, head_kv, batch);
-                    }
+                    if (!kKAhead) load_v(it, n_block, head_kv, batch);
                     if (kPersistent && i == 0) claim_next();
                 }
                 ++q_count;
