@@ -1,6 +1,6 @@
 """Per-tile phase timing of the persistent sm90 forward (a -DCUFLASH_SM90_FWD_TRACE build): clock64
 stamps per CTA, consumer warpgroup and tile at the tile's start, Q landed, first K landed, key loop
-done and epilogue done (the first 16 tiles of each CTA).
+done and epilogue done (the first 16 tiles of each CTA), and when the producer issued the tile's first K.
 
     python3 scripts/fwd_trace.py [B,H,N,D,dtype,causal ...]
 """

@@ -118,7 +118,7 @@ struct PersistentOrder {
 // -DCUFLASH_SM90_FWD_TRACE (scripts/fwd_trace.py, persistent kernels only): clock64 stamps per CTA,
 // consumer warpgroup and tile (the first 16) after the two tile-counter ints: u64[(cta * 3 + cw) * 16 +
 // tile][8], slots 0 tile start, 1 Q landed, 2 first K landed, 3 key loop done, 4 epilogue done, 5 SM id,
-// 6 key tiles. A diagnostic build only.
+// 6 key tiles, 7 (warpgroup 0's record, written by the producer) first K load issued. A diagnostic build only.
 #ifdef CUFLASH_SM90_FWD_TRACE
 #define CUFLASH_FWD_TRACE(slot, value)                                                                       \
     do {                                                                                                     \
