@@ -242,16 +242,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                                     n_block * kBlockN, head_kv, batch);
                 }
             };
-            // Persistent 16-bit overlap schedule, two consumer warpgroups, head dims 96 / 128: K runs one key
-            // tile ahead of V (K_i, then V_{i-1}; a tile's first K before the previous tile's last V), since K's
+            // Persistent 16-bit overlap schedule, two consumer warpgroups (128-row tiles): K runs one key tile
+            // ahead of V (K_i, then V_{i-1}; a tile's first K before the previous tile's last V), since K's
             // stage is freed as soon as Q K^T has read it and V's only after P V. H100 A/B (sm90/NOTES.md,
-            // thirteenth session): D=128 bf16 N=512 497 -> 524 TFLOP/s, N=1024 608 -> 633, causal 423 -> 442,
-            // N=4096 level; the 192-row D=64 tiles lost (N=4096 527 -> 501). -DCUFLASH_SM90_FWD_K_AHEAD=0: off.
+            // thirteenth / fourteenth sessions): D=128 bf16 N=512 497 -> 524 TFLOP/s, N=1024 608 -> 633, causal
+            // 423 -> 442, N=4096 level; causal D=64 fp16 N=1024 (the short 128-row tile) 281 -> 293, D=32 155 ->
+            // 161; the 192-row D=64 tiles lost (N=4096 527 -> 501). -DCUFLASH_SM90_FWD_K_AHEAD=0: off.
 #ifndef CUFLASH_SM90_FWD_K_AHEAD
 #define CUFLASH_SM90_FWD_K_AHEAD 1
 #endif
             constexpr bool kKAhead = kPersistent && CUFLASH_SM90_FWD_K_AHEAD && kMode == kModeOverlap && !Tile::kFp8
-                                     && Tile::kConsumerWGs == 2 && kPad >= 96;
+                                     && Tile::kConsumerWGs == 2;
             int pending_v_it = -1, pending_v_block = 0, pending_v_head_kv = 0, pending_v_batch = 0;
             auto flush_v = [&]() {   // the V load deferred behind the next K (kKAhead)
                 if (kKAhead && pending_v_it >= 0) {
