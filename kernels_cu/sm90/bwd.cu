@@ -590,8 +590,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     }
                 }
             };
+            // kDqEarly: dV, then dQ, then dK, as three groups, so that the dQ slice is written to shared
+            // memory while dK runs (the tensor cores were idle while it was, after a wait for all three).
+            // H100 A/B (sm90/NOTES.md, fourteenth session), backward TFLOP/s: D=128 bf16 N=4096 569 -> 589,
+            // causal 485 -> 513, D=96 429 -> 461, D=64 fp16 467 -> 488. -DCUFLASH_SM90_BWD_DQ_EARLY=0: off.
+#ifndef CUFLASH_SM90_BWD_DQ_EARLY
+#define CUFLASH_SM90_BWD_DQ_EARLY 1
+#endif
+            constexpr bool kDqEarly = CUFLASH_SM90_BWD_DQ_EARLY && kDqMode != kDqAtomic && !Tile::kDqInRing
+                                      && !kSplitSdP && kPad <= 192;
             kv_product(acc_dv, pa, do_src, p_buf);
-            kv_product(acc_dk, dsa, q_src, ds_buf);
+            if constexpr (!kDqEarly) kv_product(acc_dk, dsa, q_src, ds_buf);
             wgmma_commit();
             // d=256, both warpgroups computing all of S^T / dP^T: the dK, dV and dQ accumulators (3 x 64
             // registers) and the P^T / dS^T fragments do not fit in 240 registers together, and ptxas would
@@ -632,23 +641,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
             }
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_operand(acc_dv);
-            fence_operand(acc_dk);
-            fence_operand(acc_dq);
-#pragma unroll
-            for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
-            if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
-
-            if constexpr (kDqMode == kDqAtomic) {
-                const int dq_row = m0 + dq_row0 + warp * 16 + g;
-                store_dq(acc_dq,
-                         p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim,
-                         p.seqlen_q - dq_row);
-            } else {
-                // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the
-                // previous one has been read (ring: once both warpgroups are done with this stage's Q
-                // and dO), then over to this warpgroup's dQ warp.
+            // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the
+            // previous one has been read (ring: once both warpgroups are done with this stage's Q
+            // and dO), then over to this warpgroup's dQ warp.
+            auto stage_dq_slice = [&]() {
                 u32 dq_stage;
                 if constexpr (Tile::kDqInRing) {
                     named_barrier_sync(4, Tile::kConsumerWGs * 128);
@@ -664,6 +660,34 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                         make_float4(acc_dq[4 * j], acc_dq[4 * j + 1], acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
                 fence_proxy_async_smem();
                 mbar_arrive(bar_dq_full(cw));
+            };
+            if constexpr (kDqEarly) {
+                wgmma_fence();
+                kv_product(acc_dk, dsa, q_src, ds_buf);
+                wgmma_commit();
+                wgmma_wait<1>();   // dV and dQ done
+                fence_operand(acc_dv);
+                fence_operand(acc_dq);
+#pragma unroll
+                for (int kk = 0; kk < kQCols / 16; ++kk) fence_operand(pa[kk]);
+                stage_dq_slice();
+            }
+            wgmma_wait<0>();
+            fence_operand(acc_dv);
+            fence_operand(acc_dk);
+            fence_operand(acc_dq);
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
+
+            if constexpr (kDqEarly) {
+            } else if constexpr (kDqMode == kDqAtomic) {
+                const int dq_row = m0 + dq_row0 + warp * 16 + g;
+                store_dq(acc_dq,
+                         p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim,
+                         p.seqlen_q - dq_row);
+            } else {
+                stage_dq_slice();
             }
             if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
         }
