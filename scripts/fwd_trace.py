@@ -63,6 +63,12 @@ def trace(shape: Shape) -> None:
               f"Q landed {np.median((q_in[:, 0, :] - k_issue)[ok]):.0f} after it")
     tile_time = (epi - start)[used]
     print(f"  tile (start to epilogue end) median {np.median(tile_time):.0f}; per key tile {np.median(tile_time / keys):.0f}")
+    if len(np.unique(keys)) > 1:   # causal: the phases by the tile's count of key tiles
+        for n in np.unique(keys)[:8]:
+            sel = used & (nk == n)
+            print(f"  {n} key tiles ({int(sel.sum())} records): Q {np.median((q_in - start)[sel]):.0f}, first K "
+                  f"{np.median((k_in - q_in)[sel]):.0f}, key loop {np.median((loop - k_in)[sel]):.0f}, epilogue "
+                  f"{np.median((epi - loop)[sel]):.0f}, tile {np.median((epi - start)[sel]):.0f}")
 
 
 # Short and long sequences at the two head dims of the persistent overlap kernel's tiles.

@@ -65,6 +65,15 @@ def test_persistent_sections(rng):
     _check(rng, "float16", 3, 1500, 1500, 37, 37, 64, False)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_sections_of_many_heads(rng, d):
+    """Short causal sequences of 111 (head, batch) pairs: the persistent order's sections hold at most 32
+    pairs (kernels_cu/sm90/fwd.cu, CUFLASH_SM90_FWD_SECTION_HEADS), so four sections of 28, and unequal
+    query / key lengths."""
+    _check(rng, "bfloat16", 3, 300, 300, 37, 37, d, True)
+    _check(rng, "float16", 3, 200, 333, 37, 37, d, True)
+
+
 def test_unaligned_strides_fall_back(rng):
     """Row strides that are not multiples of 16 bytes cannot be TMA-loaded: the portable kernel runs."""
     from conftest import randn

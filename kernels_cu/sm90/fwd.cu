@@ -83,6 +83,14 @@ struct Sm90FwdTile {
 #ifndef CUFLASH_SM90_FWD_SECTION_MB
 #define CUFLASH_SM90_FWD_SECTION_MB 32   // L2 budget of one section of heads, in MB
 #endif
+// At most 32 (head, batch) pairs a section: the first wave of a section runs the longest query tile of
+// every pair in it, each loading its pair's K / V from DRAM for the first time, and with short sequences
+// a 32 MB section held 128 pairs or more (a 32 MB burst that the CTAs of that wave all waited on). H100
+// A/B (sm90/NOTES.md, fourteenth session): causal D=128 bf16 B=32 N=512 278 -> 318 TFLOP/s, N=1024 442 ->
+// 458, D=64 fp16 N=512 207 -> 229; N >= 2048 level (their sections held 32 pairs or fewer already).
+#ifndef CUFLASH_SM90_FWD_SECTION_HEADS
+#define CUFLASH_SM90_FWD_SECTION_HEADS 32
+#endif
 struct PersistentOrder {
     int num_m, num_hb, num_tiles, group;
     __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row) {
@@ -92,6 +100,8 @@ struct PersistentOrder {
         const long long kv_head = static_cast<long long>(p.seqlen_k) * kv_bytes_per_row;
         const long long g = (static_cast<long long>(CUFLASH_SM90_FWD_SECTION_MB) << 20) / (kv_head > 0 ? kv_head : 1);
         group = static_cast<int>(g < 1 ? 1 : (g > num_hb ? num_hb : g));
+        if (CUFLASH_SM90_FWD_SECTION_HEADS > 0 && group > CUFLASH_SM90_FWD_SECTION_HEADS)
+            group = CUFLASH_SM90_FWD_SECTION_HEADS;
         const int sections = (num_hb + group - 1) / group;
         group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
     }
