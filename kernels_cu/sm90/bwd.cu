@@ -680,13 +680,12 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
             if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
 
-            if constexpr (kDqEarly) {
-            } else if constexpr (kDqMode == kDqAtomic) {
+            if constexpr (kDqMode == kDqAtomic) {
                 const int dq_row = m0 + dq_row0 + warp * 16 + g;
                 store_dq(acc_dq,
                          p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim,
                          p.seqlen_q - dq_row);
-            } else {
+            } else if constexpr (!kDqEarly) {   // (kDqEarly: staged above, while dK ran)
                 stage_dq_slice();
             }
             if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
