@@ -574,18 +574,17 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     const int col = kv_col0 + pc * kKvPiece;
                     auto& d = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc + pc * (kKvPiece / 2));
                     const u32 b_cols = b_tile + (col / 64) * kBlockM * 128 + (col % 64) * 2;
+                    const SmemDesc<> b_desc(b_cols, kBlockM * 128, 1024);
 #pragma unroll
                     for (int kk = 0; kk < kQCols / 16; ++kk)
-                        WgmmaRS<Tag, kKvPiece>::template run<true>(
-                            d, frag[kk], make_desc_sw128(b_cols + (q_off + 16 * kk) * 128, kBlockM * 128, 1024), 1);
+                        WgmmaRS<Tag, kKvPiece>::template run<true>(d, frag[kk], b_desc.at((q_off + 16 * kk) * 128), 1);
                     if constexpr (kSplitSdP) {
                         const int other = kQCols - q_off;   // the other warpgroup's first query
+                        const SmemDesc<> a_desc(other_a, 64 * 128, 1024);
 #pragma unroll
                         for (int kk = 0; kk < kQCols / 16; ++kk) {
                             const int q = other + 16 * kk;
-                            WgmmaSS<Tag, kKvPiece>::template run<true, true>(
-                                d, make_desc_sw128(other_a + q * 128, 64 * 128, 1024),
-                                make_desc_sw128(b_cols + q * 128, kBlockM * 128, 1024), 1);
+                            WgmmaSS<Tag, kKvPiece>::template run<true, true>(d, a_desc.at(q * 128), b_desc.at(q * 128), 1);
                         }
                     }
                 }
@@ -631,14 +630,12 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             for (int pc = 0; pc < kDqCols / kDqPiece; ++pc) {
                 const int col = dq_col0 + pc * kDqPiece;
                 auto& dq = *reinterpret_cast<float(*)[kDqPiece / 2]>(acc_dq + pc * (kDqPiece / 2));
+                const SmemDesc<> ds_desc(ds_buf + dq_row0 * 128, 16, 1024);
+                const SmemDesc<> k_desc(sK + (col / 64) * kBlockN * 128 + (col % 64) * 2, kBlockN * 128, 1024);
 #pragma unroll
-                for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                    const u64 da = make_desc_sw128(ds_buf + (kk / 4) * kBlockM * 128 + dq_row0 * 128 + (kk % 4) * 32,
-                                                   16, 1024);
-                    const u64 db = make_desc_sw128(sK + (col / 64) * kBlockN * 128 + (col % 64) * 2 + kk * 16 * 128,
-                                                   kBlockN * 128, 1024);
-                    WgmmaSS<Tag, kDqPiece>::template run<true>(dq, da, db, kk > 0);
-                }
+                for (int kk = 0; kk < kBlockN / 16; ++kk)
+                    WgmmaSS<Tag, kDqPiece>::template run<true>(dq, ds_desc.at((kk / 4) * kBlockM * 128 + (kk % 4) * 32),
+                                                               k_desc.at(kk * 16 * 128), kk > 0);
             }
             wgmma_commit();
             // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the

@@ -428,10 +428,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // S = Q K^T of one key tile (issued, not waited for).
         auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
             if constexpr (kQInRegs) {
+                const SmemDesc<> k_desc(k_src, 16, 1024);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kPad / 16; ++kk) {
-                    const u64 db = make_desc_sw128(k_src + (kk / 4) * kBlockN * 128 + (kk % 4) * 32, 16, 1024);
+                    const u64 db = k_desc.at((kk / 4) * kBlockN * 128 + (kk % 4) * 32);
                     WgmmaRS<Tag, kBlockN>::template run<false>(acc_s, qa[kk], db, kk > 0);
                 }
                 wgmma_commit();
@@ -443,14 +444,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
         // O += P V of one key tile (issued, not waited for).
         auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) {
+            const SmemDesc<> v_desc(v_src, Tile::kFp8 ? 16 : kBlockN * 128, 1024);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kPSteps; ++kk) {
                 if constexpr (Tile::kFp8) {   // V^T, K-major: 32 keys (bytes) of its kPadV rows per step
-                    const u64 db = make_desc_sw128(v_src + (kk / 4) * kPadV * 128 + (kk % 4) * 32, 16, 1024);
+                    const u64 db = v_desc.at((kk / 4) * kPadV * 128 + (kk % 4) * 32);
                     WgmmaRS<Tag, kPadV>::template run<false>(acc_o, pa[kk], db, 1);
                 } else {                      // V, MN-major: 16 key rows per step
-                    const u64 db = make_desc_sw128(v_src + kk * 16 * 128, kBlockN * 128, 1024);
+                    const u64 db = v_desc.at(kk * 16 * 128);
                     WgmmaRS<Tag, kPadV>::template run<true>(acc_o, pa[kk], db, 1);
                 }
             }

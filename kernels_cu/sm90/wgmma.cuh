@@ -36,6 +36,38 @@ __device__ __forceinline__ u64 make_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32
     return make_desc_swizzled<128>(smem_addr, lbo_bytes, sbo_bytes);
 }
 
+// A descriptor as a base plus byte offsets. Its low word holds the start address >> 4 in bits 0-13 and the
+// LBO from bit 16: shared memory is < 256 KB, so a 16-byte multiple added to an address inside it never
+// carries out of the address field, and the high word (SBO, swizzle) is fixed. The k-steps of a product
+// then cost one 32-bit add each from one base, where ptxas rebuilt the whole encoding per wgmma (five
+// uniform-datapath instructions).
+// -DCUFLASH_SM90_DESC_FULL: the full encoding per descriptor again (A/B).
+template <int kRowBytes = 128>
+struct SmemDesc {
+    u32 lo, hi;
+#ifdef CUFLASH_SM90_DESC_FULL
+    u32 addr, lbo, sbo;
+#endif
+    __device__ __forceinline__ SmemDesc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+        const u64 d = make_desc_swizzled<kRowBytes>(smem_addr, lbo_bytes, sbo_bytes);
+        lo = static_cast<u32>(d);
+        hi = static_cast<u32>(d >> 32);
+#ifdef CUFLASH_SM90_DESC_FULL
+        addr = smem_addr, lbo = lbo_bytes, sbo = sbo_bytes;
+#endif
+    }
+    // The descriptor of smem_addr + byte_offset (a multiple of 16).
+    __device__ __forceinline__ u64 at(u32 byte_offset) const {
+#ifdef CUFLASH_SM90_DESC_FULL
+        return make_desc_swizzled<kRowBytes>(addr + byte_offset, lbo, sbo);
+#else
+        u64 d;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (byte_offset >> 4)), "r"(hi));
+        return d;
+#endif
+    }
+};
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -49,13 +81,12 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 template <typename Tag, int kN, int kPad, int kARows, int kBRows, int kRowBytes = 128>
 __device__ __forceinline__ void wgmma_ss_rows_product(float (&acc)[kN / 2], u32 a_rows, u32 b_rows) {
     constexpr int kSteps = kRowBytes / 32;   // k-steps per row block
+    const SmemDesc<kRowBytes> a_desc(a_rows, 16, 8 * kRowBytes), b_desc(b_rows, 16, 8 * kRowBytes);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPad * ElemTraits<Tag>::kBytes / 32; ++kk) {
-        const u64 da = make_desc_swizzled<kRowBytes>(
-            a_rows + (kk / kSteps) * kARows * kRowBytes + (kk % kSteps) * 32, 16, 8 * kRowBytes);
-        const u64 db = make_desc_swizzled<kRowBytes>(
-            b_rows + (kk / kSteps) * kBRows * kRowBytes + (kk % kSteps) * 32, 16, 8 * kRowBytes);
+        const u64 da = a_desc.at((kk / kSteps) * kARows * kRowBytes + (kk % kSteps) * 32);
+        const u64 db = b_desc.at((kk / kSteps) * kBRows * kRowBytes + (kk % kSteps) * 32);
         WgmmaSS<Tag, kN>::template run<false>(acc, da, db, kk > 0);
     }
     wgmma_commit();
