@@ -129,6 +129,21 @@ def test_deterministic_mode(rng, dtype, head_dim, causal):
     check_bwd(rng, dtype, 2, 211, 300, 4, 2, head_dim, causal, deterministic=True, label="det")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(300, 100), (130, 300), (1, 77), (257, 257)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_workspace_poisoned(rng, monkeypatch, head_dim, causal, nq, nk, deterministic):
+    """The float32 dQ workspace filled with NaN before the kernels run: every part of it that a result
+    reads must be written first (the ordered Hopper mode stores each query tile's first slice instead of
+    adding it, and leaves only the query tiles that see no key, causal with seqlen_q > seqlen_k, to the
+    preprocess to zero)."""
+    from cuflash import api
+
+    monkeypatch.setattr(api, "_POISON_WORKSPACE", True)
+    check_bwd(rng, "bfloat16", 2, nq, nk, 4, 2, head_dim, causal, deterministic=deterministic, label="poisoned")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,5 +1,6 @@
 // Backward preprocess: delta = rowsum(dout * out) in float32, one value per
-// (batch, head, query row), and zero the float32 dq_accum (atomic and tile dQ modes).
+// (batch, head, query row), and zero the float32 dq_accum (atomic and tile dQ modes; the ordered tile
+// mode only where no key tile writes: BwdParams.dq_zero_rows).
 //
 // Memory-bound: 8 threads per row read 16-byte chunks of dout and out (any
 // head_dim, strided views), reduce with shuffles inside the 8-lane group; the
@@ -41,7 +42,7 @@ bwd_preprocess_kernel(const BwdParams p) {
     const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
     if (valid && sub == 0) p.delta[row_index] = acc;
     // Zeroing the dq_accum here saves a memset pass: its stores go out beside this kernel's loads.
-    if (p.dq_accum != nullptr && row < p.dq_accum_rows) {
+    if (p.dq_accum != nullptr && row < p.dq_zero_rows) {
         const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + row;
         float4* dst = reinterpret_cast<float4*>(p.dq_accum + accum_row * p.dq_accum_cols);
         for (int c = sub; c < p.dq_accum_cols / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);

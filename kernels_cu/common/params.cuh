@@ -62,4 +62,8 @@ struct BwdParams {
     // (seqlen_q x head_dim in rows; sm90 tile modes: query tiles x block_m rows, padded head dim).
     int dq_accum_rows;
     int dq_accum_cols;
+    // Rows of each (batch, head) of dq_accum that the preprocess zeroes (<= dq_accum_rows): all of them,
+    // or (sm90 ordered dQ, whose first contribution to a query tile is a store) those of the query tiles
+    // that see no key at all (causal, seqlen_q > seqlen_k), which nothing else writes.
+    int dq_zero_rows;
 };

@@ -120,6 +120,11 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
+// dst[0 .. bytes) = src[0 .. bytes), one bulk copy of the async proxy.
+__device__ __forceinline__ void bulk_store(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+    bulk_commit_group();
+}
 // dst[0 .. bytes) += src[0 .. bytes) (float32), one bulk operation of the async proxy.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
@@ -384,14 +389,20 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
                 mbar_wait(bar_dq_full(cw), i & 1);
+                // Ordered: ascending key tiles, or (causal) down from the last key tile this query tile sees.
+                // The first (order 0) stores its slice, so that the preprocess need not zero dq_accum.
+                const int order = kDqMode != kDqTileOrdered ? -1
+                                : kIsCausal ? Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k) - 1 - n_block
+                                            : n_block;
                 if constexpr (kDqMode == kDqTileOrdered) {
-                    // Ascending key tiles, or (causal) down from the last key tile this query tile sees.
-                    const int order = kIsCausal ? Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k) - 1 - n_block
-                                                : n_block;
                     semaphore_wait(sem, order);
                     fence_proxy_async_global();
                 }
-                bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
+#ifndef CUFLASH_SM90_BWD_FIRST_STORE   // 0: the first slice is added too (a negative control for the tests)
+#define CUFLASH_SM90_BWD_FIRST_STORE 1
+#endif
+                if (CUFLASH_SM90_BWD_FIRST_STORE && order == 0) bulk_store(dst, dq_stage, Tile::kDqSliceFloats * 4);
+                else bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 bulk_wait_read();
                 mbar_arrive(Tile::kDqInRing ? bar_empty(i % kStages) : bar_dq_empty(cw));
                 if constexpr (kDqMode == kDqTileOrdered) {
