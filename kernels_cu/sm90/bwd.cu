@@ -487,14 +487,32 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             key_query_product(acc_s, sK, q_src);
             mbar_wait(bar_do_full(stage), parity);
             key_query_product(acc_dp, sV, do_src);
+            // kStatsEarly: lse2 / delta of this thread's query columns read while S^T / dP^T run, not after the
+            // wait, where their shared-memory latency sat at the head of the P^T / dS^T chain (ncu: 40 % of the
+            // consumer warps' stall cycles on shared-memory scoreboards). 128-row query steps (64 registers of
+            // them) spill with it. -DCUFLASH_SM90_BWD_STATS_LATE: after the wait everywhere.
+#ifdef CUFLASH_SM90_BWD_STATS_LATE
+            constexpr bool kStatsEarly = false;
+#else
+            constexpr bool kStatsEarly = kQCols <= 64;
+#endif
+            const float* lse2_s = stat_ptr + stage * kBlockM;
+            const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
+            float2 lse2_v[kQCols / 8], delta_v[kQCols / 8];
+            auto load_stats = [&](int j) {
+                lse2_v[j] = *reinterpret_cast<const float2*>(lse2_s + q_off + 8 * j + 2 * t4);
+                delta_v[j] = *reinterpret_cast<const float2*>(delta_s + q_off + 8 * j + 2 * t4);
+            };
+            if constexpr (kStatsEarly) {
+#pragma unroll
+                for (int j = 0; j < kQCols / 8; ++j) load_stats(j);
+            }
             wgmma_wait<0>();
             fence_operand(acc_s);
             fence_operand(acc_dp);
             if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
             // P^T and dS^T. Register 4j + e: key key_local + 8 (e >> 1), query m0 + q_off + 8j + 2 t4 + (e & 1).
-            const float* lse2_s = stat_ptr + stage * kBlockM;
-            const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
             // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never
             // -inf), so that the loop below carries no per-element test.
             if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
@@ -508,9 +526,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             }
 #pragma unroll
             for (int j = 0; j < kQCols / 8; ++j) {
-                const int qc = q_off + 8 * j + 2 * t4;
-                const float2 l2 = *reinterpret_cast<const float2*>(lse2_s + qc);
-                const float2 dl = *reinterpret_cast<const float2*>(delta_s + qc);
+                if constexpr (!kStatsEarly) load_stats(j);
+                const float2 l2 = lse2_v[j], dl = delta_v[j];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
