@@ -489,12 +489,14 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             key_query_product(acc_dp, sV, do_src);
             // kStatsEarly: lse2 / delta of this thread's query columns read while S^T / dP^T run, not after the
             // wait, where their shared-memory latency sat at the head of the P^T / dS^T chain (ncu: 40 % of the
-            // consumer warps' stall cycles on shared-memory scoreboards). 128-row query steps (64 registers of
-            // them) spill with it. -DCUFLASH_SM90_BWD_STATS_LATE: after the wait everywhere.
+            // consumer warps' stall cycles on shared-memory scoreboards). H100 A/B (NOTES, fifteenth session),
+            // backward TFLOP/s: D=128 bf16 600 -> 608, fp16 585 -> 592, D=96 463 -> 473; the causal rows lost
+            // about 1 % (D=128 517 -> 512, D=256 381 -> 378) and keep the late reads; 128-row query steps (64
+            // registers of them) spill with it. -DCUFLASH_SM90_BWD_STATS_LATE: after the wait everywhere.
 #ifdef CUFLASH_SM90_BWD_STATS_LATE
             constexpr bool kStatsEarly = false;
 #else
-            constexpr bool kStatsEarly = kQCols <= 64;
+            constexpr bool kStatsEarly = kQCols <= 64 && !kIsCausal;
 #endif
             const float* lse2_s = stat_ptr + stage * kBlockM;
             const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
