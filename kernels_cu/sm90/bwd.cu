@@ -120,6 +120,12 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
+// The ordered dQ mode stores each query tile's first slice (order 0) instead of adding it, so that the
+// preprocess need not zero those sums; 0 adds it too (a negative control for the tests).
+#ifndef CUFLASH_SM90_BWD_FIRST_STORE
+#define CUFLASH_SM90_BWD_FIRST_STORE 1
+#endif
+
 // dst[0 .. bytes) = src[0 .. bytes), one bulk copy of the async proxy.
 __device__ __forceinline__ void bulk_store(float* dst, u32 src, u32 bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
@@ -398,9 +404,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     semaphore_wait(sem, order);
                     fence_proxy_async_global();
                 }
-#ifndef CUFLASH_SM90_BWD_FIRST_STORE   // 0: the first slice is added too (a negative control for the tests)
-#define CUFLASH_SM90_BWD_FIRST_STORE 1
-#endif
                 if (CUFLASH_SM90_BWD_FIRST_STORE && order == 0) bulk_store(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 else bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 bulk_wait_read();
