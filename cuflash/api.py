@@ -293,12 +293,14 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     dq_accum = semaphores = None
     accum_rows, accum_cols = nq, d
     zero_rows = accum_rows
+    n_semaphores = 0
     if post is not None and post[1].family == "bwd_postprocess_tiled":
         accum_rows, accum_cols = -(-nq // cfg.block_m) * cfg.block_m, sm90.padded_head_dim(cfg.head_dim)
         zero_rows = accum_rows
-        if cfg.family.endswith("_ordered"):
-            semaphores = cupy.zeros(b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS,
-                                    dtype=np.int32)
+        # One semaphore per dQ slice, zeroed by the preprocess.
+        n_semaphores = b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS
+        semaphores = cupy.empty(n_semaphores, dtype=np.int32)
+        if not sm90.bwd_zero_dq_accum():
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
             zero_rows = (max(0, nq - nk) // cfg.block_m) * cfg.block_m if causal else 0
@@ -306,10 +308,12 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
         if _POISON_WORKSPACE:
             dq_accum.fill(np.nan)
+            if semaphores is not None and not cfg.family.endswith("_ordered"):
+                semaphores.fill((1 << 24) + 3)   # "stored" (kDqSliceReady): every slice would be added
     layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
                *params.element_strides(dk), *params.element_strides(dv),
-               b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows)
+               b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows, n_semaphores)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
     p = params.pack_bytes(params.BWD_PARAMS, (

@@ -1,6 +1,8 @@
 """Host side of the Hopper (sm90) kernel families: tensor maps and fallbacks."""
 from __future__ import annotations
 
+import os
+
 from . import heuristics, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
@@ -92,3 +94,13 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     """The tensor maps of q, k, v and dout for the sm90 backward (a ``PackedTail``), or None when
     TMA cannot address one of them (the caller then runs the portable kernels)."""
     return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
+
+
+
+def bwd_zero_dq_accum() -> bool:
+    """$CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1: the preprocess zeroes all of the sm90 tile-dQ sums, as it must for
+    a kernel built with -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 (A/B timing of
+    those builds). Without it the host relies on the kernel storing the first slice that reaches each query
+    tile (kernels_cu/sm90/bwd.cu), so those builds are negative controls for tests/test_bwd.py's
+    test_workspace_poisoned."""
+    return os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") == "1"

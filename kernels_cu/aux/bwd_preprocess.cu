@@ -1,6 +1,6 @@
 // Backward preprocess: delta = rowsum(dout * out) in float32, one value per
-// (batch, head, query row), and zero the float32 dq_accum (atomic and tile dQ modes; the ordered tile
-// mode only where no key tile writes: BwdParams.dq_zero_rows).
+// (batch, head, query row), and zero the float32 dq_accum (atomic dQ mode; the sm90 tile modes only
+// where no key tile writes: BwdParams.dq_zero_rows) and the tile modes' dq_semaphore.
 //
 // Memory-bound: 8 threads per row read 16-byte chunks of dout and out (any
 // head_dim, strided views), reduce with shuffles inside the 8-lane group; the
@@ -47,4 +47,8 @@ bwd_preprocess_kernel(const BwdParams p) {
         float4* dst = reinterpret_cast<float4*>(p.dq_accum + accum_row * p.dq_accum_cols);
         for (int c = sub; c < p.dq_accum_cols / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    // One semaphore per thread: the grid has at least 8 threads per row of dq_accum, and there are at
+    // most 2 semaphores (slices) per 64 rows.
+    const i64 thread = ((static_cast<i64>(batch) * p.heads_q + head) * gridDim.x + blockIdx.x) * blockDim.x + tid;
+    if (thread < p.dq_semaphores) p.dq_semaphore[thread] = 0;
 }

@@ -41,7 +41,8 @@ struct BwdParams {
     void* dq;
     void* dk;              // (batch, seqlen_k, heads_kv, head_dim)
     void* dv;
-    int* dq_semaphore;     // sm90 ordered dQ: one int per (batch, head, query tile, slice), zeroed; else null
+    int* dq_semaphore;     // sm90 tile dQ: one int per (batch, head, query tile, slice), zeroed by the
+                           // preprocess (dq_semaphores of them); else null
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -66,4 +67,5 @@ struct BwdParams {
     // or (sm90 ordered dQ, whose first contribution to a query tile is a store) those of the query tiles
     // that see no key at all (causal, seqlen_q > seqlen_k), which nothing else writes.
     int dq_zero_rows;
+    int dq_semaphores;     // ints of dq_semaphore that the preprocess zeroes (0 without it)
 };

@@ -125,6 +125,26 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 #ifndef CUFLASH_SM90_BWD_FIRST_STORE
 #define CUFLASH_SM90_BWD_FIRST_STORE 1
 #endif
+// The unordered tile mode does the same for whichever key tile reaches a slice first: its dQ warp claims
+// the slice (an atomic add on the slice's semaphore that returns 0), stores it, and once the store is
+// performed adds kDqSliceReady; the others add into it after they see that flag. The preprocess then
+// zeroes only the semaphores, not the float32 sums (134 MB at B=4 H=16 N=4096 D=128: about half of its
+// time). The claimer waits on nothing between its claim and its store, so every wait ends. 0 adds every
+// slice (a negative control for the tests; for timing, with $CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1 so that the
+// preprocess zeroes the sums: cuflash/sm90.py).
+#ifndef CUFLASH_SM90_BWD_CLAIM_FIRST
+#ifdef CUFLASH_SM90_BWD_TRACE
+#define CUFLASH_SM90_BWD_CLAIM_FIRST 0   // the trace build keeps its records in dq_semaphore (dQ is wrong)
+#else
+#define CUFLASH_SM90_BWD_CLAIM_FIRST 1
+#endif
+#endif
+constexpr int kDqSliceReady = 1 << 24;   // above any count of key tiles adding into one slice
+// 1: the dQ warp claims each step's slice one step ahead (the atomic's round trip hidden behind the wait for
+// the consumers); 0: after that wait.
+#ifndef CUFLASH_SM90_BWD_CLAIM_EARLY
+#define CUFLASH_SM90_BWD_CLAIM_EARLY 1
+#endif
 
 // dst[0 .. bytes) = src[0 .. bytes), one bulk copy of the async proxy.
 __device__ __forceinline__ void bulk_store(float* dst, u32 src, u32 bytes) {
@@ -147,8 +167,21 @@ __device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
     } while (seen != value);
 }
-__device__ __forceinline__ void semaphore_release_add(int* sem) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+__device__ __forceinline__ void semaphore_release_add(int* sem, int value = 1) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
+}
+// *sem += 1, returning the old value (acquire: if it holds a released flag, its writes are seen).
+__device__ __forceinline__ int semaphore_acquire_add(int* sem) {
+    int old;
+    asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(sem) : "memory");
+    return old;
+}
+// Spins until *sem >= value (acquire).
+__device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int value) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+    } while (seen < value);
 }
 
 // L2 budget of one section of the 1-D grid (bwd_block), in MB: about one wave of CTAs at head dim 64
@@ -164,29 +197,39 @@ __device__ __forceinline__ void semaphore_release_add(int* sem) {
 
 // The steps of key tile n_block: the n_m query tiles from m_begin on (causal: from its diagonal) of
 // each query head of its GQA group, n_iter in all; step i takes query head head0 + i / n_m and query
-// tile steps.query_tile(i). Rotated, each key tile starts at its own query tile (n_block mod n_m) and wraps
-// around, so that the key tiles running side by side add into different dQ tiles at a time rather
-// than all into the same one: the unordered, non-causal 128-row tiles (head dims <= 64). H100, backward TFLOP/s, A/B in one run
-// (2026-11-24): B=16 N=1024 D=64 fp16 318 -> 324, B=4 N=4096 458 / 457, B=8 N=2048 406 / 405; the
-// 64-row tiles lose (D=128 N=1024 412 -> 404), the causal 128-row ones spill with it.
-// -DCUFLASH_SM90_BWD_ROTATE=0 turns it off.
+// tile steps.query_tile(i). Rotated, each key tile starts at its own query tile and wraps around, so that
+// the key tiles running side by side add into different dQ tiles at a time rather than all into the same
+// one, and (claimed slices, CUFLASH_SM90_BWD_CLAIM_FIRST) the key tiles after the first reach a tile a step
+// or more after it, when its store is done. Applies to the unordered, non-causal tiles.
+// -DCUFLASH_SM90_BWD_ROTATE: 0 off; 1 the 128-row tiles only (head dims <= 64), start n_block mod n_m
+// (H100, 2026-11-24: B=16 N=1024 D=64 fp16 318 -> 324; the 64-row tiles lost then, D=128 N=1024 412 -> 404);
+// 2 all tiles, n_block mod n_m; 3 (default) all tiles, start n_block * n_m / n_blocks, so that the
+// key tiles reaching one query tile are evenly spaced in steps (2 apart at seqlen_q = seqlen_k with
+// 64-row tiles). With the claimed slices, backward TFLOP/s (H100, 2026-11-24, A/B in one run) 1 / 3:
+// B=4 N=4096 D=128 bf16 589 / 615 (dQ sums zeroed by the preprocess, not rotated: 606), D=64 fp16 499 / 511.
 #ifndef CUFLASH_SM90_BWD_ROTATE
-#define CUFLASH_SM90_BWD_ROTATE 1
+#define CUFLASH_SM90_BWD_ROTATE 3
 #endif
 template <int kBlockM, int kBlockN, bool kIsCausal, bool kRotate>
 struct BwdSteps {
-    int n_block, m_begin, n_m, n_iter;
+    int n_block, m_begin, n_m, n_iter, rotation;
     __device__ __forceinline__ BwdSteps(int n_block_, int seqlen_q, int seqlen_k, int heads_per_kv)
         : n_block(n_block_) {
         m_begin = BlockRange<kBlockM, kBlockN, kIsCausal>::m_block_min(n_block, seqlen_q, seqlen_k);
         const int m_end = ceil_div(seqlen_q, kBlockM);
         n_m = m_end > m_begin ? m_end - m_begin : 0;
         n_iter = n_m * heads_per_kv;
+        rotation = 0;
+        if (kRotate && n_m > 0) {
+            rotation = CUFLASH_SM90_BWD_ROTATE == 3
+                ? static_cast<int>(static_cast<unsigned>(n_block * n_m) / static_cast<unsigned>(ceil_div(seqlen_k, kBlockN)))
+                : n_block % n_m;
+        }
     }
     __device__ __forceinline__ int query_tile(int i) const {
         int t = i % n_m;
         if (kRotate) {
-            t += n_block % n_m;
+            t += rotation;
             if (t >= n_m) t -= n_m;
         }
         return m_begin + t;
@@ -287,7 +330,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int head_kv = blk.head_kv;
     const int batch = blk.batch;
     const int n0 = n_block * kBlockN;
-    constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal && kBlockM == 128;
+    constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal
+                             && (kBlockM == 128 || (CUFLASH_SM90_BWD_ROTATE >= 2 && CUFLASH_SM90_BWD_CLAIM_FIRST));
     using Steps = BwdSteps<kBlockM, kBlockN, kIsCausal, kRotate>;
     const Steps steps(n_block, p.seqlen_q, p.seqlen_k, p.heads_per_kv);
     const int head0 = head_kv * p.heads_per_kv;
@@ -386,32 +430,56 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // the key tiles before this one, and released when its writes are performed).
             const int cw = warp - 2;
             const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+            // (batch, head, query tile) of step i; 32 bits (tiles of 64 rows: < 2^31 while batch * heads_q *
+            // seqlen_q < 2^37), which keeps this 24-register warp from spilling.
+            auto slice_index = [&](int i) {
+                const int head = head0 + i / steps.n_m;
+                return static_cast<int>((static_cast<unsigned>(batch) * p.heads_q + head) * m_blocks + steps.query_tile(i));
+            };
+            constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST;
+            // Unordered: each step's slice is claimed one step ahead, so that the atomic's round trip
+            // overlaps the wait for the consumers; a stored slice's flag is released as soon as the store
+            // is performed, before any wait on another CTA's flag, so no wait is circular.
+            int tile_next = slice_index(0);
+            // (Not on causal split-D tiles, head dims 192 / 256: the claim carried across steps spills there.)
+            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY && !(Tile::kSplitD && kIsCausal);
+            int seen_next = kClaimEarly ? semaphore_acquire_add(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
                                                      : sDqStage + cw * Tile::kDqSliceFloats * 4;
-                const int head = head0 + i / steps.n_m;
-                const int m_block = steps.query_tile(i);
-                const i64 tile = (static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block;
-                float* dst = p.dq_accum + tile * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
+                const int tile = tile_next;
+                float* dst = p.dq_accum + static_cast<i64>(tile) * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
                 mbar_wait(bar_dq_full(cw), i & 1);
+                const int seen = kClaimEarly ? seen_next : kClaim ? semaphore_acquire_add(sem) : 0;
                 // Ordered: ascending key tiles, or (causal) down from the last key tile this query tile sees.
                 // The first (order 0) stores its slice, so that the preprocess need not zero dq_accum.
                 const int order = kDqMode != kDqTileOrdered ? -1
-                                : kIsCausal ? Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k) - 1 - n_block
+                                : kIsCausal ? Range::n_block_max(steps.query_tile(i), p.seqlen_q, p.seqlen_k) - 1 - n_block
                                             : n_block;
+                bool first = CUFLASH_SM90_BWD_FIRST_STORE && order == 0;
                 if constexpr (kDqMode == kDqTileOrdered) {
                     semaphore_wait(sem, order);
                     fence_proxy_async_global();
+                } else if constexpr (kClaim) {
+                    first = seen == 0;
+                    if (!first) {
+                        if (seen < kDqSliceReady) semaphore_wait_at_least(sem, kDqSliceReady);
+                        fence_proxy_async_global();
+                    }
                 }
-                if (CUFLASH_SM90_BWD_FIRST_STORE && order == 0) bulk_store(dst, dq_stage, Tile::kDqSliceFloats * 4);
+                if (first) bulk_store(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 else bulk_reduce_add_f32(dst, dq_stage, Tile::kDqSliceFloats * 4);
                 bulk_wait_read();
                 mbar_arrive(Tile::kDqInRing ? bar_empty(i % kStages) : bar_dq_empty(cw));
-                if constexpr (kDqMode == kDqTileOrdered) {
+                if (kDqMode == kDqTileOrdered || (kClaim && first)) {
                     bulk_wait_all();
                     fence_proxy_async_global();
-                    semaphore_release_add(sem);
+                    semaphore_release_add(sem, kDqMode == kDqTileOrdered ? 1 : kDqSliceReady);
+                }
+                if (i + 1 < steps.n_iter) {
+                    tile_next = slice_index(i + 1);
+                    if (kClaimEarly) seen_next = semaphore_acquire_add(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw);
                 }
             }
             // Each reduce has read its slice (wait_group.read above), so the CTA's shared memory may go;
