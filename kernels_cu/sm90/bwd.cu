@@ -140,8 +140,11 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 #endif
 #endif
 constexpr int kDqSliceReady = 1 << 24;   // above any count of key tiles adding into one slice
-// 1: the dQ warp claims each step's slice one step ahead (the atomic's round trip hidden behind the wait for
-// the consumers); 0: after that wait.
+// 1: the dQ warp reads each step's semaphore one step ahead (the load's round trip hidden behind the wait for
+// the consumers); a slice already stored is then added with no atomic at all, and only the others are
+// claimed, after that wait. 0: every slice claimed after the wait. A claim itself must never go out
+// before the slice is in shared memory: the claimer's consumers could then be held up (through the two
+// warpgroups' common barriers) by its other dQ warp waiting on a CTA that waits on this claim.
 #ifndef CUFLASH_SM90_BWD_CLAIM_EARLY
 #define CUFLASH_SM90_BWD_CLAIM_EARLY 1
 #endif
@@ -175,6 +178,11 @@ __device__ __forceinline__ int semaphore_acquire_add(int* sem) {
     int old;
     asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(sem) : "memory");
     return old;
+}
+__device__ __forceinline__ int semaphore_load_acquire(const int* sem) {
+    int seen;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+    return seen;
 }
 // Spins until *sem >= value (acquire).
 __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int value) {
@@ -437,13 +445,13 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 return static_cast<int>((static_cast<unsigned>(batch) * p.heads_q + head) * m_blocks + steps.query_tile(i));
             };
             constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST;
-            // Unordered: each step's slice is claimed one step ahead, so that the atomic's round trip
-            // overlaps the wait for the consumers; a stored slice's flag is released as soon as the store
-            // is performed, before any wait on another CTA's flag, so no wait is circular.
+            // Unordered: a slice's semaphore is read a step ahead (CUFLASH_SM90_BWD_CLAIM_EARLY); if not yet
+            // stored it is claimed once the slice is in shared memory, and a stored slice's flag is released
+            // as soon as the store is performed, before any wait on another CTA's flag: no wait is circular.
             int tile_next = slice_index(0);
             // (Not on causal split-D tiles, head dims 192 / 256: the claim carried across steps spills there.)
             constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY && !(Tile::kSplitD && kIsCausal);
-            int seen_next = kClaimEarly ? semaphore_acquire_add(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
+            int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
                                                      : sDqStage + cw * Tile::kDqSliceFloats * 4;
@@ -451,7 +459,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 float* dst = p.dq_accum + static_cast<i64>(tile) * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
                 mbar_wait(bar_dq_full(cw), i & 1);
-                const int seen = kClaimEarly ? seen_next : kClaim ? semaphore_acquire_add(sem) : 0;
+                const int seen = kClaimEarly && seen_next >= kDqSliceReady ? seen_next
+                               : kClaim ? semaphore_acquire_add(sem) : 0;
                 // Ordered: ascending key tiles, or (causal) down from the last key tile this query tile sees.
                 // The first (order 0) stores its slice, so that the preprocess need not zero dq_accum.
                 const int order = kDqMode != kDqTileOrdered ? -1
@@ -479,7 +488,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 }
                 if (i + 1 < steps.n_iter) {
                     tile_next = slice_index(i + 1);
-                    if (kClaimEarly) seen_next = semaphore_acquire_add(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw);
+                    if (kClaimEarly) seen_next = semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw);
                 }
             }
             // Each reduce has read its slice (wait_group.read above), so the CTA's shared memory may go;
