@@ -104,3 +104,10 @@ def bwd_zero_dq_accum() -> bool:
     tile (kernels_cu/sm90/bwd.cu), so those builds are negative controls for tests/test_bwd.py's
     test_workspace_poisoned."""
     return os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") == "1"
+
+
+def bwd_split_d(cfg: KernelConfig) -> bool:
+    """Whether the sm90 backward kernel ``cfg`` has split-D tiles (head dims 192 / 256: 64 keys, two consumer
+    warpgroups owning half of the head dim each; kernels_cu/sm90/bwd.cu kSplitD). Its unordered dQ slices
+    are all added (no claimed first store), so the preprocess zeroes their sums."""
+    return cfg.block_n == 64 and cfg.num_warps == 12

@@ -339,7 +339,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int batch = blk.batch;
     const int n0 = n_block * kBlockN;
     constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal
-                             && (kBlockM == 128 || (CUFLASH_SM90_BWD_ROTATE >= 2 && CUFLASH_SM90_BWD_CLAIM_FIRST));
+                             && (kBlockM == 128 || (CUFLASH_SM90_BWD_ROTATE >= 2 && CUFLASH_SM90_BWD_CLAIM_FIRST
+                                                    && !Tile::kDqInRing));
     using Steps = BwdSteps<kBlockM, kBlockN, kIsCausal, kRotate>;
     const Steps steps(n_block, p.seqlen_q, p.seqlen_k, p.heads_per_kv);
     const int head0 = head_kv * p.heads_per_kv;
@@ -444,7 +445,10 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int head = head0 + i / steps.n_m;
                 return static_cast<int>((static_cast<unsigned>(batch) * p.heads_q + head) * m_blocks + steps.query_tile(i));
             };
-            constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST;
+            // Not for split-D tiles (slices staged in the ring): with the claims they hung at B=4 H=16
+            // N=2048 D=256 (tests/test_bwd.py test_many_ctas_in_flight; cause not found yet), so the
+            // preprocess zeroes their sums (api.py).
+            constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST && !Tile::kDqInRing;
             // Unordered: a slice's semaphore is read a step ahead (CUFLASH_SM90_BWD_CLAIM_EARLY); if not yet
             // stored it is claimed once the slice is in shared memory, and a stored slice's flag is released
             // as soon as the store is performed, before any wait on another CTA's flag: no wait is circular.
