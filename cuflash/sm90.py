@@ -96,7 +96,6 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
 
 
-
 def bwd_zero_dq_accum() -> bool:
     """$CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1: the preprocess zeroes all of the sm90 tile-dQ sums, as it must for
     a kernel built with -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 (A/B timing of
