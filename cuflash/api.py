@@ -300,7 +300,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         # One semaphore per dQ slice, zeroed by the preprocess.
         n_semaphores = b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS
         semaphores = cupy.empty(n_semaphores, dtype=np.int32)
-        if not sm90.bwd_zero_dq_accum() and (cfg.family.endswith("_ordered") or not sm90.bwd_split_d(cfg)):
+        if sm90.bwd_first_slice_stored(cfg):
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
             zero_rows = (max(0, nq - nk) // cfg.block_m) * cfg.block_m if causal else 0

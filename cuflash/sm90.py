@@ -96,17 +96,14 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
 
 
-def bwd_zero_dq_accum() -> bool:
-    """$CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1: the preprocess zeroes all of the sm90 tile-dQ sums, as it must for
-    a kernel built with -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 (A/B timing of
-    those builds). Without it the host relies on the kernel storing the first slice that reaches each query
-    tile (kernels_cu/sm90/bwd.cu), so those builds are negative controls for tests/test_bwd.py's
-    test_workspace_poisoned."""
-    return os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") == "1"
-
-
-def bwd_split_d(cfg: KernelConfig) -> bool:
-    """Whether the sm90 backward kernel ``cfg`` has split-D tiles (head dims 192 / 256: 64 keys, two consumer
-    warpgroups owning half of the head dim each; kernels_cu/sm90/bwd.cu kSplitD). Its unordered dQ slices
-    are all added (no claimed first store), so the preprocess zeroes their sums."""
-    return cfg.block_n == 64 and cfg.num_warps == 12
+def bwd_first_slice_stored(cfg: KernelConfig) -> bool:
+    """Whether the sm90 tile-dQ backward kernel ``cfg`` stores the first slice that reaches each query tile of
+    its float32 dQ sums instead of adding it (kernels_cu/sm90/bwd.cu: the ordered mode, and the unordered one
+    except on split-D tiles, head dims 192 / 256), so that the preprocess zeroes only the query tiles no key
+    tile writes. $CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1 says no, as a kernel built with
+    -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 needs (A/B timing of those builds);
+    without it those builds are negative controls for tests/test_bwd.py's test_workspace_poisoned."""
+    if os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") == "1":
+        return False
+    split_d = cfg.block_n == 64 and cfg.num_warps == 12   # kSplitD: 64 keys, two consumer warpgroups
+    return cfg.family.endswith("_ordered") or not split_d

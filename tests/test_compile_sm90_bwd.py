@@ -76,7 +76,7 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     else:  # one bulk reduce per slice, or a bulk store for the first; the only atomics are the semaphore's
         assert ops["UBLKRED"] == 1, f"{cfg.key()}: {ops['UBLKRED']} bulk reduces"
         # The first slice's store, the release after it (ordered: after every slice) and the unordered mode's
-        # claim of a slice; split-D tiles add every unordered slice (cuflash/sm90.py: bwd_split_d).
+        # claim of a slice; split-D tiles add every unordered slice (cuflash/sm90.py: bwd_first_slice_stored).
         ordered = cfg.family.endswith("_ordered")
         stores = ordered or not split_d
         assert ops["UBLKCP"] == int(stores), f"{cfg.key()}: {ops['UBLKCP']} bulk copies (the first slice's store)"

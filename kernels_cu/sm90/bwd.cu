@@ -163,12 +163,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 byt
 __device__ __forceinline__ void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
+__device__ __forceinline__ int semaphore_load_acquire(const int* sem) {
+    int seen;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+    return seen;
+}
 // Spins until *sem == value (acquire: later reads see the writes released before it).
 __device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
-    int seen;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-    } while (seen != value);
+    while (semaphore_load_acquire(sem) != value) {}
 }
 __device__ __forceinline__ void semaphore_release_add(int* sem, int value = 1) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(sem), "r"(value) : "memory");
@@ -179,17 +181,9 @@ __device__ __forceinline__ int semaphore_acquire_add(int* sem) {
     asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(sem) : "memory");
     return old;
 }
-__device__ __forceinline__ int semaphore_load_acquire(const int* sem) {
-    int seen;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-    return seen;
-}
 // Spins until *sem >= value (acquire).
 __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int value) {
-    int seen;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-    } while (seen < value);
+    while (semaphore_load_acquire(sem) < value) {}
 }
 
 // L2 budget of one section of the 1-D grid (bwd_block), in MB: about one wave of CTAs at head dim 64
@@ -208,7 +202,7 @@ __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int valu
 // tile steps.query_tile(i). Rotated, each key tile starts at its own query tile and wraps around, so that
 // the key tiles running side by side add into different dQ tiles at a time rather than all into the same
 // one, and (claimed slices, CUFLASH_SM90_BWD_CLAIM_FIRST) the key tiles after the first reach a tile a step
-// or more after it, when its store is done. Applies to the unordered, non-causal tiles.
+// or more after it, when its store is done. Applies to the unordered, non-causal tiles (split-D ones: 0 or 1).
 // -DCUFLASH_SM90_BWD_ROTATE: 0 off; 1 the 128-row tiles only (head dims <= 64), start n_block mod n_m
 // (H100, 2026-11-24: B=16 N=1024 D=64 fp16 318 -> 324; the 64-row tiles lost then, D=128 N=1024 412 -> 404);
 // 2 all tiles, n_block mod n_m; 3 (default) all tiles, start n_block * n_m / n_blocks, so that the
@@ -446,15 +440,14 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 return static_cast<int>((static_cast<unsigned>(batch) * p.heads_q + head) * m_blocks + steps.query_tile(i));
             };
             // Not for split-D tiles (slices staged in the ring): with the claims they hung at B=4 H=16
-            // N=2048 D=256 (tests/test_bwd.py test_many_ctas_in_flight; cause not found yet), so the
-            // preprocess zeroes their sums (api.py).
+            // N=2048 D=256 (tests/test_bwd.py test_many_ctas_in_flight; the likely cause, a dq_full phase
+            // missed in the ring, is in NOTES.md), so the preprocess zeroes their sums (cuflash/sm90.py).
             constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST && !Tile::kDqInRing;
             // Unordered: a slice's semaphore is read a step ahead (CUFLASH_SM90_BWD_CLAIM_EARLY); if not yet
             // stored it is claimed once the slice is in shared memory, and a stored slice's flag is released
             // as soon as the store is performed, before any wait on another CTA's flag: no wait is circular.
             int tile_next = slice_index(0);
-            // (Not on causal split-D tiles, head dims 192 / 256: the claim carried across steps spills there.)
-            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY && !(Tile::kSplitD && kIsCausal);
+            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY;
             int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
