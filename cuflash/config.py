@@ -32,6 +32,11 @@ FAMILIES: dict[str, Family] = {
     "sm90_fwd_overlap_p": Family("sm90_fwd_overlap_p", "sm90/fwd.cu", "fwd_overlap_persistent_kernel", 90, True),
     "sm90_fwd_pingpong_p": Family("sm90_fwd_pingpong_p", "sm90/fwd.cu", "fwd_pingpong_persistent_kernel", 90,
                                   True),
+    # The overlap schedule in clusters of two CTAs sharing K / V loads (TMA multicast), one CTA per tile
+    # or persistent: not causal, 16-bit, head dims 65..128 and 193..256 (heuristics.fwd_cluster_ok).
+    "sm90_fwd_overlap_x2": Family("sm90_fwd_overlap_x2", "sm90/fwd.cu", "fwd_overlap_x2_kernel", 90, True),
+    "sm90_fwd_overlap_x2_p": Family("sm90_fwd_overlap_x2_p", "sm90/fwd.cu", "fwd_overlap_x2_persistent_kernel", 90,
+                                    True),
     # fp8 (e4m3) inputs with V transposed (cuflash/fp8.py), the overlap schedule; one CTA per tile or
     # persistent.
     "sm90_fwd_fp8": Family("sm90_fwd_fp8", "sm90/fwd.cu", "fwd_fp8_kernel", 90, True),
@@ -90,6 +95,11 @@ class KernelConfig:
     @property
     def source(self) -> str:
         return self.fam.source
+
+    @property
+    def cluster(self) -> int:
+        """CTAs per thread-block cluster (the sm90 forward's ``_x2`` families: 2)."""
+        return 2 if "_x2" in self.family else 1
 
     @property
     def threads(self) -> int:

@@ -79,10 +79,25 @@ def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
 SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
-                     "pingpong_p": "sm90_fwd_pingpong_p"}
+                     "pingpong_p": "sm90_fwd_pingpong_p",
+                     # the overlap schedule in clusters of two CTAs (TMA multicast of K / V; fwd_cluster_ok)
+                     "overlap_x2": "sm90_fwd_overlap_x2", "overlap_x2_p": "sm90_fwd_overlap_x2_p"}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
 SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                     "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
+                     "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
+
+
+def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
+    """Whether the forward's cluster kernels (``overlap_x2``, kernels_cu/sm90/fwd.cu: kCluster) apply: two
+    CTAs on adjacent query tiles visit the same key tiles (not causal) and split each K / V tile's 64-column
+    blocks evenly (16-bit, an even number of them: head dims 65..128 and 193..256)."""
+    return dtype in ("float16", "bfloat16") and not causal and (head_dim + 63) // 64 % 2 == 0
+
+
+def fwd_cluster() -> bool:
+    """$CUFLASH_SM90_FWD_CLUSTER=1: the tuned table takes the cluster kernels of its overlap schedules
+    where they apply (fwd_cluster_ok). Default off."""
+    return os.environ.get("CUFLASH_SM90_FWD_CLUSTER", "0").strip() == "1"
 
 # sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
 # without / with the causal mask). block_n is a whole 128-byte V^T row. The fp16 tiles where they fit,
@@ -193,11 +208,19 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
         if backend != "sm90":
             schedule = schedule_causal = backend[len("sm90_"):]
+            if "_x2" in schedule and not fwd_cluster_ok(dtype, head_dim, causal):
+                schedule = schedule_causal = schedule.replace("_x2", "")   # the plain kernel where clusters do not apply
+            if schedule == "overlap_x2_p" and bucket == 256:  # 232 consumer registers: one CTA per tile
+                schedule = schedule_causal = "overlap_x2"
             if schedule == "overlap_p" and block_m == 192 and causal:  # 3 x 160 registers: spills under the mask
                 block_m, warps = 128, 12
             if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
                 schedule = schedule_causal = "pingpong_p"
-        family = SM90_FWD_FAMILIES[schedule_causal if causal else schedule]
+        schedule = schedule_causal if causal else schedule
+        if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster() \
+                and fwd_cluster_ok(dtype, head_dim, causal):
+            schedule = schedule.replace("overlap", "overlap_x2")
+        family = SM90_FWD_FAMILIES[schedule]
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]

@@ -130,6 +130,8 @@ SMEM_BYTES = {
     "sm90_fwd_p": _sm90_fwd_smem,
     "sm90_fwd_overlap_p": _sm90_fwd_smem,
     "sm90_fwd_pingpong_p": _sm90_fwd_smem,
+    "sm90_fwd_overlap_x2": _sm90_fwd_smem,
+    "sm90_fwd_overlap_x2_p": _sm90_fwd_smem,
     "sm90_fwd_fp8": _sm90_fwd_smem,
     "sm90_fwd_fp8_p": _sm90_fwd_smem,
     "fp8_transpose_v": lambda c: 0,
@@ -158,10 +160,11 @@ def sm_count() -> int:
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
     """One CTA per (query tile, head, batch); persistent families (sm90_fwd*_p): one per SM, at
     most one per tile (the kernel walks the tiles itself); the other causal sm90 families: a 1-D
-    grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords)."""
-    tiles = (seqlen_q + c.block_m - 1) // c.block_m
+    grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords). Clusters (``c.cluster``
+    CTAs on adjacent query tiles): query tiles counted in whole clusters, the grid a multiple of it."""
+    tiles = -(-((seqlen_q + c.block_m - 1) // c.block_m) // c.cluster) * c.cluster
     if c.family.endswith("_p"):
-        return (max(1, min(tiles * heads_q * batch, sm_count())), 1, 1)
+        return (max(c.cluster, min(tiles * heads_q * batch, sm_count()) // c.cluster * c.cluster), 1, 1)
     if c.causal and c.family.startswith("sm90_fwd"):
         return (tiles * heads_q * batch, 1, 1)
     return (tiles, heads_q, batch)

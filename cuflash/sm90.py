@@ -98,12 +98,9 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
 
 def bwd_first_slice_stored(cfg: KernelConfig) -> bool:
     """Whether the sm90 tile-dQ backward kernel ``cfg`` stores the first slice that reaches each query tile of
-    its float32 dQ sums instead of adding it (kernels_cu/sm90/bwd.cu: the ordered mode, and the unordered one
-    except on split-D tiles, head dims 192 / 256), so that the preprocess zeroes only the query tiles no key
+    its float32 dQ sums instead of adding it (kernels_cu/sm90/bwd.cu: the ordered mode stores its first
+    contribution, the unordered one claims it), so that the preprocess zeroes only the query tiles no key
     tile writes. $CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1 says no, as a kernel built with
     -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 needs (A/B timing of those builds);
     without it those builds are negative controls for tests/test_bwd.py's test_workspace_poisoned."""
-    if os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") == "1":
-        return False
-    split_d = cfg.block_n == 64 and cfg.num_warps == 12   # kSplitD: 64 keys, two consumer warpgroups
-    return cfg.family.endswith("_ordered") or not split_d
+    return os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") != "1"

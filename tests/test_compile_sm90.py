@@ -43,7 +43,7 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     # Q as the register A operand of Q K^T (kernels_cu/sm90/fwd.cu: kQInRegs): one ldmatrix.x4 per k16
     # step of the padded head dim, and no other ldmatrix in the forward.
     pad = (cfg.head_dim + 63) // 64 * 64
-    schedule = cfg.family.removeprefix("sm90_fwd").removesuffix("_p")
+    schedule = cfg.family.removeprefix("sm90_fwd").removesuffix("_p").removesuffix("_x2")
     q_in_regs = (schedule == "_overlap" and cfg.block_m == 128 and pad <= 128) or (schedule == "" and pad <= 64)
     assert ops["LDSM"] == (pad // 16 if q_in_regs else 0), f"{cfg.key()}: {ops['LDSM']} LDSM"
     # The persistent kernels stage O at head dims <= 128 and store it with TMA (kTmaStoreO); the others
@@ -83,7 +83,10 @@ def test_backend_selection(monkeypatch):
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
     for schedule, family in heuristics.SM90_FWD_FAMILIES.items():
         monkeypatch.setenv("CUFLASH_FWD_BACKEND", f"sm90_{schedule}")
-        assert heuristics.fwd_config("bfloat16", 128, True, 90).family == family
+        assert heuristics.fwd_config("bfloat16", 128, False, 90).family == family
+        # the cluster kernels are not causal: forced, a causal call takes the plain schedule
+        plain = heuristics.SM90_FWD_FAMILIES[schedule.replace("_x2", "")]
+        assert heuristics.fwd_config("bfloat16", 128, True, 90).family == plain
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"

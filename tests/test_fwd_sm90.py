@@ -12,7 +12,8 @@ pytestmark = requires_gpu
 
 
 @pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p"])
+                                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p",
+                                      "sm90_overlap_x2", "sm90_overlap_x2_p"])
 def sm90_backend(request, monkeypatch):
     import cupy
     from cuflash import api
@@ -125,3 +126,28 @@ def test_tile_variants(rng, monkeypatch, sm90_backend, tiles, d, dtype, causal):
     api._fwd_plans.clear()
     for nq, nk in [(1000, 1000), (113, 203), (203, 113), (239, 1)]:
         _check(rng, dtype, 2, nq, nk, 3, 1, d, causal)
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_growing_logits(rng, scale, causal):
+    """Scores that grow along the key loop (key tiles are visited last to first), so that most key tiles
+    raise the running max, at the larger scale by more than exp2's range: the key loop's fast path, which
+    keeps the running max (kernels_cu/sm90/fwd.cu, kKeepMax), must fall back to the full softmax step."""
+    from conftest import FWD_TOL, assert_lse_matches, poisoned, randn
+
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference, rel_err
+
+    b, nq, nk, h, d = 1, 700, 900, 2, 128
+    q, v = randn(rng, (b, nq, h, d), "bfloat16"), randn(rng, (b, nk, h, d), "bfloat16")
+    ramp = cupy.linspace(5.0, 1.0, nk, dtype=cupy.float32).reshape(1, nk, 1, 1)
+    k = (randn(rng, (b, nk, h, d), "float32") * ramp).astype(q.dtype)
+    out = poisoned(q.shape, "bfloat16")
+    o, lse = cuflash.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    err = rel_err(o, ref_o)
+    assert err <= FWD_TOL["bfloat16"], f"out rel err {err:.3e}"
+    assert_lse_matches(lse, ref_lse, (b, h, nq))

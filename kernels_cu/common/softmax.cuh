@@ -81,6 +81,41 @@ struct OnlineSoftmax {
         return changed;
     }
 
+    // Probabilities against the running max as it stands, without looking for this tile's max (its
+    // FMNMX chain and quad shuffles are most of the softmax's latency): s = exp2(s * scale_log2 - max) in
+    // place, this thread's partial row sums in `sums` (not yet added). Returns whether every one of this
+    // thread's probabilities is at most 2^kMaxSlackLog2 (their sum is; NaN and inf fail), i.e. whether the
+    // running max may stand as step() would have left it. If not, s is lost and the caller computes it again
+    // and calls step(). A row with no max yet (-inf) always fails.
+    __device__ __forceinline__ bool probs_at_running_max(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                                         float (&sums)[kRows]) const {
+        bool ok = true;
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * t + h;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = exp2f(fmaf(s[t][n][2 * h + e], scale_log2, -row_max[r]));
+                        s[t][n][2 * h + e] = p;
+                        sum += p;
+                    }
+                }
+                sums[r] = sum;
+                ok &= sum <= static_cast<float>(1 << kMaxSlackLog2);
+            }
+        }
+        return ok;
+    }
+    __device__ __forceinline__ void add_sums(const float (&sums)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) row_sum[r] += sums[r];
+    }
+
     // Final normaliser per row (1 / sum, 0 for a row with no visible key) and
     // the natural-log log-sum-exp (-inf for such a row).
     __device__ __forceinline__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {

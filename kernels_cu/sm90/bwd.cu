@@ -202,7 +202,7 @@ __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int valu
 // tile steps.query_tile(i). Rotated, each key tile starts at its own query tile and wraps around, so that
 // the key tiles running side by side add into different dQ tiles at a time rather than all into the same
 // one, and (claimed slices, CUFLASH_SM90_BWD_CLAIM_FIRST) the key tiles after the first reach a tile a step
-// or more after it, when its store is done. Applies to the unordered, non-causal tiles (split-D ones: 0 or 1).
+// or more after it, when its store is done. Applies to the unordered, non-causal tiles.
 // -DCUFLASH_SM90_BWD_ROTATE: 0 off; 1 the 128-row tiles only (head dims <= 64), start n_block mod n_m
 // (H100, 2026-11-24: B=16 N=1024 D=64 fp16 318 -> 324; the 64-row tiles lost then, D=128 N=1024 412 -> 404);
 // 2 all tiles, n_block mod n_m; 3 (default) all tiles, start n_block * n_m / n_blocks, so that the
@@ -333,8 +333,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     const int batch = blk.batch;
     const int n0 = n_block * kBlockN;
     constexpr bool kRotate = CUFLASH_SM90_BWD_ROTATE && kDqMode != kDqTileOrdered && !kIsCausal
-                             && (kBlockM == 128 || (CUFLASH_SM90_BWD_ROTATE >= 2 && CUFLASH_SM90_BWD_CLAIM_FIRST
-                                                    && !Tile::kDqInRing));
+                             && (kBlockM == 128 || (CUFLASH_SM90_BWD_ROTATE >= 2 && CUFLASH_SM90_BWD_CLAIM_FIRST));
     using Steps = BwdSteps<kBlockM, kBlockN, kIsCausal, kRotate>;
     const Steps steps(n_block, p.seqlen_q, p.seqlen_k, p.heads_per_kv);
     const int head0 = head_kv * p.heads_per_kv;
@@ -439,15 +438,13 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int head = head0 + i / steps.n_m;
                 return static_cast<int>((static_cast<unsigned>(batch) * p.heads_q + head) * m_blocks + steps.query_tile(i));
             };
-            // Not for split-D tiles (slices staged in the ring): with the claims they hung at B=4 H=16
-            // N=2048 D=256 (tests/test_bwd.py test_many_ctas_in_flight; the likely cause, a dq_full phase
-            // missed in the ring, is in NOTES.md), so the preprocess zeroes their sums (cuflash/sm90.py).
-            constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST && !Tile::kDqInRing;
+            constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST;
             // Unordered: a slice's semaphore is read a step ahead (CUFLASH_SM90_BWD_CLAIM_EARLY); if not yet
             // stored it is claimed once the slice is in shared memory, and a stored slice's flag is released
             // as soon as the store is performed, before any wait on another CTA's flag: no wait is circular.
             int tile_next = slice_index(0);
-            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY;
+            // (Not the causal split-D tiles: the value read ahead spills this 24-register warp at D=192.)
+            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY && !(kIsCausal && Tile::kDqInRing);
             int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
@@ -456,6 +453,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 float* dst = p.dq_accum + static_cast<i64>(tile) * (kBlockM * kPad) + cw * Tile::kDqSliceFloats;
                 int* sem = p.dq_semaphore + tile * Tile::kConsumerWGs + cw;
                 mbar_wait(bar_dq_full(cw), i & 1);
+                // Slices in the ring: the warpgroup stages its next slice only after this (dq_empty), so that
+                // it cannot complete two dq_full phases before this warp polls (a parity wait would then
+                // miss one and hang: the next stage waits on this warp to free the ring). Staging buffers
+                // have the handshake already: dq_empty below, once the reduce has read the slice.
+                if constexpr (Tile::kDqInRing) mbar_arrive(bar_dq_empty(cw));
                 const int seen = kClaimEarly && seen_next >= kDqSliceReady ? seen_next
                                : kClaim ? semaphore_acquire_add(sem) : 0;
                 // Ordered: ascending key tiles, or (causal) down from the last key tile this query tile sees.
@@ -750,11 +752,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // and dO), then over to this warpgroup's dQ warp.
             auto stage_dq_slice = [&]() {
                 u32 dq_stage;
+                mbar_wait(bar_dq_empty(cw), (i & 1) ^ 1);   // the dQ warp has taken the previous slice
                 if constexpr (Tile::kDqInRing) {
                     named_barrier_sync(4, Tile::kConsumerWGs * 128);
                     dq_stage = (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes;
                 } else {
-                    mbar_wait(bar_dq_empty(cw), (i & 1) ^ 1);
                     dq_stage = sDqStage + cw * Tile::kDqSliceFloats * 4;
                 }
                 float* stage_ptr = reinterpret_cast<float*>(smem_raw + (dq_stage - smem_u32(smem_raw)));

@@ -91,10 +91,13 @@ struct Sm90FwdTile {
 #ifndef CUFLASH_SM90_FWD_SECTION_HEADS
 #define CUFLASH_SM90_FWD_SECTION_HEADS 32
 #endif
+// Clusters of `cluster` CTAs (not causal): query tiles counted in whole clusters (the padding tiles have
+// no rows: their CTAs only load their share of K / V), so that a cluster's tiles share a (head, batch).
 struct PersistentOrder {
     int num_m, num_hb, num_tiles, group;
-    __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row) {
+    __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row, int cluster = 1) {
         num_m = (p.seqlen_q + block_m - 1) / block_m;
+        num_m = (num_m + cluster - 1) / cluster * cluster;
         num_hb = p.heads_q * p.batch;
         num_tiles = num_m * num_hb;
         const long long kv_head = static_cast<long long>(p.seqlen_k) * kv_bytes_per_row;
@@ -147,8 +150,13 @@ struct Fp8Descale {
     const float* v = nullptr;
 };
 
+// kCluster: 1, or 2 for clusters of two CTAs on adjacent query tiles of one (head, batch), not causal
+// (the two tiles then visit the same key tiles), 16-bit, an even number of 64-column blocks (head dims
+// 65..128, 193..256). Each CTA loads every other column block of each K and V tile and multicasts it to
+// both, which halves the tiles' L2 -> SM traffic; a ring stage is refilled once the consumers of both
+// CTAs have freed it. The grid counts query tiles in whole clusters (launch.py: fwd_grid).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode,
-          bool kPersistent = false>
+          bool kPersistent = false, int kCluster = 1>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
                                          Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
@@ -158,6 +166,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     constexpr int kPad = Tile::kHeadDimPad;
     constexpr int kPadV = Tile::kHeadDimV;
     using OutTag = typename ElemTraits<Tag>::OutTag;
+    static_assert(kCluster == 1 || (!kIsCausal && !Tile::kFp8 && Tile::kColBlocks % kCluster == 0),
+                  "clusters: not causal, 16-bit, whole column blocks per CTA");
     // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
     // threads, 128 at 512): producer + consumers must stay within it or setmaxnreg.inc waits
     // forever. The persistent producer (tile loop) needs more than 24: 40 + 2 * 232 = 3 * 168.
@@ -190,7 +200,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     volatile int* tile_slot =
         reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 * kQBuffers + 4 * kStages) - smem_u32(smem_raw)));
 
-    const PersistentOrder order(p, kBlockM, (kPad + kPadV) * Tile::kElemBytes);
+    const PersistentOrder order(p, kBlockM, (kPad + kPadV) * Tile::kElemBytes, kCluster);
     const int num_tiles = order.num_tiles;
     // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the
     // persistent order (longest query tiles first within L2-sized sections of heads), so that the
@@ -218,12 +228,18 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar_k_full(s), 1);
             mbar_init(bar_v_full(s), 1);
-            mbar_init(bar_k_empty(s), Tile::kConsumerWGs * 128);
-            mbar_init(bar_v_empty(s), Tile::kConsumerWGs * 128);
+            // Clusters: one arrival per consumer warpgroup of each CTA (release_kv); else every consumer thread.
+            mbar_init(bar_k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
+            mbar_init(bar_v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
         }
         fence_barrier_init();
     }
-    __syncthreads();
+    if constexpr (kCluster > 1) {
+        if (cluster_nctarank() != kCluster) __trap();   // launched without its cluster: would hang
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
 
     if (wg == 0) {
         // Producer warpgroup.
@@ -234,6 +250,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             tma_prefetch_desc(&tma_v);
             int it = 0, q_count = 0;   // K/V ring iterations and Q tiles handed out so far (the phases)
             int t = kPersistent ? static_cast<int>(blockIdx.x) : 0;
+            // Clusters: this CTA issues column blocks cb with cb % kCluster == its rank, to every CTA.
+            const int cluster_rank = kCluster > 1 ? static_cast<int>(cluster_ctarank()) : 0;
+            auto load_kv_block = [&](u32 dst, const TmaDesc* desc, u32 bar, int cb, int c0, int c1, int head_kv,
+                                     int batch) {
+                if constexpr (kCluster == 1) {
+                    tma_load_4d(dst, desc, bar, c0, c1, head_kv, batch);
+                } else if (cb % kCluster == cluster_rank) {
+                    tma_load_4d_multicast(dst, desc, bar, c0, c1, head_kv, batch, static_cast<u16>((1 << kCluster) - 1));
+                }
+            };
             // V of key tile n_block into the ring stage of iteration v_it, once the consumers have freed it.
             auto load_v = [&](int v_it, int n_block, int head_kv, int batch) {
                 const int stage = v_it % kStages;
@@ -248,8 +274,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 } else {
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb * 64,
-                                    n_block * kBlockN, head_kv, batch);
+                        load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb, cb * 64,
+                                      n_block * kBlockN, head_kv, batch);
                 }
             };
             // Persistent 16-bit overlap schedule, two consumer warpgroups (128-row tiles): K runs one key tile
@@ -300,7 +326,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 // Persistent: claim the next tile. Only the next trip round the loop reads it, so it is
                 // claimed once this tile's Q and first K/V loads have gone out: the atomic's round trip
                 // to L2 then delays none of them (A/B: level with claiming it first, kept for clarity).
-                auto claim_next = [&]() { t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x); };
+                // Clusters: a static order (every gridDim.x-th tile), so that the CTAs of a cluster go through
+                // tile pairs of one (head, batch) in step.
+                auto claim_next = [&]() {
+                    if constexpr (kCluster > 1) t += static_cast<int>(gridDim.x);
+                    else t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
+                };
                 if (n_block_max <= 0) {
                     if (!kPersistent) break;
                     flush_v();
@@ -328,8 +359,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, bar_k_full(stage), cb * Tile::kBlockCols,
-                                    n_block * kBlockN, head_kv, batch);
+                        load_kv_block(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, bar_k_full(stage), cb,
+                                      cb * Tile::kBlockCols, n_block * kBlockN, head_kv, batch);
 #ifdef CUFLASH_SM90_FWD_TRACE   // slot 7 of consumer warpgroup 0's record: the tile's first K load issued
                     if (kPersistent && i == 0 && q_count < 16)
                         reinterpret_cast<unsigned long long*>(tile_counter + 64)[(blockIdx.x * 3 * 16 + q_count) * 8 + 7] =
@@ -359,6 +390,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
         int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
+        // Frees a K or V ring stage: every thread arrives, or (clusters) one thread of the warpgroup per CTA
+        // of the cluster (the wgmma that read the stage is the warpgroup's, complete for all its threads).
+        auto release_kv = [&](u32 bar) {
+            if constexpr (kCluster == 1) {
+                mbar_arrive(bar);
+            } else {
+                const int tid = threadIdx.x & 127;
+                if (tid % 32 == 0 && tid / 32 < kCluster) mbar_arrive_cluster(bar, tid / 32);
+            }
+        };
         // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
         // seen read (-1: none), released to the producer once it has been.
         int o_store_buffer = -1;
@@ -520,9 +561,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 const int stage = (it + i) % kStages;
                 const u32 parity = ((it + i) / kStages) & 1;
                 mbar_wait(bar_k_full(stage), parity);
-                mbar_arrive(bar_k_empty(stage));
+                release_kv(bar_k_empty(stage));
                 mbar_wait(bar_v_full(stage), parity);
-                mbar_arrive(bar_v_empty(stage));
+                release_kv(bar_v_empty(stage));
             }
         }
         if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q(0), 0);
@@ -540,7 +581,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 if (kPingPong) named_barrier_arrive(next_turn, 256);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
-                mbar_arrive(bar_k_empty(stage));
+                release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
                 if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
@@ -552,7 +593,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 if (kPingPong) named_barrier_arrive(next_turn, 256);
                 wgmma_wait<0>();
                 fence_operand(acc_o);
-                mbar_arrive(bar_v_empty(stage));
+                release_kv(bar_v_empty(stage));
             }
             // Consume the last warpgroup's final turn signal, so no barrier is left half-arrived.
             if (kPingPong && cw == 0) named_barrier_sync(1, 256);
@@ -560,6 +601,19 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
+            // Not causal, 16-bit: each key tile's probabilities are first taken against the running max as it
+            // stands (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad shuffles, no rescale); only
+            // where one of the warpgroup's rows would pass the slack is S computed again for the full step.
+            // The K stage is then freed after the softmax instead of before it, and the warpgroup's vote is a
+            // named barrier (ids 8 + cw). H100 A/B (sm90/NOTES.md, seventeenth session; a probe with no max at
+            // all, wrong results: D=128 bf16 719 -> 783): D=128 bf16 712 ->
+            // 732, fp16 688 -> 707, D=64 fp16 525 -> 566, D=256 770 -> 789, B=16 N=1024 level; causal lost
+            // (661 -> 631: its first, diagonal tile leaves short rows with a low max), so it keeps the step.
+            // -DCUFLASH_SM90_FWD_KEEP_MAX=0: off.
+#ifndef CUFLASH_SM90_FWD_KEEP_MAX
+#define CUFLASH_SM90_FWD_KEEP_MAX 1
+#endif
+            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !kIsCausal && !Tile::kFp8;
             u32 pa[kPSteps][4];
             load_q_frags();
             {
@@ -571,7 +625,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
-                mbar_arrive(bar_k_empty(stage0));
+                release_kv(bar_k_empty(stage0));
                 mask(acc_s, n_block_max - 1);
                 float rescale[2];
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
@@ -588,10 +642,28 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
-                mbar_arrive(bar_k_empty(stage));
+                if constexpr (!kKeepMax) release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
-                float rescale[2];
-                const bool max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                float rescale[2] = {1.f, 1.f};
+                bool max_changed = false;
+                if constexpr (kKeepMax) {
+                    // The running max stands unless some probability of the warpgroup's rows passes the
+                    // slack: then S again (K is still in its stage) and the full step.
+                    float sums[2];
+                    const bool ok = softmax.probs_at_running_max(s3_of(acc_s), scale_log2, sums);
+                    if (!named_barrier_any(8 + cw, 128, !ok)) {
+                        softmax.add_sums(sums);
+                    } else {
+                        issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+                        wgmma_wait<0>();
+                        fence_operand(acc_s);
+                        mask(acc_s, n_block);
+                        max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                    }
+                    release_kv(bar_k_empty(stage));
+                } else {
+                    max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                }
                 // Pin the softmax before the wait: the fences consume its results and the
                 // scheduling barrier keeps ptxas from hoisting the wait above them.
                 fence_operand(acc_s);
@@ -602,14 +674,14 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 fence_operand(acc_o);
                 if (__any_sync(0xffffffff, max_changed)) rescale_o(rescale);   // this warp's rows only
                 pack_p(pa, acc_s);
-                mbar_arrive(bar_v_empty(prev));
+                release_kv(bar_v_empty(prev));
             }
             const int last = (it + n_block_max - 1) % kStages;
             mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
             issue_pv(pa, sV + last * Tile::kKVBytes);
             wgmma_wait<0>();
             fence_operand(acc_o);
-            mbar_arrive(bar_v_empty(last));
+            release_kv(bar_v_empty(last));
             CUFLASH_FWD_TRACE(3, clock64());
         }
 
@@ -713,6 +785,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         CUFLASH_FWD_TRACE(4, clock64());
         }  // tiles
     }
+    if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
 }
 
 // Entry points: one per consumer schedule (simple; overlap: the softmax of one key tile overlapping
@@ -722,27 +795,31 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 // current one; tile_counter: two ints, zero at launch (the last CTA to run out of tiles resets them).
 // 64-row tiles (8 warps: one consumer warpgroup) are built for two CTAs per SM (128 registers a thread
 // at launch; setmaxnreg moves them from the producer to the consumer).
-#define CUFLASH_SM90_FWD_KERNEL(name, mode)                                                                   \
+// Cluster variants (kCluster = 2, the overlap schedule): `attrs` carries their __cluster_dims__.
+#define CUFLASH_SM90_FWD_KERNEL(name, mode, cluster, attrs)                                                    \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
-    __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1)                                       \
+    __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1) attrs                                 \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v) {                                                               \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v);            \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, false, cluster>(p, tma_q, tma_k,    \
+                                                                                            tma_v);             \
     }
-#define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode)                                                        \
+#define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode, cluster, attrs)                                         \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
-    __global__ void __launch_bounds__(kNWarps * 32, 1)                                                          \
+    __global__ void __launch_bounds__(kNWarps * 32, 1) attrs                                                    \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o, int* tile_counter) {     \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, true>(p, tma_q, tma_k, tma_v,       \
-                                                                                  tile_counter, {}, &tma_o);    \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, true, cluster>(                     \
+            p, tma_q, tma_k, tma_v, tile_counter, {}, &tma_o);                                                  \
     }
-CUFLASH_SM90_FWD_KERNEL(fwd_kernel, kModeSimple)
-CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap)
-CUFLASH_SM90_FWD_KERNEL(fwd_pingpong_kernel, kModePingPong)
-CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_persistent_kernel, kModeSimple)
-CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap)
-CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_pingpong_persistent_kernel, kModePingPong)
+CUFLASH_SM90_FWD_KERNEL(fwd_kernel, kModeSimple, 1, )
+CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap, 1, )
+CUFLASH_SM90_FWD_KERNEL(fwd_pingpong_kernel, kModePingPong, 1, )
+CUFLASH_SM90_FWD_KERNEL(fwd_overlap_x2_kernel, kModeOverlap, 2, __cluster_dims__(2, 1, 1))
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_persistent_kernel, kModeSimple, 1, )
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap, 1, )
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_pingpong_persistent_kernel, kModePingPong, 1, )
+CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_x2_persistent_kernel, kModeOverlap, 2, __cluster_dims__(2, 1, 1))
 #undef CUFLASH_SM90_FWD_KERNEL
 #undef CUFLASH_SM90_FWD_PERSISTENT_KERNEL
 

@@ -55,9 +55,45 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Thread-block clusters (sm_90): this CTA's rank in its cluster.
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+__device__ __forceinline__ u32 cluster_nctarank() {
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+    return n;
+}
+// Arrives on the mbarrier at this CTA's offset `bar` in CTA `cta` of the cluster (this one included).
+// Default (.release.cta) semantics: `.release.cluster` costs a MEMBAR.ALL.GPU per arrival, and what it
+// signals (a wgmma's reads of a ring stage) is complete once wgmma.wait_group has returned.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile("{\n.reg .b32 remote;\n"
+                 "mapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
+                 ::"r"(bar), "r"(cta) : "memory");
+}
+// Every thread of every CTA in the cluster: barrier initialisation visible to the other CTAs before
+// they signal or fill this one, and no CTA leaving while the others may still signal its barriers.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Named barrier over `threads` threads that also returns whether `pred` held in any of them.
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool pred) {
+    u32 any;
+    asm volatile("{\n.reg .pred p, q;\n"
+                 "setp.ne.u32 p, %1, 0;\n"
+                 "bar.red.or.pred q, %2, %3, p;\n"
+                 "selp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(any) : "r"(static_cast<u32>(pred)), "r"(id), "r"(threads) : "memory");
+    return any != 0;
 }
 // Arrives at a named barrier without waiting (the other threads counted wait with bar.sync).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {

@@ -37,6 +37,18 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* desc, u32 ba
         : "memory");
 }
 
+// The same box into this CTA's offset `dst` of every CTA in `cta_mask` (a cluster), each completing
+// its bytes on the mbarrier at offset `bar` of that CTA.
+__device__ __forceinline__ void tma_load_4d_multicast(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2,
+                                                      int c3, u16 cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+          "h"(cta_mask)
+        : "memory");
+}
+
 // Shared -> global tile store (the box at the given coordinates; elements outside the tensor are not
 // written), in the issuing thread's bulk-async group: commit, then wait (.read: until the shared-memory
 // source may be reused).
