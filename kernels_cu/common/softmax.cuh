@@ -84,9 +84,10 @@ struct OnlineSoftmax {
     // Probabilities against the running max as it stands, without looking for this tile's max (its
     // FMNMX chain and quad shuffles are most of the softmax's latency): s = exp2(s * scale_log2 - max) in
     // place, this thread's partial row sums in `sums` (not yet added). Returns whether every one of this
-    // thread's probabilities is at most 2^kMaxSlackLog2 (their sum is; NaN and inf fail), i.e. whether the
-    // running max may stand as step() would have left it. If not, s is lost and the caller computes it again
-    // and calls step(). A row with no max yet (-inf) always fails.
+    // thread's probabilities is at most 2^kBoundLog2 (their sum is; NaN and inf fail), i.e. whether the
+    // running max may stand (with the default bound, as step() would have left it). If not, s is lost and
+    // the caller computes it again and calls step(). A row with no max yet (-inf) always fails.
+    template <int kBoundLog2 = kMaxSlackLog2>
     __device__ __forceinline__ bool probs_at_running_max(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                                          float (&sums)[kRows]) const {
         bool ok = true;
@@ -95,18 +96,32 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * t + h;
-                float sum = 0.f;
+                // The check (and the vote after it) waits on the sum: four partial sums, so that its chain of
+                // dependent adds is a quarter as long. H100, D=128 bf16 forward, 1 / 4 / 8 partial sums: 738 /
+                // 771 / 766 TFLOP/s (sm90/NOTES.md, seventeenth session).
+#ifndef CUFLASH_SOFTMAX_CHECK_ACCS
+#define CUFLASH_SOFTMAX_CHECK_ACCS 4
+#endif
+                constexpr int kAccs = CUFLASH_SOFTMAX_CHECK_ACCS;
+                static_assert(kAccs > 0 && (kAccs & (kAccs - 1)) == 0, "partial sums: a power of two");
+                float part[kAccs];
+#pragma unroll
+                for (int a = 0; a < kAccs; ++a) part[a] = 0.f;
 #pragma unroll
                 for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float p = exp2f(fmaf(s[t][n][2 * h + e], scale_log2, -row_max[r]));
                         s[t][n][2 * h + e] = p;
-                        sum += p;
+                        part[(2 * n + e) % kAccs] += p;
                     }
                 }
-                sums[r] = sum;
-                ok &= sum <= static_cast<float>(1 << kMaxSlackLog2);
+#pragma unroll
+                for (int w = 1; w < kAccs; w *= 2)
+#pragma unroll
+                    for (int a = 0; a + w < kAccs; a += 2 * w) part[a] += part[a + w];
+                sums[r] = part[0];
+                ok &= part[0] <= static_cast<float>(1 << kBoundLog2);
             }
         }
         return ok;

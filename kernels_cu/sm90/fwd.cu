@@ -601,19 +601,25 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
-            // Not causal, 16-bit: each key tile's probabilities are first taken against the running max as it
-            // stands (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad shuffles, no rescale); only
-            // where one of the warpgroup's rows would pass the slack is S computed again for the full step.
-            // The K stage is then freed after the softmax instead of before it, and the warpgroup's vote is a
-            // named barrier (ids 8 + cw). H100 A/B (sm90/NOTES.md, seventeenth session; a probe with no max at
-            // all, wrong results: D=128 bf16 719 -> 783): D=128 bf16 712 ->
-            // 732, fp16 688 -> 707, D=64 fp16 525 -> 566, D=256 770 -> 789, B=16 N=1024 level; causal lost
-            // (661 -> 631: its first, diagonal tile leaves short rows with a low max), so it keeps the step.
-            // -DCUFLASH_SM90_FWD_KEEP_MAX=0: off.
+            // 16-bit: each key tile's probabilities are first taken against the running max as it stands
+            // (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad shuffles, no rescale); only where one
+            // of the warpgroup's rows would pass 2^kKeepMaxBoundLog2 is S computed again for the full step. The
+            // K stage is then freed after the softmax instead of before it, and the warpgroup's vote is a named
+            // barrier (ids 8 + cw). The bound: 16-bit P holds up to 2^15, and with step()'s slack of 2^8 the
+            // causal tiles fell back too often (their first, diagonal tile leaves short rows a low max). H100
+            // A/B (sm90/NOTES.md, seventeenth session), TFLOP/s, full step -> kept max: D=128 bf16 721 -> 771,
+            // fp16 699 -> 744, D=64 fp16 531 -> 575, D=256 782 -> 809, B=16 N=1024 625 -> 647 (bound 2^8);
+            // causal bound 2^8 / 2^14: D=128 667 -> 651 / 700, B=1 N=16384 731 -> 716 / 776, D=256 712 -> 699 /
+            // 715. -DCUFLASH_SM90_FWD_KEEP_MAX=0: off (and -DCUFLASH_SM90_FWD_KEEP_MAX_CAUSAL=0 for causal).
 #ifndef CUFLASH_SM90_FWD_KEEP_MAX
 #define CUFLASH_SM90_FWD_KEEP_MAX 1
 #endif
-            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !kIsCausal && !Tile::kFp8;
+#ifndef CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL
+#define CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL 1
+#endif
+            constexpr int kKeepMaxBoundLog2 = 14;
+            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && (!kIsCausal || CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL)
+                                      && !Tile::kFp8;
             u32 pa[kPSteps][4];
             load_q_frags();
             {
@@ -650,7 +656,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     // The running max stands unless some probability of the warpgroup's rows passes the
                     // slack: then S again (K is still in its stage) and the full step.
                     float sums[2];
-                    const bool ok = softmax.probs_at_running_max(s3_of(acc_s), scale_log2, sums);
+                    const bool ok = softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2,
+                                                                                            sums);
                     if (!named_barrier_any(8 + cw, 128, !ok)) {
                         softmax.add_sums(sums);
                     } else {
