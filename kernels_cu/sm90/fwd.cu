@@ -654,7 +654,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 bool max_changed = false;
                 if constexpr (kKeepMax) {
                     // The running max stands unless some probability of the warpgroup's rows passes the
-                    // slack: then S again (K is still in its stage) and the full step.
+                    // bound: then S again (K is still in its stage) and the full step.
                     float sums[2];
                     const bool ok = softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2,
                                                                                             sums);
