@@ -3,6 +3,7 @@
     python3 scripts/ab_defines.py bwd "" "-DCUFLASH_SM90_BWD_NO_EARLY_DV"
     AB_SHAPES="4,16,4096,64,float16,0;16,16,1024,64,float16,0" python3 scripts/ab_defines.py bwd ...
     python3 scripts/ab_defines.py fp8 "" "@CUFLASH_SM90_FP8_PERSISTENT=1"   (bfloat16 shapes)
+    AB_DETERMINISTIC=1 python3 scripts/ab_defines.py bwd ...   (the deterministic backward)
 Prints, per shape, the median time of each define set over alternating rounds (TFLOP/s).
 """
 from __future__ import annotations
@@ -42,8 +43,9 @@ def main(direction: str, variants: list[str]) -> None:
         out, lse = cuflash.forward(q, k, v, causal=shape.causal, return_lse=True)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
         if direction == "bwd":
+            det = os.environ.get("AB_DETERMINISTIC", "0") == "1"
             run = lambda: cuflash.backward(dout, q, k, v, out, lse, causal=shape.causal,  # noqa: E731
-                                           dq=grads[0], dk=grads[1], dv=grads[2])
+                                           deterministic=det, dq=grads[0], dk=grads[1], dv=grads[2])
             flops = 2.5 * shape.fwd_flops()
         elif direction == "fp8":   # forward_fp8 on the inputs quantised per tensor (bf16 shapes)
             (q8, sq), (k8, sk), (v8, sv) = (cuflash.quantize_fp8(x) for x in (q, k, v))

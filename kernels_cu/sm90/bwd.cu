@@ -196,6 +196,13 @@ __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int valu
 #ifndef CUFLASH_SM90_BWD_ORDERED_SECTION_MB
 #define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
 #endif
+// Causal, the ordered kernel's key tiles wait on the next one (a step ahead), not on a chain across the
+// group, and a narrower section keeps more of the L2 for it. Deterministic backward TFLOP/s, 24 / 12 MB
+// (H100, 2026-11-24, B=4 H=16 N=4096): D=256 fp16 342 / 356, D=128 fp16 478 / 495, D=96 bf16 359 / 384,
+// D=192 bf16 328 / 327, B=1 N=16384 D=128 569 / 580 (default mode: 395, 517, 409, 352, 620).
+#ifndef CUFLASH_SM90_BWD_ORDERED_CAUSAL_SECTION_MB
+#define CUFLASH_SM90_BWD_ORDERED_CAUSAL_SECTION_MB 12
+#endif
 
 // The steps of key tile n_block: the n_m query tiles from m_begin on (causal: from its diagonal) of
 // each query head of its GQA group, n_iter in all; step i takes query head head0 + i / n_m and query
@@ -275,7 +282,8 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
         // Whole groups per section: any value >= 1 covers the grid (n_blocks x groups CTAs) exactly once,
         // so float rounding only has to be the same in every thread, which it is.
         constexpr float kSectionBytes = static_cast<float>((kDqMode == kDqTileOrdered && kHeadDim > 64
-                                                                ? CUFLASH_SM90_BWD_ORDERED_SECTION_MB
+                                                                ? (kIsCausal ? CUFLASH_SM90_BWD_ORDERED_CAUSAL_SECTION_MB
+                                                                             : CUFLASH_SM90_BWD_ORDERED_SECTION_MB)
                                                                 : CUFLASH_SM90_BWD_SECTION_MB) << 20);
         const float group_bytes = 4.f * kHeadDim * (static_cast<float>(p.seqlen_q) * p.heads_per_kv + p.seqlen_k);
         const unsigned per_section = static_cast<unsigned>(
@@ -467,7 +475,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                                             : n_block;
                 bool first = CUFLASH_SM90_BWD_FIRST_STORE && order == 0;
                 if constexpr (kDqMode == kDqTileOrdered) {
+#ifndef CUFLASH_SM90_BWD_PROBE_NO_ORDER_WAIT   // a timing probe only: the order is then lost
                     semaphore_wait(sem, order);
+#endif
                     fence_proxy_async_global();
                 } else if constexpr (kClaim) {
                     first = seen == 0;
@@ -481,7 +491,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 bulk_wait_read();
                 mbar_arrive(Tile::kDqInRing ? bar_empty(i % kStages) : bar_dq_empty(cw));
                 if (kDqMode == kDqTileOrdered || (kClaim && first)) {
+#ifndef CUFLASH_SM90_BWD_PROBE_NO_WAIT_ALL   // a timing probe only: the release may then come early
                     bulk_wait_all();
+#endif
                     fence_proxy_async_global();
                     semaphore_release_add(sem, kDqMode == kDqTileOrdered ? 1 : kDqSliceReady);
                 }
