@@ -4,6 +4,7 @@
     AB_SHAPES="4,16,4096,64,float16,0;16,16,1024,64,float16,0" python3 scripts/ab_defines.py bwd ...
     python3 scripts/ab_defines.py fp8 "" "@CUFLASH_SM90_FP8_PERSISTENT=1"   (bfloat16 shapes)
     AB_DETERMINISTIC=1 python3 scripts/ab_defines.py bwd ...   (the deterministic backward)
+    AB_ROUNDS=6 ...   (alternating rounds, 3 by default)
 Prints, per shape, the median time of each define set over alternating rounds (TFLOP/s).
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main(direction: str, variants: list[str]) -> None:
             run = lambda: cuflash.forward(q, k, v, causal=shape.causal, out=out)  # noqa: E731
             flops = shape.fwd_flops()
         times = {v: [] for v in variants}
-        for _ in range(3):
+        for _ in range(int(os.environ.get("AB_ROUNDS", "3"))):
             for var in variants:
                 # "@NAME=VALUE" tokens set environment variables for this variant only.
                 tokens = var.split()

@@ -188,6 +188,14 @@ def test_many_groups(rng, head_dim, causal, deterministic):
               label="many_groups")
 
 
+@pytest.mark.parametrize("head_dim,nq", [(128, 1500), (256, 1000)])
+def test_causal_tail_section(rng, head_dim, nq):
+    """Causal: the last (kv head, batch) groups of the Hopper backward's 1-D grid share one wider section
+    (kernels_cu/sm90/bwd.cu: bwd_block, CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS = 12 within 48 MB): 19 groups of
+    1.5 MB (d=128) or 2 MB (d=256), so sections of 5 + 2 or 4 + 3 groups come before the last 12."""
+    check_bwd(rng, "bfloat16", 1, nq, nq, 19, 19, head_dim, True, label="causal_tail_section")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_custom_scale(rng, dtype):
     check_bwd(rng, dtype, 1, 100, 130, 2, 2, 64, False, scale=0.3, label="scale")

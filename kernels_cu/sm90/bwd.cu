@@ -193,6 +193,17 @@ __device__ __forceinline__ void semaphore_wait_at_least(const int* sem, int valu
 #ifndef CUFLASH_SM90_BWD_SECTION_MB
 #define CUFLASH_SM90_BWD_SECTION_MB 8
 #endif
+// Causal, the last section is wider (bwd_block): up to CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS groups within
+// CUFLASH_SM90_BWD_CAUSAL_TAIL_MB. Backward TFLOP/s off / on (H100, 2026-11-24, six alternating rounds):
+// B=4 H=16 N=4096 D=128 bf16 535 / 551, D=96 411 / 423, D=192 356 / 363, D=256 396 / 402, D=64 fp16
+// 447 / 447; B=2 N=8192 D=128 574 / 590; B=8 N=2048 D=128 fp16 444 / 452; B=1 N=16384 605 / 605.
+// Every group in one section (64 at N=4096) thrashed the L2: D=128 293, D=256 137.
+#ifndef CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS
+#define CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS 12
+#endif
+#ifndef CUFLASH_SM90_BWD_CAUSAL_TAIL_MB
+#define CUFLASH_SM90_BWD_CAUSAL_TAIL_MB 48
+#endif
 #ifndef CUFLASH_SM90_BWD_ORDERED_SECTION_MB
 #define CUFLASH_SM90_BWD_ORDERED_SECTION_MB 24
 #endif
@@ -289,9 +300,22 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p) {
         const unsigned per_section = static_cast<unsigned>(
             fminf(static_cast<float>(groups), fmaxf(1.f, floorf(__fdividef(kSectionBytes, group_bytes)))));
         const unsigned linear = blockIdx.x;
-        const unsigned section = linear / (per_section * n_blocks);
-        const unsigned first_group = section * per_section;
-        const unsigned section_groups = min(per_section, groups - first_group);
+        unsigned first_group, section_groups;
+        // Causal (not ordered): the last groups (up to CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS of them, within
+        // CUFLASH_SM90_BWD_CAUSAL_TAIL_MB) share one section, so that the last waves take the heaviest key
+        // tiles of all of them first: fewer SMs idle at the end while a late heavy tile finishes.
+        constexpr unsigned kTailMax = kIsCausal && kDqMode != kDqTileOrdered ? CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS : 0;
+        const unsigned tail_fit = static_cast<unsigned>(
+            fminf(static_cast<float>(min(kTailMax, groups)),
+                  floorf(__fdividef(static_cast<float>(CUFLASH_SM90_BWD_CAUSAL_TAIL_MB << 20), group_bytes))));
+        const unsigned tail = tail_fit > per_section ? tail_fit : 0;
+        if (linear >= (groups - tail) * n_blocks) {
+            first_group = groups - tail;
+            section_groups = tail;
+        } else {
+            first_group = linear / (per_section * n_blocks) * per_section;
+            section_groups = min(per_section, groups - tail - first_group);
+        }
         const unsigned within = linear - first_group * n_blocks;
         // Ordered dQ: key tiles in rank order (ascending; causal: from the last down), so that a CTA only
         // waits on CTAs launched before it, and key-tile-major inside a section, so that one wave holds
