@@ -87,17 +87,17 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
 
 # The forward's call cache (call_cache.py): a hit replays the recorded launch.
 _fwd_calls = call_cache.CallCache()
-# (dtype, head_dim, causal, device, backend) -> (kernel, config, shared memory bytes): keeps the
+# (dtype, head_dim, causal, device, backend, short, long) -> (kernel, config, shared memory bytes): keeps the
 # heuristics and the module lookup off the hot path. Tuning scripts clear it (and so the calls).
 _fwd_plans = call_cache.Plans(_fwd_calls)
 
 
-def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False):
-    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend(), short)
+def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, long_seqs: bool = False):
+    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend(), short, long_seqs)
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)
-        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short)
+        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
         plan = _fwd_plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
@@ -108,7 +108,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
     """Launches the forward on the current stream; returns the launch as a ``launch.Prepared`` for the
     call cache, or None where it cannot be replayed as is (O through a stand-in, CuPy's launch path)."""
     b, nq, nk, hq, hkv, d = dims
-    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk))
+    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk), heuristics.fwd_long(nq, nk))
     extra = ()
     written = out   # where the kernel writes O: out, or a compact stand-in copied into it after
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs

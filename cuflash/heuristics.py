@@ -94,10 +94,27 @@ def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
     return dtype in ("float16", "bfloat16") and not causal and (head_dim + 63) // 64 % 2 == 0
 
 
-def fwd_cluster() -> bool:
-    """$CUFLASH_SM90_FWD_CLUSTER=1: the tuned table takes the cluster kernels of its overlap schedules
-    where they apply (fwd_cluster_ok). Default off."""
-    return os.environ.get("CUFLASH_SM90_FWD_CLUSTER", "0").strip() == "1"
+# Long sequences (both at least this many tokens): the tuned table's overlap schedules run in clusters of
+# two where fwd_cluster_ok. H100, 2026-11-24, forward TFLOP/s plain / clusters (scripts/ab_defines.py, five
+# alternating rounds): B=1 H=16 N=32768 D=128 bf16 757 / 761, fp16 707 / 736, D=96 564 / 582, D=256 769 / 777;
+# B=2 N=32768 D=128 726 / 742; B=1 H=8 N=65536 725 / 743; below, level or slower (B=1 N=16384 777 / 772,
+# B=4 N=4096 716 / 715, D=256 N=4096 778 / 761): there all CTAs do not stream the same K / V at once.
+SM90_FWD_CLUSTER_SEQLEN = 32768
+
+
+def fwd_long(seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether fwd_config takes these sequences as long (its ``long_seqs``): both at least
+    SM90_FWD_CLUSTER_SEQLEN."""
+    return min(seqlen_q, seqlen_k) >= SM90_FWD_CLUSTER_SEQLEN
+
+
+def fwd_cluster_mode() -> str:
+    """$CUFLASH_SM90_FWD_CLUSTER: "1" the tuned table takes the cluster kernels of its overlap schedules
+    wherever they apply (fwd_cluster_ok), "0" never, unset (or "auto") for long sequences only."""
+    value = os.environ.get("CUFLASH_SM90_FWD_CLUSTER", "auto").strip().lower()
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"CUFLASH_SM90_FWD_CLUSTER must be 0, 1 or auto, got {value!r}")
+    return value
 
 # sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
 # without / with the causal mask). block_n is a whole 128-byte V^T row. The fp16 tiles where they fit,
@@ -185,7 +202,7 @@ def fwd_backend() -> str:
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False) -> KernelConfig:
+               short: bool = False, long_seqs: bool = False) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
@@ -193,7 +210,8 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
     seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT;
-    fwd_short decides).
+    fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
+    the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode).
     """
     bucket = head_dim_bucket(head_dim)
     backend = fwd_backend() if backend is None else backend
@@ -217,8 +235,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
                 schedule = schedule_causal = "pingpong_p"
         schedule = schedule_causal if causal else schedule
-        if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster() \
-                and fwd_cluster_ok(dtype, head_dim, causal):
+        cluster = fwd_cluster_mode()
+        if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster_ok(dtype, head_dim, causal) \
+                and (cluster == "1" or (cluster == "auto" and long_seqs)):
             schedule = schedule.replace("overlap", "overlap_x2")
         family = SM90_FWD_FAMILIES[schedule]
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
@@ -231,10 +250,10 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
-    """Every instantiation of one sm90 forward family or of the tuned table, short sequences included
-    (for the CPU compile test and the precompile script)."""
-    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short)
-           for short in (False, True)
+    """Every instantiation of one sm90 forward family or of the tuned table, short and long sequences
+    included (for the CPU compile test and the precompile script)."""
+    out = [fwd_config(dtype, d, causal, 90, backend=backend, short=short, long_seqs=long_seqs)
+           for short, long_seqs in ((False, False), (True, False), (False, True))
            for dtype in ("float16", "bfloat16") for d in range(8, MAX_HEAD_DIM + 1, 8) for causal in (False, True)]
     return list({c.key(): c for c in out}.values())
 

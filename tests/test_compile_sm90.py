@@ -21,8 +21,9 @@ FORCED_CONFIGS = list({c.key(): c for b in heuristics.SM90_FWD_BACKENDS[1:]
 
 def test_sm90_configs_cover_every_head_dim():
     # every head dim, dtype and mask, plus the short-sequence kernels where they differ from the
-    # table's (causal head dims <= 64: 8), per dtype
-    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * 8
+    # table's (causal head dims <= 64: 8) and the long-sequence cluster kernels (not causal, head dims
+    # 72..128 and 200..256: 16), per dtype
+    assert len(SM90_CONFIGS) == 2 * 32 * 2 + 2 * 8 + 2 * 16
     families = set(heuristics.SM90_FWD_FAMILIES.values())
     assert all(c.family in families and c.fam.arch_specific for c in SM90_CONFIGS + FORCED_CONFIGS)
     assert {c.family for c in FORCED_CONFIGS} | {c.family for c in SM90_CONFIGS} == families
@@ -138,6 +139,31 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
     assert counts == {1, 2}, "both cases covered"
     assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.family.endswith("_p"))
     assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])
+
+
+def test_long_sequence_clusters(monkeypatch):
+    """Both lengths >= SM90_FWD_CLUSTER_SEQLEN (fwd_long): the table's overlap kernels run in clusters of two
+    where fwd_cluster_ok; $CUFLASH_SM90_FWD_CLUSTER=1 takes them at every length, 0 at none."""
+    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
+    monkeypatch.delenv("CUFLASH_SM90_FWD_CLUSTER", raising=False)
+    n = heuristics.SM90_FWD_CLUSTER_SEQLEN
+    assert heuristics.fwd_long(n, n) and not heuristics.fwd_long(n - 1, n) and not heuristics.fwd_long(n, 1)
+    cfg = lambda d, causal=False, dtype="bfloat16", **kw: heuristics.fwd_config(dtype, d, causal, 90, **kw)  # noqa: E731
+    assert cfg(128, long_seqs=True).family == "sm90_fwd_overlap_x2_p"
+    assert cfg(96, dtype="float16", long_seqs=True).family == "sm90_fwd_overlap_x2_p"
+    assert cfg(256, long_seqs=True).family == "sm90_fwd_overlap_x2"
+    for d, causal in ((128, True), (64, False), (192, False)):   # causal, or an odd number of 64-column blocks
+        assert cfg(d, causal, long_seqs=True) == cfg(d, causal)
+    assert heuristics.fwd_config("float32", 128, False, 90, long_seqs=True).family == "simt_fwd"
+    assert cfg(128).family == "sm90_fwd_overlap_p"
+    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "0")
+    assert cfg(128, long_seqs=True).family == "sm90_fwd_overlap_p"
+    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "1")
+    assert cfg(128).family == "sm90_fwd_overlap_x2_p"
+    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_SM90_FWD_CLUSTER"):
+        cfg(128)
 
 
 def test_forward_short_class():

@@ -44,6 +44,35 @@ def test_long(rng, dtype, causal):
     _check(rng, dtype, 1, 4097, 4097, 1, 1, 128, causal)
 
 
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 256)])
+def test_long_sequences(rng, dtype, head_dim):
+    """32k tokens and more (heuristics.fwd_long): on Hopper the tuned table's overlap kernels run in clusters
+    of two CTAs that share each K / V tile. Rows are independent without the mask, so 300 random query rows
+    are checked against the float64 reference (the whole of it would be 32k x 32k)."""
+    import cupy
+    import cuflash
+    from cuflash import api, heuristics
+    from cuflash.reference import attention_reference, rel_err
+
+    n = heuristics.SM90_FWD_CLUSTER_SEQLEN + 77
+    q = randn(rng, (1, n, 2, head_dim), dtype)
+    k = randn(rng, (1, n, 1, head_dim), dtype)
+    v = randn(rng, (1, n, 1, head_dim), dtype)
+    out = poisoned(q.shape, dtype)
+    o, lse = cuflash.forward(q, k, v, return_lse=True, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    device = cupy.cuda.Device()
+    if int(device.compute_capability) == 90 and heuristics.fwd_backend() in ("auto", "sm90") \
+            and heuristics.fwd_cluster_mode() != "0":
+        _, cfg, _ = api._fwd_plan(q.dtype, head_dim, False, device.id, False, True)
+        assert cfg.family.startswith("sm90_fwd_overlap_x2"), cfg.family
+    rows = cupy.asarray(np.sort(rng.choice(n, 300, replace=False)))
+    ref_o, ref_lse = attention_reference(q[:, rows], k, v)
+    err = rel_err(o[:, rows], ref_o)
+    assert err <= FWD_TOL[dtype], f"out rel err {err:.3e} > {FWD_TOL[dtype]:.1e}"
+    assert_lse_matches(lse[:, :, rows], ref_lse, (1, 2, 300))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
