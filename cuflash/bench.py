@@ -7,11 +7,15 @@ convention: forward 4*B*H*Nq*Nk*D (halved for causal with Nq == Nk), backward
 """
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from .distributions import make_inputs
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ STANDARD_SHAPES = [
     Shape(1, 16, 16384, 128, "bfloat16", True), Shape(16, 16, 1024, 64, "float16", False),
 ]
 QUICK_SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 128, "bfloat16", True)]
+# The score-distribution table (python -m cuflash --dists): each shape non-causal and causal.
+DIST_SHAPES = [Shape(4, 16, 4096, d, dt, c) for d, dt in ((64, "float16"), (128, "bfloat16"), (128, "float16"),
+                                                          (256, "bfloat16")) for c in (False, True)]
 # fp8 forward rows (Hopper): e4m3 inputs quantised from these bf16 shapes, bf16 output; peers run bf16.
 FP8_SHAPES = [
     Shape(4, 16, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 64, "bfloat16", True),
@@ -184,17 +191,9 @@ def select_kernels(direction: str, backend: str, tiles: str | None = None) -> No
 
 
 def random_inputs(shape: Shape, seed: int = 0):
-    """q, k, v CuPy arrays of random normal values in the shape's dtype."""
-    import cupy
-
-    from ._checks import BFLOAT16
-
-    dt = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}[shape.dtype]
-    rs = cupy.random.RandomState(seed)
-    q = rs.standard_normal((shape.batch, shape.seqlen, shape.heads, shape.head_dim), dtype=np.float32).astype(dt)
-    k = rs.standard_normal((shape.batch, shape.nk, shape.hkv, shape.head_dim), dtype=np.float32).astype(dt)
-    v = rs.standard_normal((shape.batch, shape.nk, shape.hkv, shape.head_dim), dtype=np.float32).astype(dt)
-    return q, k, v
+    """q ``(B, N, H, D)``, k, v ``(B, Nk, Hkv, D)`` CuPy arrays of random normal values in the shape's
+    dtype: ``distributions.make_inputs(shape, "normal", seed)``."""
+    return make_inputs(shape, "normal", seed)
 
 
 def cupy_naive_fwd(q, k, v, causal: bool):
@@ -246,6 +245,149 @@ def torch_inputs(shape: Shape, requires_grad: bool = False):
         return x.transpose(1, 2).requires_grad_(requires_grad)
 
     return mk(shape.seqlen, shape.heads), mk(shape.nk, shape.hkv), mk(shape.nk, shape.hkv)
+
+
+def to_torch(x):
+    """A CuPy array -> a torch tensor on the same memory (DLPack, no copy), same shape and strides."""
+    import torch
+
+    from ._checks import BFLOAT16
+
+    try:
+        return torch.from_dlpack(x)
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        if x.dtype != BFLOAT16:
+            raise
+        # A CuPy whose DLPack export lacks bfloat16: hand over the same bytes as int16.
+        return torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16)
+
+
+def torch_views(arrays, *, sdpa_layout: bool = False, requires_grad: bool = False) -> list:
+    """CuPy ``(B, N, H, D)`` arrays -> torch tensors on the same memory (``to_torch``), so that peers
+    time exactly cuflash's inputs. ``sdpa_layout``: transposed ``(B, H, N, D)`` views, as SDPA takes
+    them (it accepts non-contiguous inputs); else ``(B, N, H, D)`` as FlashAttention takes them.
+    ``requires_grad``: leaves for torch.autograd.grad (the arrays are only read)."""
+    out = []
+    for x in arrays:
+        t = to_torch(x)
+        if sdpa_layout:
+            t = t.transpose(1, 2)
+        out.append(t.requires_grad_(requires_grad))
+    return out
+
+
+FA4_PATH_ENV = "CUFLASH_FA4_PATH"
+
+
+def _import_fa4():
+    """(flash_attn.cute.flash_attn_func, None), or (None, why not). The paths in $CUFLASH_FA4_PATH
+    (os.pathsep-separated) go in front of sys.path first, in their order: an FA4 installed with
+    ``pip --target`` needs the CUTLASS DSL's own ``cutlass`` package before any other."""
+    paths = [p for p in os.environ.get(FA4_PATH_ENV, "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 - missing, or a broken install (DSL libraries, CUDA)
+        return None, f"{type(e).__name__}: {e}"
+    return flash_attn_func, None
+
+
+def _first_output(fn: Callable) -> Callable:
+    """(q, k, v, causal) -> out from a function that returns ``out`` or ``(out, lse)``."""
+    def run(q, k, v, causal):
+        res = fn(q, k, v, causal=causal)
+        return res[0] if isinstance(res, (tuple, list)) else res
+    return run
+
+
+def fa4_fn():
+    """A function (q, k, v, causal) -> out running FlashAttention-4 (``flash_attn.cute``) on torch
+    tensors ``(B, N, H, D)`` (differentiable through torch autograd), or None if PyTorch with CUDA
+    or FA4 does not import. Each new shape compiles on its first call: warm up before timing."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - PyTorch is optional
+        return None
+    if not torch.cuda.is_available():
+        return None
+    fn, _ = _import_fa4()
+    return None if fn is None else _first_output(fn)
+
+
+def fa4_status() -> str:
+    """One line on FlashAttention-4 for the report: its version, or why it did not import."""
+    fn, why = _import_fa4()
+    if fn is None:
+        return f"FlashAttention-4 not importable ({why})"
+    try:
+        from importlib.metadata import version
+
+        return f"FlashAttention-4 {version('flash-attn-4')}"
+    except Exception:  # noqa: BLE001 - installed without metadata
+        return "FlashAttention-4 (version unknown)"
+
+
+def peer_impls() -> dict:
+    """name -> (fn, sdpa_layout) for every peer that runs here: ``sdpa_flash`` and ``sdpa_cudnn``
+    take ``(B, H, N, D)`` tensors (sdpa_layout True), ``fa4`` ``(B, N, H, D)``; each fn is
+    (q, k, v, causal) -> out on torch tensors."""
+    impls = {}
+    for backend in ("flash", "cudnn"):
+        fn = torch_sdpa(backend)
+        if fn is not None:
+            impls[f"sdpa_{backend}"] = (fn, True)
+    fn = fa4_fn()
+    if fn is not None:
+        impls["fa4"] = (fn, False)
+    return impls
+
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs of each pass in forward FLOPs
+
+
+def torch_pass_fns(fn: Callable, q, k, v, causal: bool, dout=None, passes=PASSES) -> dict:
+    """pass -> zero-argument callable timing a torch attention ``fn`` (q, k, v, causal) -> out on
+    these tensors: "fwd"; with ``dout`` (shaped like the output; q, k, v requiring grad) also
+    "bwd" (autograd of one kept forward) and "fwd+bwd". Each is called once here, so that a peer
+    that cannot run the shape raises now and a compiling one (FA4) compiles before the timing."""
+    import torch
+
+    fns = {"fwd": lambda: fn(q, k, v, causal)}
+    if dout is not None:
+        if "bwd" in passes:
+            o = fn(q, k, v, causal)
+            fns["bwd"] = lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+        fns["fwd+bwd"] = lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout)
+    fns = {p: f for p, f in fns.items() if p in passes}
+    for f in fns.values():
+        f()
+    return fns
+
+
+def cuflash_pass_fns(q, k, v, causal: bool, dout=None, passes=PASSES) -> dict:
+    """pass -> zero-argument callable timing cuflash on CuPy q ``(B, N, H, D)``, k, v
+    ``(B, Nk, Hkv, D)``: "fwd" into a preallocated output; with ``dout`` (shaped like q) also "bwd"
+    (on one kept forward's out and lse) and "fwd+bwd" (forward with lse, then backward), all
+    gradients into preallocated buffers, as ``python -m cuflash`` has always timed them."""
+    import cupy
+
+    from . import backward, forward
+
+    out = cupy.empty_like(q)
+    fns = {"fwd": lambda: forward(q, k, v, causal=causal, out=out)}
+    if dout is not None:
+        grads = [cupy.empty_like(x) for x in (q, k, v)]
+        if "bwd" in passes:
+            o, lse = forward(q, k, v, causal=causal, return_lse=True)
+            fns["bwd"] = lambda: backward(dout, q, k, v, o, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+
+        def fwd_bwd():
+            o2, lse2 = forward(q, k, v, causal=causal, return_lse=True, out=out)
+            backward(dout, q, k, v, o2, lse2, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+
+        fns["fwd+bwd"] = fwd_bwd
+    return {p: f for p, f in fns.items() if p in passes}
 
 
 def tflops(flops: float, ms: float) -> float:
