@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 
-from . import __version__
+from . import __version__, bench
 
 
 def _progress(i: int, n: int, cfg) -> None:
@@ -99,17 +100,32 @@ def _torch_fns(shape, backend: str, backward: bool) -> dict:
     return fns
 
 
-PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+PASS_FLOPS = bench.PASS_FLOPS
 
 
-def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
-    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn} of TFLOP/s. For each pass, cuflash
-    and the SDPA backends are timed sample by sample in turn (bench.time_interleaved)."""
+def _fa4_fns(fa4, shape, q, k, v, dout) -> dict:
+    """pass -> callable running FlashAttention-4 on cuflash's own CuPy inputs (DLPack views, no
+    copy); empty if it cannot run this shape."""
+    from .bench import torch_pass_fns, torch_views
+
+    try:
+        tq, tk, tv = torch_views((q, k, v), requires_grad=dout is not None)
+        tdout = None if dout is None else torch_views((dout,))[0]
+        return torch_pass_fns(fa4, tq, tk, tv, shape.causal, tdout)
+    except Exception as e:  # noqa: BLE001 - FA4 raises DSL / assertion errors for what it does not support
+        print(f"  FA4 skipped for {shape.label()}: {type(e).__name__}: {str(e)[:120]}")
+        return {}
+
+
+def benchmark(shapes, repeats: int, backward: bool = True, warmup: int = 5) -> list[dict]:
+    """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn[, fa4]} of TFLOP/s. For each pass,
+    cuflash and the peers are timed sample by sample in turn (bench.time_interleaved). The fa4
+    column (FlashAttention-4 on cuflash's inputs) appears when it imports (bench.fa4_fn)."""
     import cupy
 
-    from . import backward as cf_backward, forward
-    from .bench import cupy_naive_fwd, random_inputs, tflops, time_cuda, time_interleaved
+    from .bench import cuflash_pass_fns, cupy_naive_fwd, fa4_fn, random_inputs, tflops, time_cuda, time_interleaved
 
+    fa4 = fa4_fn()
     results = []
     for shape in shapes:
         flops = shape.fwd_flops()
@@ -122,25 +138,17 @@ def benchmark(shapes, repeats: int, backward: bool = True) -> list[dict]:
         except (cupy.cuda.memory.OutOfMemoryError, TypeError):  # too large, or no bf16 matmul in CuPy
             rows["fwd"]["cupy"] = None
         cupy.get_default_memory_pool().free_all_blocks()
-        out = cupy.empty_like(q)
-        fns = {("cuflash", "fwd"): lambda: forward(q, k, v, causal=shape.causal, out=out)}
-        if backward:
-            o, lse = forward(q, k, v, causal=shape.causal, return_lse=True)
-            dout = random_inputs(shape, seed=1)[0]
-            grads = [cupy.empty_like(x) for x in (q, k, v)]
-            fns[("cuflash", "bwd")] = lambda: cf_backward(dout, q, k, v, o, lse, causal=shape.causal,
-                                                          dq=grads[0], dk=grads[1], dv=grads[2])
-
-            def fwd_bwd():
-                o2, lse2 = forward(q, k, v, causal=shape.causal, return_lse=True, out=out)
-                cf_backward(dout, q, k, v, o2, lse2, causal=shape.causal, dq=grads[0], dk=grads[1], dv=grads[2])
-
-            fns[("cuflash", "fwd+bwd")] = fwd_bwd
+        dout = random_inputs(shape, seed=1)[0] if backward else None
+        fns = {("cuflash", p): fn for p, fn in cuflash_pass_fns(q, k, v, shape.causal, dout).items()}
         for backend in ("flash", "cudnn"):
             for p, fn in _torch_fns(shape, backend, backward).items():
                 fns[(f"sdpa_{backend}", p)] = fn
+        if fa4 is not None:
+            for p, fn in _fa4_fns(fa4, shape, q, k, v, dout).items():
+                fns[("fa4", p)] = fn
         for p in passes:  # the implementations of one pass sample by sample in turn
-            timed = time_interleaved({key: fn for key, fn in fns.items() if key[1] == p}, repeats=repeats)
+            timed = time_interleaved({key: fn for key, fn in fns.items() if key[1] == p},
+                                     warmup=warmup, repeats=repeats)
             for (impl, _), ms in timed.items():
                 rows[p][impl] = tflops(PASS_FLOPS[p] * flops, ms)
         del fns
@@ -186,11 +194,21 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:7.1f}"
 
 
+# Columns of the standard table; fa4 only when some row has it (FlashAttention-4 imported).
+TABLE_COLUMNS = ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn", "fa4")
+RATIO_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
+
+
+def peer_label(column: str) -> str:
+    """"sdpa_cudnn" -> "cudnn", "fa4" -> "fa4": the peer's name in ratio headers."""
+    return column[5:] if column.startswith("sdpa_") else column
+
+
 def print_table(results: list[dict]) -> None:
-    cols = [c for c in ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn") if any(c in r for r in results)]
+    cols = [c for c in TABLE_COLUMNS if any(c in r for r in results)]
     head = f"{'shape':<44}{'pass':<9}" + "".join(f"{c:>12}" for c in cols)
-    ratios = [c for c in ("sdpa_flash", "sdpa_cudnn") if c in cols]
-    head += "".join(f"{'x ' + c[5:]:>10}" for c in ratios)
+    ratios = [c for c in RATIO_PEERS if c in cols]
+    head += "".join(f"{'x ' + peer_label(c):>10}" for c in ratios)
     print("TFLOP/s (median of repeats); ratios are cuflash / peer")
     print(head)
     for r in results:
@@ -203,9 +221,9 @@ def print_table(results: list[dict]) -> None:
 
 def markdown_table(results: list[dict]) -> str:
     """The results as a Markdown table (for BENCHMARKS.md)."""
-    cols = [c for c in ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn") if any(c in r for r in results)]
-    ratios = [c for c in ("sdpa_flash", "sdpa_cudnn") if c in cols]
-    lines = ["| shape | pass | " + " | ".join(cols) + "".join(f" | cuflash / {c[5:]}" for c in ratios) + " |",
+    cols = [c for c in TABLE_COLUMNS if any(c in r for r in results)]
+    ratios = [c for c in RATIO_PEERS if c in cols]
+    lines = ["| shape | pass | " + " | ".join(cols) + "".join(f" | cuflash / {peer_label(c)}" for c in ratios) + " |",
              "|" + " --- |" * (2 + len(cols) + len(ratios))]
     for r in results:
         cells = [r["shape"], r["pass"]] + [_fmt(r.get(c)).strip() for c in cols]
@@ -214,18 +232,63 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _parse_dist_names(text: str) -> list[str]:
+    """"outlier8,sharp" -> ["outlier8", "sharp"]; unknown names are an argparse error."""
+    from .distributions import DISTRIBUTIONS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in DISTRIBUTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown distribution(s) {', '.join(bad)}; choose from {', '.join(DISTRIBUTIONS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     ap.add_argument("--shape", action="append", type=_parse_shape,
-                    help="benchmark shape B,H,N,D,dtype[,causal] (repeatable); default: the standard table")
+                    help="benchmark shape B,H,N,D,dtype[,causal] (repeatable); default: the standard table "
+                         "(with --dists: bench.DIST_SHAPES)")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls of each implementation first (default 5)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-bench", action="store_true", help="self-check only")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     ap.add_argument("--forward-only", action="store_true", help="skip the backward and forward+backward rows")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward rows (Hopper only)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--dists", nargs="*", type=_parse_dist_names, metavar="NAME",
+                    help="instead of the standard table, the score-distribution table: each shape x input "
+                         "distribution (normal, outlier8, outlier12, sharp, sink; space- or comma-separated; "
+                         "all five when none are named), forward and forward+backward of cuflash beside "
+                         "SDPA cuDNN, SDPA FlashAttention-2 and FlashAttention-4 on the same inputs")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``dists`` becomes None (no --dists) or a tuple of distribution names."""
+    from .distributions import DISTRIBUTIONS
+
+    args = build_parser().parse_args(argv)
+    if args.dists is not None:
+        named = [x for group in args.dists for x in group]
+        args.dists = tuple(dict.fromkeys(named)) or DISTRIBUTIONS
+    return args
+
+
+def table_shapes(args: argparse.Namespace) -> list:
+    """The shapes to benchmark: --shape if given, else the quick pair with --quick, else the
+    distribution table's shapes with --dists and the standard table's without."""
+    from .bench import DIST_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
+
+    if args.shape:
+        return list(args.shape)
+    if args.quick:
+        return list(QUICK_SHAPES)
+    return list(DIST_SHAPES if args.dists is not None else STANDARD_SHAPES)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     import cupy
     import numpy as np
@@ -233,7 +296,7 @@ def main(argv=None) -> int:
     from cupy.cuda import nvrtc
 
     from . import dispatch, heuristics
-    from .bench import FP8_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
+    from .bench import FA4_PATH_ENV, FP8_SHAPES, fa4_fn, fa4_status
 
     try:
         dev = cupy.cuda.Device()
@@ -251,10 +314,15 @@ def main(argv=None) -> int:
         import torch
 
         print(f"PyTorch {torch.__version__} found: SDPA columns included")
+        # Nothing is said of FA4 unless it imports or was pointed at, so that the default report stays as it was.
+        if fa4_fn() is not None:
+            print(f"{fa4_status()} found: fa4 column included")
+        elif os.environ.get(FA4_PATH_ENV):
+            print(f"${FA4_PATH_ENV} is set but {fa4_status()}: fa4 column omitted")
     except ImportError:
         print("PyTorch not installed: SDPA columns omitted")
 
-    shapes = args.shape or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
+    shapes = table_shapes(args)
     needed = {heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc, short=short) for s in shapes
               for short in (False, True)}
     needed |= {heuristics.fwd_config(dt, d, c, cc) for dt in ("float16", "bfloat16", "float32")
@@ -286,7 +354,21 @@ def main(argv=None) -> int:
         return 1
     if args.no_bench:
         return 0
-    results = benchmark(shapes, args.repeats, backward=not args.forward_only)
+    if args.dists is not None:
+        from .dist_table import benchmark_dists, format_dist_table, markdown_dist_table
+
+        print(f"score-distribution table: {len(shapes)} shapes x {', '.join(args.dists)}; "
+              f"{args.warmup} warm-ups, {args.repeats} interleaved repeats")
+        results = benchmark_dists(shapes, args.dists, repeats=args.repeats, warmup=args.warmup,
+                                  backward=not args.forward_only)
+        print(format_dist_table(results))
+        if args.markdown:
+            print(markdown_dist_table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": name, "cc": cc, "dists": list(args.dists), "results": results}, f, indent=1)
+        return 0
+    results = benchmark(shapes, args.repeats, backward=not args.forward_only, warmup=args.warmup)
     if cc == 90 and not args.shape and not args.quick and not args.no_fp8:
         results += benchmark_fp8(FP8_SHAPES, args.repeats)
     print_table(results)
