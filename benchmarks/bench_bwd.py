@@ -1,59 +1,55 @@
-"""Backward and forward+backward benchmarks beside PyTorch SDPA (flash, cuDNN).
+"""Backward and forward+backward benchmarks beside PyTorch SDPA (flash, cuDNN) and FlashAttention-4,
+on the cases of conftest.CASES (shape, input distribution); peers read cuflash's own inputs and
+output gradient (DLPack views).
 
 FLOPs: backward 2.5x and forward+backward 3.5x the forward's.
 """
 from __future__ import annotations
 
 import pytest
+from conftest import CASES, case_id, case_label, peer
 
-from cuflash.bench import STANDARD_SHAPES, random_inputs, tflops, time_cuda, torch_inputs, torch_sdpa
+from cuflash.bench import cuflash_pass_fns, random_inputs, tflops, time_cuda, torch_pass_fns, torch_views
+from cuflash.distributions import make_inputs
 
 REPEATS = 30
 
 
-@pytest.mark.parametrize("shape", STANDARD_SHAPES, ids=lambda s: s.label().replace(" ", "_"))
-def test_bwd_cuflash(benchmark, record, shape):
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_bwd_cuflash(benchmark, record, case):
     import cupy
-    import cuflash
 
-    q, k, v = random_inputs(shape)
+    shape, dist = case
+    q, k, v = make_inputs(shape, dist)
     dout = random_inputs(shape, seed=1)[0]
-    out, lse = cuflash.forward(q, k, v, causal=shape.causal, return_lse=True)
-    grads = [cupy.empty_like(x) for x in (q, k, v)]
-
-    def bwd():
-        cuflash.backward(dout, q, k, v, out, lse, causal=shape.causal, dq=grads[0], dk=grads[1], dv=grads[2])
-
-    def fwd_bwd():
-        o, l = cuflash.forward(q, k, v, causal=shape.causal, return_lse=True, out=out)
-        cuflash.backward(dout, q, k, v, o, l, causal=shape.causal, dq=grads[0], dk=grads[1], dv=grads[2])
-
+    fns = cuflash_pass_fns(q, k, v, shape.causal, dout)
     flops = shape.fwd_flops()
-    record(shape.label(), "bwd", "cuflash", tflops(2.5 * flops, time_cuda(bwd, repeats=REPEATS)))
-    benchmark.extra_info["tflops"] = tflops(3.5 * flops, time_cuda(fwd_bwd, repeats=REPEATS))
-    record(shape.label(), "fwd+bwd", "cuflash", benchmark.extra_info["tflops"])
-    benchmark.pedantic(lambda: (fwd_bwd(), cupy.cuda.get_current_stream().synchronize()), rounds=5, iterations=1)
+    label = case_label(shape, dist)
+    record(label, "bwd", "cuflash", tflops(2.5 * flops, time_cuda(fns["bwd"], repeats=REPEATS)))
+    benchmark.extra_info["tflops"] = tflops(3.5 * flops, time_cuda(fns["fwd+bwd"], repeats=REPEATS))
+    record(label, "fwd+bwd", "cuflash", benchmark.extra_info["tflops"])
+    benchmark.pedantic(lambda: (fns["fwd+bwd"](), cupy.cuda.get_current_stream().synchronize()), rounds=5, iterations=1)
 
 
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
-@pytest.mark.parametrize("shape", STANDARD_SHAPES, ids=lambda s: s.label().replace(" ", "_"))
-def test_bwd_sdpa(benchmark, record, shape, backend):
-    fn = torch_sdpa(backend)
-    if fn is None:
-        pytest.skip("PyTorch with CUDA is not installed")
+@pytest.mark.parametrize("impl", ["sdpa_flash", "sdpa_cudnn", "fa4"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_bwd_peer(benchmark, record, case, impl):
+    """A peer's backward and forward+backward (torch autograd) on the same inputs and output gradient
+    as test_bwd_cuflash; skips if the peer is absent or cannot run the shape."""
+    fn, sdpa_layout = peer(impl)
     import torch
 
-    q, k, v = torch_inputs(shape, requires_grad=True)
-    dout = torch.randn_like(q)
+    shape, dist = case
+    tq, tk, tv = torch_views(make_inputs(shape, dist), sdpa_layout=sdpa_layout, requires_grad=True)
+    tdout = torch_views(random_inputs(shape, seed=1)[:1], sdpa_layout=sdpa_layout)[0]
     flops = shape.fwd_flops()
-    try:
-        o = fn(q, k, v, shape.causal)
-        ms = time_cuda(lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True), repeats=REPEATS)
-        record(shape.label(), "bwd", f"sdpa_{backend}", tflops(2.5 * flops, ms))
-        ms = time_cuda(lambda: torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), dout), repeats=REPEATS)
-    except RuntimeError as e:
-        pytest.skip(f"SDPA {backend} does not run this shape: {str(e)[:100]}")
+    label = case_label(shape, dist)
+    try:  # each pass is called once in torch_pass_fns: FA4 compiles there
+        fns = torch_pass_fns(fn, tq, tk, tv, shape.causal, tdout, passes=("bwd", "fwd+bwd"))
+        record(label, "bwd", impl, tflops(2.5 * flops, time_cuda(fns["bwd"], repeats=REPEATS)))
+        ms = time_cuda(fns["fwd+bwd"], repeats=REPEATS)
+    except Exception as e:  # noqa: BLE001 - SDPA RuntimeError, FA4 DSL / assertion errors
+        pytest.skip(f"{impl} does not run this shape: {type(e).__name__}: {str(e)[:100]}")
     benchmark.extra_info["tflops"] = tflops(3.5 * flops, ms)
-    record(shape.label(), "fwd+bwd", f"sdpa_{backend}", benchmark.extra_info["tflops"])
-    benchmark.pedantic(lambda: (torch.autograd.grad(fn(q, k, v, shape.causal), (q, k, v), dout),
-                                torch.cuda.synchronize()), rounds=5, iterations=1)
+    record(label, "fwd+bwd", impl, benchmark.extra_info["tflops"])
+    benchmark.pedantic(lambda: (fns["fwd+bwd"](), torch.cuda.synchronize()), rounds=5, iterations=1)

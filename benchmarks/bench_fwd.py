@@ -1,23 +1,27 @@
-"""Forward benchmarks: cuflash beside PyTorch SDPA (flash, cuDNN) on the standard shapes.
+"""Forward benchmarks: cuflash beside PyTorch SDPA (flash, cuDNN) and FlashAttention-4, on the
+standard shapes with normal inputs and on a few shapes with other score distributions
+(conftest.CASES); every peer reads cuflash's own inputs (DLPack views).
 
     pytest benchmarks/ --benchmark-only -q
 """
 from __future__ import annotations
 
 import pytest
+from conftest import CASES, case_id, case_label, peer
 
-from cuflash.bench import (FP8_SHAPES, STANDARD_SHAPES, fp8_inputs, fp8_label, random_inputs, tflops,
-                           time_cuda, torch_inputs, torch_sdpa)
+from cuflash.bench import FP8_SHAPES, fp8_inputs, fp8_label, tflops, time_cuda, torch_inputs, torch_sdpa, torch_views
+from cuflash.distributions import make_inputs
 
 REPEATS = 50
 
 
-@pytest.mark.parametrize("shape", STANDARD_SHAPES, ids=lambda s: s.label().replace(" ", "_"))
-def test_fwd_cuflash(benchmark, record, shape):
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fwd_cuflash(benchmark, record, case):
     import cupy
     import cuflash
 
-    q, k, v = random_inputs(shape)
+    shape, dist = case
+    q, k, v = make_inputs(shape, dist)
     out = cupy.empty_like(q)
 
     def run():
@@ -25,26 +29,27 @@ def test_fwd_cuflash(benchmark, record, shape):
 
     ms = time_cuda(run, repeats=REPEATS)
     benchmark.extra_info["tflops"] = tflops(shape.fwd_flops(), ms)
-    record(shape.label(), "fwd", "cuflash", benchmark.extra_info["tflops"])
+    record(case_label(shape, dist), "fwd", "cuflash", benchmark.extra_info["tflops"])
     benchmark.pedantic(lambda: (run(), cupy.cuda.get_current_stream().synchronize()), rounds=10, iterations=1)
 
 
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
-@pytest.mark.parametrize("shape", STANDARD_SHAPES, ids=lambda s: s.label().replace(" ", "_"))
-def test_fwd_sdpa(benchmark, record, shape, backend):
-    fn = torch_sdpa(backend)
-    if fn is None:
-        pytest.skip("PyTorch with CUDA is not installed")
+@pytest.mark.parametrize("impl", ["sdpa_flash", "sdpa_cudnn", "fa4"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fwd_peer(benchmark, record, case, impl):
+    """A peer on the same inputs as test_fwd_cuflash; skips if the peer is absent or cannot run the shape."""
+    fn, sdpa_layout = peer(impl)
     import torch
 
-    q, k, v = torch_inputs(shape)
+    shape, dist = case
+    tq, tk, tv = torch_views(make_inputs(shape, dist), sdpa_layout=sdpa_layout)
     try:
-        ms = time_cuda(lambda: fn(q, k, v, shape.causal), repeats=REPEATS)
-    except RuntimeError as e:
-        pytest.skip(f"SDPA {backend} does not run this shape: {str(e)[:100]}")
+        fn(tq, tk, tv, shape.causal)  # FA4 compiles each new shape on its first call
+        ms = time_cuda(lambda: fn(tq, tk, tv, shape.causal), repeats=REPEATS)
+    except Exception as e:  # noqa: BLE001 - SDPA RuntimeError, FA4 DSL / assertion errors
+        pytest.skip(f"{impl} does not run this shape: {type(e).__name__}: {str(e)[:100]}")
     benchmark.extra_info["tflops"] = tflops(shape.fwd_flops(), ms)
-    record(shape.label(), "fwd", f"sdpa_{backend}", benchmark.extra_info["tflops"])
-    benchmark.pedantic(lambda: (fn(q, k, v, shape.causal), torch.cuda.synchronize()), rounds=10, iterations=1)
+    record(case_label(shape, dist), "fwd", impl, benchmark.extra_info["tflops"])
+    benchmark.pedantic(lambda: (fn(tq, tk, tv, shape.causal), torch.cuda.synchronize()), rounds=10, iterations=1)
 
 
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: fp8_label(s).replace(" ", "_"))
