@@ -4,6 +4,11 @@
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
+#   fa4setup : install FlashAttention-4 into /tmp/fa4site from the wheels of ../shared/tools/fa4_wheels.sh
+#              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
+#              next call (machine still warm) carrying .fa4b joins and installs
+#   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if /tmp/fa4site
+#              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -11,8 +16,42 @@ OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
 status=0
 phase=$1; shift
-if [ "$phase" = fp8 ]; then python3 scripts/precompile.py fp8 | tail -1; else python3 scripts/precompile.py fwd bwd fp8 | tail -1; fi
+
+FA4_SITE=/tmp/fa4site
+fa4_setup() {  # the note's steps 2 and 3, whichever the carried folders allow
+  if [ -f .fa4a/cu13part00 ]; then
+    mkdir -p /root/fa4 && cp .fa4a/cu13part00 /root/fa4/ && echo "fa4setup: parked .fa4a/cu13part00 in /root/fa4"
+  fi
+  [ -d .fa4b ] || { echo "fa4setup: no .fa4b here (carry it on the next call)"; return 0; }
+  [ -f /root/fa4/cu13part00 ] || { echo "fa4setup: /root/fa4/cu13part00 missing: first a call carrying .fa4a"; return 1; }
+  local w=/tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  cat /root/fa4/cu13part00 .fa4b/cu13part01 > $w || return 1
+  # the libs_core wheel overlaps the others' files: installed apart, then copied without overwriting
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $FA4_SITE $w $(ls .fa4b/*.whl | grep -v libs_core) || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site2 .fa4b/nvidia_cutlass_dsl_libs_core*.whl || return 1
+  cp -rn /tmp/fa4site2/* $FA4_SITE/ && echo "fa4setup: FlashAttention-4 installed in $FA4_SITE"
+}
+fa4_env() {  # the DSL's own cutlass package must come before the site itself
+  if [ -d $FA4_SITE ]; then export CUFLASH_FA4_PATH=$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$FA4_SITE; fi
+}
+
 case $phase in
+  fa4setup) ;;  # nothing of cuflash's to compile
+  fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
+  *) python3 scripts/precompile.py fwd bwd fp8 | tail -1 ;;
+esac
+case $phase in
+  fa4setup)
+    fa4_setup || status=1
+    ;;
+  dists)
+    if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
+    fa4_env
+    # 8 shapes x 5 distributions x (fwd, fwd+bwd), 3 warm-ups and 15 interleaved repeats (under ~8 minutes
+    # on an H100 by estimate, FA4 compiling each shape once included)
+    python3 -m cuflash --dists --markdown --json "$OUT/dists.json" --repeats 15 --warmup 3 "$@" 2>&1 \
+      | tee "$OUT/dists.log" | tail -n 130 || status=1
+    ;;
   tests)
     T="tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
     python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tee "$OUT/pytest.log" | tail -n 8 || status=1
@@ -36,6 +75,7 @@ case $phase in
     python3 scripts/bench_fp8.py "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
     ;;
   bench)
+    fa4_env  # the fa4 column, where fa4setup has run on this machine
     python3 -m cuflash --markdown --json "$OUT/bench.json" --repeats 30 2>&1 | tee "$OUT/bench.log" | tail -n 60 || status=1
     python3 scripts/bench_deterministic.py 2>&1 | tee "$OUT/deterministic.md" || status=1
     ;;
