@@ -86,12 +86,12 @@ def make_inputs(shape: "Shape", dist: str = "normal", seed: int = 0):
       causal row sees key 0, short rows almost only it); at 1024 keys 0.84 non-causal. v is left
       as drawn (v[:, 0] ordinary).
     """
+    if dist not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {dist!r}; expected one of {DISTRIBUTIONS}")
     import cupy
 
     from ._checks import BFLOAT16
 
-    if dist not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {dist!r}; expected one of {DISTRIBUTIONS}")
     dt = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}[shape.dtype]
     d = shape.head_dim
     rs = cupy.random.RandomState(seed)
@@ -134,7 +134,7 @@ def sampled_scores(q, k, softmax_scale: float | None = None, samples: int = 512,
     for p in pairs:
         bi, hi = divmod(int(p), hq)
         rows = cupy.asarray(np.sort(rng.choice(nq, size=per_pair, replace=False)))
-        qs = q[bi, :, hi][rows].astype(cupy.float32)  # (rows, D)
+        qs = q[bi, :, hi].astype(cupy.float32)[rows]  # (rows, D); cast first: gathers then run on float32
         ks = k[bi, :, hi // g].astype(cupy.float32)  # (seqlen_k, D)
         blocks.append(qs @ ks.T * np.float32(scale))
     return cupy.concatenate(blocks)
