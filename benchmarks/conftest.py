@@ -83,7 +83,8 @@ def pytest_terminal_summary(terminalreporter):
         return
     from cuflash.__main__ import print_table
 
-    terminalreporter.write_sep("=", "cuflash vs PyTorch SDPA and FlashAttention-4 (TFLOP/s, median of event-timed repeats)")
+    terminalreporter.write_sep("=", "cuflash vs PyTorch SDPA and FlashAttention-4 "
+                                    "(TFLOP/s, median of event-timed repeats)")
     for r in _ROWS:
         r.setdefault("cuflash", float("nan"))
     print_table(_ROWS)

@@ -239,7 +239,8 @@ def _parse_dist_names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in names if x not in DISTRIBUTIONS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown distribution(s) {', '.join(bad)}; choose from {', '.join(DISTRIBUTIONS)}")
+        raise argparse.ArgumentTypeError(f"unknown distribution(s) {', '.join(bad)}; "
+                                         f"choose from {', '.join(DISTRIBUTIONS)}")
     return names
 
 
