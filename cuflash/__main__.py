@@ -199,9 +199,7 @@ TABLE_COLUMNS = ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn", "fa4")
 RATIO_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
 
 
-def peer_label(column: str) -> str:
-    """"sdpa_cudnn" -> "cudnn", "fa4" -> "fa4": the peer's name in ratio headers."""
-    return column[5:] if column.startswith("sdpa_") else column
+peer_label = bench.peer_label
 
 
 def print_table(results: list[dict]) -> None:

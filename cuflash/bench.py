@@ -342,6 +342,11 @@ def peer_impls() -> dict:
     return impls
 
 
+def peer_label(column: str) -> str:
+    """"sdpa_cudnn" -> "cudnn", "fa4" -> "fa4": a peer's name in the tables' ratio headers."""
+    return column[5:] if column.startswith("sdpa_") else column
+
+
 PASSES = ("fwd", "bwd", "fwd+bwd")
 PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # FLOPs of each pass in forward FLOPs
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import math
 
+from .bench import peer_label
+
 DIST_PASSES = ("fwd", "fwd+bwd")
 DIST_COLUMNS = ("cuflash", "sdpa_cudnn", "sdpa_flash", "fa4")
 DIST_RATIOS = ("sdpa_cudnn", "fa4")  # cuflash / peer
-
-
-def _peer_label(column: str) -> str:
-    return column[5:] if column.startswith("sdpa_") else column
 
 
 def _free_memory() -> None:
@@ -69,7 +67,7 @@ def benchmark_dists(shapes, dists, *, repeats: int = 15, warmup: int = 3, backwa
                 row.update({impl: tflops(PASS_FLOPS[p] * flops, ms) for (impl, _), ms in timed.items()})
                 rows.append(row)
                 cells.append(f"{p} {row['cuflash']:.0f}" + "".join(
-                    f" x{_peer_label(c)} {row['cuflash'] / row[c]:.2f}" for c in DIST_RATIOS if row.get(c)))
+                    f" x{peer_label(c)} {row['cuflash'] / row[c]:.2f}" for c in DIST_RATIOS if row.get(c)))
             print(f"  {shape.label():<44} {dist:<10} std {std:6.2f} | " + " | ".join(cells), flush=True)
             del fns, q, k, v
             tq = tk = tv = tdout = None  # the DLPack views keep the arrays alive
@@ -114,7 +112,7 @@ def format_dist_table(rows: list[dict]) -> str:
     lines = ["TFLOP/s (median of interleaved repeats); std: measured std of the scaled scores; "
              "ratios are cuflash / peer",
              f"{'shape':<44}{'dist':<11}{'std':>6}  {'pass':<9}" + "".join(f"{c:>12}" for c in cols)
-             + "".join(f"{'x ' + _peer_label(c):>10}" for c in ratios)]
+             + "".join(f"{'x ' + peer_label(c):>10}" for c in ratios)]
     for r in rows:
         lines.append(f"{r['shape']:<44}{r['dist']:<11}{r['score_std']:>6.2f}  {r['pass']:<9}"
                      + "".join(f"{_num(r.get(c)):>12}" for c in cols)
@@ -123,7 +121,7 @@ def format_dist_table(rows: list[dict]) -> str:
         lines.append("geometric mean over shapes of cuflash / peer:")
         for s in dist_summary(rows):
             lines.append(f"  {s['dist']:<11}{s['pass']:<9}" + "".join(
-                f"  x {_peer_label(c)} {_num(s.get(c), '.3f')}" for c in ratios))
+                f"  x {peer_label(c)} {_num(s.get(c), '.3f')}" for c in ratios))
     return "\n".join(lines)
 
 
@@ -131,14 +129,14 @@ def markdown_dist_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (for BENCHMARKS.md), then the geometric means per distribution."""
     cols, ratios = _columns(rows)
     lines = ["| shape | dist | score std | pass | " + " | ".join(cols)
-             + "".join(f" | cuflash / {_peer_label(c)}" for c in ratios) + " |",
+             + "".join(f" | cuflash / {peer_label(c)}" for c in ratios) + " |",
              "|" + " --- |" * (4 + len(cols) + len(ratios))]
     for r in rows:
         cells = [r["shape"], r["dist"], f"{r['score_std']:.2f}", r["pass"]]
         cells += [_num(r.get(c)).strip() for c in cols] + [_ratio(r, c) for c in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     if ratios:
-        lines += ["", "| dist | pass | " + " | ".join(f"cuflash / {_peer_label(c)} (geomean)" for c in ratios) + " |",
+        lines += ["", "| dist | pass | " + " | ".join(f"cuflash / {peer_label(c)} (geomean)" for c in ratios) + " |",
                   "|" + " --- |" * (2 + len(ratios))]
         for s in dist_summary(rows):
             lines.append("| " + " | ".join([s["dist"], s["pass"]] + [_num(s.get(c), ".3f") for c in ratios]) + " |")
