@@ -18,6 +18,7 @@ from .config import KernelConfig
 
 _lock = threading.Lock()
 _kernels: dict[tuple[str, int], "cupy.RawKernel"] = {}
+_modules: dict[tuple, "cupy.RawModule"] = {}   # same keys: diagnostic builds read module globals
 _device_info: dict[int, tuple[int, int]] = {}
 
 
@@ -70,10 +71,17 @@ def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
             module = cupy.RawModule(code=load_source(config.source), options=options,
                                     name_expressions=[config.name_expression()])
             kern = module.get_function(config.name_expression())
+            _modules[key] = module
             if smem > 48 * 1024:
                 kern.max_dynamic_shared_size_bytes = smem
         _kernels[key] = kern
         return kern
+
+
+def loaded_modules(define: str) -> list["cupy.RawModule"]:
+    """The modules loaded so far whose CUFLASH_NVRTC_DEFINES included ``define`` (diagnostic builds,
+    e.g. the forward's fallback counters read by the tests)."""
+    return [m for key, m in _modules.items() if define in key[2]]
 
 
 def precompile(configs: Iterable[KernelConfig], device_id: int,

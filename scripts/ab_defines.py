@@ -5,6 +5,8 @@
     python3 scripts/ab_defines.py fp8 "" "@CUFLASH_SM90_FP8_PERSISTENT=1"   (bfloat16 shapes)
     AB_DETERMINISTIC=1 python3 scripts/ab_defines.py bwd ...   (the deterministic backward)
     AB_ROUNDS=6 ...   (alternating rounds, 3 by default)
+    AB_DISTS="normal,outlier12,sharp" ...   (input distributions, cuflash/distributions.py; normal by default)
+    python3 scripts/ab_defines.py fwd "src=/tmp/old/kernels_cu" ""   (another checkout's kernel sources)
 Prints, per shape, the median time of each define set over alternating rounds (TFLOP/s).
 """
 from __future__ import annotations
@@ -16,8 +18,19 @@ import sys
 import cupy
 
 import cuflash
-from cuflash import api, fp8
+from cuflash import api, compile as cf_compile, fp8
 from cuflash.bench import Shape, random_inputs, time_cuda
+from cuflash.distributions import make_inputs
+
+_own_kernel_dir = cf_compile.kernel_dir
+
+
+def _use_sources(path: str | None) -> None:
+    """Compile from the kernel sources at ``path`` (None: this checkout's) from now on."""
+    from pathlib import Path
+
+    cf_compile.kernel_dir = (lambda: Path(path)) if path else _own_kernel_dir
+    cf_compile.load_source.cache_clear()
 
 SHAPES = [Shape(4, 16, 4096, 64, "float16", True), Shape(4, 16, 4096, 128, "bfloat16", False),
           Shape(4, 16, 4096, 128, "bfloat16", True), Shape(4, 16, 4096, 96, "bfloat16", False),
@@ -38,8 +51,9 @@ def _shapes() -> list[Shape]:
 
 def main(direction: str, variants: list[str]) -> None:
     env_names = {t[1:].partition("=")[0] for v in variants for t in v.split() if t.startswith("@")}
-    for shape in _shapes():
-        q, k, v = random_inputs(shape)
+    dists = os.environ.get("AB_DISTS", "normal").split(",")
+    for shape, dist in [(s, d) for s in _shapes() for d in dists]:
+        q, k, v = make_inputs(shape, dist)
         dout = random_inputs(shape, seed=1)[0]
         out, lse = cuflash.forward(q, k, v, causal=shape.causal, return_lse=True)
         grads = [cupy.empty_like(x) for x in (q, k, v)]
@@ -66,13 +80,19 @@ def main(direction: str, variants: list[str]) -> None:
                     if t.startswith("@"):
                         name, _, value = t[1:].partition("=")
                         os.environ[name] = value
-                os.environ["CUFLASH_NVRTC_DEFINES"] = " ".join(t for t in tokens if not t.startswith("@"))
+                # "src=PATH": that tree's kernels (a define names it, so that the module cache keeps them apart).
+                src = [t[4:] for t in tokens if t.startswith("src=")]
+                _use_sources(src[0] if src else None)
+                defines = [t for t in tokens if not t.startswith(("@", "src="))]
+                if src:
+                    defines.append("-DCUFLASH_AB_SOURCES=" + str(abs(hash(src[0]))))
+                os.environ["CUFLASH_NVRTC_DEFINES"] = " ".join(defines)
                 api._bwd_plans.clear()
                 api._fwd_plans.clear()
                 fp8._plans.clear()
                 times[var].append(time_cuda(run, repeats=20))
         cells = [f"{flops / statistics.median(t) / 1e9:.0f}" for t in times.values()]
-        print(f"{shape.label():45s} " + " | ".join(f"{v or 'default'}: {c}" for v, c in zip(variants, cells)),
+        print(f"{shape.label() + ' ' + dist:55s} " + " | ".join(f"{v or 'default'}: {c}" for v, c in zip(variants, cells)),
               flush=True)
 
 

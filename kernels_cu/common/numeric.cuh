@@ -15,6 +15,8 @@ struct f16_tag {};
 struct bf16_tag {};
 // fp8 e4m3 (sm_89+ conversions, sm_90a wgmma): raw bytes; attention over fp8 inputs writes bf16.
 struct e4m3_tag {};
+template <typename Tag> constexpr bool kIsBf16 = false;
+template <> constexpr bool kIsBf16<bf16_tag> = true;
 
 template <typename Tag> struct ElemTraits;
 

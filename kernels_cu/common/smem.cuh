@@ -14,3 +14,7 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+// Two 8x8 b16 matrices: lanes 0..15 supply the row addresses (lanes 16..31 ignored).
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}

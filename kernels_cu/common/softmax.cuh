@@ -84,10 +84,9 @@ struct OnlineSoftmax {
     // Probabilities against the running max as it stands, without looking for this tile's max (its
     // FMNMX chain and quad shuffles are most of the softmax's latency): s = exp2(s * scale_log2 - max) in
     // place, this thread's partial row sums in `sums` (not yet added). Returns whether every one of this
-    // thread's probabilities is at most 2^kBoundLog2 (their sum is; NaN and inf fail), i.e. whether the
-    // running max may stand (with the default bound, as step() would have left it). If not, s is lost and
-    // the caller computes it again and calls step(). A row with no max yet (-inf) always fails.
-    template <int kBoundLog2 = kMaxSlackLog2>
+    // thread's partial sums (so every probability) is at most 2^kBoundLog2; NaN and inf fail. The caller
+    // keeps no row without a max here (its probabilities would be inf or NaN).
+    template <int kBoundLog2>
     __device__ __forceinline__ bool probs_at_running_max(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                                          float (&sums)[kRows]) const {
         bool ok = true;
@@ -97,13 +96,9 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * t + h;
                 // The check (and the vote after it) waits on the sum: four partial sums, so that its chain of
-                // dependent adds is a quarter as long. H100, D=128 bf16 forward, 1 / 4 / 8 partial sums: 738 /
-                // 771 / 766 TFLOP/s (sm90/NOTES.md, seventeenth session).
-#ifndef CUFLASH_SOFTMAX_CHECK_ACCS
-#define CUFLASH_SOFTMAX_CHECK_ACCS 4
-#endif
-                constexpr int kAccs = CUFLASH_SOFTMAX_CHECK_ACCS;
-                static_assert(kAccs > 0 && (kAccs & (kAccs - 1)) == 0, "partial sums: a power of two");
+                // dependent adds is a quarter as long (1 / 4 / 8 partial sums: 738 / 771 / 766 TFLOP/s, H100,
+                // D=128 bf16).
+                constexpr int kAccs = 4;
                 float part[kAccs];
 #pragma unroll
                 for (int a = 0; a < kAccs; ++a) part[a] = 0.f;
@@ -116,12 +111,8 @@ struct OnlineSoftmax {
                         part[(2 * n + e) % kAccs] += p;
                     }
                 }
-#pragma unroll
-                for (int w = 1; w < kAccs; w *= 2)
-#pragma unroll
-                    for (int a = 0; a + w < kAccs; a += 2 * w) part[a] += part[a + w];
-                sums[r] = part[0];
-                ok &= part[0] <= static_cast<float>(1 << kBoundLog2);
+                sums[r] = (part[0] + part[1]) + (part[2] + part[3]);
+                ok &= sums[r] <= static_cast<float>(1ull << kBoundLog2);
             }
         }
         return ok;
@@ -129,6 +120,59 @@ struct OnlineSoftmax {
     __device__ __forceinline__ void add_sums(const float (&sums)[kRows]) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) row_sum[r] += sums[r];
+    }
+
+    // Whether some row has no max yet (no visible key so far): probabilities against it mean nothing.
+    __device__ __forceinline__ bool has_unset_row() const {
+        bool unset = false;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) unset |= row_max[r] == -CUFLASH_INF;
+        return unset;
+    }
+
+    // Whether rebase() can take over from probs_at_running_max() for this thread's rows: every partial sum
+    // at most 2^120, so that the factor 2^-log2(max p) stays a normal float (-ftz flushes 2^-127). Past it (a
+    // score 2^120 above the running max, or inf) only S itself gives the new max. NaN passes: it propagates
+    // to the output either way.
+    __device__ __forceinline__ bool rebase_possible(const float (&sums)[kRows]) const {
+        bool ok = true;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) ok &= !(sums[r] > 0x1p120f);
+        return ok;
+    }
+
+    // After probs_at_running_max() failed its bound, with rebase_possible() true for every thread of the
+    // warp (quad shuffles): a row whose largest probability m passes 2^kMaxSlackLog2 moves its max up by
+    // log2(m) and its probabilities, this tile's sums and its running sum down by 2^-log2(m), all in
+    // registers (S is not needed: p / m is exp2 of the score against the new max). The partial sums are
+    // added. Returns whether any of this thread's rows moved its max; `rescale` is O's factor per row.
+    __device__ __forceinline__ bool rebase(float (&p)[kMTiles][kNTiles][4], const float (&sums)[kRows],
+                                           float (&rescale)[kRows]) {
+        bool changed = false;
+#pragma unroll
+        for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * t + h;
+                float mx = 0.f;
+#pragma unroll
+                for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(p[t][n][2 * h], p[t][n][2 * h + 1]));
+                mx = quad_max(mx);
+                const bool move = mx > static_cast<float>(1 << kMaxSlackLog2);
+                const float shift = move ? __log2f(mx) : 0.f;
+                const float f = exp2f(-shift);   // 1 where the max stands
+                row_max[r] += shift;
+                rescale[r] = f;
+                changed |= move;
+                row_sum[r] = (row_sum[r] + sums[r]) * f;
+#pragma unroll
+                for (int n = 0; n < kNTiles; ++n) {
+                    p[t][n][2 * h] *= f;
+                    p[t][n][2 * h + 1] *= f;
+                }
+            }
+        }
+        return changed;
     }
 
     // Final normaliser per row (1 / sum, 0 for a row with no visible key) and

@@ -10,6 +10,7 @@
 #pragma once
 #include "../common/numeric.cuh"
 #include "../common/smem.cuh"
+#include "../common/mma_sync.cuh"
 
 // ldmatrix_x4 (common/smem.cuh) on a generic pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) { ldmatrix_x4(r, smem_u32(smem_row)); }
@@ -19,28 +20,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(smem_row)));
 }
-
-template <typename Tag> struct Mma16816;
-
-template <> struct Mma16816<f16_tag> {
-    static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct Mma16816<bf16_tag> {
-    static __device__ __forceinline__ void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
 
 // A fragment (16 x 16, row-major in smem) at (row0, col0) of a tile with
 // kStride elements per row.

@@ -23,6 +23,7 @@
 #include "../common/params.cuh"
 #include "../common/block_range.cuh"
 #include "../common/softmax.cuh"
+#include "../common/mma_sync.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
@@ -143,6 +144,16 @@ struct PersistentOrder {
 #define CUFLASH_FWD_TRACE(slot, value)
 #endif
 
+// -DCUFLASH_SM90_FWD_COUNT_FALLBACKS (tests): how often a warp left the kept-max fast path of the overlap
+// schedule, [0] re-based from its probabilities, [1] computed S again; read back through the module global.
+#ifdef CUFLASH_SM90_FWD_COUNT_FALLBACKS
+__device__ unsigned long long cuflash_fwd_fallbacks[2];
+#define CUFLASH_FWD_COUNT(kind) \
+    do { if (lane == 0) atomicAdd(cuflash_fwd_fallbacks + (kind), 1ull); } while (0)
+#else
+#define CUFLASH_FWD_COUNT(kind)
+#endif
+
 // fp8 only: the per-tensor scales of the e4m3 inputs (x = x8 * descale), float32 scalars on the device.
 struct Fp8Descale {
     const float* q = nullptr;
@@ -228,9 +239,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar_k_full(s), 1);
             mbar_init(bar_v_full(s), 1);
-            // Clusters: one arrival per consumer warpgroup of each CTA (release_kv); else every consumer thread.
-            mbar_init(bar_k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
-            mbar_init(bar_v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
+            // Clusters: one arrival per consumer warp of each CTA (release_kv); else every consumer thread.
+            mbar_init(bar_k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
+            mbar_init(bar_v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
         }
         fence_barrier_init();
     }
@@ -390,14 +401,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int warp = (threadIdx.x >> 5) & 3;
         const int g = lane >> 2, t4 = lane & 3;
         int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
-        // Frees a K or V ring stage: every thread arrives, or (clusters) one thread of the warpgroup per CTA
-        // of the cluster (the wgmma that read the stage is the warpgroup's, complete for all its threads).
+        int settle_tiles = 1;      // the overlap schedule's kept-max state (below)
+        // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
+        // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
         auto release_kv = [&](u32 bar) {
             if constexpr (kCluster == 1) {
                 mbar_arrive(bar);
             } else {
-                const int tid = threadIdx.x & 127;
-                if (tid % 32 == 0 && tid / 32 < kCluster) mbar_arrive_cluster(bar, tid / 32);
+                __syncwarp();   // every lane's reads of the stage (qk_warp) are done
+                if (lane < kCluster) mbar_arrive_cluster(bar, lane);
             }
         };
         // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
@@ -455,14 +467,44 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                                       || (kMode == kModeSimple && kPad <= 64));
 #endif
         u32 qa[kQInRegs ? kPad / 16 : 1][4];
+        // This warp's 16 Q rows, k16 step kk, as an mma A fragment (the wgmma RS A fragment of the warp):
+        // lane l addresses row l % 8 (+ 8 for odd l / 8) of the 16-byte chunk 2 kk + (l / 16).
+        auto load_q_frag = [&](u32 (&a)[4], int kk) {
+            const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+            const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);
+            const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
+            ldmatrix_x4(a, q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4));
+        };
         auto load_q_frags = [&]() {
             if constexpr (kQInRegs) {
-                const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
-                const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);   // row of this lane's address
 #pragma unroll
-                for (int kk = 0; kk < kPad / 16; ++kk) {
-                    const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
-                    ldmatrix_x4(qa[kk], q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4));
+                for (int kk = 0; kk < kPad / 16; ++kk) load_q_frag(qa[kk], kk);
+            }
+        };
+        // S of this warp's 16 rows alone, with mma.sync (its accumulator layout is the wgmma one): the kept-max
+        // softmax's recompute, taken only where a score passed a settled running max by more than 2^120, so it
+        // must not wait for the other warps, nor take registers or instruction cache from the key loop (loops,
+        // not unrolled: unrolled, this path spilled or doubled the kernel, which cost 7 % at head dim 64).
+        auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
+            if constexpr (!Tile::kFp8) {
+#pragma unroll 1
+                for (int j = 0; j < kBlockN / 8; ++j) {   // key block of 8
+                    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+                    for (int kk = 0; kk < kPad / 16; ++kk) {
+                        u32 a[4], b[2];
+                        load_q_frag(a, kk);
+                        // Lanes 0..15 address key 8 j + l % 8, 16-byte chunk 2 kk + l / 8 (b0, b1).
+                        const int n = 8 * j + (lane & 7), chunk = (2 * kk + ((lane >> 3) & 1)) % 8;
+                        ldmatrix_x2(b, k_src + (kk / 4) * kBlockN * 128 + n * 128 + ((chunk ^ (n % 8)) << 4));
+                        Mma16816<Tag>::run(c, a, b[0], b[1]);
+                    }
+#pragma unroll
+                    for (int jj = 0; jj < kBlockN / 8; ++jj)   // static indices keep acc_s in registers
+                        if (jj == j) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) acc_s[4 * jj + e] = c[e];
+                        }
                 }
             }
         };
@@ -601,26 +643,35 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
             // Intra-warpgroup overlap: the softmax of key tile i runs while the
             // tensor cores compute O += P_{i-1} V_{i-1}.
-            // 16-bit: each key tile's probabilities are first taken against the running max as it stands
-            // (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad shuffles, no rescale); only where one
-            // of the warpgroup's rows would pass 2^kKeepMaxBoundLog2 is S computed again for the full step. The
-            // K stage is then freed after the softmax instead of before it, and the warpgroup's vote is a named
-            // barrier (ids 8 + cw). The bound: 16-bit P holds up to 2^15, and with step()'s slack of 2^8 the
-            // causal tiles fell back too often (their first, diagonal tile leaves short rows a low max). H100
-            // A/B (sm90/NOTES.md, seventeenth session), TFLOP/s, full step -> kept max: D=128 bf16 721 -> 771,
-            // fp16 699 -> 744, D=64 fp16 531 -> 575, D=256 782 -> 809, B=16 N=1024 625 -> 647 (bound 2^8);
-            // causal bound 2^8 / 2^14: D=128 667 -> 651 / 700, B=1 N=16384 731 -> 716 / 776, D=256 712 -> 699 /
-            // 715. -DCUFLASH_SM90_FWD_KEEP_MAX=0: off (and -DCUFLASH_SM90_FWD_KEEP_MAX_CAUSAL=0 for causal).
+            // 16-bit: a warp whose rows' max has settled takes each key tile's probabilities against the
+            // running max as it stands (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad
+            // shuffles, no rescale). Where some row passes 2^kKeepMaxBoundLog2, the warp re-bases those rows
+            // from their probabilities (OnlineSoftmax::rebase: the max of p, p / max; no S needed) and returns to
+            // the full step until key tiles move none of its maxima. The decision is per warp and adaptive:
+            // trained models' sharp heads move some row's max on many key tiles, and a warpgroup-wide fallback
+            // (computing S again for all 64 rows, as this kernel first did) cost up to 26 % there. Only a score
+            // 2^120 above a settled max makes the warp compute its S again (qk_warp; the K stage is therefore
+            // freed after the softmax in the kept-max state). -DCUFLASH_SM90_FWD_KEEP_MAX=0: the full step
+            // alone (the baseline of BENCHMARKS.md's distribution table).
 #ifndef CUFLASH_SM90_FWD_KEEP_MAX
 #define CUFLASH_SM90_FWD_KEEP_MAX 1
 #endif
-#ifndef CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL
-#define CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL 1
-#endif
-            constexpr int kKeepMaxBoundLog2 = 14;
-            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && (!kIsCausal || CUFLASH_SM90_FWD_KEEP_MAX_CAUSAL)
-                                      && !Tile::kFp8;
+            // The bound on a thread's partial row sum (so on each probability) in the kept-max state: fp16 P
+            // holds up to 2^15; bf16 P has float32's range, and 2^32 still leaves O's float32 sums 2^95 of room
+            // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
+                        constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 32 : 14;
+            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
             u32 pa[kPSteps][4];
+            // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
+            // starts unsettled (the first key tile, partial or on the causal diagonal, may leave a row a weak
+            // max) and leaves that state at each re-base; it comes back after `settle_tiles` full steps in a
+            // row that move no max. That number doubles with each re-base (a failed try costs more than a full
+            // step) and halves with each new query tile (settle_tiles lives across the persistent tile loop:
+            // the next tile is mostly of the same head, and sharpness is a head's). So a warp whose max keeps
+            // moving runs the full step, and one whose max stands skips it.
+            bool keep_max = false;
+            int settled = 0;
+            settle_tiles = settle_tiles > 1 ? settle_tiles / 2 : 1;
             load_q_frags();
             {
                 float acc_s[kBlockN / 2];
@@ -648,28 +699,40 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
-                if constexpr (!kKeepMax) release_kv(bar_k_empty(stage));
+                // The kept-max stage holds K for a possible recompute; the full step frees it at once.
+                if (!keep_max) release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2] = {1.f, 1.f};
                 bool max_changed = false;
-                if constexpr (kKeepMax) {
-                    // The running max stands unless some probability of the warpgroup's rows passes the
-                    // bound: then S again (K is still in its stage) and the full step.
+                const bool full_step = !keep_max;
+                if (full_step) {
+                    // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
+                    max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale)
+                                  || (kKeepMax && softmax.has_unset_row());
+                } else if constexpr (kKeepMax) {
                     float sums[2];
-                    const bool ok = softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2,
-                                                                                            sums);
-                    if (!named_barrier_any(8 + cw, 128, !ok)) {
-                        softmax.add_sums(sums);
+                    const bool ok =
+                        softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
+                    if (__any_sync(0xffffffff, !ok)) {
+                        if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
+                            max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
+                            CUFLASH_FWD_COUNT(0);
+                        } else {
+                            // P_{i-1} V_{i-1} first: its A registers are then free for the recompute's.
+                            wgmma_wait<0>();
+                            fence_operand(acc_o);
+                            qk_warp(acc_s, sK + stage * Tile::kKVBytes);
+                            mask(acc_s, n_block);
+                            max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                            CUFLASH_FWD_COUNT(1);
+                        }
+                        keep_max = false;
+                        settled = 0;
+                        settle_tiles = min(2 * settle_tiles, 16);
                     } else {
-                        issue_qk(acc_s, sK + stage * Tile::kKVBytes);
-                        wgmma_wait<0>();
-                        fence_operand(acc_s);
-                        mask(acc_s, n_block);
-                        max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                        softmax.add_sums(sums);
                     }
                     release_kv(bar_k_empty(stage));
-                } else {
-                    max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                 }
                 // Pin the softmax before the wait: the fences consume its results and the
                 // scheduling barrier keeps ptxas from hoisting the wait above them.
@@ -679,7 +742,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 scheduling_barrier(p.seqlen_k);
                 wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
                 fence_operand(acc_o);
-                if (__any_sync(0xffffffff, max_changed)) rescale_o(rescale);   // this warp's rows only
+                const bool warp_moved = __any_sync(0xffffffff, max_changed);
+                if (warp_moved) rescale_o(rescale);   // this warp's rows only
+                if (kKeepMax && full_step) {
+                    settled = warp_moved ? 0 : settled + 1;
+                    keep_max = settled >= settle_tiles;
+                }
                 pack_p(pa, acc_s);
                 release_kv(bar_v_empty(prev));
             }

@@ -85,16 +85,6 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Named barrier over `threads` threads that also returns whether `pred` held in any of them.
-__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool pred) {
-    u32 any;
-    asm volatile("{\n.reg .pred p, q;\n"
-                 "setp.ne.u32 p, %1, 0;\n"
-                 "bar.red.or.pred q, %2, %3, p;\n"
-                 "selp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(any) : "r"(static_cast<u32>(pred)), "r"(id), "r"(threads) : "memory");
-    return any != 0;
-}
 // Arrives at a named barrier without waiting (the other threads counted wait with bar.sync).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -1,0 +1,139 @@
+"""The Hopper forward's kept running max (kernels_cu/sm90/fwd.cu, kKeepMax) on score distributions of
+trained models (cuflash/distributions.py) against the float64 reference, with a counting build that
+shows which of its paths ran: a warp whose rows' max moved re-bases them from their probabilities, and
+one whose scores passed a settled max by more than 2^120 computes S again (GPU, compute capability 9.0)."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, assert_lse_matches, poisoned, requires_gpu
+
+pytestmark = requires_gpu
+
+COUNT_DEFINE = "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS"
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("needs compute capability 9.0 (sm_90a)")
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """Builds the forward with its fallback counters; yields a function that zeroes them and one that
+    reads (rebased, recomputed) summed over the loaded counting modules."""
+    import cupy
+    from cuflash import api, dispatch
+
+    monkeypatch.setenv("CUFLASH_NVRTC_DEFINES", COUNT_DEFINE)
+    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    api._fwd_plans.clear()
+
+    def counters():
+        for m in dispatch.loaded_modules(COUNT_DEFINE):
+            ptr = m.get_global("cuflash_fwd_fallbacks")
+            yield cupy.ndarray((2,), dtype=cupy.uint64, memptr=ptr)
+
+    def reset():
+        for c in counters():
+            c.fill(0)
+
+    def read():
+        cupy.cuda.get_current_stream().synchronize()
+        return tuple(int(x) for x in sum((c.get() for c in counters()), np.zeros(2, np.uint64)))
+
+    yield reset, read
+    monkeypatch.delenv("CUFLASH_NVRTC_DEFINES")
+    api._fwd_plans.clear()
+
+
+def _uses_keep_max(dtype: str, d: int, causal: bool) -> bool:
+    """Whether the tuned table's kernel for these inputs has the overlap schedule (the kept max)."""
+    from cuflash import heuristics
+
+    return "overlap" in heuristics.fwd_config(dtype, d, causal, 90).family
+
+
+def _run(q, k, v, causal, scale=None):
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference, rel_err
+
+    dtype = {np.dtype(np.float16): "float16"}.get(np.dtype(q.dtype), "bfloat16")
+    out = poisoned(q.shape, dtype)
+    o, lse = cuflash.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    err = rel_err(o, ref_o)
+    assert np.isfinite(err) and err <= FWD_TOL[dtype], f"out rel err {err:.3e}"
+    b, nq, h, _ = q.shape
+    assert_lse_matches(lse, ref_lse, (b, h, nq))
+
+
+@pytest.mark.parametrize("dist", ["normal", "outlier8", "outlier12", "sharp", "sink"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_distributions(counting, dist, dtype, d, causal):
+    """Every row against float64 on each distribution (odd lengths, Nq != Nk, GQA); on the sharp ones the
+    re-base path must have run wherever the kernel keeps its max."""
+    from cuflash.bench import Shape
+    from cuflash.distributions import make_inputs
+
+    reset, read = counting
+    seed = zlib.crc32(f"{dist} {dtype} {d} {causal}".encode())
+    for nq, nk in [(1031, 1031), (333, 1400)]:
+        shape = Shape(1, 4, nq, d, dtype, causal, heads_kv=2, seqlen_k=nk)
+        q, k, v = make_inputs(shape, dist, seed=seed)
+        reset()
+        _run(q, k, v, causal)
+        rebased, recomputed = read()
+        # fp16's bound is 2^14 (bf16's 2^32: test_max_jump covers it)
+        if dist in ("outlier12", "sharp") and dtype == "float16" and _uses_keep_max(dtype, d, causal):
+            assert rebased > 0, "the re-base path never ran on sharp scores"
+
+
+@pytest.mark.parametrize("path,gap", [("rebase", 12.5), ("recompute", 40.0)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_max_jump(counting, rng, path, gap, dtype, d, causal):
+    """Scores near 0 settle every row's max over the first key tiles (visited last to first); key 0, in the
+    last one, then scores 4 * gap for every other query row: 50 (72 in log2, past both dtypes' bounds), which
+    the warps re-base from their probabilities, or 160 (230 in log2, past exp2's range), for which they
+    compute S again; the other rows keep their max. All against float64."""
+    import cupy
+    from conftest import randn
+
+    reset, read = counting
+    b, nq, nk, h = 1, 700, 900, 2
+    u = cupy.asarray(rng.standard_normal(d), dtype=cupy.float32)
+    u /= cupy.linalg.norm(u)
+    q = randn(rng, (b, nq, h, d), "float32") * 0.3
+    q[:, ::2] += 4.0 * u
+    k = randn(rng, (b, nk, h, d), "float32") * 0.1
+    k[:, 0] = gap * u
+    v = randn(rng, (b, nk, h, d), dtype)
+    q, k = q.astype(v.dtype), k.astype(v.dtype)
+    reset()
+    _run(q, k, v, causal, scale=1.0)
+    rebased, recomputed = read()
+    if _uses_keep_max(dtype, d, causal):
+        ran = rebased if path == "rebase" else recomputed
+        assert ran > 0, f"the {path} path never ran (rebased {rebased}, recomputed {recomputed})"
+
+
+def test_first_rows_without_keys(counting, rng):
+    """Causal with Nq > Nk: the first key tile leaves rows with no visible key (no max yet); the warps
+    holding them take the full step until they have one."""
+    from conftest import randn
+
+    q = randn(rng, (2, 517, 2, 128), "bfloat16")
+    k, v = (randn(rng, (2, 389, 2, 128), "bfloat16") for _ in range(2))
+    _run(q, k * 3, v, causal=True)
