@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, by phase (each fits a 10-minute call on an H100):
-#   tests : GPU tests on the default kernels, then on the portable ones (forced)
+#   tests : GPU tests on the default kernels (FA4 parked too when .fa4a is carried), then on the portable ones (forced)
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
@@ -53,7 +53,8 @@ case $phase in
       | tee "$OUT/dists.log" | tail -n 130 || status=1
     ;;
   tests)
-    T="tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
+    [ -f .fa4a/cu13part00 ] && fa4_setup
+    T="tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
     python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tee "$OUT/pytest.log" | tail -n 8 || status=1
     echo "== portable kernels forced (CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"
     CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q -p no:cacheprovider \
