@@ -94,7 +94,7 @@ def test_distributions(counting, dist, dtype, d, causal):
         reset()
         _run(q, k, v, causal)
         rebased, recomputed = read()
-        # fp16's bound is 2^14 (bf16's 2^32: test_max_jump covers it)
+        # fp16's bound is 2^14 (bf16's 2^48: test_max_jump covers it)
         if dist in ("outlier12", "sharp") and dtype == "float16" and _uses_keep_max(dtype, d, causal):
             assert rebased > 0, "the re-base path never ran on sharp scores"
 

@@ -657,9 +657,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 #define CUFLASH_SM90_FWD_KEEP_MAX 1
 #endif
             // The bound on a thread's partial row sum (so on each probability) in the kept-max state: fp16 P
-            // holds up to 2^15; bf16 P has float32's range, and 2^32 still leaves O's float32 sums 2^95 of room
+            // holds up to 2^15; bf16 P has float32's range, and 2^48 still leaves O's float32 sums 2^79 of room
             // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
-                        constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 32 : 14;
+                                    constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
             constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
             u32 pa[kPSteps][4];
             // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
