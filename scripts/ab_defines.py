@@ -80,7 +80,7 @@ def main(direction: str, variants: list[str]) -> None:
                     if t.startswith("@"):
                         name, _, value = t[1:].partition("=")
                         os.environ[name] = value
-                # "src=PATH": that tree's kernels (a define names it, so that the module cache keeps them apart).
+                # "src=PATH": that tree's kernels (a define names it: the module cache keeps them apart).
                 src = [t[4:] for t in tokens if t.startswith("src=")]
                 _use_sources(src[0] if src else None)
                 defines = [t for t in tokens if not t.startswith(("@", "src="))]

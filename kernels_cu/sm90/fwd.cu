@@ -499,11 +499,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                         ldmatrix_x2(b, k_src + (kk / 4) * kBlockN * 128 + n * 128 + ((chunk ^ (n % 8)) << 4));
                         Mma16816<Tag>::run(c, a, b[0], b[1]);
                     }
+                    // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
+                    // underflowed), it is 0 against the new max too, so S there becomes -inf (the mask's
+                    // effect, without its index arithmetic and registers). Static indices keep acc_s in registers.
 #pragma unroll
-                    for (int jj = 0; jj < kBlockN / 8; ++jj)   // static indices keep acc_s in registers
+                    for (int jj = 0; jj < kBlockN / 8; ++jj)
                         if (jj == j) {
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) acc_s[4 * jj + e] = c[e];
+                            for (int e = 0; e < 4; ++e)
+                                acc_s[4 * jj + e] = acc_s[4 * jj + e] == 0.f ? -CUFLASH_INF : c[e];
                         }
                 }
             }
@@ -669,8 +673,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // step) and halves with each new query tile (settle_tiles lives across the persistent tile loop:
             // the next tile is mostly of the same head, and sharpness is a head's). So a warp whose max keeps
             // moving runs the full step, and one whose max stands skips it.
-            bool keep_max = false;
-            int settled = 0;
+            int settled = 0;   // full steps in a row that moved no max; the kept max once it reaches settle_tiles
             settle_tiles = settle_tiles > 1 ? settle_tiles / 2 : 1;
             load_q_frags();
             {
@@ -699,12 +702,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
-                // The kept-max stage holds K for a possible recompute; the full step frees it at once.
-                if (!keep_max) release_kv(bar_k_empty(stage));
+                const bool full_step = !kKeepMax || settled < settle_tiles;
+                // The kept-max state holds K for a possible recompute; the full step frees it at once.
+                if (full_step) release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2] = {1.f, 1.f};
                 bool max_changed = false;
-                const bool full_step = !keep_max;
                 if (full_step) {
                     // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
                     max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale)
@@ -721,12 +724,10 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             // P_{i-1} V_{i-1} first: its A registers are then free for the recompute's.
                             wgmma_wait<0>();
                             fence_operand(acc_o);
-                            qk_warp(acc_s, sK + stage * Tile::kKVBytes);
-                            mask(acc_s, n_block);
+                            qk_warp(acc_s, sK + stage * Tile::kKVBytes);   // masked as the probabilities were
                             max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                             CUFLASH_FWD_COUNT(1);
                         }
-                        keep_max = false;
                         settled = 0;
                         settle_tiles = min(2 * settle_tiles, 16);
                     } else {
@@ -744,10 +745,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 fence_operand(acc_o);
                 const bool warp_moved = __any_sync(0xffffffff, max_changed);
                 if (warp_moved) rescale_o(rescale);   // this warp's rows only
-                if (kKeepMax && full_step) {
-                    settled = warp_moved ? 0 : settled + 1;
-                    keep_max = settled >= settle_tiles;
-                }
+                if (kKeepMax && full_step) settled = warp_moved ? 0 : settled + 1;
                 pack_p(pa, acc_s);
                 release_kv(bar_v_empty(prev));
             }
