@@ -92,8 +92,8 @@ def main(direction: str, variants: list[str]) -> None:
                 fp8._plans.clear()
                 times[var].append(time_cuda(run, repeats=20))
         cells = [f"{flops / statistics.median(t) / 1e9:.0f}" for t in times.values()]
-        print(f"{shape.label() + ' ' + dist:55s} " + " | ".join(f"{v or 'default'}: {c}" for v, c in zip(variants, cells)),
-              flush=True)
+        label = f"{shape.label()} {dist}"
+        print(f"{label:55s} " + " | ".join(f"{v or 'default'}: {c}" for v, c in zip(variants, cells)), flush=True)
 
 
 if __name__ == "__main__":
