@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -50,14 +51,41 @@ def main() -> int:
             k, v = (cupy.asarray(rng.standard_normal((4, 901, 4, d)).astype(np.float16)) for _ in range(2))
             for causal in (False, True):
                 cuflash.forward(q, k, v, causal=causal, return_lse=True)
-    if "fwd" in which:  # scores that grow along the key loop: the Hopper forward's kept-max path falls back
-        for d in (64, 128, 256):   # (S computed again while P V runs; kernels_cu/sm90/fwd.cu, kKeepMax)
+    if "fwd" in which:  # scores that grow along the key loop: the Hopper forward's kept max moves
+        for d in (64, 128, 256):   # (kernels_cu/sm90/fwd.cu, kKeepMax)
             q = cupy.asarray(rng.standard_normal((1, 200, 2, d)).astype(np.float16))
             ramp = np.linspace(5.0, 1.0, 333, dtype=np.float32).reshape(1, 333, 1, 1)
             k = cupy.asarray((rng.standard_normal((1, 333, 2, d)) * ramp).astype(np.float16))
             v = cupy.asarray(rng.standard_normal((1, 333, 2, d)).astype(np.float16))
             for causal in (False, True):
                 cuflash.forward(q, k, v, causal=causal, softmax_scale=8.0, return_lse=True)
+    if "fwd" in which:  # a settled max, then a jump: the warps re-base (gap 12.5) or compute S again (40)
+        for d in (64, 128, 256):
+            for gap in (12.5, 40.0):
+                u = rng.standard_normal(d).astype(np.float32)
+                u /= np.linalg.norm(u)
+                qh = rng.standard_normal((1, 300, 2, d)).astype(np.float32) * 0.3
+                qh[:, ::2] += 4.0 * u
+                kh = rng.standard_normal((1, 400, 2, d)).astype(np.float32) * 0.1
+                kh[:, 0] = gap * u
+                q, k = cupy.asarray(qh.astype(np.float16)), cupy.asarray(kh.astype(np.float16))
+                v = cupy.asarray(rng.standard_normal((1, 400, 2, d)).astype(np.float16))
+                for causal in (False, True):
+                    cuflash.forward(q, k, v, causal=causal, softmax_scale=1.0, return_lse=True)
+    if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:
+        # the cluster kernels (K / V multicast; their stages are released by every warp)
+        from cuflash import api
+        from cuflash.bench import Shape
+        from cuflash.distributions import make_inputs
+
+        for backend in ("sm90_overlap_x2", "sm90_overlap_x2_p"):
+            os.environ["CUFLASH_FWD_BACKEND"] = backend
+            api._fwd_plans.clear()
+            for d in (128, 256):
+                q, k, v = make_inputs(Shape(1, 2, 300, d, "bfloat16", False, seqlen_k=333), "outlier12", seed=1)
+                cuflash.forward(q, k, v, return_lse=True)
+        os.environ.pop("CUFLASH_FWD_BACKEND")
+        api._fwd_plans.clear()
     if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:  # fp8 forward and its helpers
         for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 48, False),
                                                 (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False),

@@ -721,9 +721,6 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
                             CUFLASH_FWD_COUNT(0);
                         } else {
-                            // P_{i-1} V_{i-1} first: its A registers are then free for the recompute's.
-                            wgmma_wait<0>();
-                            fence_operand(acc_o);
                             qk_warp(acc_s, sK + stage * Tile::kKVBytes);   // masked as the probabilities were
                             max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                             CUFLASH_FWD_COUNT(1);
@@ -792,8 +789,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         if constexpr (kStageO) {
             if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
                 char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
-                // The warp's ldmatrix of these Q rows (kQInRegs) read what other lanes now overwrite.
-                if constexpr (kQInRegs) __syncwarp();
+                // The warp's ldmatrix of these Q rows (kQInRegs, or the kept max's recompute) read what other
+                // lanes now overwrite.
+                __syncwarp();
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = warp * 16 + g + 8 * h;
