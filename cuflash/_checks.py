@@ -134,6 +134,16 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return s
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean option (causal, return_lse, deterministic): bool or numpy.bool_. A string such as
+    "false" would otherwise read as True, and a call cache keyed on the flag must not take it."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__module__}.{type(value).__name__}")
+
+
 def check_out(name: str, out, shape: tuple, dtype, device_id: int) -> None:
     """A caller-supplied output buffer of exactly this shape, dtype and device."""
     check_array(name, out, ndim=len(shape))

@@ -49,8 +49,12 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             if launched:
                 return (out, lse) if return_lse else out
             # Allocated at other addresses than the recorded ones: the checked path, on these arrays.
+    # Every check runs before the device is touched (fwd_key declines when there is no usable device),
+    # so a machine without a GPU reports a bad argument as one with a GPU does.
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     dev = q.data.device_id
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
@@ -178,11 +182,15 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
     """
     b, nq, nk, hq, hkv, d = fp8.check_fp8_qkv(q, k, v)
     scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
     dev = q.device.id
-    descales = tuple(fp8.descale_array(name, x, dev) for name, x in
-                     (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)))
+    named = (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v))
+    for name, x in named:   # all of them before a float descale goes to the device
+        fp8.check_descale(name, x, dev)
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, _checks.BFLOAT16, dev)
+    descales = tuple(fp8.descale_array(name, x, dev) for name, x in named)
     return _run_forward(lambda o, lse: fp8.launch_forward(q, k, v, o, lse, descales, causal=bool(causal),
                                                          scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev),
                         out, q.shape, _checks.BFLOAT16, (b, hq, nq), nk, return_lse, dev)
@@ -226,6 +234,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     dev = q.data.device_id
     _checks.check_lse_cached(lse, (b, hq, nq), dev)
     scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
     for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is not None:
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
@@ -351,5 +361,6 @@ def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)``.
     The pullback keeps q, k, v, out and the log-sum-exp alive until it is dropped.
     """
+    deterministic = _checks.check_flag("deterministic", deterministic)   # before the forward runs
     out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, bool(deterministic))
+    return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, deterministic)

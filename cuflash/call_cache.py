@@ -27,21 +27,23 @@ else:  # pragma: no cover
 # imported lazily): the key is built on every call, and a module lookup or an import statement there
 # costs as much as a field.
 _ndarray = _current_stream = _current_device = _empty = None
+_CudaError: type = Exception   # CuPy's CUDARuntimeError once bound
 
 
 def _bind_cupy():
-    global _ndarray, _current_stream, _current_device, _empty
+    global _ndarray, _current_stream, _current_device, _empty, _CudaError
     import cupy
     from cupy.cuda import get_current_stream, runtime
 
     _current_stream, _current_device, _empty = get_current_stream, runtime.getDevice, cupy.empty
+    _CudaError = runtime.CUDARuntimeError
     _ndarray = cupy.ndarray
     return _ndarray
 
 
 def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
     """The key of a forward call, or None for a call the cache does not take (arrays that are not plain
-    CuPy arrays, a scale that is not a float or int).
+    CuPy arrays, a scale that is not a float or int, flags that are not bools, no usable device).
 
     It holds everything the checks, the plan and the launch read: each array's address, shape, strides
     and dtype (the address fixes the device), the options, the current stream and device, and
@@ -53,15 +55,23 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
         return None
     if softmax_scale is not None and type(softmax_scale) not in (float, int):
         return None
+    if type(causal) is not bool or type(return_lse) is not bool:
+        return None   # the checked path accepts numpy.bool_ and rejects the rest
     if out is None:
         out_sig = None
     elif type(out) is nd:
         out_sig = (out.data.ptr, out.shape, out.strides, out.dtype)
     else:
         return None
+    try:
+        stream, device = _current_stream().ptr, _current_device()
+    except _CudaError:
+        # No usable driver or GPU: the checked path reports a bad argument as it would on a GPU, and
+        # only then the device (a try costs nothing on the way through).
+        return None
     return (q.data.ptr, q.shape, q.strides, q.dtype, k.data.ptr, k.shape, k.strides, k.dtype,
-            v.data.ptr, v.shape, v.strides, v.dtype, out_sig, bool(causal), softmax_scale, bool(return_lse),
-            _current_stream().ptr, _current_device(), _backend_setting())
+            v.data.ptr, v.shape, v.strides, v.dtype, out_sig, causal, softmax_scale, return_lse,
+            stream, device, _backend_setting())
 
 
 # Positions in fwd_key's tuple.

@@ -63,9 +63,9 @@ def check_fp8_qkv(q, k, v):
     return b, nq, nk, hq, hkv, d
 
 
-def descale_array(name: str, x, device_id: int):
-    """A descale as a float32 device scalar: a positive finite float, or a float32 CuPy array of one
-    element on the device (as returned by quantize_fp8; read by the kernel, no host sync)."""
+def check_descale(name: str, x, device_id: int) -> None:
+    """A descale is a positive finite float or a float32 CuPy array of one element on ``device_id``
+    (reads metadata only: no device access)."""
     cupy = _checks._cupy()
     if isinstance(x, cupy.ndarray):
         if x.dtype != np.float32 or x.size != 1:
@@ -73,13 +73,22 @@ def descale_array(name: str, x, device_id: int):
                             f"{x.dtype} of shape {tuple(x.shape)}")
         if x.device.id != device_id:
             raise ValueError(f"{name} is on device {x.device.id} but q is on device {device_id}")
-        return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+        return
     if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a positive float or a float32 cupy array of one element, "
                         f"got {type(x).__name__}")
-    value = float(x)
-    if not (np.isfinite(value) and value > 0):
+    if not (np.isfinite(float(x)) and float(x) > 0):
         raise ValueError(f"{name} must be positive and finite, got {x}")
+
+
+def descale_array(name: str, x, device_id: int):
+    """A descale as a float32 device scalar: a positive finite float, or a float32 CuPy array of one
+    element on the device (as returned by quantize_fp8; read by the kernel, no host sync)."""
+    cupy = _checks._cupy()
+    check_descale(name, x, device_id)
+    if isinstance(x, cupy.ndarray):
+        return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+    value = float(x)
     # One device scalar per (value, device), reused: no allocation and fill per call for a fixed scale.
     key = (value, device_id)
     found = _float_descales.get(key)

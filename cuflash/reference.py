@@ -12,10 +12,43 @@ import math
 import numpy as np
 
 
-def _as_f64(x) -> np.ndarray:
-    if hasattr(x, "get"):  # a CuPy array
+def _as_f64(x, name: str = "x") -> np.ndarray:
+    """``x`` (NumPy, CuPy or array-like of real numbers) as a float64 NumPy array; TypeError naming
+    the argument otherwise."""
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be an array of real numbers, got {type(x).__name__}")
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):  # a CuPy array
         x = x.get()
-    return np.asarray(x).astype(np.float64)
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:   # ragged nested lists and the like
+        raise TypeError(f"{name} must be an array of real numbers: {e}") from None
+    # Complex, objects, strings, dates and records are refused (ml_dtypes' bfloat16 / fp8 are kind 'V'
+    # without fields, and convert).
+    if a.dtype.kind in "cOSUMm" or a.dtype.fields is not None:
+        raise TypeError(f"{name} must hold real numbers, got dtype {a.dtype}")
+    try:
+        return a.astype(np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must hold real numbers, got dtype {a.dtype}: {e}") from None
+
+
+def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """The layout the kernels take: q (B, Nq, Hq, D), k and v (B, Nk, Hkv, D), Hq % Hkv == 0.
+    Reuses the kernels' shape checks, so the messages are the same."""
+    from ._checks import check_qkv_shapes
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
+                             f"got shape {tuple(x.shape)}")
+    return check_qkv_shapes(q, k, v)
+
+
+def _options(causal, softmax_scale, head_dim: int) -> tuple[bool, float]:
+    from ._checks import check_flag, check_scale
+
+    return check_flag("causal", causal), check_scale(softmax_scale, head_dim)
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
@@ -44,10 +77,9 @@ def _probs(q, k, mask, scale):
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
     """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> out (B, Nq, Hq, D), lse (B, Hq, Nq)."""
-    q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
-    b, nq, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
+    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
+    causal, scale = _options(causal, softmax_scale, d)
     group = hq // hkv
     mask = visible_mask(nq, nk, causal)
     out = np.zeros((b, nq, hq, d))
@@ -61,10 +93,11 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
 
 def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
     """Float64 gradients (dq, dk, dv) of attention, shaped like q, k, v; GQA heads summed."""
-    dout, q, k, v = _as_f64(dout), _as_f64(q), _as_f64(k), _as_f64(v)
-    b, nq, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
+    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    causal, scale = _options(causal, softmax_scale, d)
     group = hq // hkv
     mask = visible_mask(nq, nk, causal)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)

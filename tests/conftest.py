@@ -69,3 +69,42 @@ def assert_lse_matches(lse, ref_lse, shape) -> None:
     if fin.any():
         lse_err = np.abs(lse_h[fin] - ref_lse[fin]).max()
         assert lse_err <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max()), f"lse abs err {lse_err:.3e}"
+
+
+# A fake device address: 256-byte aligned, far from anything real. Arrays over it are never read.
+_FAKE_PTR = 1 << 40
+
+
+def fake_cupy_array(shape, dtype=np.float16, *, strides=None, offset: int = 0, device_id: int = 0):
+    """A real ``cupy.ndarray`` over memory that is never allocated or read: CuPy builds it from the
+    metadata alone, without a driver, so the argument checks (which read only shape, dtype, strides,
+    the address and the device id) run on a CPU-only machine. Never pass one to a call that would
+    launch a kernel: the tests that use it give at least one bad argument."""
+    import cupy
+
+    nbytes = 1 << 30
+    mem = cupy.cuda.UnownedMemory(_FAKE_PTR, nbytes, None, device_id=device_id)
+    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, offset), strides=strides)
+
+
+@pytest.fixture
+def device_forbidden(monkeypatch):
+    """The state of a machine without a usable GPU, on any machine: the call cache's stream lookup
+    fails as CuPy's does there, and whatever would allocate or launch raises, so a test passes only if
+    the argument checks raise first."""
+    import cupy
+    from cupy.cuda.runtime import CUDARuntimeError
+
+    from cuflash import api, call_cache
+
+    def no_driver(*args, **kwargs):
+        raise CUDARuntimeError(35)   # cudaErrorInsufficientDriver
+
+    def touched(*args, **kwargs):
+        raise AssertionError("the device was touched before the argument checks raised")
+
+    call_cache._ndarray or call_cache._bind_cupy()
+    monkeypatch.setattr(call_cache, "_current_stream", no_driver)
+    monkeypatch.setattr(api, "_run_forward", touched)
+    for name in ("empty", "zeros", "full", "ascontiguousarray"):
+        monkeypatch.setattr(cupy, name, touched)

@@ -151,3 +151,22 @@ def test_bad_arguments_after_a_recorded_call(rng):
         cuflash.forward(q, k, v, out=out, softmax_scale=-0.1)
     with pytest.raises(TypeError, match="softmax_scale"):
         cuflash.forward(q, k, v, out=out, softmax_scale=True)
+
+
+def test_key_declines_flags_that_are_not_bools():
+    """A call cached with causal=True must not be replayed for causal="yes": the checked path rejects it (CPU)."""
+    from cuflash import call_cache
+    from conftest import fake_cupy_array
+
+    x = fake_cupy_array((1, 2, 1, 8))
+    assert call_cache.fwd_key(x, x, x, None, "yes", None, False) is None
+    assert call_cache.fwd_key(x, x, x, None, True, None, np.bool_(False)) is None
+
+
+def test_key_declines_without_a_device(device_forbidden):
+    """No usable driver or GPU: no key, so the argument checks run and report first (CPU)."""
+    from cuflash import call_cache
+    from conftest import fake_cupy_array
+
+    x = fake_cupy_array((1, 2, 1, 8))
+    assert call_cache.fwd_key(x, x, x, None, False, None, False) is None

@@ -86,3 +86,39 @@ def test_rel_err_rejects_nan():
     ref = np.ones(4)
     assert rel_err(np.array([1.0, np.nan, 1.0, 1.0]), ref) == math.inf
     assert rel_err(ref, ref) == 0.0
+
+
+# ---- argument checks (the same messages as the kernels' where they share a rule) ----
+
+def _ones(shape=(1, 3, 2, 8)):
+    return np.ones(shape, np.float32)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    ({"q": None}, TypeError, "q must be an array of real numbers"),
+    ({"k": "abc"}, TypeError, "k must be an array of real numbers"),
+    ({"v": _ones().astype(complex)}, TypeError, "v must hold real numbers"),
+    ({"q": _ones((3, 2, 8))}, ValueError, "q must have 4 dimensions"),
+    ({"v": _ones((1, 4, 2, 8))}, ValueError, "k and v must have the same shape"),
+    ({"k": _ones((2, 3, 2, 8)), "v": _ones((2, 3, 2, 8))}, ValueError, "batch size"),
+    ({"k": _ones((1, 3, 2, 4)), "v": _ones((1, 3, 2, 4))}, ValueError, "head_dim"),
+    ({"q": _ones((1, 3, 3, 8))}, ValueError, "multiple of heads_kv"),
+    ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    ({"softmax_scale": "1"}, TypeError, "softmax_scale"),
+    ({"causal": "no"}, TypeError, "causal must be a bool"),
+])
+@pytest.mark.parametrize("fn", ["forward", "backward"])
+def test_reference_argument_checks(change, exc, match, fn):
+    args = {"q": _ones(), "k": _ones(), "v": _ones(), **change}
+    with pytest.raises(exc, match=match):
+        if fn == "forward":
+            attention_reference(**args)
+        else:
+            attention_reference_backward(_ones(), **args)   # the layout is checked before dout
+
+
+def test_reference_backward_dout_shape():
+    with pytest.raises(ValueError, match="dout must have the shape of q"):
+        attention_reference_backward(_ones((1, 4, 2, 8)), _ones(), _ones(), _ones())
+    with pytest.raises(TypeError, match="dout must be an array of real numbers"):
+        attention_reference_backward(None, _ones(), _ones(), _ones())
