@@ -286,6 +286,18 @@ def table_shapes(args: argparse.Namespace) -> list:
     return list(DIST_SHAPES if args.dists is not None else STANDARD_SHAPES)
 
 
+def device_ready(stderr=None) -> bool:
+    """True when the kernels can run here; else says on stderr which problem it is (no driver, no GPU,
+    an old driver or GPU), what to do, and what works without a GPU."""
+    from .device_check import diagnose
+
+    problem = diagnose()
+    if problem is None:
+        return True
+    print(f"{problem.message()}\n(cuflash {__version__})", file=stderr or sys.stderr)
+    return False
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
@@ -297,12 +309,10 @@ def main(argv=None) -> int:
     from . import dispatch, heuristics
     from .bench import FA4_PATH_ENV, FP8_SHAPES, fa4_fn, fa4_status
 
-    try:
-        dev = cupy.cuda.Device()
-        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    except cupy.cuda.runtime.CUDARuntimeError as e:
-        print(f"cuflash {__version__}: no usable CUDA device ({e})")
+    if not device_ready():
         return 1
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     cc, smem = dispatch.device_info(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"cuflash {__version__} | {name} (sm_{cc}, {props['multiProcessorCount']} SMs) | "

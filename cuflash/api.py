@@ -13,7 +13,7 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, call_cache, fp8, heuristics, launch, params, sm90
+from . import _checks, call_cache, device_check, fp8, heuristics, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -74,18 +74,22 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
     no keys: zeros and lse -inf, no kernel) and calls ``launch_fn(out, lse)`` otherwise."""
     import cupy
 
-    with cupy.cuda.Device(device_id):
-        if out is None:
-            out = cupy.empty(shape, dtype=dtype)
-        if return_lse and lse is None:
-            lse = cupy.empty(lse_shape, dtype=np.float32)
-        if out.size:
-            if seqlen_k == 0:
-                out.fill(0)
-                if lse is not None:
-                    lse.fill(-np.inf)
-            else:
-                launch_fn(out, lse)
+    try:
+        with cupy.cuda.Device(device_id):
+            if out is None:
+                out = cupy.empty(shape, dtype=dtype)
+            if return_lse and lse is None:
+                lse = cupy.empty(lse_shape, dtype=np.float32)
+            if out.size:
+                if seqlen_k == 0:
+                    out.fill(0)
+                    if lse is not None:
+                        lse.fill(-np.inf)
+                else:
+                    launch_fn(out, lse)
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
     return (out, lse) if return_lse else out
 
 
@@ -150,7 +154,11 @@ def quantize_fp8(x: ndarray) -> Tuple[ndarray, ndarray]:
         array of shape ``(1,)`` on the device, ``max|x| / 448`` (1 when ``x`` is all zeros), so that
         ``x ~= x8 * descale``. No host synchronisation.
     """
-    return fp8.quantize(x)
+    try:
+        return fp8.quantize(x)
+    except RuntimeError as e:
+        device_check.reraise_explained(e)
+        raise
 
 
 def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, float],
@@ -190,7 +198,11 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
         fp8.check_descale(name, x, dev)
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, _checks.BFLOAT16, dev)
-    descales = tuple(fp8.descale_array(name, x, dev) for name, x in named)
+    try:
+        descales = tuple(fp8.descale_array(name, x, dev) for name, x in named)
+    except RuntimeError as e:
+        device_check.reraise_explained(e)
+        raise
     return _run_forward(lambda o, lse: fp8.launch_forward(q, k, v, o, lse, descales, causal=bool(causal),
                                                          scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev),
                         out, q.shape, _checks.BFLOAT16, (b, hq, nq), nk, return_lse, dev)
@@ -226,8 +238,6 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``. With GQA/MQA, dk and dv of a
         KV head are the sums over the query heads that share it.
     """
-    import cupy
-
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     _checks.check_like_cached("dout", dout, "q", q)
     _checks.check_like_cached("out", out, "q", q)
@@ -239,6 +249,20 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is not None:
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
+    try:
+        return _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
+                                   (b, nq, nk, hq, hkv, d), dev)
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
+
+
+def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,
+                        dims, dev: int):
+    """The backward after its checks: allocates what the caller did not give and launches."""
+    import cupy
+
+    b, nq, nk, hq, hkv, d = dims
     with cupy.cuda.Device(dev):
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
@@ -252,8 +276,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             return dq, dk, dv
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
-        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=bool(causal), scale=scale,
-                    deterministic=bool(deterministic), dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
+                    deterministic=deterministic, dims=dims, device_id=dev)
     return dq, dk, dv
 
 
