@@ -1,6 +1,7 @@
 """CPU-only: a built wheel carries the CUDA sources and finds them once installed."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -9,12 +10,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_ONLY = {"sm90/test_gemm.cu"}   # kernels_cu sources that only the tests compile
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)]
+    # From a copy without build outputs: setuptools reuses ./build/lib, where a file since removed or
+    # excluded would linger and reach the wheel.
+    src = tmp_path_factory.mktemp("src") / "cuflash"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)]
     # Offline first (the build backend is usually installed); else let pip fetch it.
     if subprocess.run(cmd[:5] + ["--no-build-isolation"] + cmd[5:]).returncode != 0:
         subprocess.run(cmd, check=True)
@@ -25,9 +32,25 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_contains_every_kernel_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = sorted(p.relative_to(ROOT / "kernels_cu") for p in (ROOT / "kernels_cu").rglob("*.cu*"))
+    sources = [s for s in sources if s.as_posix() not in TEST_ONLY]
     assert sources
     missing = [str(s) for s in sources if f"cuflash/kernels_cu/{s.as_posix()}" not in names]
     assert not missing, f"kernel sources missing from the wheel: {missing}"
+
+
+def test_wheel_holds_only_the_library(wheel):
+    """No test-only kernels, tests, scripts or benchmarks; the license is in the metadata."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "tools", "benchmarks", "docs")]
+    assert not [n for n in names if n.removeprefix("cuflash/kernels_cu/") in TEST_ONLY]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+
+
+def test_one_version(wheel):
+    """The wheel's version is cuflash.__version__ (pyproject reads it from there)."""
+    import cuflash
+
+    assert wheel.name.startswith(f"cuflash-{cuflash.__version__}-")
 
 
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):

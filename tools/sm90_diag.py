@@ -1,12 +1,13 @@
 """GPU diagnostics of the sm90 primitives: saves each GEMM tile and its reference to
 $OUT/sm90_diag.npz (for layout debugging off the device) and prints the errors."""
 import os
+from pathlib import Path
 
 import cupy
 import numpy as np
 
 from cuflash import tma
-from cuflash.compile import load_source
+from cuflash.compile import _inline   # test_gemm.cu is test-only: read from the checkout, not the wheel
 
 
 def main():
@@ -17,7 +18,7 @@ def main():
         nm = f"gemm_{kind}_kernel<bf16_tag, {n}, {k}>"
         names.append(nm)
         cases.append((kind, n, k, nm))
-    mod = cupy.RawModule(code=load_source("sm90/test_gemm.cu"), options=("-arch=sm_90a", "-std=c++17"),
+    mod = cupy.RawModule(code=_inline(Path(__file__).resolve().parents[1] / "kernels_cu" / "sm90" / "test_gemm.cu", set()), options=("-arch=sm_90a", "-std=c++17"),
                          name_expressions=names)
     for kind, n, k, nm in cases:
         kern = mod.get_function(nm)
