@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -108,3 +109,18 @@ def device_forbidden(monkeypatch):
     monkeypatch.setattr(api, "_run_forward", touched)
     for name in ("empty", "zeros", "full", "ascontiguousarray"):
         monkeypatch.setattr(cupy, name, touched)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Each skip reason once, with its count: on a machine without a GPU over a thousand tests skip
+    for the same reason, which pytest's -rs lists once per test function."""
+    reports = terminalreporter.stats.get("skipped", [])
+    reasons = Counter()
+    for rep in reports:
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skip reasons", sep="-")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d} skipped: {reason}")
