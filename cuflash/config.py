@@ -46,6 +46,11 @@ FAMILIES: dict[str, Family] = {
                               ("num_warps",)),
     "fp8_amax": Family("fp8_amax", "aux/fp8.cu", "fp8_amax_kernel", 89, False, ("tag", "num_warps")),
     "fp8_quantize": Family("fp8_quantize", "aux/fp8.cu", "fp8_quantize_kernel", 89, False, ("tag", "num_warps")),
+    # Ring attention (cuflash/distributed): merging the steps' partial results in float32 (tag: the inputs').
+    "ring_merge": Family("ring_merge", "aux/ring.cu", "ring_merge_kernel", 80, False, ("tag", "num_warps")),
+    "ring_accumulate": Family("ring_accumulate", "aux/ring.cu", "ring_accumulate_kernel", 80, False,
+                             ("tag", "num_warps")),
+    "ring_convert": Family("ring_convert", "aux/ring.cu", "ring_convert_kernel", 80, False, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
                              ("tag", "num_warps")),

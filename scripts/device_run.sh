@@ -4,6 +4,8 @@
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
+#   ring [ARGS...] : ring attention (cuflash.distributed): local-ring tests on GPU 0; with 2+ GPUs the NCCL check
+#              at N=32k for each ring size and the N=128k speed-up (ARGS to python -m cuflash.distributed.bench)
 #   fa4setup : install FlashAttention-4 into /tmp/fa4site from the wheels of ../shared/tools/fa4_wheels.sh
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
@@ -38,6 +40,7 @@ fa4_env() {  # the DSL's own cutlass package must come before the site itself
 case $phase in
   fa4setup) ;;  # nothing of cuflash's to compile
   fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
+  ring) python3 scripts/precompile.py fwd bwd ring | tail -1 ;;
   *) python3 scripts/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -74,6 +77,22 @@ case $phase in
   fp8)
     python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1
     python3 scripts/bench_fp8.py "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
+    ;;
+  ring)
+    # ring attention: every rank in one process on GPU 0 (tests), then on 2+ GPUs the NCCL ring against one
+    # GPU and float64 at N=32k (check) and the speed-up at N=128k (bench; extra ARGS go to it)
+    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_distributed.py 2>&1 \
+      | tee "$OUT/pytest-ring.log" | tail -n 12 || status=1
+    gpus=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
+    worlds=""
+    for w in 2 4 8; do [ "$gpus" -ge $w ] && worlds="$worlds${worlds:+,}$w"; done
+    if [ -n "$worlds" ]; then
+      for w in ${worlds//,/ }; do
+        python3 -m cuflash.distributed.check --gpus "$w" 2>&1 | tee -a "$OUT/ring-check.md" || status=1
+      done
+      python3 -m cuflash.distributed.bench --gpus "$worlds" --json "$OUT/ring-bench.json" "$@" 2>&1 \
+        | tee "$OUT/ring-bench.md" || status=1
+    fi
     ;;
   bench)
     fa4_env  # the fa4 column, where fa4setup has run on this machine

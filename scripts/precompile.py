@@ -1,5 +1,5 @@
 """Fill CuPy's on-disk kernel cache with many processes, so that a test run finds every
-kernel compiled: python scripts/precompile.py [bwd] [fwd] [fp8] [small] [-j N]."""
+kernel compiled: python scripts/precompile.py [bwd] [fwd] [fp8] [small] [ring] [-j N]."""
 from __future__ import annotations
 
 import multiprocessing
@@ -27,6 +27,10 @@ def configs(which, cc: int):
         from cuflash import fp8
 
         out += heuristics.all_fp8_fwd_configs() + fp8.aux_configs()
+    if "ring" in which:  # the ring attention's merge helpers
+        from cuflash.distributed import partials
+
+        out += partials.configs()
     if "fwdall" in which and cc == 90:  # every forced sm90 schedule (tests/test_fwd_sm90.py)
         for b in heuristics.SM90_FWD_BACKENDS:
             out += heuristics.all_sm90_fwd_configs(b)

@@ -1,0 +1,133 @@
+"""Public API of ring attention: one process per GPU (``ring_forward`` / ``ring_backward`` with an
+:class:`NcclRing`), or every rank in one process (``local_ring_forward`` / ``local_ring_backward``).
+
+Each rank holds its zig-zag shard (plan.py) of q, k, v: ``(batch, local_seqlen, heads, head_dim)`` with
+``local_seqlen = seqlen / world``, the same on every rank. The results are the rank's shard of what
+:func:`cuflash.forward` / :func:`cuflash.backward` give on the whole sequence.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+from .. import _checks, api as single
+from . import ring
+from .transport import NcclRing, run_local
+
+
+def _check_local(q, k, v, causal, softmax_scale):
+    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, single.HEAD_DIMS)
+    causal = _checks.check_flag("causal", causal)
+    scale = _checks.check_scale(softmax_scale, d)
+    if nq != nk:
+        raise ValueError(f"q and k must hold the same rows of the sequence (local seqlen {nq} and {nk})")
+    if causal and nq % 2:
+        raise ValueError(f"a causal ring needs an even local seqlen (two zig-zag chunks), got {nq}")
+    if nq == 0:
+        raise ValueError("the local seqlen must be >= 1")
+    return causal, scale
+
+
+def _check_group(group, q) -> None:
+    if not isinstance(group, NcclRing):
+        raise TypeError(f"group must be a cuflash.distributed.NcclRing, got {type(group).__name__}")
+    if q.data.device_id != group.device_id:
+        raise ValueError(f"q is on device {q.data.device_id} but the group's communicator is on device "
+                         f"{group.device_id}")
+
+
+def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                 return_lse: bool = False):
+    """Attention of this rank's queries against the whole sequence, the keys and values passed around
+    the ring with NCCL while each step computes.
+
+    Args:
+        q: ``(batch, local_seqlen, heads_q, head_dim)``, this rank's zig-zag shard
+            (:func:`zigzag_shard`); float16, bfloat16 or float32, on the group's device.
+        k, v: ``(batch, local_seqlen, heads_kv, head_dim)``, the same rows of the keys and values.
+        group: this rank's :class:`NcclRing`; every rank of it calls with the same shapes and options.
+        causal: the causal mask over global positions (the zig-zag split balances its work).
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        return_lse: also return the log-sum-exp, float32 ``(batch, heads_q, local_seqlen)`` (the
+            backward needs it).
+
+    Returns:
+        ``out`` shaped like q, or ``(out, lse)``.
+    """
+    causal, scale = _check_local(q, k, v, causal, softmax_scale)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    _check_group(group, q)
+    out, lse = group.run(ring.forward_schedule(q, k, v, group.rank, group.world, causal=causal,
+                                               softmax_scale=scale))
+    return (out, lse) if return_lse else out
+
+
+def ring_backward(dout, q, k, v, out, lse, group: NcclRing, *, causal: bool = False,
+                  softmax_scale: Optional[float] = None, deterministic: bool = False):
+    """Gradients of :func:`ring_forward` for this rank's shard: ``(dq, dk, dv)`` shaped like q, k, v.
+
+    The dK / dV sums travel the ring one step behind the keys and reach their owner after the last
+    step. ``out`` and ``lse`` are this rank's results of :func:`ring_forward`; ``deterministic`` makes
+    every kernel's sums bitwise reproducible (the ring adds the parts in a fixed order anyway).
+    """
+    causal, scale = _check_local(q, k, v, causal, softmax_scale)
+    _checks.check_like_cached("dout", dout, "q", q)
+    _checks.check_like_cached("out", out, "q", q)
+    _checks.check_lse_cached(lse, (q.shape[0], q.shape[2], q.shape[1]), q.data.device_id)
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    _check_group(group, q)
+    return group.run(ring.backward_schedule(dout, q, k, v, out, lse, group.rank, group.world, causal=causal,
+                                            softmax_scale=scale, deterministic=deterministic))
+
+
+def _check_shards(name: str, shards, world: Optional[int]) -> int:
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise TypeError(f"{name} must be a list with one array per rank, got {type(shards).__name__}")
+    if world is not None and len(shards) != world:
+        raise ValueError(f"{name} must hold {world} shards (one per rank), got {len(shards)}")
+    return len(shards)
+
+
+def local_ring_forward(q: Sequence, k: Sequence, v: Sequence, *, causal: bool = False,
+                       softmax_scale: Optional[float] = None,
+                       return_lse: bool = False) -> Union[List, Tuple[List, List]]:
+    """The ring forward of every rank in this process, on the current GPU, the sends as device copies:
+    checks a sharding (and the ring) without several GPUs. ``q``, ``k``, ``v``: lists of the ranks'
+    shards, as :func:`ring_forward` takes them. Returns the list of outputs (and of lses)."""
+    world = _check_shards("q", q, None)
+    _check_shards("k", k, world)
+    _check_shards("v", v, world)
+    checked = [_check_local(q[r], k[r], v[r], causal, softmax_scale) for r in range(world)]
+    causal, scale = checked[0]
+    for r in range(1, world):
+        if q[r].shape != q[0].shape or k[r].shape != k[0].shape:
+            raise ValueError(f"every rank's shard must have the same shape: rank 0 q {tuple(q[0].shape)} "
+                             f"k {tuple(k[0].shape)}, rank {r} q {tuple(q[r].shape)} k {tuple(k[r].shape)}")
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    results = run_local([ring.forward_schedule(q[r], k[r], v[r], r, world, causal=causal, softmax_scale=scale)
+                         for r in range(world)])
+    outs, lses = [o for o, _ in results], [l_ for _, l_ in results]
+    return (outs, lses) if return_lse else outs
+
+
+def local_ring_backward(dout: Sequence, q: Sequence, k: Sequence, v: Sequence, out: Sequence, lse: Sequence, *,
+                        causal: bool = False, softmax_scale: Optional[float] = None,
+                        deterministic: bool = False) -> Tuple[List, List, List]:
+    """The ring backward of every rank in this process (see :func:`local_ring_forward`). Returns the
+    lists of dq, dk and dv shards."""
+    world = _check_shards("q", q, None)
+    for name, x in (("dout", dout), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        _check_shards(name, x, world)
+    causal, scale = _check_local(q[0], k[0], v[0], causal, softmax_scale)
+    for r in range(world):
+        _check_local(q[r], k[r], v[r], causal, softmax_scale)
+        if q[r].shape != q[0].shape or k[r].shape != k[0].shape:
+            raise ValueError(f"every rank's shard must have the same shape: rank 0 q {tuple(q[0].shape)} "
+                             f"k {tuple(k[0].shape)}, rank {r} q {tuple(q[r].shape)} k {tuple(k[r].shape)}")
+        _checks.check_like_cached("dout", dout[r], "q", q[r])
+        _checks.check_like_cached("out", out[r], "q", q[r])
+        _checks.check_lse_cached(lse[r], (q[r].shape[0], q[r].shape[2], q[r].shape[1]), q[r].data.device_id)
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    results = run_local([ring.backward_schedule(dout[r], q[r], k[r], v[r], out[r], lse[r], r, world, causal=causal,
+                                                softmax_scale=scale, deterministic=deterministic)
+                         for r in range(world)])
+    return [x[0] for x in results], [x[1] for x in results], [x[2] for x in results]

@@ -1,0 +1,132 @@
+"""The ring schedules of one rank: forward and backward as generators over the steps (transport.py runs them).
+
+Forward, step ``s``: the keys and values of rank ``(rank - s) % world`` are here; the next ones travel
+in while this step's kernels run; the step's output and log-sum-exp are merged into float32 sums through
+the log-sum-exps (plan.py says which rows meet which).
+
+Backward, step ``s``: with the final output and log-sum-exp, each step's gradients are exact parts of the
+whole: dQ parts are summed here, and the dK / dV sums of the visiting keys travel with them, one rank
+behind, each rank adding its part, until they reach their owner after the last step.
+"""
+from __future__ import annotations
+
+from .. import api
+from . import partials
+from .plan import step_block
+from .transport import Exchange, Wait
+
+
+# Tests set this to fill every buffer the schedules allocate with NaN, so that a part left unwritten shows.
+_POISON_BUFFERS = False
+
+
+def _empty(shape, dtype):
+    import cupy
+    import numpy as np
+
+    x = cupy.empty(shape, dtype=dtype)
+    if _POISON_BUFFERS:
+        x.fill(np.nan)
+    return x
+
+
+def _contiguous(x):
+    import cupy
+
+    return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+
+
+def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_scale: float):
+    """Yields exchanges and waits; returns ``(out, lse)`` of this rank's queries against every rank's
+    keys: out like ``q``, lse float32 ``(batch, heads_q, local_seqlen)``. Arguments already checked."""
+    import cupy
+    import numpy as np
+
+    if world == 1:   # no ring: the single-GPU call, without the float32 sums
+        return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        yield   # a generator all the same
+    k, v = _contiguous(k), _contiguous(v)
+    b, n, hq, d = q.shape
+    out_acc = _empty((b, n, hq, d), np.float32)
+    lse_acc = cupy.full((b, hq, n), -np.inf, dtype=np.float32)
+    part = _empty(q.shape, q.dtype)
+    # Receive buffers: the next step's keys and values arrive in one while the other is read.
+    spare = [(_empty(k.shape, k.dtype), _empty(v.shape, v.dtype)) for _ in range(min(world - 1, 2))]
+    current = (k, v)
+    for s in range(world):
+        handle = incoming = None
+        if s < world - 1:
+            incoming = spare[s % len(spare)]
+            handle = yield Exchange(current, incoming)
+        blk = step_block(rank, (rank - s) % world, world, n, causal)
+        if blk is not None:
+            kc, vc = current
+            _, part_lse = api.forward(q[:, blk.q_rows], kc[:, blk.k_rows], vc[:, blk.k_rows], causal=blk.causal,
+                                      softmax_scale=softmax_scale, return_lse=True, out=part[:, blk.q_rows])
+            partials.merge(out_acc, lse_acc, part, part_lse, blk.q_start)
+        if incoming is not None:
+            yield Wait(handle)
+            current = incoming
+    return partials.convert(out_acc, q.dtype), lse_acc
+
+
+def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal: bool, softmax_scale: float,
+                      deterministic: bool):
+    """Yields exchanges and waits; returns ``(dq, dk, dv)`` of this rank's shards (the dK / dV of its own
+    keys, summed over every rank's queries). Arguments already checked."""
+    import cupy
+    import numpy as np
+
+    if world == 1:
+        return api.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                            deterministic=deterministic)
+        yield
+    k, v = _contiguous(k), _contiguous(v)
+    lse = _contiguous(lse)
+    b, n, hq, d = q.shape
+    half_lse = None   # the late chunk's log-sum-exp, contiguous, for the steps that see only it
+    dq_acc = _empty(q.shape, np.float32)
+    dq_part = _empty(q.shape, q.dtype)
+    dk_part, dv_part = _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
+    spare = [(_empty(k.shape, k.dtype), _empty(v.shape, v.dtype)) for _ in range(min(world - 1, 2))]
+    # The travelling float32 dK / dV sums: one is added to while the other is in flight.
+    sums = [(_empty(k.shape, np.float32), _empty(v.shape, np.float32))
+            for _ in range(2 if world > 1 else 1)]
+    current, sums_here = (k, v), 0
+    sums_handle = None
+    for s in range(world):
+        handle = incoming = None
+        if s < world - 1:
+            incoming = spare[s % len(spare)]
+            handle = yield Exchange(current, incoming)
+        blk = step_block(rank, (rank - s) % world, world, n, causal)
+        if blk is not None:
+            kc, vc = current
+            qr, kr = blk.q_rows, blk.k_rows
+            if blk.q_start == 0 and blk.q_stop == n:
+                step_lse = lse
+            else:
+                if half_lse is None:
+                    half_lse = cupy.ascontiguousarray(lse[:, :, qr])
+                step_lse = half_lse
+            api.backward(dout[:, qr], q[:, qr], kc[:, kr], vc[:, kr], out[:, qr], step_lse, causal=blk.causal,
+                         softmax_scale=softmax_scale, deterministic=deterministic,
+                         dq=dq_part[:, qr], dk=dk_part[:, kr], dv=dv_part[:, kr])
+            partials.accumulate(dq_acc, dq_part, blk.q_start, blk.q_stop - blk.q_start, assign=s == 0)
+        if s > 0:
+            yield Wait(sums_handle)   # the sums of these keys from the ranks before
+        if blk is not None:
+            dk_sum, dv_sum = sums[sums_here]
+            rows = blk.k_stop - blk.k_start
+            partials.accumulate(dk_sum, dk_part, blk.k_start, rows, assign=s == 0)
+            partials.accumulate(dv_sum, dv_part, blk.k_start, rows, assign=s == 0)
+        if world > 1:   # on to the next rank; after the last step that is the keys' owner
+            sums_handle = yield Exchange(sums[sums_here], sums[1 - sums_here])
+            sums_here = 1 - sums_here
+        if incoming is not None:
+            yield Wait(handle)
+            current = incoming
+    if world > 1:
+        yield Wait(sums_handle)
+    dk_sum, dv_sum = sums[sums_here]
+    return partials.convert(dq_acc, q.dtype), partials.convert(dk_sum, k.dtype), partials.convert(dv_sum, v.dtype)

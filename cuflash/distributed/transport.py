@@ -1,0 +1,153 @@
+"""How ring steps reach the neighbours: NCCL between processes, or device copies within one process.
+
+The ring schedules (ring.py) are generators: they queue their kernels on the current stream and yield
+an :class:`Exchange` (send these buffers to the next rank, receive those from the previous one; the
+answer is a handle) or a :class:`Wait` (the compute stream must not go on before that exchange is done).
+A transport runs them. :class:`NcclRing` runs one rank's schedule with NCCL on a side stream, so that
+the transfers overlap the step's kernels; :func:`run_local` runs every rank's schedule in one process
+on one GPU, in lockstep, with the transfers as device copies (tests, and checking a sharding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, Sequence
+
+
+@dataclass
+class Exchange:
+    """Send ``sends`` to rank + 1 and receive ``recvs`` (same shapes, in order) from rank - 1.
+    Every buffer is contiguous; the sends are not written and the receives not read until the
+    matching :class:`Wait`."""
+
+    sends: Sequence
+    recvs: Sequence
+
+
+@dataclass
+class Wait:
+    """The compute stream waits for the exchange of ``handle``."""
+
+    handle: Any
+
+
+Schedule = Generator[Any, Any, Any]
+
+
+class NcclRing:
+    """One rank's place in a ring of ``world`` GPUs, one process each, over an NCCL communicator.
+
+    Args:
+        comm: a ``cupy.cuda.nccl.NcclCommunicator`` of ``world`` ranks on the current device.
+        rank, world: this rank and the ring's size (as given to the communicator).
+        time_waits: record CUDA events around each wait, so that :meth:`wait_ms` can tell how long the
+            kernels waited for the transfers (costs two events per wait).
+    """
+
+    def __init__(self, comm, rank: int, world: int, *, time_waits: bool = False):
+        import cupy
+
+        if not isinstance(rank, int) or not isinstance(world, int) or not 0 <= rank < world:
+            raise ValueError(f"rank and world must be ints with 0 <= rank < world, got rank={rank!r}, "
+                             f"world={world!r}")
+        self.comm, self.rank, self.world = comm, rank, world
+        self.device_id = cupy.cuda.Device().id
+        self.stream = cupy.cuda.Stream(non_blocking=True)   # the transfers' own stream
+        self.time_waits = time_waits
+        self._wait_events: list = []
+
+    @classmethod
+    def from_unique_id(cls, unique_id, rank: int, world: int, **kw) -> "NcclRing":
+        """Joins the ring whose id the launcher made with ``cupy.cuda.nccl.get_unique_id()`` (on the
+        current device; every rank calls this with the same id)."""
+        from cupy.cuda import nccl
+
+        return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world, **kw)
+
+    def run(self, schedule: Schedule):
+        """Runs one rank's schedule; returns what it returns. Nothing is synchronised with the host."""
+        import cupy
+        from cupy.cuda import nccl
+
+        if cupy.cuda.Device().id != self.device_id:
+            raise ValueError(f"the ring runs on device {self.device_id} (its communicator's), but the current "
+                             f"device is {cupy.cuda.Device().id}")
+        compute = cupy.cuda.get_current_stream()
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        answer = None
+        while True:
+            try:
+                request = schedule.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(request, Exchange):
+                # The transfers start once the kernels queued so far are done: they wrote the sends, and
+                # were the last to read the receive buffers.
+                self.stream.wait_event(compute.record())
+                nccl.groupStart()
+                for buf in request.sends:
+                    self.comm.send(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, nxt, self.stream.ptr)
+                for buf in request.recvs:
+                    self.comm.recv(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, prv, self.stream.ptr)
+                nccl.groupEnd()
+                answer = self.stream.record()
+            elif isinstance(request, Wait):
+                if self.time_waits:
+                    before = cupy.cuda.Event()
+                    before.record(compute)
+                compute.wait_event(request.handle)
+                if self.time_waits:
+                    after = cupy.cuda.Event()
+                    after.record(compute)
+                    self._wait_events.append((before, after))
+                answer = None
+            else:  # pragma: no cover - a schedule's bug
+                raise TypeError(f"a ring schedule yielded {request!r}")
+
+    def wait_ms(self) -> float:
+        """Milliseconds the compute stream stood waiting for transfers since the last call (needs
+        ``time_waits``; synchronises)."""
+        import cupy
+
+        total = 0.0
+        for before, after in self._wait_events:
+            after.synchronize()
+            total += cupy.cuda.get_elapsed_time(before, after)
+        self._wait_events.clear()
+        return total
+
+
+def run_local(schedules: Sequence[Schedule]) -> list:
+    """Runs the schedules of every rank (index = rank) in one process, in lockstep, on the current
+    stream: an exchange is a device copy from each rank's sends to the next rank's receives. Returns
+    what each schedule returns."""
+    world = len(schedules)
+    answers = [None] * world
+    results: list = [None] * world
+    running = list(range(world))
+    while running:
+        requests = {}
+        for r in running:
+            try:
+                requests[r] = schedules[r].send(answers[r])
+            except StopIteration as stop:
+                results[r] = stop.value
+        finished = [r for r in running if r not in requests]
+        if finished and len(finished) != len(running):
+            raise RuntimeError(f"ring schedules out of step: ranks {finished} finished, the others did not")
+        running = [r for r in running if r in requests]
+        if not running:
+            break
+        kinds = {type(requests[r]) for r in running}
+        if len(kinds) != 1:
+            raise RuntimeError(f"ring schedules out of step: {sorted(k.__name__ for k in kinds)} at one step")
+        if kinds == {Exchange}:
+            for r in running:   # receive buffers are never another rank's send buffers: copies in any order
+                sends = requests[(r - 1) % world].sends
+                recvs = requests[r].recvs
+                for src, dst in zip(sends, recvs):
+                    if src.nbytes != dst.nbytes:
+                        raise RuntimeError(f"ring exchange of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+                    dst.data.copy_from_device_async(src.data, src.nbytes)
+        # The copies are queued on the one stream already: an exchange's handle only has to be distinct.
+        answers = [object() if kinds == {Exchange} else None for _ in range(world)]
+    return results
