@@ -87,7 +87,7 @@ def bench(world: int, case: Case, *, warmup: int = 2, repeats: int = 5, single: 
     """Per-rank medians {ring_fwd, ring_bwd, ring_wait, single_fwd, single_bwd} (ms; single only on rank 0)."""
     from .launch import run_ranks
 
-    return run_ranks(_bench_rank, world, (case, warmup, repeats, single), time_waits=True)
+    return run_ranks(_bench_rank, world, (case, warmup, repeats, single), time_waits=True, timeout_s=300)
 
 
 def fwd_bwd_flops(case: Case) -> float:

@@ -134,7 +134,7 @@ def check_case(world: int, case: Case, *, deterministic: bool = False) -> dict:
     from .launch import run_ranks
     from .plan import zigzag_unshard
 
-    shards = run_ranks(_ring_rank, world, (case, deterministic))
+    shards = run_ranks(_ring_rank, world, (case, deterministic), timeout_s=240)
     ring = {name: zigzag_unshard([cupy.asarray(s[name]) for s in shards], axis=2 if name == "lse" else 1)
             for name in ("out", "lse", "dq", "dk", "dv")}
     q, k, v, dout = global_inputs(case)
