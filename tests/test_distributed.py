@@ -146,6 +146,8 @@ CASES = [  # world, chunk rows, heads_q, heads_kv, head_dim, dtype
     (2, 1, 2, 1, 64, "float16"),       # one row per chunk
     (2, 160, 4, 2, 128, "bfloat16"),   # chunks past one tile
     (3, 21, 2, 2, 32, "float32"),
+    (2, 45, 3, 3, 96, "float16"),
+    (2, 33, 2, 1, 256, "bfloat16"),
 ]
 
 
