@@ -36,6 +36,27 @@ def _contiguous(x):
     return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
 
 
+class _Visiting:
+    """The keys and values visiting this rank: the current block, and receive buffers so that the next
+    block arrives in one while the current one is read (one for a ring of two, two otherwise)."""
+
+    def __init__(self, k, v, world: int):
+        self.current = (k, v)
+        self.world = world
+        self._spare = [(_empty(k.shape, k.dtype), _empty(v.shape, v.dtype)) for _ in range(min(world - 1, 2))]
+        self._incoming = None
+
+    def pass_on(self, step: int):
+        """The exchange that sends the current block on and receives the next one; None at the last step."""
+        if step >= self.world - 1:
+            return None
+        self._incoming = self._spare[step % len(self._spare)]
+        return Exchange(self.current, self._incoming)
+
+    def arrived(self) -> None:
+        self.current, self._incoming = self._incoming, None
+
+
 def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_scale: float):
     """Yields exchanges and waits; returns ``(out, lse)`` of this rank's queries against every rank's
     keys: out like ``q``, lse float32 ``(batch, heads_q, local_seqlen)``. Arguments already checked."""
@@ -50,23 +71,19 @@ def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_sc
     out_acc = _empty((b, n, hq, d), np.float32)
     lse_acc = cupy.full((b, hq, n), -np.inf, dtype=np.float32)
     part = _empty(q.shape, q.dtype)
-    # Receive buffers: the next step's keys and values arrive in one while the other is read.
-    spare = [(_empty(k.shape, k.dtype), _empty(v.shape, v.dtype)) for _ in range(min(world - 1, 2))]
-    current = (k, v)
+    visiting = _Visiting(k, v, world)
     for s in range(world):
-        handle = incoming = None
-        if s < world - 1:
-            incoming = spare[s % len(spare)]
-            handle = yield Exchange(current, incoming)
+        exchange = visiting.pass_on(s)
+        handle = (yield exchange) if exchange else None
         blk = step_block(rank, (rank - s) % world, world, n, causal)
         if blk is not None:
-            kc, vc = current
+            kc, vc = visiting.current
             _, part_lse = api.forward(q[:, blk.q_rows], kc[:, blk.k_rows], vc[:, blk.k_rows], causal=blk.causal,
                                       softmax_scale=softmax_scale, return_lse=True, out=part[:, blk.q_rows])
             partials.merge(out_acc, lse_acc, part, part_lse, blk.q_start)
-        if incoming is not None:
+        if exchange:
             yield Wait(handle)
-            current = incoming
+            visiting.arrived()
     return partials.convert(out_acc, q.dtype), lse_acc
 
 
@@ -88,20 +105,16 @@ def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal:
     dq_acc = _empty(q.shape, np.float32)
     dq_part = _empty(q.shape, q.dtype)
     dk_part, dv_part = _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
-    spare = [(_empty(k.shape, k.dtype), _empty(v.shape, v.dtype)) for _ in range(min(world - 1, 2))]
+    visiting = _Visiting(k, v, world)
     # The travelling float32 dK / dV sums: one is added to while the other is in flight.
-    sums = [(_empty(k.shape, np.float32), _empty(v.shape, np.float32))
-            for _ in range(2 if world > 1 else 1)]
-    current, sums_here = (k, v), 0
-    sums_handle = None
+    sums = [(_empty(k.shape, np.float32), _empty(v.shape, np.float32)) for _ in range(2)]
+    sums_here, sums_handle = 0, None
     for s in range(world):
-        handle = incoming = None
-        if s < world - 1:
-            incoming = spare[s % len(spare)]
-            handle = yield Exchange(current, incoming)
+        exchange = visiting.pass_on(s)
+        handle = (yield exchange) if exchange else None
         blk = step_block(rank, (rank - s) % world, world, n, causal)
         if blk is not None:
-            kc, vc = current
+            kc, vc = visiting.current
             qr, kr = blk.q_rows, blk.k_rows
             if blk.q_start == 0 and blk.q_stop == n:
                 step_lse = lse
@@ -120,13 +133,12 @@ def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal:
             rows = blk.k_stop - blk.k_start
             partials.accumulate(dk_sum, dk_part, blk.k_start, rows, assign=s == 0)
             partials.accumulate(dv_sum, dv_part, blk.k_start, rows, assign=s == 0)
-        if world > 1:   # on to the next rank; after the last step that is the keys' owner
-            sums_handle = yield Exchange(sums[sums_here], sums[1 - sums_here])
-            sums_here = 1 - sums_here
-        if incoming is not None:
+        # On to the next rank; after the last step that is the keys' owner.
+        sums_handle = yield Exchange(sums[sums_here], sums[1 - sums_here])
+        sums_here = 1 - sums_here
+        if exchange:
             yield Wait(handle)
-            current = incoming
-    if world > 1:
-        yield Wait(sums_handle)
+            visiting.arrived()
+    yield Wait(sums_handle)
     dk_sum, dv_sum = sums[sums_here]
     return partials.convert(dq_acc, q.dtype), partials.convert(dk_sum, k.dtype), partials.convert(dv_sum, v.dtype)
