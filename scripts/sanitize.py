@@ -1,6 +1,6 @@
 """Run the kernels once on small odd shapes, for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [fwd,bwd,ring]
 """
 from __future__ import annotations
 
@@ -93,6 +93,16 @@ def main() -> int:
             pairs = [cuflash.quantize_fp8(cupy.asarray(rng.standard_normal(shape).astype(np.float32)))
                      for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d))]
             cuflash.forward_fp8(*(x for x, _ in pairs), *(s for _, s in pairs), causal=causal, return_lse=True)
+    if "ring" in which:  # ring attention's merge / accumulate / convert kernels, every rank in this process
+        import cuflash.distributed as cfd
+
+        for dtype, world, chunk, d in (("float16", 2, 37, 64), ("bfloat16", 3, 19, 128), ("float32", 2, 5, 32)):
+            n = 2 * world * chunk
+            q, k, v, dout = (cupy.asarray(rng.standard_normal((2, n, 2, d)).astype(DT[dtype])) for _ in range(4))
+            shards = [[cfd.zigzag_shard(x, world, r) for r in range(world)] for x in (q, k, v, dout)]
+            for causal in (False, True):
+                outs, lses = cfd.local_ring_forward(*shards[:3], causal=causal, return_lse=True)
+                cfd.local_ring_backward(shards[3], *shards[:3], outs, lses, causal=causal)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize run done")
     return 0
