@@ -89,7 +89,7 @@ def _device_array(buf: BufferView, shape: tuple, device: int):
     import cupy
 
     mem = cupy.cuda.UnownedMemory(buf.ptr, buf.nbytes, None, device)
-    return cupy.ndarray(shape, dtype=xla_ffi._numpy_dtype(buf.dtype), memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return cupy.ndarray(shape, dtype=xla_ffi.numpy_dtype(buf.dtype), memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
 def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:
@@ -145,7 +145,7 @@ def cuda_backward(call: Call) -> None:
 def _host_array(buf: BufferView, shape: tuple) -> np.ndarray:
     """A writable NumPy view of a host buffer."""
     raw = (ctypes.c_byte * buf.nbytes).from_address(buf.ptr)
-    return np.frombuffer(raw, dtype=xla_ffi._numpy_dtype(buf.dtype)).reshape(shape)
+    return np.frombuffer(raw, dtype=xla_ffi.numpy_dtype(buf.dtype)).reshape(shape)
 
 
 def host_forward(call: Call) -> None:

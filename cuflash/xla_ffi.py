@@ -157,7 +157,7 @@ class BufferView:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_numpy_dtype(self.dtype)).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(numpy_dtype(self.dtype)).itemsize
 
 
 @dataclass
@@ -187,7 +187,8 @@ class Call:
         return args.device_ordinal
 
 
-def _numpy_dtype(name: str):
+def numpy_dtype(name: str):
+    """The NumPy dtype of a ``DTYPES`` name (bfloat16 is ml_dtypes')."""
     if name == "bfloat16":
         import ml_dtypes
 
