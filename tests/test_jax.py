@@ -170,11 +170,12 @@ def test_handler_errors_reach_the_caller():
 
 
 def test_decode_reads_buffers_and_attributes():
-    """Buffers, dims, dtypes and scalar / string attributes as XLA:CPU passes them."""
+    """Buffers, dims, dtypes, scalar / string attributes and the device ordinal as XLA:CPU passes them."""
     seen = []
 
     def body(call):
         seen.append(call)
+        assert call.device_ordinal() == 0   # read through XLA's API table
         ctypes.memmove(call.rets[0].ptr, call.args[0].ptr, call.args[0].nbytes)
 
     handler = xla_ffi.make_handler(body, cj.ffi_api_version())
