@@ -5,9 +5,9 @@ Python. This module holds the C structures it reads (the call frame with its buf
 the API table, the metadata extension), decodes a call frame into plain Python values and turns a Python
 exception into an ``XLA_FFI_Error``. It imports neither JAX nor CuPy.
 
-ABI notes: every struct starts with its size, which is checked before a field past the caller's size is
-read; enums are C ints. The layouts are those of FFI API 0.3 (jaxlib 0.10); later minor versions only add
-fields at the ends.
+ABI notes: the structs carry their sizes, and those of the call frame, the metadata and the API table are
+checked before the fields read; enums are C ints. The layouts are those of FFI API 0.3 (jaxlib 0.10,
+checked against its header by tests/test_jax.py); later minor versions only add fields at the ends.
 """
 from __future__ import annotations
 
@@ -279,6 +279,8 @@ def _write_metadata(extension: MetadataExtension, version: tuple) -> None:
     """Answers XLA's metadata query (made at registration, with no API table): the API version the
     handler speaks and its traits (none: not command-buffer compatible)."""
     md = extension.metadata.contents
+    if md.struct_size < METADATA_SIZE:
+        raise FfiError(f"XLA_FFI_Metadata of {md.struct_size} bytes, expected at least {METADATA_SIZE}")
     md.api_version = ApiVersion(API_VERSION_SIZE, None, version[0], version[1])
     md.traits = TRAITS_NONE
     if md.struct_size >= _struct_size(Metadata, "state_type_id"):
