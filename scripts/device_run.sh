@@ -4,6 +4,7 @@
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
+#   jax : cuflash.jax (tests/test_jax.py): the XLA FFI custom calls against jax.nn.dot_product_attention, CPU and GPU
 #   ring [ARGS...] : ring attention (cuflash.distributed): local-ring tests on GPU 0; with 2+ GPUs the NCCL check
 #              at N=32k for each ring size and the N=128k speed-up (ARGS to python -m cuflash.distributed.bench)
 #   fa4setup : install FlashAttention-4 into /tmp/fa4site from the wheels of ../shared/tools/fa4_wheels.sh
@@ -41,6 +42,7 @@ case $phase in
   fa4setup) ;;  # nothing of cuflash's to compile
   fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
   ring) python3 scripts/precompile.py fwd bwd ring | tail -1 ;;
+  jax) python3 scripts/precompile.py fwd bwd | tail -1 ;;
   *) python3 scripts/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -77,6 +79,12 @@ case $phase in
   fp8)
     python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1
     python3 scripts/bench_fp8.py "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
+    ;;
+  jax)
+    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    # a handler that deadlocked would hang the call: tracebacks after 120 s in a test, killed after 480 s
+    timeout 480 python3 -m pytest -q -p no:cacheprovider --maxfail=10 -o faulthandler_timeout=120 tests/test_jax.py 2>&1 \
+      | tee "$OUT/pytest-jax.log" | tail -n 40 || status=1
     ;;
   ring)
     # ring attention: every rank in one process on GPU 0 (tests), then on 2+ GPUs the NCCL ring against one
