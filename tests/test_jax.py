@@ -72,6 +72,11 @@ _ABI_PROGRAM = """
 #include <stdio.h>
 #include <stddef.h>
 #include "xla/ffi/api/c_api.h"
+#if XLA_FFI_API_MINOR >= 4   /* renamed in 0.4 (ABI-compatible): the ctypes mirror keeps the 0.3 names */
+#define XLA_FFI_Extension_Base XLA_FFI_InternalExtension
+#define XLA_FFI_Error_GetMessage_Args XLA_FFI_Error_GetDetails_Args
+#define XLA_FFI_Error_GetMessage XLA_FFI_Error_GetDetails
+#endif
 #define OFF(s, f) printf(#s "." #f " %zu\\n", offsetof(s, f))
 #define SIZE(s) printf(#s " %zu\\n", (size_t)s##_STRUCT_SIZE)
 int main(void) {
