@@ -59,7 +59,7 @@ case $phase in
     ;;
   tests)
     [ -f .fa4a/cu13part00 ] && fa4_setup
-    T="tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
+    T="tests/test_distributed.py tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
     python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tee "$OUT/pytest.log" | tail -n 8 || status=1
     echo "== portable kernels forced (CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"
     CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q -p no:cacheprovider \
