@@ -148,6 +148,16 @@ class _Torch(_Framework):
 
     def from_cupy(self, a):
         torch = sys.modules["torch"]
+        block = getattr(a.data.mem, "_owner", None)
+        dtype = getattr(torch, _TORCH_DTYPE_NAMES.get(a.dtype, ""), None)
+        if isinstance(block, torch.Tensor) and dtype is not None:
+            # Memory from _torch_allocator: a tensor on that block's own storage, so that torch (its
+            # allocator, CUDA graph pools) sees an ordinary tensor rather than a DLPack import.
+            size = a.itemsize
+            offset, rest = divmod(a.data.ptr - block.data_ptr(), size)
+            if not rest:
+                return torch.empty(0, dtype=dtype, device=block.device).set_(
+                    block.untyped_storage(), offset, a.shape, tuple(s // size for s in a.strides))
         if a.dtype == BFLOAT16:
             return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(a)
@@ -177,6 +187,11 @@ class _OtherDlpack(_Framework):
 
 
 _CUPY, _TORCH, _JAX = _CuPy(), _Torch(), _Jax()
+# The dtypes of cuflash's results, by torch's name for them.
+_TORCH_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.uint8): "uint8",
+                      np.dtype(np.int32): "int32"}
+if BFLOAT16 is not None:
+    _TORCH_DTYPE_NAMES[BFLOAT16] = "bfloat16"
 
 
 def _framework_of(name: str, x) -> _Framework:

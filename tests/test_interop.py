@@ -141,6 +141,23 @@ def test_cupy_path_never_converts(monkeypatch):
         cuflash.backward(arr(QKV), arr(QKV), arr(QKV), arr(QKV), arr(QKV), arr((1, 4, 2), np.float32))
 
 
+def test_results_in_torch_memory_become_tensors_on_its_storage():
+    """A result cuflash allocated from torch's allocator (a CuPy array whose memory is a torch block)
+    goes back as a tensor on that block's storage, with the array's offset, shape, strides and dtype
+    (CPU: the same bookkeeping over a CPU block)."""
+    import cupy
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch")
+    block = torch.zeros(4096, dtype=torch.uint8)
+    memory = cupy.cuda.UnownedMemory(block.data_ptr(), block.numel(), block, 0)
+    a = cupy.ndarray((2, 3, 4), ml_dtypes.bfloat16, memptr=cupy.cuda.MemoryPointer(memory, 64), strides=(48, 16, 2))
+    t = interop._TORCH.from_cupy(a)
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 3, 4) and t.stride() == (24, 8, 1)
+    assert t.data_ptr() == block.data_ptr() + 64
+    assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+
+
 # ---- GPU: torch tensors in place, results back in torch ----
 
 def _torch_cuda():
