@@ -8,8 +8,8 @@ its results go back to the framework of the inputs. Rules:
 - All array arguments of one call come from one framework (mixing is a TypeError naming them).
 - Arrays in host memory (NumPy, a CPU torch tensor) are a TypeError with a hint, raised from
   metadata alone, before the device is touched.
-- bfloat16 crosses DLPack as int16 (a CuPy without bfloat16 DLPack support reads it too) and
-  torch's float8_e4m3fn as uint8, both as views of the same memory.
+- torch's bfloat16 crosses DLPack as int16 (a CuPy without bfloat16 DLPack support reads it too)
+  and its float8_e4m3fn as uint8, both as views of the same memory.
 - PyTorch: the call runs on torch's current stream of the inputs' device (so it is ordered with the
   torch work before and after it, with no synchronisation), and every allocation cuflash makes
   during the call (outputs not given, the log-sum-exp, the backward's workspaces) comes from

@@ -7,6 +7,9 @@ to the CuPy path on the same memory, on torch's current stream, with torch-alloc
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -52,6 +55,12 @@ def _cpu_tensor(shape=QKV, dtype="float16"):
 
 
 # ---- CPU: which calls convert, and the TypeErrors before the device ----
+
+def test_import_cuflash_imports_neither_torch_nor_jax():
+    code = ("import sys, cuflash, cuflash.api, cuflash.interop; "
+            "assert 'torch' not in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
 
 def test_cupy_numpy_and_non_arrays_take_the_plain_path():
     assert not interop.needs_conversion(arr(QKV), None, arr(QKV))
@@ -228,7 +237,8 @@ def test_torch_results_use_torch_memory():
     assert grown >= sum(x.numel() * x.element_size() for x in (out, lse, dq, dk, dv))
     del out, lse, dq, dk, dv
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    # back to torch's cache; the slack is for small process-lifetime buffers (tile counters) a call may add
+    assert torch.cuda.memory_allocated() - before <= 64 * 1024
 
 
 def test_torch_current_stream_orders_the_call():
