@@ -255,12 +255,15 @@ def _grad_floor(ref_grads) -> float:
     return 0.1 * max(float(r.norm()) for r in ref_grads)
 
 
-GPU_CASES = [  # every query row sees a key (causal needs seqlen_q <= seqlen_k, else SDPA gives NaN rows)
+# Every query row sees a key (causal needs seqlen_q <= seqlen_k, else SDPA gives NaN rows; that case is
+# below). Head dims 64 and 128 only: the kernels of every head dim are tested through CuPy (test_fwd.py,
+# test_bwd.py), and each one more here is more compiles on a cold kernel cache.
+GPU_CASES = [
     (2, 128, 128, 4, 4, 64),
     (1, 1, 1, 2, 2, 64),
-    (2, 77, 133, 6, 2, 96),     # GQA, odd lengths, Nq < Nk
+    (2, 77, 133, 6, 2, 128),    # GQA, odd lengths, Nq < Nk
     (1, 1, 257, 8, 1, 128),     # MQA, one query
-    (2, 191, 191, 2, 1, 256),
+    (2, 191, 191, 2, 1, 64),
 ]
 
 
