@@ -13,7 +13,7 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, call_cache, device_check, fp8, heuristics, launch, params, sm90
+from . import _checks, call_cache, device_check, fp8, heuristics, interop, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -26,7 +26,9 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Args:
-        q: ``(batch, seqlen_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32.
+        q: ``(batch, seqlen_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32, or a
+            CUDA array of another framework (torch, JAX: read in place through DLPack; results come
+            back in that framework, see :mod:`cuflash.interop`).
         k: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
         v: like ``k``.
         causal: mask keys after the query, aligned to the bottom-right corner: query i sees
@@ -49,6 +51,9 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             if launched:
                 return (out, lse) if return_lse else out
             # Allocated at other addresses than the recorded ones: the checked path, on these arrays.
+    elif interop.needs_conversion(q, k, v, out):   # torch / JAX arrays: as CuPy views, results back
+        return interop.call(forward, {"q": q, "k": k, "v": v, "out": out}, buffers=("out",), causal=causal,
+                            softmax_scale=softmax_scale, return_lse=return_lse)
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
@@ -146,7 +151,8 @@ def quantize_fp8(x: ndarray) -> Tuple[ndarray, ndarray]:
     """Per-tensor fp8 (e4m3) quantisation for :func:`forward_fp8`.
 
     Args:
-        x: CuPy array of any shape, float16, bfloat16 or float32.
+        x: CuPy array of any shape, float16, bfloat16 or float32 (or a CUDA torch / JAX array, as in
+            :func:`forward`: the results then come back in its framework).
 
     Returns:
         ``(x8, descale)``: ``x8`` a contiguous uint8 array shaped like ``x`` holding the e4m3fn bytes
@@ -154,6 +160,8 @@ def quantize_fp8(x: ndarray) -> Tuple[ndarray, ndarray]:
         array of shape ``(1,)`` on the device, ``max|x| / 448`` (1 when ``x`` is all zeros), so that
         ``x ~= x8 * descale``. No host synchronisation.
     """
+    if interop.needs_conversion(x):
+        return interop.call(quantize_fp8, {"x": x})
     try:
         return fp8.quantize(x)
     except RuntimeError as e:
@@ -173,7 +181,8 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
 
     Args:
         q: ``(batch, seqlen_q, heads_q, head_dim)`` uint8 CuPy array of e4m3fn bytes
-            (:func:`quantize_fp8`); head_dim a multiple of 16 up to 256.
+            (:func:`quantize_fp8`); head_dim a multiple of 16 up to 256. CUDA torch tensors (uint8 or
+            float8_e4m3fn) and JAX arrays are read in place, as in :func:`forward`.
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, the same; heads_q % heads_kv == 0.
         descale_q, descale_k, descale_v: the per-tensor scales: float32 CuPy arrays of one element
             (as :func:`quantize_fp8` returns; read on the device) or positive floats.
@@ -188,6 +197,12 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
     Raises:
         RuntimeError: the device is not a Hopper GPU.
     """
+    if interop.needs_conversion(q, k, v, out, descale_q, descale_k, descale_v):   # torch / JAX arrays
+        descales = {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v}
+        arrays = {name: x for name, x in descales.items() if hasattr(x, "__dlpack__")}   # not the floats
+        numbers = {name: x for name, x in descales.items() if name not in arrays}
+        return interop.call(forward_fp8, {"q": q, "k": k, "v": v, "out": out, **arrays}, buffers=("out",),
+                            **numbers, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
     b, nq, nk, hq, hkv, d = fp8.check_fp8_qkv(q, k, v)
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
@@ -234,10 +249,17 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             are always deterministic.
         dq, dk, dv: optional output buffers shaped and typed like q, k, v (may be strided views).
 
+    Arrays of another framework (CUDA torch tensors, JAX arrays) are read in place and the
+    gradients come back in that framework, as in :func:`forward`.
+
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``. With GQA/MQA, dk and dv of a
         KV head are the sums over the query heads that share it.
     """
+    if interop.needs_conversion(dout, q, k, v, out, lse, dq, dk, dv):   # torch / JAX arrays
+        return interop.call(backward, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                                       "dq": dq, "dk": dk, "dv": dv}, buffers=("dq", "dk", "dv"),
+                            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     _checks.check_like_cached("dout", dout, "q", q)
     _checks.check_like_cached("out", out, "q", q)
