@@ -87,7 +87,7 @@ def train(attention: str, steps: int, batch: int, context: int, seed: int) -> li
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "training"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "training_gpt"))
     ap.add_argument("--commit", help="the commit to name (default: git rev-parse of this checkout)")
     ap.add_argument("--plot", help="only plot this JSON (made on a GPU machine) to its .png")
     args = ap.parse_args(argv)
