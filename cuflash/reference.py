@@ -33,6 +33,16 @@ def _as_f64(x, name: str = "x") -> np.ndarray:
         raise TypeError(f"{name} must hold real numbers, got dtype {a.dtype}: {e}") from None
 
 
+def _check_real_array(x, name: str) -> None:
+    """An array (CuPy or NumPy: anything with a shape and a dtype) of real numbers, for the GPU reference,
+    which reads its inputs where they are; TypeError naming the argument otherwise."""
+    if not (hasattr(x, "shape") and hasattr(x, "ndim") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array of real numbers, got {type(x).__name__}")
+    dtype = np.dtype(x.dtype)
+    if dtype.kind in "cOSUMm" or dtype.fields is not None:
+        raise TypeError(f"{name} must hold real numbers, got dtype {dtype}")
+
+
 def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """The layout the kernels take: q (B, Nq, Hq, D), k and v (B, Nk, Hkv, D), Hq % Hkv == 0.
     Reuses the kernels' shape checks, so the messages are the same."""
@@ -152,6 +162,9 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
 
 def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
     """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy in the CPU tests)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if x is not None or name != "dout":
+            _check_real_array(x, name)
     b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
     causal, scale = _options(causal, softmax_scale, d)
     if dout is not None and tuple(dout.shape) != tuple(q.shape):
