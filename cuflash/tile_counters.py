@@ -90,10 +90,16 @@ class TileCounterPool:
         """(slot address, whether ``stream_ptr`` is capturing) for a launch about to go on that stream."""
         capturing = self._cuda.is_capturing(stream_ptr)
         with self._lock:
-            if len(self._free) <= RESERVE_SLOTS:
+            if capturing:
+                # From the reserve: no event query or allocation inside a capture while a slot is left
+                # (a global-mode capture forbids cudaMalloc).
+                if not self._free:
+                    self._reclaim()
+                    if not self._free:
+                        self._grow()
+            elif len(self._free) <= RESERVE_SLOTS:
                 self._reclaim()
-                # A capture takes from the reserve; it grows the pool only when nothing is left.
-                if not self._free or (not capturing and len(self._free) <= RESERVE_SLOTS):
+                if len(self._free) <= RESERVE_SLOTS:
                     self._grow()
             return self._free.pop(), capturing
 
