@@ -46,10 +46,14 @@ def setup_stream(device_id: int):
     stream = _setup_streams.get(device_id)
     if stream is None:
         import cupy
+        from cupy.cuda import runtime
 
         with _lock:
             stream = _setup_streams.get(device_id)
             if stream is None:
+                # Made with the runtime and kept for the process (CuPy's Stream would destroy it when
+                # collected, and leaves a half-built object behind when there is no driver).
                 with cupy.cuda.Device(device_id):
-                    stream = _setup_streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+                    ptr = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
+                stream = _setup_streams[device_id] = cupy.cuda.ExternalStream(ptr, device_id)
     return stream
