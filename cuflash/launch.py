@@ -292,9 +292,10 @@ def _pack_launch(params, extra_args: tuple) -> tuple[bytes, tuple, tuple]:
 
 def _launch_counted(launch_kernel, fptr: int, grid: tuple, threads: int, smem: int, stream_ptr: int,
                     args, nbytes: int, offsets: tuple, counters, counter_offset: int) -> None:
-    """Launches a kernel that takes a tile counter: its arguments copied into this thread's buffer with
-    a slot of ``counters`` written in (``args``: the packed bytes or their address), the slot handed back to the pool after the launch (the driver
-    copies the parameters during cuLaunchKernel, so the buffer is free again when it returns)."""
+    """Launches a kernel that takes a tile counter: its arguments (``args``: the packed bytes or their
+    address) copied into this thread's buffer with a slot of ``counters`` written in, and the slot handed
+    to the pool after the launch (the driver copies the parameters during cuLaunchKernel, so the buffer
+    is free again when it returns)."""
     buf = _param_buffer
     ctypes.memmove(buf.data_ptr, args, nbytes)
     ticket = counters.acquire(stream_ptr)

@@ -15,8 +15,9 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
 
     For the sm90 fp16/bf16 forward families the extra arguments are the tensor maps of q, k and v
     (and, for the persistent kernels, which store O through TMA, of the output, then the device's
-    tile-counter pool, from which each launch takes a slot: tile_counters.py); when TMA cannot address an input (base or strides not 16-byte multiples) the portable
-    kernel is used instead. Where only ``out`` is the problem for a persistent kernel, the kernel
+    tile-counter pool, from which each launch takes a slot: tile_counters.py); when TMA cannot
+    address an input (base or strides not 16-byte multiples) the portable kernel is used instead.
+    Where only ``out`` is the problem for a persistent kernel, the kernel
     writes a compact stand-in, which the caller copies into ``out``. That check runs only when the
     tensor-map cache misses. Other families pass through unchanged.
     """

@@ -87,9 +87,10 @@ def references(devices) -> dict:
 def hammer(refs: dict, *, threads: int, iterations: int, streams: str, devices) -> tuple[list, int]:
     """``threads`` threads, each ``iterations`` rounds over every case in its own order, launching a round's
     calls back to back before one wait: forward with ``out`` allocated and given, the backward on every
-    other round (not with "fresh" streams). ``streams``: "current" (CuPy's current stream: per-thread default streams when
-    CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), "own" (a stream per thread), "fresh" (a new stream per round,
-    dropped while its kernels run, so that stream handles come back). Returns (mismatches, calls)."""
+    other round (not with "fresh" streams). ``streams``: "current" (CuPy's current stream: per-thread
+    default streams when CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), "own" (a stream per thread), "fresh" (a
+    new stream per round, dropped while its kernels run, so that stream handles come back). Returns
+    (mismatches, calls)."""
     import cupy
 
     mismatches, calls = [], [0]

@@ -214,8 +214,9 @@ def _plans_of(case: Case, device_id: int) -> None:
     from cuflash import api, heuristics, sm90
 
     dt = np.dtype(dtype_of(case.dtype))
-    short, long_seqs = heuristics.fwd_short(case.seqlen_q, case.seqlen_k), heuristics.fwd_long(case.seqlen_q, case.seqlen_k)
-    _, cfg, _ = api._fwd_plan(dt, case.head_dim, case.causal, device_id, short, long_seqs)
+    nq, nk = case.seqlen_q, case.seqlen_k
+    _, cfg, _ = api._fwd_plan(dt, case.head_dim, case.causal, device_id, heuristics.fwd_short(nq, nk),
+                              heuristics.fwd_long(nq, nk))
     api._bwd_plan(dt, case.head_dim, case.causal, case.deterministic, device_id,
                   short=heuristics.bwd_short(case.seqlen_k, case.causal))
     if {"broadcast_batch", "unit_batch_odd_stride"} & set(case.layouts[:4]) and cfg.fam.arch_specific:

@@ -26,7 +26,8 @@ class _FakeModule:
     def __init__(self, code, options, name_expressions):
         cls = type(self)
         with cls.lock:
-            cls.compiles[(options, tuple(name_expressions))] = cls.compiles.get((options, tuple(name_expressions)), 0) + 1
+            key = (options, tuple(name_expressions))
+            cls.compiles[key] = cls.compiles.get(key, 0) + 1
             cls.running += 1
             cls.most_at_once = max(cls.most_at_once, cls.running)
         time.sleep(0.05)   # NVRTC's time, without the GIL
@@ -101,8 +102,8 @@ def test_check_caches_agree_with_the_checks_while_other_threads_clear_them(monke
     from cuflash import _checks, api
 
     monkeypatch.setattr(_checks, "_VALIDATED_MAX", 4)
-    shapes = [((b, n, h, d), (b, m, h // g, d)) for b in (1, 2) for n, m in ((7, 9), (16, 16)) for h, g in ((4, 2), (2, 1))
-              for d in (64, 72, 260)]
+    shapes = [((b, n, h, d), (b, m, h // g, d)) for b in (1, 2) for n, m in ((7, 9), (16, 16))
+              for h, g in ((4, 2), (2, 1)) for d in (64, 72, 260)]
 
     def _outcome(check, out, shape):
         try:
