@@ -4,6 +4,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .api import backward, forward, forward_fp8, quantize_fp8, vjp  # noqa: E402
-from .reference import attention_reference, attention_reference_backward  # noqa: E402
+from .reference import attention_reference, attention_reference_backward, attention_reference_chunked  # noqa: E402
 
-__all__ = ["forward", "backward", "vjp", "forward_fp8", "quantize_fp8", "attention_reference", "attention_reference_backward", "__version__"]
+__all__ = ["forward", "backward", "vjp", "forward_fp8", "quantize_fp8", "attention_reference",
+           "attention_reference_backward", "attention_reference_chunked", "__version__"]

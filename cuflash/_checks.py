@@ -149,6 +149,7 @@ def check_out(name: str, out, shape: tuple, dtype, device_id: int) -> None:
     check_array(name, out, ndim=len(shape))
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    check_distinct_elements(name, out)
     if out.dtype != dtype:
         raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if out.device.id != device_id:
@@ -222,3 +223,19 @@ def check_lse_cached(lse, shape: tuple, device_id: int) -> None:
         return check_lse(lse, shape, device_id)
     key = ("lse", lse.shape, lse.dtype, lse.data.device_id, tuple(shape), device_id)
     _remember(_validated_like, key, check_lse, lse, shape, device_id)
+
+
+def check_distinct_elements(name: str, x) -> None:
+    """An output view whose elements all have addresses of their own: a stride-0 dimension (a broadcast)
+    or strides that fold rows onto each other would have several results land in one place, whichever
+    came last. Dimensions sorted by stride must each step past everything the smaller ones span (a
+    sufficient test, exact for the nested layouts that slices and transposes make)."""
+    if x.size == 0:
+        return
+    span = x.itemsize   # bytes covered by one element of the dimensions taken so far
+    for stride, n in sorted((abs(s), n) for s, n in zip(x.strides, x.shape) if n > 1):
+        if stride < span:
+            raise ValueError(f"{name} must not overlap itself: its strides {x.strides} (shape {tuple(x.shape)}) "
+                             f"put several elements at one address (a broadcast or stride-0 view?); pass a "
+                             f"buffer of distinct elements")
+        span += stride * (n - 1)

@@ -13,7 +13,7 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, call_cache, device_check, fp8, heuristics, interop, launch, params, sm90
+from . import _checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, params, sm90
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -139,6 +139,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         prepared.on_current_stream()
     if written is not out:
         out[...] = written
+        capture.keep_if_capturing(written)   # a captured graph writes the stand-in on every replay
         return None
     return prepared
 
@@ -298,6 +299,7 @@ def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale
             return dq, dk, dv
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
+            capture.keep_if_capturing(lse)
         _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
                     deterministic=deterministic, dims=dims, device_id=dev)
     return dq, dk, dv
@@ -379,6 +381,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
+    capture.keep_if_capturing(delta, dq_accum, semaphores)   # the workspaces of a captured graph's kernels
 
 
 class AttentionVJP:

@@ -16,7 +16,10 @@ import cupy
 from .compile import compile_options, load_source
 from .config import KernelConfig
 
-_lock = threading.Lock()
+# Compiles hold the lock of their key only, so that threads asking for different kernels on a cold start
+# compile them side by side (NVRTC runs without the GIL) and threads asking for the same one wait for it.
+_lock = threading.Lock()          # guards _key_locks and the reads of _modules
+_key_locks: dict[tuple, threading.Lock] = {}
 _kernels: dict[tuple[str, int], "cupy.RawKernel"] = {}
 _modules: dict[tuple, "cupy.RawModule"] = {}   # same keys: diagnostic builds read module globals
 _device_info: dict[int, tuple[int, int]] = {}
@@ -49,39 +52,48 @@ def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
     if kern is not None:
         return kern
     with _lock:
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
         kern = _kernels.get(key)
         if kern is not None:
             return kern
-        cc, smem_limit = device_info(device_id)
-        fam = config.fam
-        if cc < fam.min_cc:
-            raise RuntimeError(f"cuflash kernel family {fam.name} needs compute capability "
-                               f">= {fam.min_cc / 10:.1f}; this device has {cc / 10:.1f}")
-        smem = smem_bytes(config)
-        if smem > smem_limit:
-            raise RuntimeError(f"{config.key()} needs {smem} bytes of shared memory; "
-                               f"the device allows {smem_limit}")
-        # CuPy appends -arch=sm_<cc> itself; name the arch only where the family
-        # needs the arch-specific target (sm_90a: wgmma, setmaxnreg).
-        options = compile_options(config, f"{cc}a" if fam.arch_specific else str(cc))
-        if not fam.arch_specific:
-            options = tuple(o for o in options if not o.startswith("-arch="))
-        options += extra
-        with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=load_source(config.source), options=options,
-                                    name_expressions=[config.name_expression()])
-            kern = module.get_function(config.name_expression())
-            _modules[key] = module
-            if smem > 48 * 1024:
-                kern.max_dynamic_shared_size_bytes = smem
-        _kernels[key] = kern
-        return kern
+        return _compile(config, device_id, key, extra)
+
+
+def _compile(config: KernelConfig, device_id: int, key: tuple, extra: tuple) -> "cupy.RawKernel":
+    """Compiles (or loads from CuPy's cache) and publishes one kernel; the caller holds its key's lock."""
+    cc, smem_limit = device_info(device_id)
+    fam = config.fam
+    if cc < fam.min_cc:
+        raise RuntimeError(f"cuflash kernel family {fam.name} needs compute capability "
+                           f">= {fam.min_cc / 10:.1f}; this device has {cc / 10:.1f}")
+    smem = smem_bytes(config)
+    if smem > smem_limit:
+        raise RuntimeError(f"{config.key()} needs {smem} bytes of shared memory; "
+                           f"the device allows {smem_limit}")
+    # CuPy appends -arch=sm_<cc> itself; name the arch only where the family
+    # needs the arch-specific target (sm_90a: wgmma, setmaxnreg).
+    options = compile_options(config, f"{cc}a" if fam.arch_specific else str(cc))
+    if not fam.arch_specific:
+        options = tuple(o for o in options if not o.startswith("-arch="))
+    options += extra
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=load_source(config.source), options=options,
+                                name_expressions=[config.name_expression()])
+        kern = module.get_function(config.name_expression())
+        if smem > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = smem
+    with _lock:
+        _modules[key] = module
+    _kernels[key] = kern   # last: a thread that finds it finds it ready
+    return kern
 
 
 def loaded_modules(define: str) -> list["cupy.RawModule"]:
     """The modules loaded so far whose CUFLASH_NVRTC_DEFINES included ``define`` (diagnostic builds,
     e.g. the forward's fallback counters read by the tests)."""
-    return [m for key, m in _modules.items() if define in key[2]]
+    with _lock:   # a compile on another thread may add one meanwhile
+        return [m for key, m in _modules.items() if define in key[2]]
 
 
 def precompile(configs: Iterable[KernelConfig], device_id: int,

@@ -6,9 +6,11 @@ represented as ``x8 * descale`` with ``descale`` a float32 scalar on the device.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from . import _checks, heuristics, launch, params, sm90, tma
+from . import _checks, capture, heuristics, launch, params, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -87,20 +89,36 @@ def descale_array(name: str, x, device_id: int):
     cupy = _checks._cupy()
     check_descale(name, x, device_id)
     if isinstance(x, cupy.ndarray):
-        return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+        if x.flags.c_contiguous:
+            return x
+        x = cupy.ascontiguousarray(x)
+        capture.keep_if_capturing(x)
+        return x
     value = float(x)
     # One device scalar per (value, device), reused: no allocation and fill per call for a fixed scale.
+    # Kernels on any stream read it, so it is filled on the setup stream and waited for before anyone
+    # can find it, and it is never freed (a kernel may still read it). Past the cap, a scalar per call,
+    # filled on the caller's stream, which orders its reuse after the kernel.
     key = (value, device_id)
     found = _float_descales.get(key)
     if found is None:
-        if len(_float_descales) >= 256:
-            _float_descales.clear()
         with cupy.cuda.Device(device_id):
-            found = _float_descales[key] = cupy.full((1,), value, dtype=np.float32)
+            if len(_float_descales) >= _FLOAT_DESCALES_MAX:
+                found = cupy.full((1,), value, dtype=np.float32)
+                capture.keep_if_capturing(found)
+                return found
+            stream = capture.setup_stream(device_id)
+            with stream:
+                made = cupy.full((1,), value, dtype=np.float32)
+            stream.synchronize()
+        with _float_descales_lock:
+            found = _float_descales.setdefault(key, made)
     return found
 
 
 _float_descales: dict = {}
+_float_descales_lock = threading.Lock()
+_FLOAT_DESCALES_MAX = 256
 
 
 def _aux_config(family: str, dtype: str) -> KernelConfig:
@@ -137,10 +155,13 @@ def quantize(x):
     dtype = _QUANTIZE_INPUTS[x.dtype]
     dev = x.device.id
     with cupy.cuda.Device(dev):
-        x = cupy.ascontiguousarray(x)
+        contiguous = cupy.ascontiguousarray(x)
         x8 = cupy.empty(x.shape, dtype=np.uint8)
         descale = cupy.empty((1,), dtype=np.float32)
         amax = cupy.zeros((1,), dtype=np.uint32)
+        # Temporaries a captured graph reads and writes on every replay.
+        capture.keep_if_capturing(amax, contiguous if contiguous is not x else None)
+        x = contiguous
         n = x.size
         threads = 32 * _AUX_WARPS
         blocks = max(1, min(-(-n // (4 * threads)), 4 * launch.sm_count()))
@@ -156,9 +177,11 @@ def transpose_v(v, seqlen_k_pad: int):
     the order of the kernel's P fragment (aux/fp8.cu), keys >= Nk zero."""
     cupy = _checks._cupy()
     b, nk, hkv, d = v.shape
+    copied = None
     if v.data.ptr % 16 or any(s % 16 for s in v.strides[:3]):   # the kernel reads 16-byte chunks
-        v = cupy.ascontiguousarray(v)
+        v = copied = cupy.ascontiguousarray(v)
     vt = cupy.empty((b, hkv, d, seqlen_k_pad), dtype=np.uint8)
+    capture.keep_if_capturing(vt, copied)   # temporaries a captured graph reads on every replay
     kern, cfg = _aux_kernel("fp8_transpose_v", "float8_e4m3fn", v.device.id)
     kern((-(-seqlen_k_pad // 128), hkv, b), (cfg.threads,),
          (v.view(np.uint8), vt, np.int64(v.strides[0]), np.int64(v.strides[1]), np.int64(v.strides[2]),
@@ -197,7 +220,7 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, cols, swizzle),
         tma.encode_tiled(vt.data.ptr, "float8_e4m3fn", (nk_pad, d, hkv, b),
                          (nk_pad, d * nk_pad, hkv * d * nk_pad), (128, rows, 1, 1), tma.SWIZZLE_128B)))
-    extra = (maps, sm90.tile_counter(device_id)) if cfg.family.endswith("_p") else (maps,)
+    extra = (maps, tile_counters.for_device(device_id)) if cfg.family.endswith("_p") else (maps,)
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,

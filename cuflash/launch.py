@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 
+from . import tile_counters
 from .config import KernelConfig
 
 
@@ -214,6 +215,7 @@ class _ParamBuffer(threading.local):
     def __init__(self) -> None:
         self.data = ctypes.create_string_buffer(_PARAM_BUFFER_BYTES)
         self.data_ptr = ctypes.addressof(self.data)
+        self.words = memoryview(self.data).cast("B").cast("Q")   # 8-byte views: where a tile counter goes
         self.pointer_arrays: dict = {}
 
     def pointers(self, offsets: tuple) -> int:
@@ -240,19 +242,30 @@ class PackedTail:
         self.blob, self.offsets = _pack(b"", (), args)
 
 
-def _pack(head: bytes, head_offsets: tuple, args) -> tuple[bytes, tuple]:
+def _is_counter(a) -> bool:
+    """A tile-counter pool (tile_counters.py) standing for the pointer argument it fills per launch."""
+    return isinstance(a, tile_counters.COUNTER_TYPES)
+
+
+def _pack(head: bytes, head_offsets: tuple, args, counters: list | None = None) -> tuple[bytes, tuple]:
     parts, offsets, size = [head], list(head_offsets), len(head)
     for a in args:
         if isinstance(a, PackedTail):
             align, blob = TMA_DESC_ALIGN, a.blob
         elif isinstance(a, np.ndarray):
             align, blob = (TMA_DESC_ALIGN if a.dtype.itemsize == 128 else 8), a.tobytes()
+        elif _is_counter(a):   # a pointer written at launch time
+            if counters is None:
+                raise TypeError("a tile counter cannot be packed ahead of its launch (PackedTail)")
+            align, blob = 8, bytes(8)
         else:  # a CuPy array: its device pointer
             align, blob = 8, a.data.ptr.to_bytes(8, "little")
         pad = -size % align
         if pad:
             parts.append(bytes(pad))
         size += pad
+        if counters is not None and _is_counter(a):
+            counters.append((a, size))
         offsets.extend([size + o for o in a.offsets] if isinstance(a, PackedTail) else [size])
         parts.append(blob)
         size += len(blob)
@@ -262,9 +275,37 @@ def _pack(head: bytes, head_offsets: tuple, args) -> tuple[bytes, tuple]:
 def pack_arguments(params, extra_args: tuple = ()) -> tuple[bytes, tuple]:
     """The kernel parameter bytes of ``(params struct, *extra_args)`` and each argument's offset:
     the struct (bytes or a one-element array, at 0), then tensor maps (one-element ``V128``
-    arrays, 64-byte aligned), ``PackedTail`` runs of them, and device pointers (CuPy arrays)."""
+    arrays, 64-byte aligned), ``PackedTail`` runs of them, device pointers (CuPy arrays), and tile
+    counters (tile_counters.py: 8 zero bytes here, a slot's address at launch)."""
+    return _pack_launch(params, extra_args)[:2]
+
+
+def _pack_launch(params, extra_args: tuple) -> tuple[bytes, tuple, tuple]:
+    """pack_arguments, and (tile-counter pool, byte offset) of the counter argument, or (None, 0)."""
     head = params if isinstance(params, bytes) else params.tobytes()
-    return _pack(head, (0,), extra_args)
+    counters: list = []
+    blob, offsets = _pack(head, (0,), extra_args, counters)
+    if len(counters) > 1:
+        raise ValueError("a kernel takes at most one tile counter")
+    return blob, offsets, (counters[0] if counters else (None, 0))
+
+
+def _launch_counted(launch_kernel, fptr: int, grid: tuple, threads: int, smem: int, stream_ptr: int,
+                    args, nbytes: int, offsets: tuple, counters, counter_offset: int) -> None:
+    """Launches a kernel that takes a tile counter: its arguments (``args``: the packed bytes or their
+    address) copied into this thread's buffer with a slot of ``counters`` written in, and the slot handed
+    to the pool after the launch (the driver copies the parameters during cuLaunchKernel, so the buffer
+    is free again when it returns)."""
+    buf = _param_buffer
+    ctypes.memmove(buf.data_ptr, args, nbytes)
+    ticket = counters.acquire(stream_ptr)
+    buf.words[counter_offset >> 3] = ticket[0]
+    try:
+        launch_kernel(fptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream_ptr, buf.pointers(offsets), 0)
+    except BaseException:
+        counters.unused(ticket)
+        raise
+    counters.launched(ticket, stream_ptr)
 
 
 def _function_ptr(kernel, smem: int) -> int:
@@ -289,11 +330,15 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
         _launch_via_cupy(kernel, config, grid, params, smem, extra_args)
         return
     launch_kernel, current_stream = _cuda or _bind_cuda()
-    args, offsets = pack_arguments(params, extra_args)
+    args, offsets, (counters, counter_offset) = _pack_launch(params, extra_args)
+    fptr, stream_ptr = _function_ptr(kernel, smem), current_stream().ptr
+    if counters is not None:
+        _launch_counted(launch_kernel, fptr, grid, config.threads, smem, stream_ptr, args, len(args), offsets,
+                        counters, counter_offset)
+        return
     buf = _param_buffer
     ctypes.memmove(buf.data_ptr, args, len(args))
-    launch_kernel(_function_ptr(kernel, smem), grid[0], grid[1], grid[2], config.threads, 1, 1, smem,
-                  current_stream().ptr, buf.pointers(offsets), 0)
+    launch_kernel(fptr, grid[0], grid[1], grid[2], config.threads, 1, 1, smem, stream_ptr, buf.pointers(offsets), 0)
 
 
 # (cuLaunchKernel, CuPy's current-stream getter), bound on first use: an import statement on every
@@ -314,24 +359,31 @@ class Prepared:
     stream: the forward's call cache (api.py) keeps these for calls it has seen, so that a repeated
     call skips the checks, the plan and tensor-map lookups and the packing. The buffer is never
     written after construction (the driver copies the parameters during cuLaunchKernel), so threads
-    may replay one concurrently."""
+    may replay one concurrently. A kernel that takes a tile counter gets a slot of its pool per launch,
+    written into a per-thread copy of the arguments (``_launch_counted``)."""
 
     __slots__ = ("kernel", "fptr", "grid", "threads", "smem", "_buffer", "_pointer_array", "pointers",
-                 "_launch_kernel")
+                 "_launch_kernel", "_offsets", "_counters", "_counter_offset")
 
     def __init__(self, kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
                  extra_args: tuple = ()) -> None:
-        args, offsets = pack_arguments(params, extra_args)
+        args, offsets, (self._counters, self._counter_offset) = _pack_launch(params, extra_args)
         self.kernel = kernel   # keeps the module (and so fptr) alive
         self.fptr = _function_ptr(kernel, smem)
         self.grid, self.threads, self.smem = grid, config.threads, smem
         self._buffer = ctypes.create_string_buffer(args, len(args))
+        self._offsets = offsets
         base = ctypes.addressof(self._buffer)
         self._pointer_array = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self.pointers = ctypes.addressof(self._pointer_array)
         self._launch_kernel = (_cuda or _bind_cuda())[0]
 
     def __call__(self, stream_ptr: int) -> None:
+        if self._counters is not None:
+            _launch_counted(self._launch_kernel, self.fptr, self.grid, self.threads, self.smem, stream_ptr,
+                            ctypes.addressof(self._buffer), len(self._buffer), self._offsets, self._counters,
+                            self._counter_offset)
+            return
         gx, gy, gz = self.grid
         self._launch_kernel(self.fptr, gx, gy, gz, self.threads, 1, 1, self.smem, stream_ptr, self.pointers, 0)
 
@@ -351,9 +403,24 @@ def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extr
     """CuPy's RawKernel call (one NumPy array per by-value argument)."""
     head = params if isinstance(params, bytes) else params.tobytes()
     values = [np.frombuffer(head, dtype=f"V{len(head)}")]
+    counters = ticket = None
     for a in extra_args:
-        values.extend(a.args if isinstance(a, PackedTail) else [a])
-    kernel(grid, (config.threads,), tuple(values), shared_mem=smem)
+        if _is_counter(a):
+            counters = a
+            stream_ptr = (_cuda or _bind_cuda())[1]().ptr
+            ticket = counters.acquire(stream_ptr)
+            values.append(np.uint64(ticket[0]))   # the slot's address, passed by value as the pointer
+        else:
+            values.extend(a.args if isinstance(a, PackedTail) else [a])
+    if counters is None:
+        kernel(grid, (config.threads,), tuple(values), shared_mem=smem)
+        return
+    try:
+        kernel(grid, (config.threads,), tuple(values), shared_mem=smem)
+    except BaseException:
+        counters.unused(ticket)
+        raise
+    counters.launched(ticket, stream_ptr)
 
 
 _LAUNCH_VIA_CUPY = os.environ.get("CUFLASH_LAUNCH", "").strip().lower() == "cupy"

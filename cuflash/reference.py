@@ -33,6 +33,16 @@ def _as_f64(x, name: str = "x") -> np.ndarray:
         raise TypeError(f"{name} must hold real numbers, got dtype {a.dtype}: {e}") from None
 
 
+def _check_real_array(x, name: str) -> None:
+    """An array (CuPy or NumPy: anything with a shape and a dtype) of real numbers, for the GPU reference,
+    which reads its inputs where they are; TypeError naming the argument otherwise."""
+    if not (hasattr(x, "shape") and hasattr(x, "ndim") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array of real numbers, got {type(x).__name__}")
+    dtype = np.dtype(x.dtype)
+    if dtype.kind in "cOSUMm" or dtype.fields is not None:
+        raise TypeError(f"{name} must hold real numbers, got dtype {dtype}")
+
+
 def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
     """The layout the kernels take: q (B, Nq, Hq, D), k and v (B, Nk, Hkv, D), Hq % Hkv == 0.
     Reuses the kernels' shape checks, so the messages are the same."""
@@ -124,3 +134,71 @@ def rel_err(x, ref) -> float:
     if denom == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return float(num / denom)
+
+
+def _chunk_rows(seqlen_k: int, chunk_rows: int | None) -> int:
+    """Query rows per chunk: about 2^26 scores (512 MiB of float64) at a time unless told."""
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        return chunk_rows
+    return max(1, min(4096, (1 << 26) // max(seqlen_k, 1)))
+
+
+def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, softmax_scale: float | None = None,
+                                chunk_rows: int | None = None):
+    """Float64 attention (and, given ``dout``, its gradients) on the GPU, a chunk of query rows at a time,
+    so that long sequences never hold the whole score matrix.
+
+    Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine) and the
+    conventions are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``, or
+    ``(out, lse, dq, dk, dv)`` with ``dout``; rows that see no key give 0, lse -inf and zero gradients.
+    ``chunk_rows``: query rows per chunk (default: about 2^26 scores a chunk).
+    """
+    import cupy
+
+    return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows)
+
+
+def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
+    """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy in the CPU tests)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if x is not None or name != "dout":
+            _check_real_array(x, name)
+    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
+    causal, scale = _options(causal, softmax_scale, d)
+    if dout is not None and tuple(dout.shape) != tuple(q.shape):
+        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    rows = _chunk_rows(nk, chunk_rows)
+    f64, group = xp.float64, hq // hkv
+    out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
+    grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
+                                       xp.zeros((b, nk, hkv, d), f64))
+    keys = xp.arange(nk)[None, :]
+    for bi in range(b):
+        for h in range(hq):
+            kh, vh = xp.asarray(k[bi, :, h // group], f64), xp.asarray(v[bi, :, h // group], f64)
+            qh = xp.asarray(q[bi, :, h], f64)
+            for r0 in range(0, nq, rows):
+                r1 = min(nq, r0 + rows)
+                s = (qh[r0:r1] @ kh.T) * scale
+                if causal:
+                    s = xp.where(keys <= xp.arange(r0, r1)[:, None] + (nk - nq), s, -xp.inf)
+                m = s.max(axis=1, keepdims=True) if nk else xp.full((r1 - r0, 1), -xp.inf, f64)
+                m = xp.where(xp.isfinite(m), m, 0.0)   # rows that see no key: every p is 0
+                p = xp.exp(s - m)
+                total = p.sum(axis=1, keepdims=True)
+                seen = total > 0
+                p /= xp.where(seen, total, 1.0)
+                o = p @ vh
+                out[bi, r0:r1, h] = o
+                lse[bi, h, r0:r1] = xp.where(seen, xp.log(xp.where(seen, total, 1.0)) + m, -xp.inf)[:, 0]
+                if grads is not None:
+                    dq, dk, dv = grads
+                    do = xp.asarray(dout[bi, r0:r1, h], f64)
+                    dv[bi, :, h // group] += p.T @ do
+                    ds = p * (do @ vh.T - (do * o).sum(axis=1, keepdims=True))
+                    dq[bi, r0:r1, h] = scale * (ds @ kh)
+                    dk[bi, :, h // group] += scale * (ds.T @ qh[r0:r1])
+    return (out, lse) if grads is None else (out, lse, *grads)
+

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from . import heuristics, tma
+from . import heuristics, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
 from .launch import PackedTail
@@ -14,9 +14,10 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
     kernel writes O into).
 
     For the sm90 fp16/bf16 forward families the extra arguments are the tensor maps of q, k and v
-    (and, for the persistent kernels, which store O through TMA, of the output, then the tile
-    counter); when TMA cannot address an input (base or strides not 16-byte multiples) the portable
-    kernel is used instead. Where only ``out`` is the problem for a persistent kernel, the kernel
+    (and, for the persistent kernels, which store O through TMA, of the output, then the device's
+    tile-counter pool, from which each launch takes a slot: tile_counters.py); when TMA cannot
+    address an input (base or strides not 16-byte multiples) the portable kernel is used instead.
+    Where only ``out`` is the problem for a persistent kernel, the kernel
     writes a compact stand-in, which the caller copies into ``out``. That check runs only when the
     tensor-map cache misses. Other families pass through unchanged.
     """
@@ -36,7 +37,7 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
         maps = _maps((q, k, v, out), cfg.dtype, rows)
     if maps is None:
         return (*_portable_fwd(cfg, device_id), (), out)
-    return kern, cfg, smem, (maps, tile_counter(device_id)), out
+    return kern, cfg, smem, (maps, tile_counters.for_device(device_id)), out
 
 
 def _portable_fwd(cfg: KernelConfig, device_id: int):
@@ -63,22 +64,6 @@ def _maps(arrays: tuple, dtype: str, box_rows: tuple):
             _map_sets.clear()
         _map_sets[key] = found
     return found
-
-
-# (device, stream) -> two int32 zeros: the persistent forward's tile counter, which the kernel
-# resets when it finishes (launches on one stream run one after the other).
-_tile_counters: dict = {}
-
-
-def tile_counter(device_id: int):
-    import cupy
-
-    key = (device_id, cupy.cuda.get_current_stream().ptr)
-    c = _tile_counters.get(key)
-    if c is None:
-        with cupy.cuda.Device(device_id):
-            c = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
-    return c
 
 
 # Consumer warpgroups of the sm90 backward (Sm90BwdTile::kConsumerWGs): dQ slices per query tile.

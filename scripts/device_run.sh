@@ -4,6 +4,8 @@
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
+#   fuzz : threads, streams, devices and CUDA graphs (tests/test_concurrency.py), then 1000 random valid
+#          configurations against float64 (tests/test_fuzz.py; CUFLASH_FUZZ_SEED repeats a run)
 #   jax : cuflash.jax (tests/test_jax.py): the XLA FFI custom calls against jax.nn.dot_product_attention, CPU and GPU
 #   ring [ARGS...] : ring attention (cuflash.distributed): local-ring tests on GPU 0; with 2+ GPUs the NCCL check
 #              at N=32k for each ring size and the N=128k speed-up (ARGS to python -m cuflash.distributed.bench)
@@ -43,6 +45,7 @@ case $phase in
   fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
   ring) python3 scripts/precompile.py fwd bwd ring | tail -1 ;;
   jax) python3 scripts/precompile.py fwd bwd | tail -1 ;;
+  fuzz) ;;  # the fuzz compiles the kernels its cases take, on every core (a full precompile takes longer)
   *) python3 scripts/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -75,6 +78,10 @@ case $phase in
         [ $rc -eq 0 ] || status=1
       done
     done
+    ;;
+  fuzz)
+    python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 tests/test_concurrency.py tests/test_fuzz.py \
+      2>&1 | tee "$OUT/pytest-fuzz.log" | tail -n 40 || status=1
     ;;
   fp8)
     python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1

@@ -16,7 +16,7 @@ os.environ["CUFLASH_NVRTC_DEFINES"] = (os.environ.get("CUFLASH_NVRTC_DEFINES", "
 import cupy  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import sm90  # noqa: E402
+from cuflash import api, tile_counters  # noqa: E402
 from cuflash.bench import Shape, random_inputs  # noqa: E402
 
 SLOTS, TILES, WGS = 8, 16, 3
@@ -26,15 +26,13 @@ def trace(shape: Shape) -> None:
     q, k, v = random_inputs(shape)
     ctas = 256  # >= the persistent grid (one CTA per SM)
     buf = cupy.zeros(64 // 2 + ctas * WGS * TILES * SLOTS, dtype=cupy.uint64)   # 64 ints, then the stamps
-    real = sm90.tile_counter
-    sm90.tile_counter = lambda device_id: buf.view(cupy.int32)
-    try:
+    api._fwd_plans.clear()   # recorded calls keep the counter they were made with
+    with tile_counters.fixed(q.device.id, buf.data.ptr):
         for _ in range(4):  # the last run's stamps count
             buf[32:] = 0
             cuflash.forward(q, k, v, causal=shape.causal)
         cupy.cuda.Device().synchronize()
-    finally:
-        sm90.tile_counter = real
+    api._fwd_plans.clear()
     t = buf[32:].get().astype(np.int64).reshape(ctas, WGS, TILES, SLOTS)
     start, q_in, k_in, loop, epi, smid, nk = (t[..., i] for i in range(7))
     used = (start > 0) & (epi > 0) & (k_in > 0)

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, poisoned, randn, requires_gpu
+from conftest import BWD_TOL, poisoned, randn, rel_err_gpu, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -144,13 +144,16 @@ def test_workspace_poisoned(rng, monkeypatch, head_dim, causal, nq, nk, determin
 def test_many_ctas_in_flight(rng, head_dim, causal):
     """Several waves of CTAs adding into the same dQ tiles at once: on Hopper the first key tile to reach a
     dQ slice stores it and the others wait for that store, so this is where a circular wait between CTAs
-    would hang and a lost ordering would show. The default mode against the deterministic one (an
-    independent fixed order) on the same inputs (B=4 H=16 N=2048: 1024 CTAs at d=128, ~8 waves)."""
+    would hang and a lost ordering would show. Both the default mode and the deterministic one (an
+    independent fixed order) against float64 on the GPU, by chunks of query rows (B=4 H=16 N=2048: 1024
+    CTAs at d=128, ~8 waves)."""
     import cupy
     import cuflash
+    from cuflash.reference import attention_reference_chunked
 
     q, k, v, dout = (randn(rng, (4, 2048, 16, head_dim), "float16") for _ in range(4))
     out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
+    ref = attention_reference_chunked(q, k, v, dout, causal=causal)[2:]
     fast = [poisoned(q.shape, "float16") for _ in range(3)]
     ordered = [poisoned(q.shape, "float16") for _ in range(3)]
     for _ in range(3):   # repeated: an occasional circular wait or race has several chances to show
@@ -158,10 +161,11 @@ def test_many_ctas_in_flight(rng, head_dim, causal):
         cuflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
                          dq=ordered[0], dk=ordered[1], dv=ordered[2])
         cupy.cuda.get_current_stream().synchronize()
-        for name, x, y in zip(("dq", "dk", "dv"), fast, ordered):
-            x64, y64 = x.astype(cupy.float64), y.astype(cupy.float64)
-            rel = float(cupy.linalg.norm(x64 - y64) / cupy.linalg.norm(y64))
-            assert rel <= 2e-3, f"{name}: default and deterministic modes differ by {rel:.2e} (relative norm)"
+        for mode, grads in (("default", fast), ("deterministic", ordered)):
+            for name, x, r in zip(("dq", "dk", "dv"), grads, ref):
+                err = rel_err_gpu(x, r)
+                _log(f"many_ctas {mode} d={head_dim} causal={causal} {name} {err:.3e}")
+                assert err <= BWD_TOL["float16"], f"{mode} {name}: rel err {err:.3e} against float64"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -358,7 +362,12 @@ def test_peak_memory_is_linear_at_32k(rng):
         _log(f"memory n={n} det={det}: extra {extra / 2**20:.1f} MiB (float32 q-sized tensor "
              f"{linear / 2**20:.1f} MiB, seqlen^2 fp16 {n * n * 2 / 2**30:.1f} GiB)")
         assert extra <= 2 * linear, f"extra memory {extra} bytes > 2 float32 q-sized tensors"
-    assert bool(cupy.isfinite(dq.astype(cupy.float32)).all())
+    from cuflash.reference import attention_reference_chunked
+
+    for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), attention_reference_chunked(q, k, v, dout, causal=True)[2:]):
+        err = rel_err_gpu(x, r)
+        _log(f"32k causal deterministic {name} {err:.3e}")
+        assert err <= BWD_TOL["float16"], f"{name}: rel err {err:.3e} against float64"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

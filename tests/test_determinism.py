@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import randn, requires_gpu
+from conftest import BWD_TOL, randn, rel_err_gpu, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -63,16 +63,15 @@ def test_deterministic_is_bitwise_reproducible(rng, dtype, causal, hq, hkv, d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_many_key_tiles(rng, causal):
     """More key tiles per head than a GPU holds CTAs at once (32768 / 128 = 256): the ordered dQ
-    reduction must still finish (each CTA waits only on CTAs launched before it) and agree with
-    the atomic path."""
-    import cupy
+    reduction must still finish (each CTA waits only on CTAs launched before it); it and the atomic
+    path against float64 (on the GPU, by chunks of query rows)."""
+    from cuflash.reference import attention_reference_chunked
 
     b, n, h, d = 1, 32768, 1, 64
     q, k, v, dout = (randn(rng, (b, n, h, d), "bfloat16") for _ in range(4))
-    det = _run(q, k, v, dout, causal, True)
-    ref = _run(q, k, v, dout, causal, False)
-    for name, a, r in zip(("dq", "dk", "dv"), det, ref):
-        a, r = a.astype(cupy.float32), r.astype(cupy.float32)
-        assert bool(cupy.isfinite(a).all()), f"{name}: non-finite"
-        rel = float(cupy.linalg.norm(a - r) / cupy.linalg.norm(r))
-        assert rel < 1e-2, f"{name}: deterministic vs atomic relative difference {rel:.2e}"
+    ref = attention_reference_chunked(q, k, v, dout, causal=causal)[2:]
+    for mode, grads in (("deterministic", _run(q, k, v, dout, causal, True)),
+                        ("atomic", _run(q, k, v, dout, causal, False))):
+        for name, x, r in zip(("dq", "dk", "dv"), grads, ref):
+            err = rel_err_gpu(x, r)
+            assert err <= BWD_TOL["bfloat16"], f"{mode} {name}: rel err {err:.3e} against float64"

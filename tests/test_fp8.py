@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_lse_matches, requires_gpu
+from conftest import LSE_RTOL_FP8, assert_lse_matches, requires_gpu
 from cuflash import heuristics
 from cuflash.config import KernelConfig
 
 # ||out - ref|| / ||ref|| against float64 attention of the dequantised inputs. The error comes from
 # rounding P to e4m3 (3 mantissa bits: ~3.6 % rms per element; ~2.4 % of the output norm for random
-# inputs in a float64 simulation at D=64 and 128, N=1024); the lse is
-# computed from exact fp8 products in fp32 and is as accurate as fp16's.
+# inputs in a float64 simulation at D=64 and 128, N=1024); the lse comes from exact fp8 products summed
+# by the fp8 tensor cores (conftest.LSE_RTOL_FP8).
 FP8_TOL = 0.04
 
 
@@ -171,7 +171,7 @@ def check_fp8(rng, b, nq, nk, hq, hkv, d, causal, scale=None, float_descales=Fal
     ref_o, ref_lse = attention_reference(qf, kf, vf, causal=causal, softmax_scale=scale)
     err = rel_err(o, ref_o)
     assert err <= FP8_TOL, f"out rel err {err:.3e} > {FP8_TOL}"
-    assert_lse_matches(lse, ref_lse, (b, hq, nq))
+    assert_lse_matches(lse, ref_lse, (b, hq, nq), rtol=LSE_RTOL_FP8)
     return err
 
 

@@ -108,6 +108,23 @@ def test_max_jump(counting, rng, path, gap, dtype, d, causal):
     last one, then scores 4 * gap for every other query row: 50 (72 in log2, past both dtypes' bounds), which
     the warps re-base from their probabilities, or 160 (230 in log2, past exp2's range), for which they
     compute S again; the other rows keep their max. All against float64."""
+    _max_jump(counting, rng, path, gap, dtype, d, causal)
+
+
+@pytest.mark.parametrize("path,gap", [("rebase", 12.5), ("recompute", 40.0)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_max_jump_causal_d64_overlap(counting, rng, monkeypatch, path, gap, dtype):
+    """Causal D=64, where the tuned table's kernel (the simple schedule) keeps no max: the persistent overlap
+    schedule forced (128-row tiles under the mask), so that both fallback paths are checked there too."""
+    from cuflash import api
+
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_overlap_p")
+    api._fwd_plans.clear()
+    assert _uses_keep_max(dtype, 64, True)
+    _max_jump(counting, rng, path, gap, dtype, 64, True)
+
+
+def _max_jump(counting, rng, path, gap, dtype, d, causal):
     import cupy
     from conftest import randn
 

@@ -50,45 +50,6 @@ def global_inputs(case: Case):
     return q, k, v, dout
 
 
-def reference_chunked(q, k, v, dout, *, causal: bool, softmax_scale: float | None = None, chunk_rows: int = 2048):
-    """Float64 attention and its gradients on the GPU, ``chunk_rows`` query rows at a time (never the
-    whole score matrix): returns CuPy float64 ``(out, lse, dq, dk, dv)``; causal aligned bottom-right."""
-    import cupy
-
-    b, n, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    f64 = cupy.float64
-    out = cupy.zeros((b, n, hq, d), f64)
-    lse = cupy.zeros((b, hq, n), f64)
-    dq, dk, dv = cupy.zeros((b, n, hq, d), f64), cupy.zeros((b, nk, hkv, d), f64), cupy.zeros((b, nk, hkv, d), f64)
-    cols = cupy.arange(nk)[None, :]
-    for bi in range(b):
-        for h in range(hq):
-            qh, kh, vh = q[bi, :, h].astype(f64), k[bi, :, h // g].astype(f64), v[bi, :, h // g].astype(f64)
-            doh = dout[bi, :, h].astype(f64)
-            for r0 in range(0, n, chunk_rows):
-                r1 = min(n, r0 + chunk_rows)
-                s = (qh[r0:r1] @ kh.T) * scale
-                if causal:
-                    s = cupy.where(cols <= cupy.arange(r0, r1)[:, None] + (nk - n), s, -cupy.inf)
-                m = s.max(axis=1, keepdims=True)
-                p = cupy.exp(s - m)
-                total = p.sum(axis=1, keepdims=True)
-                p /= total
-                o = p @ vh
-                out[bi, r0:r1, h] = o
-                lse[bi, h, r0:r1] = (m + cupy.log(total))[:, 0]
-                dv[bi, :, h // g] += p.T @ doh[r0:r1]
-                dp = doh[r0:r1] @ vh.T
-                delta = (doh[r0:r1] * o).sum(axis=1, keepdims=True)
-                ds = p * (dp - delta)
-                dq[bi, r0:r1, h] = scale * (ds @ kh)
-                dk[bi, :, h // g] += scale * (ds.T @ qh[r0:r1])
-    return out, lse, dq, dk, dv
-
-
 def _host(x):
     """A CuPy array as NumPy, bfloat16 kept as its bits' ml_dtypes view (pickles between processes)."""
     return x.get()
@@ -131,6 +92,7 @@ def check_case(world: int, case: Case, *, deterministic: bool = False) -> dict:
     import cupy
 
     import cuflash
+    from ..reference import attention_reference_chunked
     from .launch import run_ranks
     from .plan import zigzag_unshard
 
@@ -141,7 +103,8 @@ def check_case(world: int, case: Case, *, deterministic: bool = False) -> dict:
     out, lse = cuflash.forward(q, k, v, causal=case.causal, return_lse=True)
     dq, dk, dv = cuflash.backward(dout, q, k, v, out, lse, causal=case.causal, deterministic=deterministic)
     single = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    ref = dict(zip(("out", "lse", "dq", "dk", "dv"), reference_chunked(q, k, v, dout, causal=case.causal)))
+    ref = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                   attention_reference_chunked(q, k, v, dout, causal=case.causal, chunk_rows=2048)))
 
     def errs(x, r):
         return {name: (lse_err if name == "lse" else rel_err)(x[name], r[name]) for name in x}
