@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, by phase (each fits a 10-minute call on an H100):
-#   tests : GPU tests on the default kernels (FA4 parked too when .fa4a is carried), then on the portable ones (forced)
+#   tests : GPU tests on the default kernels, PyTorch and DLPack included (FA4 parked too when .fa4a is carried)
+#   tests80 : the forward, backward and determinism tests on the portable kernels (forced)
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table
 #   fp8 : the fp8 tests and scripts/bench_fp8.py
@@ -63,7 +64,10 @@ case $phase in
   tests)
     [ -f .fa4a/cu13part00 ] && fa4_setup
     T="tests/test_distributed.py tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
+    T="$T tests/test_torch.py tests/test_interop.py"   # skip where PyTorch is missing
     python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tee "$OUT/pytest.log" | tail -n 8 || status=1
+    ;;
+  tests80)
     echo "== portable kernels forced (CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"
     CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q -p no:cacheprovider \
       tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py -k "not float32" 2>&1 | tee "$OUT/pytest-sm80.log" | tail -n 3 || status=1
