@@ -179,7 +179,7 @@ def run_case(case: Case, seed: int) -> list[str]:
     hq_, hk_, hv_, hdo = _host_inputs(case, rng)
     q, k, v, dout = (_view(layout, x)[0] for layout, x in zip(case.layouts[:4], (hq_, hk_, hv_, hdo)))
     outs = [None if layout is None else _view(layout, np.empty(x.shape, x.dtype), fill_nan=True)
-            for layout, x in zip(case.layouts[4:], (hq_, hk_, hv_, hq_))]
+            for layout, x in zip(case.layouts[4:], (hq_, hq_, hk_, hv_))]   # out, dq, dk, dv
     out_buf = outs[0][0] if outs[0] else None
     grad_bufs = [o[0] if o else None for o in outs[1:]]
     problems = []
