@@ -1,6 +1,7 @@
 """CPU-only: a built wheel carries the CUDA sources and finds them once installed."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,28 @@ def test_wheel_holds_only_the_library(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "tools", "benchmarks", "docs")]
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)")   # the target of a Markdown link or image
+
+
+def test_package_description_links_are_absolute(wheel):
+    """The description an index renders (docs/package_description.md, in the wheel's METADATA) has
+    no relative link: there is no repository beside it."""
+    meta = next(zipfile.ZipFile(wheel).read(n).decode() for n in zipfile.ZipFile(wheel).namelist()
+                if n.endswith(".dist-info/METADATA"))
+    head, _, body = meta.partition("\n\n")
+    assert "Description-Content-Type: text/markdown" in head
+    assert "pip install" in body and "## Requirements" in body
+    targets = _LINK.findall(body)
+    assert targets and all(t.startswith("https://") for t in targets), targets
+
+
+def test_readme_relative_links_resolve():
+    """README.md is the repository's page: its relative links name files of the checkout."""
+    targets = [t.split("#")[0] for t in _LINK.findall((ROOT / "README.md").read_text())]
+    missing = [t for t in targets if t and not t.startswith("https://") and not (ROOT / t).exists()]
+    assert not missing, missing
 
 
 def test_one_version(wheel):
