@@ -120,23 +120,30 @@ def _fa4_fns(fa4, shape, q, k, v, dout) -> dict:
 def benchmark(shapes, repeats: int, backward: bool = True, warmup: int = 5) -> list[dict]:
     """Rows {shape, pass, cuflash, cupy, sdpa_flash, sdpa_cudnn[, fa4]} of TFLOP/s. For each pass,
     cuflash and the peers are timed sample by sample in turn (bench.time_interleaved). The fa4
-    column (FlashAttention-4 on cuflash's inputs) appears when it imports (bench.fa4_fn)."""
+    column (FlashAttention-4 on cuflash's inputs) appears when it imports (bench.fa4_fn); the cupy
+    column is None where cuBLAS is not installed (bench.cublas_missing, printed once)."""
     import cupy
 
-    from .bench import cuflash_pass_fns, cupy_naive_fwd, fa4_fn, random_inputs, tflops, time_cuda, time_interleaved
+    from .bench import (cublas_missing, cuflash_pass_fns, cupy_naive_fwd, fa4_fn, random_inputs, tflops, time_cuda,
+                        time_interleaved)
 
     fa4 = fa4_fn()
+    no_cublas = cublas_missing()
+    if no_cublas is not None:  # the default install: the column shows "-" and this says why
+        print(f"  cupy column skipped: {no_cublas}")
     results = []
     for shape in shapes:
         flops = shape.fwd_flops()
         passes = ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",)
         rows = {p: {"shape": shape.label(), "pass": p} for p in passes}
         q, k, v = random_inputs(shape)
-        try:
-            rows["fwd"]["cupy"] = tflops(flops, time_cuda(
-                lambda: cupy_naive_fwd(q, k, v, shape.causal), repeats=max(3, repeats // 5)))
-        except (cupy.cuda.memory.OutOfMemoryError, TypeError):  # too large, or no bf16 matmul in CuPy
-            rows["fwd"]["cupy"] = None
+        rows["fwd"]["cupy"] = None
+        if no_cublas is None:
+            try:
+                rows["fwd"]["cupy"] = tflops(flops, time_cuda(
+                    lambda: cupy_naive_fwd(q, k, v, shape.causal), repeats=max(3, repeats // 5)))
+            except (cupy.cuda.memory.OutOfMemoryError, TypeError):  # too large, or no bf16 matmul in CuPy
+                pass
         cupy.get_default_memory_pool().free_all_blocks()
         dout = random_inputs(shape, seed=1)[0] if backward else None
         fns = {("cuflash", p): fn for p, fn in cuflash_pass_fns(q, k, v, shape.causal, dout).items()}

@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from ._overlap import shares_memory
+
 try:
     import ml_dtypes
 
@@ -239,3 +241,19 @@ def check_distinct_elements(name: str, x) -> None:
                              f"put several elements at one address (a broadcast or stride-0 view?); pass a "
                              f"buffer of distinct elements")
         span += stride * (n - 1)
+
+
+def check_no_overlap(outputs, inputs) -> None:
+    """No output buffer shares memory with an array the call reads, nor with another output: the
+    kernels read the inputs while they write the outputs, so an overlap gives wrong results or races.
+    ``outputs`` and ``inputs`` are ``(name, array or None)`` pairs; None and non-arrays are skipped.
+    Decided from the arrays' metadata (``_overlap.shares_memory``); not cached, since it depends on
+    the addresses, which every call may change."""
+    cupy = _cupy()
+    given = [(n, x) for n, x in outputs if isinstance(x, cupy.ndarray)]
+    read = [(n, x, "reading") for n, x in inputs if isinstance(x, cupy.ndarray)]
+    for i, (name, buf) in enumerate(given):
+        for other, x, doing in read + [(n, x, "writing") for n, x in given[:i]]:
+            if shares_memory(buf, x):
+                raise ValueError(f"{name} overlaps {other} in memory: the kernels would write {name} while "
+                                 f"{doing} {other}; pass a separate buffer")

@@ -196,9 +196,40 @@ def random_inputs(shape: Shape, seed: int = 0):
     return make_inputs(shape, "normal", seed)
 
 
-def cupy_naive_fwd(q, k, v, causal: bool):
-    """Plain CuPy attention (cuBLAS matmuls, materialised scores) as a baseline."""
+def _load_cublas() -> None:
+    """Loads cuBLAS as CuPy does on a matmul's first use; ImportError where it is not installed."""
     import cupy
+
+    cupy.cuda.cublas  # noqa: B018 - CuPy finds and loads the library on this first access
+
+
+def cublas_missing() -> str | None:
+    """None if CuPy can load cuBLAS, else why not and what to install. Only the plain-CuPy baseline
+    (``cupy_naive_fwd``: ``cupy.matmul``) needs it, so the default install leaves it out (~0.8 GB)."""
+    import cupy
+
+    try:
+        _load_cublas()
+    except (ImportError, OSError) as e:
+        try:
+            major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        except Exception:  # noqa: BLE001 - only to name the right wheel
+            major = None
+        wheel = {12: "nvidia-cublas-cu12", 13: "nvidia-cublas"}.get(major, "nvidia-cublas-cu12 / nvidia-cublas")
+        extra = f"bench-cuda{major}" if major in (12, 13) else "bench-cuda12 / bench-cuda13"
+        return (f"cuBLAS is not installed (the plain-CuPy baseline's cupy.matmul needs it): "
+                f"pip install {wheel}, or install cuflash with the {extra} extra ({str(e)[:120]})")
+    return None
+
+
+def cupy_naive_fwd(q, k, v, causal: bool):
+    """Plain CuPy attention (cuBLAS matmuls, materialised scores) as a baseline. Raises RuntimeError
+    (``cublas_missing``'s text) when cuBLAS is not installed."""
+    import cupy
+
+    missing = cublas_missing()
+    if missing is not None:
+        raise RuntimeError(missing)
 
     d = q.shape[-1]
     g = q.shape[2] // k.shape[2]

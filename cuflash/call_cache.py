@@ -49,6 +49,10 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
     and dtype (the address fixes the device), the options, the current stream and device, and
     $CUFLASH_FWD_BACKEND (tests and tuning runs switch it). An output the call allocates (``out`` None)
     is not in it: the recorded launch holds the address it wrote, and ``replay`` compares.
+
+    Whether ``out`` overlaps q, k or v is a function of these addresses, shapes, strides and dtypes,
+    and a call is recorded only after its checks passed, so a hit never stands in for an overlapping
+    call; an output the call allocates cannot overlap the live inputs.
     """
     nd = _ndarray or _bind_cupy()
     if type(q) is not nd or type(k) is not nd or type(v) is not nd:

@@ -82,7 +82,7 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     """Compile one instantiation with NVRTC, without a GPU: returns (cubin or PTX, log).
 
     Used by the CPU tests (every instantiation must build for sm_80 and sm_90a
-    without register spills) and, through PTX + ptxas, to read SASS. Options
+    without register spills) and, disassembled, to read SASS (cuflash.sass). Options
     match what the dispatcher passes, plus the ``-ftz=true`` that CuPy adds.
     """
     from cupy.cuda import nvrtc

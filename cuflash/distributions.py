@@ -121,7 +121,9 @@ def make_inputs(shape: "Shape", dist: str = "normal", seed: int = 0):
 def sampled_scores(q, k, softmax_scale: float | None = None, samples: int = 512, seed: int = 0):
     """Scaled scores (float32 CuPy ``(rows, seqlen_k)``) of about ``samples`` query rows against every
     key of their head, unmasked: up to 8 (batch, head) pairs, the same number of random rows in
-    each. q ``(batch, seqlen_q, heads, head_dim)``, k ``(batch, seqlen_k, heads_kv, head_dim)``."""
+    each. q ``(batch, seqlen_q, heads, head_dim)``, k ``(batch, seqlen_k, heads_kv, head_dim)``.
+    The products run on the host in NumPy (at most 8 key slices cross the bus): ``@`` on CuPy arrays
+    would need cuBLAS, which the default install leaves out."""
     import cupy
 
     b, nq, hq, d = q.shape
@@ -134,10 +136,10 @@ def sampled_scores(q, k, softmax_scale: float | None = None, samples: int = 512,
     for p in pairs:
         bi, hi = divmod(int(p), hq)
         rows = cupy.asarray(np.sort(rng.choice(nq, size=per_pair, replace=False)))
-        qs = q[bi, :, hi].astype(cupy.float32)[rows]  # (rows, D); cast first: gathers then run on float32
-        ks = k[bi, :, hi // g].astype(cupy.float32)  # (seqlen_k, D)
+        qs = q[bi, :, hi].astype(cupy.float32)[rows].get()  # (rows, D); cast first: gathers then run on float32
+        ks = k[bi, :, hi // g].astype(cupy.float32).get()  # (seqlen_k, D)
         blocks.append(qs @ ks.T * np.float32(scale))
-    return cupy.concatenate(blocks)
+    return cupy.asarray(np.concatenate(blocks))
 
 
 def score_std(q, k, softmax_scale: float | None = None, samples: int = 512) -> float:

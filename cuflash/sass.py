@@ -1,7 +1,8 @@
-"""Disassembly of kernel instantiations on a machine without a GPU (NVRTC PTX -> ptxas -> cuobjdump).
+"""Disassembly of kernel instantiations on a machine without a GPU (NVRTC cubin -> cuobjdump).
 
-Needs ``ptxas`` (CUDA toolkit or the nvidia-cuda-nvcc wheel) and ``cuobjdump`` + ``nvdisasm``
-(wheels nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) on PATH or in site-packages.
+The cubin is NVRTC's own, compiled as the dispatcher compiles it, so the SASS read is the SASS that
+runs. Needs ``cuobjdump`` + ``nvdisasm`` (the ``test`` extra's wheels nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm, a CUDA toolkit, or PATH); they read the cubins of NVRTC 12 and 13 alike.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import collections
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -38,19 +40,27 @@ def _find_tool(name: str) -> str | None:
 
 
 def tools_available() -> str | None:
-    """None if ptxas, cuobjdump and nvdisasm are all found, else a reason."""
-    missing = [t for t in ("ptxas", "cuobjdump", "nvdisasm") if _find_tool(t) is None]
+    """None if cuobjdump and nvdisasm are both found, else a reason."""
+    missing = [t for t in ("cuobjdump", "nvdisasm") if _find_tool(t) is None]
     return f"missing {', '.join(missing)}" if missing else None
+
+
+def whole_elf(cubin: bytes) -> bytes:
+    """The cubin as NVRTC wrote it: CuPy's ``nvrtc.getCUBIN`` drops the last byte, taking it for a
+    string's NUL, and the disassemblers reject the cut file. Pads back to the end of the ELF's header
+    tables (the last byte is the high byte of an alignment or entry size: zero)."""
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + bytes(max(0, end - len(cubin)))
 
 
 def sass(config: KernelConfig, cc: str) -> str:
     """SASS text of one instantiation for sm_<cc> (e.g. "80", "90a")."""
-    ptx, _ = compile_offline(config, cc, ptx=True)
+    cubin, _ = compile_offline(config, cc, verbose_ptxas=False)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx_path.write_bytes(ptx)
-        subprocess.run([_find_tool("ptxas"), f"-arch=sm_{cc}", "-o", str(cubin_path), str(ptx_path)],
-                       check=True, capture_output=True)
+        cubin_path = Path(tmp) / "k.cubin"
+        cubin_path.write_bytes(whole_elf(cubin))
         env = dict(os.environ)
         env["PATH"] = os.path.dirname(_find_tool("nvdisasm")) + os.pathsep + env.get("PATH", "")
         res = subprocess.run([_find_tool("cuobjdump"), "-sass", str(cubin_path)], check=True,

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-from cuflash.compile import compile_offline, load_source
+from cuflash.compile import _inline, compile_offline, load_source
+
+# Test-only kernels (tests/test_sm90_primitives.py) live beside the tests, so that the wheel carries
+# only what the library runs; they include cuflash's sm90 headers by relative path.
+GEMM_TILES = Path(__file__).resolve().parent / "cuda" / "sm90_gemm_tiles.cu"
 
 
 def assert_no_spills(log: str, what: str) -> None:
@@ -45,3 +50,8 @@ def assert_static_checks(source: str, checks, options) -> None:
         raise AssertionError(nvrtc.getProgramLog(prog)) from e
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def gemm_tiles_source() -> str:
+    """tests/cuda/sm90_gemm_tiles.cu with its includes (cuflash's sm90 headers) inlined."""
+    return _inline(GEMM_TILES, set()) + "\n"

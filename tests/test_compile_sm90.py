@@ -174,3 +174,24 @@ def test_forward_short_class():
     assert not heuristics.fwd_short(1025, 1025)
     assert not heuristics.fwd_short(1000, 2049)
     assert not heuristics.fwd_short(2049, 100)
+
+
+def test_sm90_gemm_tiles_compile_from_the_tests_folder():
+    """tests/cuda/sm90_gemm_tiles.cu (tests/test_sm90_primitives.py's kernels, kept out of the wheel)
+    finds cuflash's sm90 headers from beside the tests and compiles for sm_90a."""
+    from cupy.cuda import nvrtc
+
+    from compile_checks import gemm_tiles_source
+
+    names = [f"gemm_{kind}_kernel<{tag}, 128, 128>" for kind in ("ss", "rs") for tag in ("f16_tag", "bf16_tag")]
+    prog = nvrtc.createProgram(gemm_tiles_source(), "sm90_gemm_tiles.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, ["-arch=sm_90a", "-std=c++17"])
+        except nvrtc.NVRTCError as e:
+            raise AssertionError(nvrtc.getProgramLog(prog)) from e
+        assert all(nvrtc.getLoweredName(prog, name) for name in names)
+    finally:
+        nvrtc.destroyProgram(prog)

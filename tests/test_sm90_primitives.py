@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from compile_checks import gemm_tiles_source
 from conftest import GPU_SKIP_REASON, dtype_of
 
 
@@ -23,23 +24,10 @@ pytestmark = pytest.mark.skipif(_cc_reason() is not None, reason=str(_cc_reason(
 TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag"}
 
 
-def test_gemm_source() -> str:
-    """kernels_cu/sm90/test_gemm.cu of this checkout, includes inlined: it is test-only, so the wheel
-    leaves it out and an installed cuflash's kernel_dir() lacks it."""
-    from pathlib import Path
-
-    from cuflash.compile import _inline
-
-    return _inline(Path(__file__).resolve().parents[1] / "kernels_cu" / "sm90" / "test_gemm.cu", set()) + "\n"
-
-
-test_gemm_source.__test__ = False   # a helper, not a test
-
-
 def _kernel(name: str):
     import cupy
 
-    mod = cupy.RawModule(code=test_gemm_source(), options=("-arch=sm_90a", "-std=c++17"),
+    mod = cupy.RawModule(code=gemm_tiles_source(), options=("-arch=sm_90a", "-std=c++17"),
                          name_expressions=[name])
     kern = mod.get_function(name)
     kern.max_dynamic_shared_size_bytes = 100 * 1024

@@ -7,7 +7,10 @@ import cupy
 import numpy as np
 
 from cuflash import tma
-from cuflash.compile import _inline   # test_gemm.cu is test-only: read from the checkout, not the wheel
+from cuflash.compile import _inline
+
+# test-only GEMM tiles, kept with the tests (the wheel carries only what the library runs)
+GEMM_TILES = Path(__file__).resolve().parents[1] / "tests" / "cuda" / "sm90_gemm_tiles.cu"
 
 
 def main():
@@ -18,7 +21,7 @@ def main():
         nm = f"gemm_{kind}_kernel<bf16_tag, {n}, {k}>"
         names.append(nm)
         cases.append((kind, n, k, nm))
-    mod = cupy.RawModule(code=_inline(Path(__file__).resolve().parents[1] / "kernels_cu" / "sm90" / "test_gemm.cu", set()), options=("-arch=sm_90a", "-std=c++17"),
+    mod = cupy.RawModule(code=_inline(GEMM_TILES, set()), options=("-arch=sm_90a", "-std=c++17"),
                          name_expressions=names)
     for kind, n, k, nm in cases:
         kern = mod.get_function(nm)

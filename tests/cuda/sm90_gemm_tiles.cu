@@ -2,9 +2,9 @@
 // (tests/test_sm90_primitives.py): TMA loads completing on an mbarrier, wgmma
 // with A from a shared-memory descriptor or from registers, K-major and
 // MN-major (transposed) B, and the accumulator fragment layout.
-#include "wgmma.cuh"
-#include "tma.cuh"
-#include "pipeline.cuh"
+#include "../../kernels_cu/sm90/wgmma.cuh"
+#include "../../kernels_cu/sm90/tma.cuh"
+#include "../../kernels_cu/sm90/pipeline.cuh"
 
 // Stores the m64nN accumulator of the warpgroup as a row-major float matrix.
 template <int N>
