@@ -153,7 +153,8 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
     Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine) and the
     conventions are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``, or
     ``(out, lse, dq, dk, dv)`` with ``dout``; rows that see no key give 0, lse -inf and zero gradients.
-    ``chunk_rows``: query rows per chunk (default: about 2^26 scores a chunk).
+    ``chunk_rows``: query rows per chunk (default: about 2^26 scores a chunk). Its products are CuPy's
+    matmuls: cuBLAS must be installed (the bench extras).
     """
     import cupy
 
@@ -169,6 +170,12 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
     causal, scale = _options(causal, softmax_scale, d)
     if dout is not None and tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if xp is not np:   # after the argument checks: a bad argument says so with or without cuBLAS
+        from .bench import cublas_missing
+
+        missing = cublas_missing()
+        if missing:
+            raise RuntimeError(f"attention_reference_chunked: {missing}")
     rows = _chunk_rows(nk, chunk_rows)
     f64, group = xp.float64, hq // hkv
     out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)

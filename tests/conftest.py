@@ -28,6 +28,18 @@ GPU_SKIP_REASON = _gpu_reason()
 requires_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None,
                                   reason=f"needs an NVIDIA GPU: {GPU_SKIP_REASON}")
 
+
+def _cublas_reason() -> str | None:
+    if GPU_SKIP_REASON is not None:
+        return None   # requires_gpu says why
+    from cuflash.bench import cublas_missing
+
+    return cublas_missing()
+
+
+# The float64 references by chunks of rows (attention_reference_chunked) multiply with cuBLAS.
+requires_cublas = pytest.mark.skipif(_cublas_reason() is not None, reason=f"needs cuBLAS: {_cublas_reason()}")
+
 # Relative-norm error bounds against the float64 reference, per dtype.
 FWD_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 # On each of dq, dk, dv: 1.25-1.5x the forward's. Measured on an H100 (2026-11-23) over test_bwd.py's
