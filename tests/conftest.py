@@ -50,8 +50,9 @@ BWD_TOL = {"float16": 2.5e-3, "bfloat16": 2e-2, "float32": 1.5e-5}
 # about 1e-6 relative; set CUFLASH_ERRLOG=path to log each test's worst ratio to the bound.
 LSE_RTOL = 1e-5
 # fp8: the scores come from e4m3 products accumulated by the fp8 tensor cores, whose accumulator keeps
-# fewer bits than float32 on Hopper; bounded as all lse were before (1e-3), per row. Check with CUFLASH_ERRLOG.
-LSE_RTOL_FP8 = 1e-3
+# fewer bits than float32 on Hopper: per row the worst seen on an H100 (2026-11-26) was 5.1e-3 * max(1, |lse|)
+# (one key, D=256), hence 1e-2. Check with CUFLASH_ERRLOG.
+LSE_RTOL_FP8 = 1e-2
 # Long sequences checked on every row: each row's relative error (over head_dim) within this many times the
 # dtype's whole-array bound, so that one wrong row cannot hide in the norm of 32k good ones.
 ROW_TOL_FACTOR = 4
