@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from ._overlap import shares_memory
+from ._overlap import extent, shares_memory
 
 try:
     import ml_dtypes
@@ -250,10 +250,12 @@ def check_no_overlap(outputs, inputs) -> None:
     Decided from the arrays' metadata (``_overlap.shares_memory``); not cached, since it depends on
     the addresses, which every call may change."""
     cupy = _cupy()
-    given = [(n, x) for n, x in outputs if isinstance(x, cupy.ndarray)]
-    read = [(n, x, "reading") for n, x in inputs if isinstance(x, cupy.ndarray)]
-    for i, (name, buf) in enumerate(given):
-        for other, x, doing in read + [(n, x, "writing") for n, x in given[:i]]:
-            if shares_memory(buf, x):
+    given = [(n, x, extent(x)) for n, x in outputs if isinstance(x, cupy.ndarray)]
+    if not given:
+        return
+    read = [(n, x, extent(x), "reading") for n, x in inputs if isinstance(x, cupy.ndarray)]
+    for i, (name, buf, e) in enumerate(given):
+        for other, x, ex, doing in read + [(n, x, ex_, "writing") for n, x, ex_ in given[:i]]:
+            if shares_memory(buf, x, e, ex):
                 raise ValueError(f"{name} overlaps {other} in memory: the kernels would write {name} while "
                                  f"{doing} {other}; pass a separate buffer")

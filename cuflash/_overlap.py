@@ -34,14 +34,28 @@ class _Geometry:
                                     "typestr": f"|V{x.itemsize}", "data": (x.data.ptr, True), "version": 3}
 
 
-def shares_memory(a, b) -> bool:
-    """True if some element of CuPy array ``a`` and some element of ``b`` occupy a common byte."""
-    if a.size == 0 or b.size == 0:
+def extent(x) -> tuple[int, int, int] | None:
+    """``(device, first, end)`` of a CuPy array's bytes, or None when it has no element: computed once per
+    array, then compared pairwise with a few integer operations."""
+    if x.size == 0:
+        return None
+    mem = x.data
+    lo = hi = mem.ptr
+    for n, s in zip(x.shape, x.strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return mem.device_id, lo, hi + x.itemsize
+
+
+def shares_memory(a, b, a_extent=None, b_extent=None) -> bool:
+    """True if some element of CuPy array ``a`` and some element of ``b`` occupy a common byte (their
+    ``extent`` may be given, when the caller compares one array with several)."""
+    ea = extent(a) if a_extent is None else a_extent
+    eb = extent(b) if b_extent is None else b_extent
+    if ea is None or eb is None or ea[0] != eb[0]:
         return False
-    if a.data.device_id != b.data.device_id:
-        return False
-    a_lo, a_hi = byte_range(a)
-    b_lo, b_hi = byte_range(b)
-    if a_hi <= b_lo or b_hi <= a_lo:   # the usual case: separate buffers
+    if ea[2] <= eb[1] or eb[2] <= ea[1]:   # the usual case: separate buffers
         return False
     return bool(np.shares_memory(np.asarray(_Geometry(a)), np.asarray(_Geometry(b))))
