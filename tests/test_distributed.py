@@ -238,3 +238,14 @@ def test_nccl_ring_at_32k_against_one_gpu_and_float64(causal):
         assert err <= bounds[name], f"ring {name} err {err:.3e} > {bounds[name]:.1e} ({result})"
     for name, err in result["ring_vs_single"].items():   # both near float64: near each other
         assert err <= 2 * bounds[name], f"ring vs one GPU {name} err {err:.3e} ({result})"
+
+
+def test_missing_nccl_says_what_to_install(monkeypatch):
+    pytest.importorskip("cupy")
+    from cupy.cuda import nccl
+
+    from cuflash.distributed import transport
+
+    monkeypatch.setattr(nccl, "available", False)
+    with pytest.raises(RuntimeError, match="nvidia-nccl-cu12.*distributed-cuda12"):
+        transport.NcclRing.from_unique_id(None, 0, 1)

@@ -47,9 +47,9 @@ def run_ranks(fn: Callable, world: int, args: Sequence = (), *, time_waits: bool
     if world > available:
         raise ValueError(f"world={world} needs {world} GPUs, {available} visible")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from cupy.cuda import nccl
+    from .transport import nccl_module
 
-    unique_id = nccl.get_unique_id()
+    unique_id = nccl_module().get_unique_id()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, unique_id, tuple(args), results, time_waits),

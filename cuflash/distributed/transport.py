@@ -33,6 +33,17 @@ class Wait:
 Schedule = Generator[Any, Any, Any]
 
 
+def nccl_module():
+    """``cupy.cuda.nccl``, or RuntimeError saying what to install when CuPy cannot load NCCL."""
+    from cupy.cuda import nccl
+
+    if not nccl.available:
+        raise RuntimeError("ring attention over several GPUs needs NCCL, which CuPy could not load: "
+                           "pip install nvidia-nccl-cu12 (CUDA 12) or nvidia-nccl-cu13 (CUDA 13), or install "
+                           "cuflash with the distributed-cuda12 / distributed-cuda13 extra")
+    return nccl
+
+
 class NcclRing:
     """One rank's place in a ring of ``world`` GPUs, one process each, over an NCCL communicator.
 
@@ -59,8 +70,7 @@ class NcclRing:
     def from_unique_id(cls, unique_id, rank: int, world: int, **kw) -> "NcclRing":
         """Joins the ring whose id the launcher made with ``cupy.cuda.nccl.get_unique_id()`` (on the
         current device; every rank calls this with the same id)."""
-        from cupy.cuda import nccl
-
+        nccl = nccl_module()
         return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world, **kw)
 
     def run(self, schedule: Schedule):
