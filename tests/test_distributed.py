@@ -179,7 +179,7 @@ def test_local_ring_backward(rng, world, chunk, hq, hkv, d, dtype, causal, deter
     from cuflash.reference import attention_reference_backward, rel_err
 
     n = 2 * world * chunk
-    q, k, v = randn(rng, (1, n, hq, d), dtype), randn(rng, (1, n, hkv, d), dtype), randn(rng, (1, n, hkv, d), dtype)
+    q, k, v = randn(rng, (2, n, hq, d), dtype), randn(rng, (2, n, hkv, d), dtype), randn(rng, (2, n, hkv, d), dtype)
     dout = randn(rng, q.shape, dtype)
     qs, ks, vs, dos = (_shards(x, world) for x in (q, k, v, dout))
     outs, lses = cfd.local_ring_forward(qs, ks, vs, causal=causal, return_lse=True)
