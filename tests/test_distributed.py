@@ -111,6 +111,107 @@ def test_argument_errors_before_the_device():
         cfd.local_ring_forward([q, r], [q, r], [q, r])
 
 
+class _NumpyKernels:
+    """NumPy stand-ins for what the schedules call (cuflash.forward / backward and the float32 merges), so
+    that the schedules' logic (the zig-zag blocks, the exchanges, the merges, the travelling dK / dV
+    sums) runs on the CPU against the float64 reference."""
+
+    @staticmethod
+    def forward(q, k, v, *, causal, softmax_scale, return_lse, out=None):
+        from cuflash.reference import attention_reference
+
+        o, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if out is None:
+            out = np.empty(q.shape, q.dtype)
+        out[...] = o
+        return out, lse.astype(np.float32)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, dq=None, dk=None, dv=None):
+        """Gradients of one block with the final out and lse: P = exp(S - lse), dS = P (dP - rowsum(dO O))."""
+        from cuflash.reference import visible_mask
+
+        dq, dk, dv = (np.empty(x.shape, x.dtype) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+
+        b, nq, hq, d = q.shape
+        group = hq // k.shape[2]
+        mask = visible_mask(nq, k.shape[1], causal)
+        dk[...] = 0
+        dv[...] = 0
+        for bi in range(b):
+            for h in range(hq):
+                kh, vh, do = k[bi, :, h // group], v[bi, :, h // group], dout[bi, :, h]
+                s = q[bi, :, h] @ kh.T * softmax_scale
+                p = np.where(mask, np.exp(s - lse[bi, h][:, None]), 0.0)
+                dv[bi, :, h // group] += p.T @ do
+                ds = p * (do @ vh.T - (do * out[bi, :, h]).sum(axis=1, keepdims=True))
+                dq[bi, :, h] = softmax_scale * ds @ kh
+                dk[bi, :, h // group] += softmax_scale * ds.T @ q[bi, :, h]
+        return dq, dk, dv
+
+    @staticmethod
+    def merge(out_acc, lse_acc, part, part_lse, row0):
+        rows = slice(row0, row0 + part_lse.shape[2])
+        la, lp = lse_acc[:, :, rows], part_lse
+        lse = np.logaddexp(la, lp)
+        wa = np.where(np.isneginf(la), 0.0, np.exp(la - lse)).transpose(0, 2, 1)[..., None]
+        wp = np.exp(lp - lse).transpose(0, 2, 1)[..., None]
+        acc = np.where(wa == 0, 0.0, out_acc[:, rows])
+        out_acc[:, rows] = wa * acc + wp * part[:, rows]
+        lse_acc[:, :, rows] = lse
+
+    @staticmethod
+    def accumulate(acc, part, row0, rows, *, assign):
+        r = slice(row0, row0 + rows)
+        acc[:, r] = part[:, r] if assign else acc[:, r] + part[:, r]
+
+    @staticmethod
+    def convert(x, dtype):
+        return x.astype(dtype)
+
+
+@pytest.fixture
+def numpy_ring(monkeypatch):
+    from cuflash.distributed import ring
+
+    monkeypatch.setattr(ring, "_xp", lambda: np)
+    monkeypatch.setattr(ring, "api", _NumpyKernels)
+    monkeypatch.setattr(ring, "partials", _NumpyKernels)
+
+
+def _numpy_copy(src, dst):
+    np.copyto(dst, src)
+
+
+@pytest.mark.usefixtures("numpy_ring")
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_schedules_on_the_cpu(world, causal):
+    """The forward and backward schedules of every rank, run in lockstep with NumPy for the kernels and the
+    copies, give the float64 reference's out, lse and gradients on the whole sequence (GQA, batch 2)."""
+    from cuflash.distributed import ring
+    from cuflash.reference import attention_reference, attention_reference_backward
+
+    rng = np.random.default_rng(world * 2 + causal)
+    n, scale = 2 * world * 3, 0.3
+    q, dout = rng.standard_normal((2, n, 4, 8)), rng.standard_normal((2, n, 4, 8))
+    k, v = rng.standard_normal((2, n, 2, 8)), rng.standard_normal((2, n, 2, 8))
+    qs, ks, vs, dos = ([plan.zigzag_shard(x, world, r) for r in range(world)] for x in (q, k, v, dout))
+    fwd = run_local([ring.forward_schedule(qs[r], ks[r], vs[r], r, world, causal=causal, softmax_scale=scale)
+                     for r in range(world)], copy=_numpy_copy)
+    outs, lses = [o for o, _ in fwd], [l_ for _, l_ in fwd]
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    np.testing.assert_allclose(plan.zigzag_unshard(outs), ref_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.zigzag_unshard(lses, axis=2), ref_lse, rtol=1e-5, atol=1e-5)
+    bwd = run_local([ring.backward_schedule(dos[r], qs[r], ks[r], vs[r], outs[r], lses[r], r, world, causal=causal,
+                                            softmax_scale=scale, deterministic=False) for r in range(world)],
+                    copy=_numpy_copy)
+    refs = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        got = plan.zigzag_unshard([g[i] for g in bwd])
+        np.testing.assert_allclose(got, refs[i], rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def test_ring_helpers_compile():
     """The merge / accumulate / convert kernels build for sm_80 and sm_90 without spills."""
     pytest.importorskip("cupy")

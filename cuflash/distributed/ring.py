@@ -20,20 +20,25 @@ from .transport import Exchange, Wait
 _POISON_BUFFERS = False
 
 
-def _empty(shape, dtype):
+def _xp():
+    """The array module the schedules allocate with: CuPy (the CPU tests put NumPy here, with NumPy
+    stand-ins for the kernels, to check the schedules' logic without a GPU)."""
     import cupy
+
+    return cupy
+
+
+def _empty(shape, dtype):
     import numpy as np
 
-    x = cupy.empty(shape, dtype=dtype)
+    x = _xp().empty(shape, dtype=dtype)
     if _POISON_BUFFERS:
         x.fill(np.nan)
     return x
 
 
 def _contiguous(x):
-    import cupy
-
-    return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+    return x if x.flags.c_contiguous else _xp().ascontiguousarray(x)
 
 
 class _Visiting:
@@ -60,7 +65,6 @@ class _Visiting:
 def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_scale: float):
     """Yields exchanges and waits; returns ``(out, lse)`` of this rank's queries against every rank's
     keys: out like ``q``, lse float32 ``(batch, heads_q, local_seqlen)``. Arguments already checked."""
-    import cupy
     import numpy as np
 
     if world == 1:   # no ring: the single-GPU call, without the float32 sums
@@ -69,7 +73,7 @@ def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_sc
     k, v = _contiguous(k), _contiguous(v)
     b, n, hq, d = q.shape
     out_acc = _empty((b, n, hq, d), np.float32)
-    lse_acc = cupy.full((b, hq, n), -np.inf, dtype=np.float32)
+    lse_acc = _xp().full((b, hq, n), -np.inf, dtype=np.float32)
     part = _empty(q.shape, q.dtype)
     visiting = _Visiting(k, v, world)
     for s in range(world):
@@ -91,7 +95,6 @@ def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal:
                       deterministic: bool):
     """Yields exchanges and waits; returns ``(dq, dk, dv)`` of this rank's shards (the dK / dV of its own
     keys, summed over every rank's queries). Arguments already checked."""
-    import cupy
     import numpy as np
 
     if world == 1:
@@ -120,7 +123,7 @@ def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal:
                 step_lse = lse
             else:
                 if half_lse is None:
-                    half_lse = cupy.ascontiguousarray(lse[:, :, qr])
+                    half_lse = _contiguous(lse[:, :, qr])
                 step_lse = half_lse
             api.backward(dout[:, qr], q[:, qr], kc[:, kr], vc[:, kr], out[:, qr], step_lse, causal=blk.causal,
                          softmax_scale=softmax_scale, deterministic=deterministic,

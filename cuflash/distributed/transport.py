@@ -10,7 +10,7 @@ on one GPU, in lockstep, with the transfers as device copies (tests, and checkin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 
 @dataclass
@@ -126,10 +126,16 @@ class NcclRing:
         return total
 
 
-def run_local(schedules: Sequence[Schedule]) -> list:
+def _device_copy(src, dst) -> None:
+    if src.nbytes != dst.nbytes:
+        raise RuntimeError(f"ring exchange of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+    dst.data.copy_from_device_async(src.data, src.nbytes)
+
+
+def run_local(schedules: Sequence[Schedule], copy: Callable = _device_copy) -> list:
     """Runs the schedules of every rank (index = rank) in one process, in lockstep, on the current
-    stream: an exchange is a device copy from each rank's sends to the next rank's receives. Returns
-    what each schedule returns."""
+    stream: an exchange is a copy (``copy(src, dst)``, on the device by default) from each rank's sends
+    to the next rank's receives. Returns what each schedule returns."""
     world = len(schedules)
     answers = [None] * world
     results: list = [None] * world
@@ -155,9 +161,7 @@ def run_local(schedules: Sequence[Schedule]) -> list:
                 sends = requests[(r - 1) % world].sends
                 recvs = requests[r].recvs
                 for src, dst in zip(sends, recvs):
-                    if src.nbytes != dst.nbytes:
-                        raise RuntimeError(f"ring exchange of {src.nbytes} bytes into a buffer of {dst.nbytes}")
-                    dst.data.copy_from_device_async(src.data, src.nbytes)
+                    copy(src, dst)
         # The copies are queued on the one stream already: an exchange's handle only has to be distinct.
         answers = [object() if kinds == {Exchange} else None for _ in range(world)]
     return results
