@@ -20,6 +20,16 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
 }
 
+// The max over row (t, h) of a thread's accumulator fragment (elements 2h and 2h + 1 of each n tile) and
+// `init`, then across the quad of threads that shares the row.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ float fragment_row_max(const float (&x)[kMTiles][kNTiles][4], int t, int h, float init) {
+    float mx = init;
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(x[t][n][2 * h], x[t][n][2 * h + 1]));
+    return quad_max(mx);
+}
+
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffff, x, 1);
     return x + __shfl_xor_sync(0xffffffff, x, 2);
@@ -53,10 +63,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * t + h;
-                float mx = -CUFLASH_INF;
-#pragma unroll
-                for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(s[t][n][2 * h], s[t][n][2 * h + 1]));
-                mx = quad_max(mx) * scale_log2;
+                const float mx = fragment_row_max(s, t, h, -CUFLASH_INF) * scale_log2;
                 const bool keep = kMaxSlackLog2 > 0 && mx <= row_max[r] + static_cast<float>(kMaxSlackLog2);
                 const float new_max = keep ? row_max[r] : fmaxf(row_max[r], mx);
                 // A row that has seen no visible key yet keeps max -inf; use 0 as
@@ -154,10 +161,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * t + h;
-                float mx = 0.f;
-#pragma unroll
-                for (int n = 0; n < kNTiles; ++n) mx = fmaxf(mx, fmaxf(p[t][n][2 * h], p[t][n][2 * h + 1]));
-                mx = quad_max(mx);
+                const float mx = fragment_row_max(p, t, h, 0.f);
                 const bool move = mx > static_cast<float>(1 << kMaxSlackLog2);
                 const float shift = move ? __log2f(mx) : 0.f;
                 const float f = exp2f(-shift);   // 1 where the max stands
