@@ -1,5 +1,5 @@
 """Fill CuPy's on-disk kernel cache with many processes, so that a test run finds every
-kernel compiled: python scripts/precompile.py [bwd] [fwd] [fp8] [small] [ring] [-j N]."""
+kernel compiled: python scripts/precompile.py [bwd] [fwd] [fp8] [small] [ring] [sched] [fwdall] [-j N]."""
 from __future__ import annotations
 
 import multiprocessing
@@ -31,6 +31,11 @@ def configs(which, cc: int):
         from cuflash.distributed import partials
 
         out += partials.configs()
+    if "sched" in which and cc == 90:  # the forced sm90 schedules of scripts/sanitize.py
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from sanitize import sched_configs
+
+        out += sched_configs()
     if "fwdall" in which and cc == 90:  # every forced sm90 schedule (tests/test_fwd_sm90.py)
         for b in heuristics.SM90_FWD_BACKENDS:
             out += heuristics.all_sm90_fwd_configs(b)
@@ -62,7 +67,7 @@ def main() -> int:
 
     args = sys.argv[1:]
     jobs = int(args[args.index("-j") + 1]) if "-j" in args else None
-    which = [a for a in args if a in ("bwd", "fwd", "fwdall", "small", "fp8")] or ["bwd", "fwd"]
+    which = [a for a in args if a in ("bwd", "fwd", "fwdall", "small", "fp8", "ring", "sched")] or ["bwd", "fwd"]
     cfgs = configs(which, device_info(0)[0])
     t0 = time.time()
     failed = precompile_parallel(cfgs, jobs)

@@ -1,6 +1,6 @@
 """Run the kernels once on small odd shapes, for compute-sanitizer (memcheck, racecheck, initcheck, synccheck).
 
-    compute-sanitizer --tool memcheck python scripts/sanitize.py [fwd,bwd,ring]
+    compute-sanitizer --tool memcheck python scripts/sanitize.py [fwd,bwd,sched,ring]
 """
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ import cuflash
 from cuflash._checks import BFLOAT16
 
 DT = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}
+
+
+# the shapes each forced Hopper forward schedule runs on (b, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal)
+SCHED_SHAPES = [(1, 70, 33, 2, 2, 128, True), (2, 300, 390, 4, 2, 64, False),
+                (1, 150, 170, 2, 1, 256, True), (1, 257, 300, 2, 2, 128, False)]
+
+
+def sched_configs() -> list:
+    """The kernels the "sched" part runs (scripts/precompile.py sched compiles them beforehand)."""
+    from cuflash import heuristics
+
+    return [heuristics.fwd_config(dtype, d, causal, 90, backend=backend)
+            for backend in heuristics.SM90_FWD_BACKENDS[1:] for dtype in ("float16", "bfloat16")
+            for (_, _, _, _, _, d, causal) in SCHED_SHAPES]
 
 
 def main() -> int:
@@ -86,6 +100,22 @@ def main() -> int:
                 cuflash.forward(q, k, v, return_lse=True)
         os.environ.pop("CUFLASH_FWD_BACKEND")
         api._fwd_plans.clear()
+    if "sched" in which and int(cupy.cuda.Device().compute_capability) == 90:
+        # every forced Hopper forward schedule (the tuned table above runs only some of them), each on
+        # shapes with a partial query tile, a partial key tile, GQA and more tiles than one CTA
+        from cuflash import api, heuristics
+
+        for backend in heuristics.SM90_FWD_BACKENDS[1:]:
+            os.environ["CUFLASH_FWD_BACKEND"] = backend
+            api._fwd_plans.clear()
+            for dtype in ("float16", "bfloat16"):
+                for (b, nq, nk, hq, hkv, d, causal) in SCHED_SHAPES:
+                    q = cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(DT[dtype]))
+                    k = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))
+                    v = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(DT[dtype]))
+                    cuflash.forward(q, k, v, causal=causal, return_lse=True)
+        os.environ.pop("CUFLASH_FWD_BACKEND")
+        api._fwd_plans.clear()
     if "fwd" in which and int(cupy.cuda.Device().compute_capability) == 90:  # fp8 forward and its helpers
         for (b, nq, nk, hq, hkv, d, causal) in [(1, 17, 17, 2, 1, 64, True), (1, 33, 70, 2, 2, 48, False),
                                                 (1, 70, 33, 2, 2, 128, True), (1, 1, 5, 1, 1, 256, False),
@@ -93,6 +123,11 @@ def main() -> int:
             pairs = [cuflash.quantize_fp8(cupy.asarray(rng.standard_normal(shape).astype(np.float32)))
                      for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d))]
             cuflash.forward_fp8(*(x for x, _ in pairs), *(s for _, s in pairs), causal=causal, return_lse=True)
+    if "selftest" in which:  # one write past the end: the tool must report it (proof that it watches this process)
+        bad = cupy.RawKernel(r'extern "C" __global__ void past_end(float* x, int n) { x[n + threadIdx.x] = 1.f; }',
+                             "past_end")
+        x = cupy.zeros(4, cupy.float32)
+        bad((1,), (32,), (x, np.int32(4096)))
     if "ring" in which:  # ring attention's merge / accumulate / convert kernels, every rank in this process
         import cuflash.distributed as cfd
 
