@@ -55,5 +55,27 @@ def setup_stream(device_id: int):
                 # collected, and leaves a half-built object behind when there is no driver).
                 with cupy.cuda.Device(device_id):
                     ptr = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
-                stream = _setup_streams[device_id] = cupy.cuda.ExternalStream(ptr, device_id)
+                stream = _setup_streams[device_id] = external_stream(ptr, device_id)
     return stream
+
+
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol, which ``cupy.cuda.Stream.from_external`` reads."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+def external_stream(ptr: int, device_id: int):
+    """A CuPy stream object over a stream made elsewhere (``ptr`` a cudaStream_t of ``device_id``); CuPy
+    never destroys it. ``Stream.from_external`` where CuPy has it (14 deprecates ExternalStream)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ._checks import BFLOAT16
+from .capture import external_stream
 
 # DLPack device types (dlpack.h) that CuPy reads in place.
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
@@ -242,18 +243,6 @@ def _common_framework(given: dict) -> _Framework:
 # PyTorch: torch's stream and caching allocator for the call
 
 
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol, which ``cupy.cuda.Stream.from_external`` reads."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return 0, self.ptr
-
-
 # (stream pointer, device) -> the CuPy stream object over it: one per torch stream, not one per call.
 _cupy_streams: dict = {}
 # device -> the CuPy allocator drawing from torch's caching allocator.
@@ -268,10 +257,7 @@ def _cupy_stream(ptr: int, device_id: int):
     if stream is None:
         if len(_cupy_streams) >= 256:
             _cupy_streams.clear()
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        else:  # CuPy < 14
-            stream = cupy.cuda.ExternalStream(ptr, device_id)
+        stream = external_stream(ptr, device_id)
         _cupy_streams[key] = stream
     return stream
 

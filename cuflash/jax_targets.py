@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import xla_ffi
+from .capture import external_stream
 from .xla_ffi import BufferView, Call
 
 FORWARD = "cuflash_attention_fwd"
@@ -53,16 +54,6 @@ def _log(target: str, call: Call, stream: int) -> None:
 # CUDA: cuflash's kernels on XLA's buffers and stream
 
 
-class _StreamHandle:
-    """XLA's CUstream under the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
 _streams: dict = {}   # stream pointer -> CuPy stream object (XLA keeps its streams for the client's life)
 
 
@@ -77,7 +68,7 @@ def _on_xla_device(call: Call, ptr: int):
     stream_ptr = call.stream()
     stream = _streams.get(stream_ptr)
     if stream is None:
-        stream = _streams[stream_ptr] = cupy.cuda.Stream.from_external(_StreamHandle(stream_ptr))
+        stream = _streams[stream_ptr] = external_stream(stream_ptr, device)
     with cupy.cuda.Device(device):
         cupy.cuda.runtime.setDevice(device)
         with stream:
