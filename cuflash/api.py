@@ -5,7 +5,6 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np

@@ -250,8 +250,6 @@ _torch_allocators: dict = {}
 
 
 def _cupy_stream(ptr: int, device_id: int):
-    import cupy
-
     key = (ptr, device_id)
     stream = _cupy_streams.get(key)
     if stream is None:
