@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dists", nargs="*", type=_parse_dist_names, metavar="NAME",
                     help="instead of the standard table, the score-distribution table: each shape x input "
                          "distribution (normal, outlier8, outlier12, sharp, sink; space- or comma-separated; "
-                         "all five when none are named), forward and forward+backward of cuflash beside "
+                         "all of them when none are named), forward and forward+backward of cuflash beside "
                          "SDPA cuDNN, SDPA FlashAttention-2 and FlashAttention-4 on the same inputs")
     return ap
 

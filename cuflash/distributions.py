@@ -14,6 +14,10 @@ run at a different speed on such inputs, so the benchmarks time each of these:
 | ``outlier12`` | normal, then 4 fixed channels of q and k times 12 | ~25.5 |
 | ``sharp`` | normal, then q and k times sqrt(8) | 8 |
 | ``sink`` | normal plus an attention sink at key 0 (score ~10 above the rest) | ~1 |
+| ``mixed`` | KV head j (and its query heads) drawn as the j % 5-th of the five above | 13.0 pooled |
+
+A trained model has heads of every kind side by side, so ``mixed`` is the one closest to a real layer: a kernel
+whose strategy follows what it has just seen (cuflash's kept max does, per warp) meets them all in one launch.
 
 All score figures are for the default ``softmax_scale`` 1/sqrt(D); ``target_score_std`` gives
 them at any head dim. Layout is cuflash's: q ``(batch, seqlen_q, heads, head_dim)``, k and v
@@ -29,7 +33,9 @@ import numpy as np
 if TYPE_CHECKING:  # bench imports this module; the dataclass is only needed for hints here
     from .bench import Shape
 
-DISTRIBUTIONS = ("normal", "outlier8", "outlier12", "sharp", "sink")
+# The single-kind distributions, in the order "mixed" deals them out to the KV heads.
+MIXED_CYCLE = ("normal", "outlier8", "outlier12", "sharp", "sink")
+DISTRIBUTIONS = MIXED_CYCLE + ("mixed",)
 
 OUTLIER_CHANNELS = 4
 OUTLIER_FACTORS = {"outlier8": 8.0, "outlier12": 12.0}
@@ -47,13 +53,18 @@ def outlier_channels(head_dim: int, seed: int = 0) -> np.ndarray:
     return np.sort(rng.choice(head_dim, size=min(OUTLIER_CHANNELS, head_dim), replace=False))
 
 
-def target_score_std(dist: str, head_dim: int) -> float:
+def target_score_std(dist: str, head_dim: int, heads_kv: int | None = None) -> float:
     """Standard deviation of the scaled scores q.k/sqrt(D) that ``dist`` is built to give.
 
     normal 1; outlierF sqrt((D - 4 + 4 F^4) / D) (F=8: 16.0 / 11.4 / 8.1 at D=64 / 128 / 256;
     F=12: 36.0 / 25.5 / 18.0); sharp 8 at every D; sink ~1 (the other keys' scores have std
-    sqrt((D-1)/D); the sink column adds about (10^2 + 2^2) / seqlen_k to the variance, +1.3 % at 4096 keys).
+    sqrt((D-1)/D); the sink column adds about (10^2 + 2^2) / seqlen_k to the variance, +1.3 % at 4096 keys);
+    mixed: the pooled std of its heads' kinds (every score has mean 0), over ``heads_kv`` KV heads of equal
+    size (a whole cycle of five if None: 13.0 at D=128).
     """
+    if dist == "mixed":
+        kinds = [MIXED_CYCLE[j % len(MIXED_CYCLE)] for j in range(heads_kv or len(MIXED_CYCLE))]
+        return math.sqrt(sum(target_score_std(x, head_dim) ** 2 for x in kinds) / len(kinds))
     if dist == "normal":
         return 1.0
     if dist in OUTLIER_FACTORS:
@@ -85,10 +96,23 @@ def make_inputs(shape: "Shape", dist: str = "normal", seed: int = 0):
       10 +- 2 against ln(4095) + 1/2 = 8.8 for all the rest together) and about 0.78 causal (every
       causal row sees key 0, short rows almost only it); at 1024 keys 0.84 non-causal. v is left
       as drawn (v[:, 0] ordinary).
+    - ``mixed``: KV head j, and the query heads that read it, as ``MIXED_CYCLE[j % 5]`` draws them (each
+      kind from the same seed, so v is the same as in all the others).
     """
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {dist!r}; expected one of {DISTRIBUTIONS}")
     import cupy
+
+    if dist == "mixed":
+        group = shape.heads // shape.hkv
+        parts = {x: make_inputs(shape, x, seed) for x in dict.fromkeys(
+            MIXED_CYCLE[j % len(MIXED_CYCLE)] for j in range(shape.hkv))}
+        q, k, v = (cupy.empty_like(x) for x in parts[MIXED_CYCLE[0]])
+        for j in range(shape.hkv):
+            qj, kj, vj = parts[MIXED_CYCLE[j % len(MIXED_CYCLE)]]
+            q[:, :, j * group:(j + 1) * group] = qj[:, :, j * group:(j + 1) * group]
+            k[:, :, j], v[:, :, j] = kj[:, :, j], vj[:, :, j]
+        return q, k, v
 
     from ._checks import BFLOAT16
 

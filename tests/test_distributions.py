@@ -32,7 +32,7 @@ def test_no_dists_flag_keeps_the_standard_table():
 
 def test_dists_flag_alone_means_all_five():
     args = parse_args(["--dists"])
-    assert args.dists == DISTRIBUTIONS == ("normal", "outlier8", "outlier12", "sharp", "sink")
+    assert args.dists == DISTRIBUTIONS == ("normal", "outlier8", "outlier12", "sharp", "sink", "mixed")
     assert table_shapes(args) == DIST_SHAPES
 
 
@@ -55,7 +55,7 @@ def test_dists_named(argv, expected):
 @pytest.mark.parametrize("bad", ["gauss", "normal,spiky", ""])
 def test_dists_unknown_name_is_a_usage_error(bad, capsys):
     argv = ["--dists", bad]
-    if bad == "":  # an empty name list is no name: all five
+    if bad == "":  # an empty name list is no name: all of them
         assert parse_args(argv).dists == DISTRIBUTIONS
         return
     with pytest.raises(SystemExit) as e:
@@ -98,6 +98,9 @@ def test_target_score_std():
     assert target_score_std("outlier12", 128) == pytest.approx(25.47, abs=0.01)
     assert target_score_std("outlier8", 64) == pytest.approx(16.03, abs=0.01)
     assert target_score_std("outlier12", 256) == pytest.approx(18.03, abs=0.01)
+    # mixed: the pooled std of the kinds its KV heads take
+    assert target_score_std("mixed", 128) == pytest.approx(((1 + 11.36 ** 2 + 25.47 ** 2 + 64 + 1) / 5) ** 0.5, abs=0.02)
+    assert target_score_std("mixed", 128, heads_kv=2) == pytest.approx(((1 + 11.36 ** 2) / 2) ** 0.5, abs=0.01)
     with pytest.raises(ValueError, match="unknown distribution"):
         target_score_std("laplace", 128)
 
@@ -297,7 +300,7 @@ def test_measured_score_std(shape, dist):
     assert q.dtype.name == k.dtype.name == v.dtype.name == shape.dtype
     for x in (q, k, v):
         assert bool(np.isfinite(x.astype(np.float32).get()).all())
-    target = target_score_std(dist, shape.head_dim)
+    target = target_score_std(dist, shape.head_dim, heads_kv=shape.hkv)
     measured = score_std(q, k)
     assert target / 1.5 <= measured <= target * 1.5, f"{dist}: score std {measured:.2f}, target {target:.2f}"
 

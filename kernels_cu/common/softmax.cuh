@@ -40,7 +40,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 // that most steps keep it and need no rescale of the output; probabilities then reach up to
 // 2^kMaxSlackLog2 (fine in fp16/bf16 and float32), and the final normalisation by the row sum taken
 // against the same max makes the result exact as before.
-template <int kMTiles, int kNTiles, int kMaxSlackLog2 = 0>
+// kHeadroomLog2 > 0: a max that moves is set that much above the row's largest score, so that the
+// probabilities stay at most 2^-kHeadroomLog2 (2^(kMaxSlackLog2 - kHeadroomLog2) with the slack) and a later
+// score may pass the max by that much more before a 16-bit P overflows (the kept max's fp16 bound).
+template <int kMTiles, int kNTiles, int kMaxSlackLog2 = 0, int kHeadroomLog2 = 0>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
     float row_max[kRows];   // log2 domain; -inf until a visible key is seen
@@ -65,7 +68,7 @@ struct OnlineSoftmax {
                 const int r = 2 * t + h;
                 const float mx = fragment_row_max(s, t, h, -CUFLASH_INF) * scale_log2;
                 const bool keep = kMaxSlackLog2 > 0 && mx <= row_max[r] + static_cast<float>(kMaxSlackLog2);
-                const float new_max = keep ? row_max[r] : fmaxf(row_max[r], mx);
+                const float new_max = keep ? row_max[r] : fmaxf(row_max[r], mx + static_cast<float>(kHeadroomLog2));
                 // A row that has seen no visible key yet keeps max -inf; use 0 as
                 // the reference so that exp2(-inf - ref) = 0 rather than NaN.
                 const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
@@ -138,13 +141,15 @@ struct OnlineSoftmax {
     }
 
     // Whether rebase() can take over from probs_at_running_max() for this thread's rows: every partial sum
-    // at most 2^120, so that the factor 2^-log2(max p) stays a normal float (-ftz flushes 2^-127). Past it (a
-    // score 2^120 above the running max, or inf) only S itself gives the new max. NaN passes: it propagates
+    // at most 2^(120 - kHeadroomLog2), so that the factor 2^-(log2(max p) + headroom) stays a normal float
+    // (-ftz flushes 2^-127). Past it (a score that far above the running max, or inf) only S itself gives the
+    // new max. NaN passes: it propagates
     // to the output either way.
+    static constexpr float kRebaseSumLimit = static_cast<float>(1ull << (60 - kHeadroomLog2)) * 0x1p60f;
     __device__ __forceinline__ bool rebase_possible(const float (&sums)[kRows]) const {
         bool ok = true;
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) ok &= !(sums[r] > 0x1p120f);
+        for (int r = 0; r < kRows; ++r) ok &= !(sums[r] > kRebaseSumLimit);
         return ok;
     }
 
@@ -163,7 +168,7 @@ struct OnlineSoftmax {
                 const int r = 2 * t + h;
                 const float mx = fragment_row_max(p, t, h, 0.f);
                 const bool move = mx > static_cast<float>(1 << kMaxSlackLog2);
-                const float shift = move ? __log2f(mx) : 0.f;
+                const float shift = move ? __log2f(mx) + static_cast<float>(kHeadroomLog2) : 0.f;
                 const float f = exp2f(-shift);   // 1 where the max stands
                 row_max[r] += shift;
                 rescale[r] = f;

@@ -145,9 +145,10 @@ struct PersistentOrder {
 #endif
 
 // -DCUFLASH_SM90_FWD_COUNT_FALLBACKS (tests): how often a warp left the kept-max fast path of the overlap
-// schedule, [0] re-based from its probabilities, [1] computed S again; read back through the module global.
+// schedule, [0] re-based from its probabilities, [1] computed S again, and [2] how many key-tile steps it took
+// in the kept-max state; read back through the module global.
 #ifdef CUFLASH_SM90_FWD_COUNT_FALLBACKS
-__device__ unsigned long long cuflash_fwd_fallbacks[2];
+__device__ unsigned long long cuflash_fwd_fallbacks[3];
 #define CUFLASH_FWD_COUNT(kind) \
     do { if (lane == 0) atomicAdd(cuflash_fwd_fallbacks + (kind), 1ull); } while (0)
 #else
@@ -402,6 +403,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const int g = lane >> 2, t4 = lane & 3;
         int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
         int settle_tiles = 1;      // the overlap schedule's kept-max state (below)
+        bool kept_failed = false;  // whether a kept step failed in the last query tile
         // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
         // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
         auto release_kv = [&](u32 bar) {
@@ -447,7 +449,13 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 #define CUFLASH_SM90_FWD_MAX_SLACK 8
 #endif
         // The running max may trail by up to 2^8: most key tiles then leave it, and O, alone.
-        OnlineSoftmax<1, kBlockN / 8, CUFLASH_SM90_FWD_MAX_SLACK> softmax;
+        // fp16: a max that moves is set 2^8 above the row's largest score (OnlineSoftmax's headroom), so that
+        // the kept max below takes scores up to 2^22 above it before P passes its bound, where a sharp head's
+        // later maxima mostly fall. fp16 keeps 11 bits down to 2^-14, so probabilities down to 2^-6 of the
+        // largest lose nothing, and smaller ones at most what bf16 P loses; larger headrooms cost accuracy on
+        // N(0, 1) inputs (BENCHMARKS.md). bf16 P needs none (its bound is 2^48), fp8 keeps no max.
+        constexpr int kHeadroomLog2 = (kIsBf16<Tag> || Tile::kFp8) ? 0 : 8;
+        OnlineSoftmax<1, kBlockN / 8, CUFLASH_SM90_FWD_MAX_SLACK, kHeadroomLog2> softmax;
         softmax.init();
 
         auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
@@ -654,8 +662,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // the full step until key tiles move none of its maxima. The decision is per warp and adaptive:
             // trained models' sharp heads move some row's max on many key tiles, and a warpgroup-wide fallback
             // (computing S again for all 64 rows, as this kernel first did) cost up to 26 % there. Only a score
-            // 2^120 above a settled max makes the warp compute its S again (qk_warp; the K stage is therefore
-            // freed after the softmax in the kept-max state). -DCUFLASH_SM90_FWD_KEEP_MAX=0: the full step
+            // 2^112 (bf16 2^120) above a settled max makes the warp compute its S again (qk_warp; the K stage is
+            // therefore freed after the softmax in the kept-max state). -DCUFLASH_SM90_FWD_KEEP_MAX=0: the full step
             // alone (the baseline of BENCHMARKS.md's distribution table).
 #ifndef CUFLASH_SM90_FWD_KEEP_MAX
 #define CUFLASH_SM90_FWD_KEEP_MAX 1
@@ -663,18 +671,23 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // The bound on a thread's partial row sum (so on each probability) in the kept-max state: fp16 P
             // holds up to 2^15; bf16 P has float32's range, and 2^48 still leaves O's float32 sums 2^79 of room
             // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
-                                    constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
+            constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
             constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
             u32 pa[kPSteps][4];
             // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
             // starts unsettled (the first key tile, partial or on the causal diagonal, may leave a row a weak
-            // max) and leaves that state at each re-base; it comes back after `settle_tiles` full steps in a
-            // row that move no max. That number doubles with each re-base (a failed try costs more than a full
-            // step) and halves with each new query tile (settle_tiles lives across the persistent tile loop:
-            // the next tile is mostly of the same head, and sharpness is a head's). So a warp whose max keeps
-            // moving runs the full step, and one whose max stands skips it.
+            // max) and leaves that state when a kept step fails; it comes back after `settle_tiles` full steps
+            // in a row that move no max. That number doubles with each failure, up to 64 (a failed step stalls
+            // the warpgroup's next GEMMs, so it costs more than a full step), and lives across the persistent
+            // tile loop: a query tile whose kept steps never failed brings it down by a quarter, so that a warp
+            // that met a sharp head comes back to the kept max on a diffuse one, while a warp on a head whose
+            // max keeps moving stays with the full step. With three consumer warpgroups (head dim 64, a
+            // softmax-bound tile) a failure costs the most and it never comes down.
             int settled = 0;   // full steps in a row that moved no max; the kept max once it reaches settle_tiles
-            settle_tiles = settle_tiles > 1 ? settle_tiles / 2 : 1;
+            constexpr int kSettleTilesMax = 64;
+            constexpr bool kSettleDecay = Tile::kConsumerWGs < 3;
+            if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
+            kept_failed = false;
             load_q_frags();
             {
                 float acc_s[kBlockN / 2];
@@ -691,7 +704,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
                 pack_p(pa, acc_s);
             }
-            for (int i = 1; i < n_block_max; ++i) {
+            // Key tile i: its softmax while O += P_{i-1} V_{i-1} runs. Kept (kKeepMax): the probabilities against
+            // the kept running max; returns whether that failed (a re-base or a recompute: the state ends).
+            // Otherwise the full step; returns whether it moved one of the warp's maxima. The two states run
+            // in loops of their own, so the full step's loop is the full-step build's (sharing one loop body
+            // with the kept state slowed the full step at head dim 64, a softmax-bound tile).
+            auto overlap_step = [&](int i, const bool kKept) -> bool {
                 const int n_block = n_block_max - 1 - i;
                 const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
                 const u32 parity = ((it + i) / kStages) & 1, prev_parity = ((it + i - 1) / kStages) & 1;
@@ -702,21 +720,22 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
-                const bool full_step = !kKeepMax || settled < settle_tiles;
-                // The kept-max state holds K for a possible recompute; the full step frees it at once.
-                if (full_step) release_kv(bar_k_empty(stage));
+                // The kept state holds K for a possible recompute; the full step frees it at once.
+                if (!kKept) release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2] = {1.f, 1.f};
-                bool max_changed = false;
-                if (full_step) {
+                bool max_changed = false, failed = false;
+                if (!kKept) {
                     // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
                     max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale)
                                   || (kKeepMax && softmax.has_unset_row());
-                } else if constexpr (kKeepMax) {
+                } else {
+                    CUFLASH_FWD_COUNT(2);
                     float sums[2];
                     const bool ok =
                         softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
-                    if (__any_sync(0xffffffff, !ok)) {
+                    failed = __any_sync(0xffffffff, !ok);
+                    if (failed) {
                         if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
                             max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
                             CUFLASH_FWD_COUNT(0);
@@ -725,8 +744,6 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                             CUFLASH_FWD_COUNT(1);
                         }
-                        settled = 0;
-                        settle_tiles = min(2 * settle_tiles, 16);
                     } else {
                         softmax.add_sums(sums);
                     }
@@ -742,9 +759,24 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 fence_operand(acc_o);
                 const bool warp_moved = __any_sync(0xffffffff, max_changed);
                 if (warp_moved) rescale_o(rescale);   // this warp's rows only
-                if (kKeepMax && full_step) settled = warp_moved ? 0 : settled + 1;
                 pack_p(pa, acc_s);
                 release_kv(bar_v_empty(prev));
+                return kKept ? failed : warp_moved;
+            };
+            int i = 1;
+            while (i < n_block_max) {
+                for (; i < n_block_max && (!kKeepMax || settled < settle_tiles); ++i)
+                    settled = overlap_step(i, false) ? 0 : settled + 1;
+                if constexpr (kKeepMax) {
+                    while (i < n_block_max) {
+                        if (overlap_step(i++, true)) {
+                            settled = 0;
+                            settle_tiles = min(2 * settle_tiles, kSettleTilesMax);
+                            kept_failed = true;
+                            break;
+                        }
+                    }
+                }
             }
             const int last = (it + n_block_max - 1) % kStages;
             mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
