@@ -704,12 +704,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
                 pack_p(pa, acc_s);
             }
-            // Key tile i: its softmax while O += P_{i-1} V_{i-1} runs. Kept (kKeepMax): the probabilities against
-            // the kept running max; returns whether that failed (a re-base or a recompute: the state ends).
-            // Otherwise the full step; returns whether it moved one of the warp's maxima. The two states run
-            // in loops of their own, so the full step's loop is the full-step build's (sharing one loop body
-            // with the kept state slowed the full step at head dim 64, a softmax-bound tile).
-            auto overlap_step = [&](int i, const bool kKept) -> bool {
+            for (int i = 1; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
                 const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
                 const u32 parity = ((it + i) / kStages) & 1, prev_parity = ((it + i - 1) / kStages) & 1;
@@ -720,22 +715,24 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
-                // The kept state holds K for a possible recompute; the full step frees it at once.
-                if (!kKept) release_kv(bar_k_empty(stage));
+                // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
+                // warpgroup (a build with the two states in loops of their own broke that: synccheck).
+                const bool full_step = !kKeepMax || settled < settle_tiles;
+                // The kept-max state holds K for a possible recompute; the full step frees it at once.
+                if (full_step) release_kv(bar_k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2] = {1.f, 1.f};
-                bool max_changed = false, failed = false;
-                if (!kKept) {
+                bool max_changed = false;
+                if (full_step) {
                     // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
                     max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale)
                                   || (kKeepMax && softmax.has_unset_row());
-                } else {
+                } else if constexpr (kKeepMax) {
                     CUFLASH_FWD_COUNT(2);
                     float sums[2];
                     const bool ok =
                         softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
-                    failed = __any_sync(0xffffffff, !ok);
-                    if (failed) {
+                    if (__any_sync(0xffffffff, !ok)) {
                         if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
                             max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
                             CUFLASH_FWD_COUNT(0);
@@ -744,6 +741,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                             CUFLASH_FWD_COUNT(1);
                         }
+                        settled = 0;
+                        settle_tiles = min(2 * settle_tiles, kSettleTilesMax);
+                        kept_failed = true;
                     } else {
                         softmax.add_sums(sums);
                     }
@@ -759,24 +759,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 fence_operand(acc_o);
                 const bool warp_moved = __any_sync(0xffffffff, max_changed);
                 if (warp_moved) rescale_o(rescale);   // this warp's rows only
+                if (kKeepMax && full_step) settled = warp_moved ? 0 : settled + 1;
                 pack_p(pa, acc_s);
                 release_kv(bar_v_empty(prev));
-                return kKept ? failed : warp_moved;
-            };
-            int i = 1;
-            while (i < n_block_max) {
-                for (; i < n_block_max && (!kKeepMax || settled < settle_tiles); ++i)
-                    settled = overlap_step(i, false) ? 0 : settled + 1;
-                if constexpr (kKeepMax) {
-                    while (i < n_block_max) {
-                        if (overlap_step(i++, true)) {
-                            settled = 0;
-                            settle_tiles = min(2 * settle_tiles, kSettleTilesMax);
-                            kept_failed = true;
-                            break;
-                        }
-                    }
-                }
             }
             const int last = (it + n_block_max - 1) % kStages;
             mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
