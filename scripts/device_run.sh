@@ -89,7 +89,7 @@ case $phase in
           auto-tma) which=bwd,ring ;;
         esac
         t0=$(date +%s)
-        env CUFLASH_FWD_BACKEND=$backend CUFLASH_BWD_BACKEND=$backend "${env[@]}" timeout 280 compute-sanitizer \
+        env CUFLASH_FWD_BACKEND=$backend CUFLASH_BWD_BACKEND=$backend "${env[@]}" timeout 200 compute-sanitizer \
           --tool "$tool" --error-exitcode 9 --show-backtrace no --print-limit 1000 \
           python3 scripts/sanitize.py $which > "$OUT/sanitize-$tool-$run.log" 2>&1
         rc=$?
