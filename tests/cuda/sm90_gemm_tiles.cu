@@ -18,6 +18,15 @@ __device__ __forceinline__ void store_acc(float* c, const float (&d)[N / 2]) {
             c[(16 * warp + g + 8 * (e >> 1)) * N + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }
 
+// The one barrier the CTA's TMA loads complete on: initialised by thread 0, visible to all before use.
+__device__ __forceinline__ void init_load_barrier(u32 bar) {
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+}
+
 // C (64 x N) = A (64 x K) B^T with A and B (N x K) K-major in global memory,
 // both loaded by TMA into 128-byte-swizzled tiles (64-column blocks).
 template <typename Tag, int N, int K>
@@ -27,11 +36,7 @@ __global__ void __launch_bounds__(128) gemm_ss_kernel(const __grid_constant__ Tm
     const u32 sA = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 sB = sA + 64 * K * 2;
     const u32 bar = sB + N * K * 2;
-    if (threadIdx.x == 0) {
-        mbar_init(bar, 1);
-        fence_barrier_init();
-    }
-    __syncthreads();
+    init_load_barrier(bar);
     if (threadIdx.x == 0) {
         mbar_arrive_expect_tx(bar, (64 + N) * K * 2);
 #pragma unroll
@@ -62,11 +67,7 @@ __global__ void __launch_bounds__(128) gemm_rs_kernel(const u16* a, const __grid
     extern __shared__ char smem_raw[];
     const u32 sB = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 bar = sB + N * K * 2;
-    if (threadIdx.x == 0) {
-        mbar_init(bar, 1);
-        fence_barrier_init();
-    }
-    __syncthreads();
+    init_load_barrier(bar);
     if (threadIdx.x == 0) {
         mbar_arrive_expect_tx(bar, N * K * 2);
 #pragma unroll
