@@ -13,6 +13,8 @@
 #   fa4setup : install FlashAttention-4 into /tmp/fa4site from the wheels of ../shared/tools/fa4_wheels.sh
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
+#   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
+#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where /tmp/fa4site exists (scripts/ncu_fwd_pair.py)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if /tmp/fa4site
 #              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
 set -uo pipefail
@@ -42,7 +44,7 @@ fa4_env() {  # the DSL's own cutlass package must come before the site itself
 }
 
 case $phase in
-  fa4setup) ;;  # nothing of cuflash's to compile
+  fa4setup|ncu) ;;  # nothing of cuflash's to compile (ncu: the script compiles what it runs)
   fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
   ring) python3 scripts/precompile.py fwd bwd ring | tail -1 ;;
   jax) python3 scripts/precompile.py fwd bwd | tail -1 ;;
@@ -130,6 +132,21 @@ case $phase in
       python3 -m cuflash.distributed.bench --gpus "$worlds" --json "$OUT/ring-bench.json" "$@" 2>&1 \
         | tee "$OUT/ring-bench.md" || status=1
     fi
+    ;;
+  ncu)
+    if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
+    fa4_env
+    shape=$1; pass=$2; dist=${3:-normal}
+    [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='sm90_fwd|fwd_kernel|ForwardSm90'
+    for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ); do
+      echo "== $who $pass $shape $dist"
+      ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy \
+        python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
+      grep -E "^  [a-zA-Z_].*\(|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|Issue Slots Busy|Registers Per|Shared Memory Configuration Size|Dynamic Shared|Warp Cycles Per Issued|Executed Instructions  |L1/TEX Hit|L2 Hit|Block Size|Grid Size" \
+        "$OUT/ncu-$who-$pass.txt" | head -40
+    done
     ;;
   bench)
     fa4_env  # the fa4 column, where fa4setup has run on this machine

@@ -669,9 +669,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // Split-D: each warpgroup stores its query half of dS and of P^T into the common buffers
             // (kSplitSdP); or, both holding all of dS, each stores all of it into its own buffer
             // (kDsCopies = 2), or warpgroup cw stores the query steps kk % 2 == cw of the common one.
-            // 128-row query tiles keep two-byte stores: with stmatrix they spill (16 bytes at 168
-            // registers).
-            if constexpr (kBlockM == 64) {
+            // Causal 128-row query tiles keep two-byte stores: stmatrix, which saves the non-causal step about
+            // 130 instructions a warp, measured slower there (sm90/NOTES.md).
+            if constexpr (kBlockM == 64 || !kIsCausal) {
                 const u32 ds_base = ds_buf + key_wg * kBlockM * 128;
                 const int q = lane >> 3, row = lane & 7;             // this lane's block and row
                 const int kchunk = 2 * warp + (q & 1);               // (key_local % 64) / 8 of block q
