@@ -14,7 +14,8 @@
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
 #   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
-#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where /tmp/fa4site exists (scripts/ncu_fwd_pair.py)
+#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where /tmp/fa4site exists (scripts/ncu_fwd_pair.py);
+#              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if /tmp/fa4site
 #              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
 set -uo pipefail
@@ -144,6 +145,13 @@ case $phase in
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy \
         python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
+      if [ -n "${NCU_SOURCE:-}" ]; then   # per-SASS-instruction warp-stall samples, as CSV
+        ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 --set none \
+          --section SourceCounters --section WarpStateStats -f -o /tmp/ncu-src-$who \
+          python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > /dev/null 2>&1 || status=1
+        ncu --import /tmp/ncu-src-$who.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-src-$who-$pass.csv" 2>&1
+        ncu --import /tmp/ncu-src-$who.ncu-rep --page details --print-details all > "$OUT/ncu-stall-$who-$pass.txt" 2>&1
+      fi
       grep -E "^  [a-zA-Z_].*\(|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|Issue Slots Busy|Registers Per|Shared Memory Configuration Size|Dynamic Shared|Warp Cycles Per Issued|Executed Instructions  |L1/TEX Hit|L2 Hit|Block Size|Grid Size" \
         "$OUT/ncu-$who-$pass.txt" | head -40
     done
