@@ -682,10 +682,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // tile loop: a query tile whose kept steps never failed brings it down by a quarter, so that a warp
             // that met a sharp head comes back to the kept max on a diffuse one, while a warp on a head whose
             // max keeps moving stays with the full step. With three consumer warpgroups (head dim 64, a
-            // softmax-bound tile) a failure costs the most and it never comes down.
+            // softmax-bound tile) a failure costs the most and it never comes down; in fp16 there (whose P bound
+            // sharp heads pass again and again) a warp's first failure ends its kept max for the kernel.
             int settled = 0;   // full steps in a row that moved no max; the kept max once it reaches settle_tiles
             constexpr int kSettleTilesMax = 64;
             constexpr bool kSettleDecay = Tile::kConsumerWGs < 3;
+            constexpr bool kFailureEndsKeptMax = !kSettleDecay && !kIsBf16<Tag>;
             if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
             kept_failed = false;
             load_q_frags();
@@ -742,7 +744,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             CUFLASH_FWD_COUNT(1);
                         }
                         settled = 0;
-                        settle_tiles = min(2 * settle_tiles, kSettleTilesMax);
+                        settle_tiles = kFailureEndsKeptMax ? 0x7fffffff : min(2 * settle_tiles, kSettleTilesMax);
                         kept_failed = true;
                     } else {
                         softmax.add_sums(sums);
