@@ -688,6 +688,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             constexpr int kSettleTilesMax = 64;
             constexpr bool kSettleDecay = Tile::kConsumerWGs < 3;
             constexpr bool kFailureEndsKeptMax = !kSettleDecay && !kIsBf16<Tag>;
+            constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
             if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
             kept_failed = false;
             load_q_frags();
@@ -744,7 +745,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             CUFLASH_FWD_COUNT(1);
                         }
                         settled = 0;
-                        settle_tiles = kFailureEndsKeptMax ? 0x7fffffff : min(2 * settle_tiles, kSettleTilesMax);
+                        settle_tiles = kFailureEndsKeptMax ? kNeverSettles : min(2 * settle_tiles, kSettleTilesMax);
                         kept_failed = true;
                     } else {
                         softmax.add_sums(sums);
