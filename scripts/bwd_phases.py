@@ -1,6 +1,7 @@
 """Where a backward call's time goes: each kernel of cuflash's backward timed with events between
 launches (median of repeats, L2 flushed before each call), the whole call, and, where PyTorch is
-installed, the kernels of SDPA's cuDNN backward from torch.profiler.
+installed, the kernels of SDPA's cuDNN backward
+and FlashAttention-4's (where it imports: $CUFLASH_FA4_PATH) from torch.profiler.
 
     python3 scripts/bwd_phases.py [B,H,N,D,dtype,causal ...]
 """
@@ -60,20 +61,25 @@ def cuflash_phases(shape: Shape, repeats: int = 30) -> None:
     print(f"{shape.label()} cuflash us: {parts}; call {statistics.median(whole):.1f}")
 
 
-def cudnn_kernels(shape: Shape, repeats: int = 20) -> None:
+def peer_kernels(shape: Shape, repeats: int = 20) -> None:
+    """The kernels of the cuDNN (SDPA) and FlashAttention-4 backward passes, from torch.profiler."""
     try:
         import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        print("PyTorch not installed: no cuDNN comparison")
+        print("PyTorch not installed: no peer comparison")
         return
+    from cuflash.bench import fa4_fn, torch_sdpa
+
     dt = getattr(torch, shape.dtype)
-    mk = lambda: torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, device="cuda",
-                             dtype=dt, requires_grad=True)
-    q, k, v = mk(), mk(), mk()
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+    for name, fn, sdpa_layout in (("cudnn", torch_sdpa("cudnn"), True), ("fa4", fa4_fn(), False)):
+        if fn is None:
+            print(f"  {name}: not available")
+            continue
+        dims = ((shape.batch, shape.heads, shape.seqlen, shape.head_dim) if sdpa_layout
+                else (shape.batch, shape.seqlen, shape.heads, shape.head_dim))
+        q, k, v = (torch.randn(*dims, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        out = fn(q, k, v, shape.causal)
         g = torch.randn_like(out)
         for _ in range(3):
             torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
@@ -82,14 +88,13 @@ def cudnn_kernels(shape: Shape, repeats: int = 20) -> None:
             for _ in range(repeats):
                 torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
             torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA" or getattr(ev, "device_time_total", 0) > 0:
+        rows = []
+        for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if t > 0 and ev.count:
                 rows.append((t / repeats, ev.count / repeats, ev.key[:90]))
-    for t, c, name in sorted(rows, reverse=True)[:8]:
-        print(f"  cudnn {t:8.1f} us x{c:.0f}  {name}")
+        for t, c, kname in sorted(rows, reverse=True)[:6]:
+            print(f"  {name} {t:8.1f} us x{c:.0f}  {kname}")
 
 
 def main() -> int:
@@ -98,7 +103,7 @@ def main() -> int:
         b, h, n, d, dtype, causal = spec.split(",")
         shape = Shape(int(b), int(h), int(n), int(d), dtype, bool(int(causal)))
         cuflash_phases(shape)
-        cudnn_kernels(shape)
+        peer_kernels(shape)
     return 0
 
 
