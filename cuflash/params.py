@@ -39,7 +39,7 @@ BWD_PARAMS = _struct(
     + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads_q", _I32),
        ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32),
        ("dq_accum_rows", _I32), ("dq_accum_cols", _I32), ("dq_zero_rows", _I32),
-       ("dq_semaphores", _I32)]
+       ("dq_semaphores", _I32), ("stats", _P), ("stat_rows", _I32)]
 )
 
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS}

@@ -108,7 +108,7 @@ def parts():
             *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
             *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
             *params.element_strides(dk), *params.element_strides(dv),
-            b, nq, nk, hq, hq // hkv, d, scale, scale * api.LOG2E, nq, d, nq, 0))
+            b, nq, nk, hq, hq // hkv, d, scale, scale * api.LOG2E, nq, d, nq, 0, 0, 0))
         kern, cfg, smem = pre
         launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
         cupy.cuda.runtime.deviceSynchronize()

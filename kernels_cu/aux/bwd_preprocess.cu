@@ -41,6 +41,11 @@ bwd_preprocess_kernel(const BwdParams p) {
 
     const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
     if (valid && sub == 0) p.delta[row_index] = acc;
+    if (p.stats != nullptr && row < p.stat_rows && sub == 0) {
+        float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows;
+        stats[row] = bwd_lse2(valid ? p.lse[row_index] : -CUFLASH_INF);
+        stats[p.stat_rows + row] = valid ? acc : 0.f;
+    }
     // Zeroing the dq_accum here saves a memset pass: its stores go out beside this kernel's loads.
     if (p.dq_accum != nullptr && row < p.dq_zero_rows) {
         const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + row;

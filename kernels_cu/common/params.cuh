@@ -68,4 +68,9 @@ struct BwdParams {
     // that see no key at all (causal, seqlen_q > seqlen_k), which nothing else writes.
     int dq_zero_rows;
     int dq_semaphores;     // ints of dq_semaphore that the preprocess zeroes (0 without it)
+    // sm90: lse2 and delta of each (batch, head) as rows [2][stat_rows] (stat_rows: whole query tiles; rows past
+    // seqlen_q hold lse2 = +inf, delta = 0), written by the preprocess for the dK/dV kernel's producer to copy
+    // by TMA; else null.
+    float* stats;
+    int stat_rows;
 };

@@ -4,8 +4,8 @@
 // looping over the query tiles (kBlockM = 64 or 128 rows) of every query head of its GQA
 // group. Warpgroup 0 is the producer: it lowers its registers; one thread loads K
 // and V once and then streams Q and dO tiles through a kStages-deep TMA ring
-// (128-byte swizzle, "full"/"empty" mbarriers), and warp 1 copies lse2 / delta of
-// each query tile into shared memory (it arrives on the same "full" barriers).
+// (128-byte swizzle, "full"/"empty" mbarriers), each with its rows of lse2 / delta
+// (written by the preprocess, padded to whole query tiles: BwdParams.stats).
 // Consumer warpgroup c owns keys 64c..64c+63 of the tile; per query tile:
 //   S^T  = K_c Q^T          wgmma SS (K and Q K-major)
 //   dP^T = V_c dO^T         wgmma SS
@@ -377,8 +377,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         mbar_init(bar_kv, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(bar_q_full(s), 1 + 32);   // TMA thread + the 32 lanes of the lse2 / delta warp
-            mbar_init(bar_do_full(s), 1 + 32);
+            mbar_init(bar_q_full(s), 1);   // the TMA thread (Q and lse2, dO and delta)
+            mbar_init(bar_do_full(s), 1);
             // Freed by every consumer thread, or (dQ slices in the ring) by the two dQ warps.
             mbar_init(bar_empty(s), Tile::kDqInRing ? Tile::kConsumerWGs : Tile::kConsumerWGs * 128);
         }
@@ -418,45 +418,21 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const u32 q_dst = sQ + stage * Tile::kQBytes, do_dst = sdO + stage * Tile::kQBytes;
-                mbar_arrive_expect_tx(bar_q_full(stage), Tile::kQBytes);
+                // The query tile's lse2 and delta rows (BwdParams.stats) with its Q and dO. (A warp that loaded
+                // lse and delta and stored lse2 and delta measured 0.2-1.2 % slower, H200, 2026-11-26.)
+                constexpr u32 kStatBytes = kBlockM * 4;
+                // 32-bit: (batch * heads_q * 2 + 1) * stat_rows < 2^32 (api.py checks it); a 64-bit index spills.
+                const float* stats = p.stats + ((static_cast<unsigned>(batch) * p.heads_q + head) * 2u * p.stat_rows + m0);
+                mbar_arrive_expect_tx(bar_q_full(stage), Tile::kQBytes + kStatBytes);
 #pragma unroll
                 for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                     tma_load_4d(q_dst + cb * kBlockM * 128, &tma_q, bar_q_full(stage), cb * 64, m0, head, batch);
-                mbar_arrive_expect_tx(bar_do_full(stage), Tile::kQBytes);
+                bulk_load(sStat + stage * kBlockM * 4, stats, kStatBytes, bar_q_full(stage));
+                mbar_arrive_expect_tx(bar_do_full(stage), Tile::kQBytes + kStatBytes);
 #pragma unroll
                 for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                     tma_load_4d(do_dst + cb * kBlockM * 128, &tma_do, bar_do_full(stage), cb * 64, m0, head, batch);
-            }
-        } else if (warp == 1 && steps.n_iter > 0) {
-            // lse2 and delta of each query tile; rows past seqlen_q get lse2 = +inf (P = 0), delta = 0.
-            // All of a tile's loads go out together, before the wait for its ring stage: one memory
-            // latency per tile rather than one per 32 rows and array. A CTA's first tile is usually not
-            // in L2 yet (its key tile starts at its own query tile), and eight dependent DRAM round trips
-            // there held up the first step by ~4k cycles (B=16 N=1024 D=64, scripts/bwd_trace.py: 9220 -> 5104).
-            const int lane = threadIdx.x & 31;
-            constexpr int kRowsPerLane = kBlockM / 32;
-            for (int i = 0; i < steps.n_iter; ++i) {
-                const int head = head0 + i / steps.n_m;
-                const int m0 = steps.query_tile(i) * kBlockM;
-                const int stage = i % kStages;
-                const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
-                float lse_r[kRowsPerLane], delta_r[kRowsPerLane];
-#pragma unroll
-                for (int j = 0; j < kRowsPerLane; ++j) {
-                    const int row = m0 + lane + 32 * j;
-                    const bool valid = row < p.seqlen_q;
-                    lse_r[j] = valid ? p.lse[base + row] : -CUFLASH_INF;   // bwd_lse2(-inf) = +inf: P = 0
-                    delta_r[j] = valid ? p.delta[base + row] : 0.f;
-                }
-                mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
-                float* lse2_s = stat_ptr + stage * kBlockM;
-                float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
-#pragma unroll
-                for (int j = 0; j < kRowsPerLane; ++j) lse2_s[lane + 32 * j] = bwd_lse2(lse_r[j]);
-                mbar_arrive(bar_q_full(stage));
-#pragma unroll
-                for (int j = 0; j < kRowsPerLane; ++j) delta_s[lane + 32 * j] = delta_r[j];
-                mbar_arrive(bar_do_full(stage));
+                bulk_load(sStat + (kStages + stage) * kBlockM * 4, stats + p.stat_rows, kStatBytes, bar_do_full(stage));
             }
         } else if (kDqMode != kDqAtomic && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
                    && steps.n_iter > 0) {
