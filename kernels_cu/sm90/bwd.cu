@@ -418,8 +418,8 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int stage = i % kStages;
                 mbar_wait(bar_empty(stage), ((i / kStages) & 1) ^ 1);
                 const u32 q_dst = sQ + stage * Tile::kQBytes, do_dst = sdO + stage * Tile::kQBytes;
-                // The query tile's lse2 and delta rows (BwdParams.stats) with its Q and dO. (A warp that loaded
-                // lse and delta and stored lse2 and delta measured 0.2-1.2 % slower, H200, 2026-11-26.)
+                // The query tile's lse2 and delta rows (BwdParams.stats) with its Q and dO, as one more bulk copy
+                // each: no warp spends registers and a round trip per step on them.
                 constexpr u32 kStatBytes = kBlockM * 4;
                 // 32-bit: (batch * heads_q * 2 + 1) * stat_rows < 2^32 (api.py checks it); a 64-bit index spills.
                 const float* stats = p.stats + ((static_cast<unsigned>(batch) * p.heads_q + head) * 2u * p.stat_rows + m0);
