@@ -1,7 +1,7 @@
 """Where a backward call's time goes: each kernel of cuflash's backward timed with events between
 launches (median of repeats, L2 flushed before each call), the whole call, and, where PyTorch is
-installed, the kernels of SDPA's cuDNN backward
-and FlashAttention-4's (where it imports: $CUFLASH_FA4_PATH) from torch.profiler.
+installed, the kernels of SDPA's cuDNN backward and of FlashAttention-4's (where it imports:
+$CUFLASH_FA4_PATH) from torch.profiler.
 
     python3 scripts/bwd_phases.py [B,H,N,D,dtype,causal ...]
 """
