@@ -345,15 +345,20 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
                                            short=heuristics.bwd_short(nk, causal))
     kern, cfg, smem = dkdv
     extra = ()
+    stat_rows = 0
     if cfg.fam.arch_specific:  # sm90: tensor maps, or the portable kernels where TMA cannot address an input
         maps = sm90.bwd_tensor_maps(cfg, q, k, v, dout)
-        # The sm90 kernel indexes its lse2 / delta rows (BwdParams.stats) in 32 bits.
-        if maps is None or b * hq * 2 * -(-nq // cfg.block_m) * cfg.block_m >= 2**32:
+        # lse2 and delta rows padded to whole query tiles (BwdParams.stats), indexed in 32 bits.
+        stat_rows = -(-nq // cfg.block_m) * cfg.block_m
+        if maps is None or b * hq * 2 * stat_rows >= 2**32:
             pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80")
             kern, cfg, smem = dkdv
+            stat_rows = 0
         else:
             extra = (maps,)
-    delta = cupy.empty((b, hq, nq), dtype=np.float32)
+    # delta (rowsum(dout * out)) for the portable kernels; the sm90 kernel reads it from the stats rows.
+    stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32) if stat_rows else None
+    delta = None if stat_rows else cupy.empty((b, hq, nq), dtype=np.float32)
     # The float32 dQ sums, zeroed by the preprocess: rows (seqlen_q, head_dim), or (sm90 tile dQ)
     # query tiles of block_m rows and the padded head dim, in the accumulators' order.
     dq_accum = semaphores = None
@@ -376,19 +381,13 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
             dq_accum.fill(np.nan)
             if semaphores is not None and not cfg.family.endswith("_ordered"):
                 semaphores.fill((1 << 24) + 3)   # "stored" (kDqSliceReady): every slice would be added
-    # sm90: lse2 and delta rows padded to whole query tiles, for the dK/dV kernel's TMA thread.
-    stats = None
-    if cfg.fam.arch_specific:
-        stat_rows = -(-nq // cfg.block_m) * cfg.block_m
-        stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32)
-    else:
-        stat_rows = 0
     layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
                *params.element_strides(dk), *params.element_strides(dv),
                b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows, n_semaphores,
                stats.data.ptr if stats is not None else 0, stat_rows)
-    pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr)
+    pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr,
+                delta.data.ptr if delta is not None else 0)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
     p = params.pack_bytes(params.BWD_PARAMS, (
         *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))

@@ -1,6 +1,7 @@
-// Backward preprocess: delta = rowsum(dout * out) in float32, one value per
-// (batch, head, query row), and zero the float32 dq_accum (atomic dQ mode; the sm90 tile modes only
-// where no key tile writes: BwdParams.dq_zero_rows) and the tile modes' dq_semaphore.
+// Backward preprocess: delta = rowsum(dout * out) in float32, one value per (batch, head, query row)
+// (sm90: into the stats rows beside lse2, BwdParams.stats, and not into delta), and zero the float32
+// dq_accum (atomic dQ mode; the sm90 tile modes only where no key tile writes: BwdParams.dq_zero_rows)
+// and the tile modes' dq_semaphore.
 //
 // Memory-bound: 8 threads per row read 16-byte chunks of dout and out (any
 // head_dim, strided views), reduce with shuffles inside the 8-lane group; the
@@ -40,7 +41,7 @@ bwd_preprocess_kernel(const BwdParams p) {
     for (int off = 1; off < kThreadsPerRow; off <<= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
 
     const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
-    if (valid && sub == 0) p.delta[row_index] = acc;
+    if (valid && sub == 0 && p.delta != nullptr) p.delta[row_index] = acc;   // null: the sm90 kernel reads stats
     if (p.stats != nullptr && row < p.stat_rows && sub == 0) {
         float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows;
         stats[row] = bwd_lse2(valid ? p.lse[row_index] : -CUFLASH_INF);

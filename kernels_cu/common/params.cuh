@@ -35,7 +35,7 @@ struct BwdParams {
     const void* o;
     const void* dout;
     const float* lse;      // (batch, heads_q, seqlen_q), contiguous, natural log
-    float* delta;          // (batch, heads_q, seqlen_q), contiguous: rowsum(dout * out)
+    float* delta;          // (batch, heads_q, seqlen_q), contiguous: rowsum(dout * out); null for sm90 (stats)
     float* dq_accum;       // float32 dQ sums, null unless atomic or tile dQ: (batch, heads_q, seqlen_q, head_dim)
                            // contiguous, or (sm90 tile modes) tiles in the wgmma accumulator order
     void* dq;
