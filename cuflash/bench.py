@@ -75,8 +75,9 @@ STANDARD_SHAPES = [
 ]
 QUICK_SHAPES = [Shape(4, 16, 4096, 64, "float16", False), Shape(4, 16, 4096, 128, "bfloat16", True)]
 # The score-distribution table (python -m cuflash --dists): each shape non-causal and causal.
-DIST_SHAPES = [Shape(4, 16, 4096, d, dt, c) for d, dt in ((64, "float16"), (128, "bfloat16"), (128, "float16"),
-                                                          (256, "bfloat16")) for c in (False, True)]
+# Every head dim the Hopper kernels are tuned for, in both 16-bit types, causal and not (issue #27's grid).
+DIST_SHAPES = [Shape(4, 16, 4096, d, dt, c) for d in (64, 128, 256) for dt in ("float16", "bfloat16")
+               for c in (False, True)]
 # fp8 forward rows (Hopper): e4m3 inputs quantised from these bf16 shapes, bf16 output; peers run bf16.
 FP8_SHAPES = [
     Shape(4, 16, 4096, 64, "bfloat16", False), Shape(4, 16, 4096, 64, "bfloat16", True),

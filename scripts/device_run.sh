@@ -59,8 +59,8 @@ case $phase in
   dists)
     if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
     fa4_env
-    # 8 shapes x 6 distributions x (fwd, fwd+bwd), 3 warm-ups and 15 interleaved repeats (under ~8 minutes
-    # on an H100 by estimate, FA4 compiling each shape once included)
+    # 12 shapes x 6 distributions x (fwd, fwd+bwd), 3 warm-ups and 15 interleaved repeats: about 12 minutes
+    # on an H100 with FA4, so run it in two calls of six shapes each (--shape B,H,N,D,dtype[,causal] ...)
     python3 -m cuflash --dists --markdown --json "$OUT/dists.json" --repeats 15 --warmup 3 "$@" 2>&1 \
       | tee "$OUT/dists.log" | tail -n 130 || status=1
     ;;

@@ -79,11 +79,10 @@ def test_help_names_the_option(capsys):
 
 
 def test_dist_shapes():
-    assert len(DIST_SHAPES) == 8
+    assert len(DIST_SHAPES) == 12
     assert all((s.batch, s.heads, s.seqlen) == (4, 16, 4096) for s in DIST_SHAPES)
-    assert {(s.head_dim, s.dtype) for s in DIST_SHAPES} == {(64, "float16"), (128, "bfloat16"), (128, "float16"),
-                                                            (256, "bfloat16")}
-    assert sum(s.causal for s in DIST_SHAPES) == 4
+    assert {(s.head_dim, s.dtype, s.causal) for s in DIST_SHAPES} == {
+        (d, dt, c) for d in (64, 128, 256) for dt in ("float16", "bfloat16") for c in (False, True)}
 
 
 # --- the distributions' definitions (CPU) ---
