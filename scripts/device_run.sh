@@ -138,7 +138,7 @@ case $phase in
     if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
     fa4_env
     shape=$1; pass=$2; dist=${3:-normal}
-    [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='sm90_fwd|fwd_kernel|ForwardSm90'
+    [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='fwd_.*kernel|ForwardSm90'
     for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ); do
       echo "== $who $pass $shape $dist"
       ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
