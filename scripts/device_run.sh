@@ -15,7 +15,8 @@
 #              next call (machine still warm) carrying .fa4b joins and installs
 #   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
 #              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where /tmp/fa4site exists (scripts/ncu_fwd_pair.py);
-#              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv)
+#              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv); NCU_CLOCK=base
+#              locks the clock at base (cycles comparable across inputs and kernels; default: none)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if /tmp/fa4site
 #              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
 set -uo pipefail
@@ -141,7 +142,7 @@ case $phase in
     [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='fwd_.*kernel|ForwardSm90'
     for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ); do
       echo "== $who $pass $shape $dist"
-      ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
+      ncu --clock-control ${NCU_CLOCK:-none} --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy \
         python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
