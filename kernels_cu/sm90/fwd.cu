@@ -692,11 +692,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             // max (rows with no max yet excepted), since the kept state absorbs later maxima up to 2^48 above
             // it; sharp heads, whose maxima keep moving by small amounts, then need not stay on the full step.
             // At head dim 64 (three warpgroups) it lost on the mixed and outlier heads (sm90/NOTES.md).
-            // -DCUFLASH_SM90_FWD_BF16_ABSORB=0: settle on full steps that moved no max only (A/B).
-#ifndef CUFLASH_SM90_FWD_BF16_ABSORB
-#define CUFLASH_SM90_FWD_BF16_ABSORB 1
-#endif
-            constexpr bool kMovesAbsorbed = kIsBf16<Tag> && kSettleDecay && CUFLASH_SM90_FWD_BF16_ABSORB;
+            constexpr bool kMovesAbsorbed = kIsBf16<Tag> && kSettleDecay;
             constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
             if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
             kept_failed = false;
