@@ -712,6 +712,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
                 pack_p(pa, acc_s);
             }
+            // kRescaleUnderQk (an experiment, off): O's rescale for key tile i is applied at step i + 1 while
+            // Q K^T_{i+1} runs, just before O += P_i V_i, instead of between the wait for P_{i-1} V_{i-1} and
+            // that issue, where the tensor cores wait on it (FlashAttention-4 does this above head dim 128).
+#ifndef CUFLASH_SM90_FWD_RESCALE_UNDER_QK
+#define CUFLASH_SM90_FWD_RESCALE_UNDER_QK 0
+#endif
+            constexpr bool kRescaleUnderQk = CUFLASH_SM90_FWD_RESCALE_UNDER_QK && !Tile::kFp8;
+            float pending_rescale[2] = {1.f, 1.f};
+            bool rescale_pending = false;   // warp-uniform
             for (int i = 1; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
                 const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
@@ -719,6 +728,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 float acc_s[kBlockN / 2];
                 mbar_wait(bar_k_full(stage), parity);
                 issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+                if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
                 mbar_wait(bar_v_full(prev), prev_parity);
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
@@ -766,13 +776,20 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
                 fence_operand(acc_o);
                 const bool warp_moved = __any_sync(0xffffffff, max_changed);
-                if (warp_moved) rescale_o(rescale);   // this warp's rows only
+                if constexpr (kRescaleUnderQk) {
+                    rescale_pending = warp_moved;
+                    pending_rescale[0] = rescale[0];
+                    pending_rescale[1] = rescale[1];
+                } else if (warp_moved) {
+                    rescale_o(rescale);   // this warp's rows only
+                }
                 if (kKeepMax && full_step)
                     settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
                 pack_p(pa, acc_s);
                 release_kv(bar_v_empty(prev));
             }
             const int last = (it + n_block_max - 1) % kStages;
+            if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
             mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
             issue_pv(pa, sV + last * Tile::kKVBytes);
             wgmma_wait<0>();
