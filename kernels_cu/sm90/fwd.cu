@@ -712,13 +712,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
                 pack_p(pa, acc_s);
             }
-            // kRescaleUnderQk (an experiment, off): O's rescale for key tile i is applied at step i + 1 while
-            // Q K^T_{i+1} runs, just before O += P_i V_i, instead of between the wait for P_{i-1} V_{i-1} and
-            // that issue, where the tensor cores wait on it (FlashAttention-4 does this above head dim 128).
-#ifndef CUFLASH_SM90_FWD_RESCALE_UNDER_QK
-#define CUFLASH_SM90_FWD_RESCALE_UNDER_QK 0
-#endif
-            constexpr bool kRescaleUnderQk = CUFLASH_SM90_FWD_RESCALE_UNDER_QK && !Tile::kFp8;
+            // At head dims 65-128, O's rescale for key tile i is applied at step i + 1 while Q K^T_{i+1} runs,
+            // just before O += P_i V_i, rather than between the wait for P_{i-1} V_{i-1} and that issue, where
+            // this warpgroup's tensor work would wait on it: it pays on the heads whose max keeps moving. At 64
+            // (three warpgroups) and 256 it measured level or worse, so there it stays after the wait.
+            constexpr bool kRescaleUnderQk = !Tile::kFp8 && Tile::kHeadDimPad == 128;
             float pending_rescale[2] = {1.f, 1.f};
             bool rescale_pending = false;   // warp-uniform
             for (int i = 1; i < n_block_max; ++i) {
