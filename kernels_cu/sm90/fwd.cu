@@ -492,7 +492,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // S of this warp's 16 rows alone, with mma.sync (its accumulator layout is the wgmma one): the kept-max
         // softmax's recompute, taken only where a score passed a settled running max by more than 2^120, so it
         // must not wait for the other warps, nor take registers or instruction cache from the key loop (loops,
-        // not unrolled: unrolled, this path spilled or doubled the kernel, which cost 7 % at head dim 64).
+        // not unrolled: unrolled, this path spilled or doubled the kernel). Even so its presence slows the full
+        // step at head dim 64, in every form tried; what would remove it is in sm90/NOTES.md (twenty-fifth session).
         auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
             if constexpr (!Tile::kFp8) {
 #pragma unroll 1
