@@ -89,3 +89,23 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
+// A ring of kStages buffers filled in turn: iteration `it` uses stage it % kStages, and its "full"
+// barrier completes phase (it / kStages) & 1 (the "empty" barrier's wait takes the other parity, which
+// a freshly initialised barrier satisfies). A value built from the iteration count, so that a loop
+// over iterations keeps plain integer arithmetic (kStages is a power of two: shifts and masks).
+template <int kStages>
+struct PipelineState {
+    int it;
+    __device__ __forceinline__ explicit PipelineState(int iteration) : it(iteration) {}
+    __device__ __forceinline__ int stage() const { return it % kStages; }
+    __device__ __forceinline__ u32 phase() const { return static_cast<u32>(it / kStages) & 1; }
+    __device__ __forceinline__ u32 empty_phase() const { return phase() ^ 1; }
+    __device__ __forceinline__ PipelineState advanced(int n) const { return PipelineState(it + n); }
+};
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte rows stored with the
+// 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B and wgmma's matching layout): the chunk index is
+// XORed with the row's index within its 8-row (1024-byte) atom, so that the 8 rows of an ldmatrix or
+// a column read hit 8 different bank groups.
+__device__ __forceinline__ int swizzle128(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) << 4); }
