@@ -21,6 +21,10 @@ struct CausalMask {
     int seqlen_q, seqlen_k;
 
     __device__ __forceinline__ CausalMask(int seqlen_q_, int seqlen_k_) : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
+    // From a kernel's parameters (FwdParams, BwdParams): built where it is asked, so that the lengths are
+    // read from the parameter bank at each use rather than held in registers across the key loop.
+    template <class Params>
+    __device__ __forceinline__ explicit CausalMask(const Params& p) : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
     // Key tiles [n_block_min, n_block_max) that query tile m_block visits (none when max <= min).
     __device__ __forceinline__ int n_block_min(int /*m_block*/) const { return 0; }
     __device__ __forceinline__ int n_block_max(int m_block) const { return Range::n_block_max(m_block, seqlen_q, seqlen_k); }

@@ -106,8 +106,7 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * t + h;
                 // The check (and the vote after it) waits on the sum: four partial sums, so that its chain of
-                // dependent adds is a quarter as long (1 / 4 / 8 partial sums: 738 / 771 / 766 TFLOP/s, H100,
-                // D=128 bf16).
+                // dependent adds is a quarter as long (four measured fastest: docs/experiments.md).
                 constexpr int kAccs = 4;
                 float part[kAccs];
 #pragma unroll

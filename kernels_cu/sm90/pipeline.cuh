@@ -22,27 +22,14 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// A waiting thread is suspended until the phase completes or a time limit passes. Without a hint the
-// limit is short and waiting warps loop (ncu: 28 % of the backward's instructions are these loops,
-// mostly the producer and dQ warps); -DCUFLASH_MBAR_SUSPEND_NS=N (CUFLASH_NVRTC_DEFINES) makes ptxas
-// sleep N ns per try instead (NANOSLEEP.SYNCS). H100, scripts/bench_mbar_hint.py (2026-11-23):
-// N = 1e6 gained nothing (d=256 backward 348 -> 325 TFLOP/s), so the default is no hint.
-#ifndef CUFLASH_MBAR_SUSPEND_NS
-#define CUFLASH_MBAR_SUSPEND_NS 0
-#endif
+// A waiting thread is suspended until the phase completes or a system time limit passes, then tries again.
+// (A suspend-time hint made ptxas sleep between tries; it gained nothing: docs/experiments.md.)
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
-#if CUFLASH_MBAR_SUSPEND_NS > 0
-    asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity), "n"(CUFLASH_MBAR_SUSPEND_NS) : "memory");
-#else
     asm volatile("{\n.reg .pred p;\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                  "selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-#endif
     return done != 0;
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
@@ -104,8 +91,13 @@ struct PipelineState {
     __device__ __forceinline__ PipelineState advanced(int n) const { return PipelineState(it + n); }
 };
 
-// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte rows stored with the
-// 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B and wgmma's matching layout): the chunk index is
-// XORed with the row's index within its 8-row (1024-byte) atom, so that the 8 rows of an ldmatrix or
-// a column read hit 8 different bank groups.
+// Address of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte rows at `base` (a shared
+// address or a pointer), stored with the 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B and wgmma's
+// matching layout): the chunk index is XORed with the row's index within its 8-row (1024-byte) atom, so
+// that the 8 rows of an ldmatrix or a column read hit 8 different bank groups.
+template <class Base>
+__device__ __forceinline__ Base swizzle128(Base base, int row, int chunk) {
+    return base + row * 128 + ((chunk ^ (row % 8)) << 4);
+}
+// The same as a byte offset from the tile's start.
 __device__ __forceinline__ int swizzle128(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) << 4); }

@@ -41,30 +41,19 @@ __device__ __forceinline__ u64 make_desc_sw128(u32 smem_addr, u32 lbo_bytes, u32
 // carries out of the address field, and the high word (SBO, swizzle) is fixed. The k-steps of a product
 // then cost one 32-bit add each from one base, where ptxas rebuilt the whole encoding per wgmma (five
 // uniform-datapath instructions).
-// -DCUFLASH_SM90_DESC_FULL: the full encoding per descriptor again (A/B).
 template <int kRowBytes = 128>
 struct SmemDesc {
     u32 lo, hi;
-#ifdef CUFLASH_SM90_DESC_FULL
-    u32 addr, lbo, sbo;
-#endif
     __device__ __forceinline__ SmemDesc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
         const u64 d = make_desc_swizzled<kRowBytes>(smem_addr, lbo_bytes, sbo_bytes);
         lo = static_cast<u32>(d);
         hi = static_cast<u32>(d >> 32);
-#ifdef CUFLASH_SM90_DESC_FULL
-        addr = smem_addr, lbo = lbo_bytes, sbo = sbo_bytes;
-#endif
     }
     // The descriptor of smem_addr + byte_offset (a multiple of 16).
     __device__ __forceinline__ u64 at(u32 byte_offset) const {
-#ifdef CUFLASH_SM90_DESC_FULL
-        return make_desc_swizzled<kRowBytes>(addr + byte_offset, lbo, sbo);
-#else
         u64 d;
         asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (byte_offset >> 4)), "r"(hi));
         return d;
-#endif
     }
 };
 
