@@ -25,7 +25,7 @@
 //           with W (P^T, dS^T or dS) in shared memory rows of C + 1 floats.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 #include "../common/bwd_math.cuh"
 #include "../sm80/copy.cuh"
 
@@ -122,7 +122,7 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __global__ void __launch_bounds__(kNWarps * 32)
 bwd_dkdv_kernel(const BwdParams p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>;  // rows: keys, columns: queries
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -152,7 +152,7 @@ bwd_dkdv_kernel(const BwdParams p) {
     const float* gV = static_cast<const float*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
                       + n0 * p.v_row_stride;
 
-    const int m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+    const int m_begin = Mask(p).m_block_min(n_block);
     const int m_end = ceil_div(p.seqlen_q, kBlockM);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * p.heads_per_kv;
@@ -195,7 +195,7 @@ bwd_dkdv_kernel(const BwdParams p) {
             float s[Tile::kTR][Tile::kTC], dp[Tile::kTR][Tile::kTC];
             simt_scores<Tile>(s, sK, sQ, tr, tc);
             simt_scores<Tile>(dp, sV, sdO, tr, tc);
-            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+            const bool mask = Mask(p).needs_mask(m_block, n_block);
 #pragma unroll
             for (int i = 0; i < Tile::kTR; ++i)
 #pragma unroll
@@ -203,7 +203,7 @@ bwd_dkdv_kernel(const BwdParams p) {
                     const int kr = tr + i * Tile::kGR;  // key
                     const int qc = tc + j * Tile::kGC;  // query
                     float pv = bwd_prob(s[i][j], p.scale_log2, sLse2[qc]);
-                    if (mask && !key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                    if (mask && !Mask(p).visible(m0 + qc, n0 + kr)) pv = 0.f;
                     sP[kr * kStrideW + qc] = pv;
                     sdS[kr * kStrideW + qc] = pv * (dp[i][j] - sDelta[qc]);
                 }
@@ -229,7 +229,7 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __global__ void __launch_bounds__(kNWarps * 32)
 bwd_dq_kernel(const BwdParams p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;  // rows: queries, columns: keys
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -274,7 +274,7 @@ bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
     for (int j = 0; j < Tile::kCPT; ++j) acc_dq[j] = make_float4(0.f, 0.f, 0.f, 0.f);
 
-    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    const int n_block_max = Mask(p).n_block_max(m_block);
     if (n_block_max > 0) {
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
@@ -291,7 +291,7 @@ bwd_dq_kernel(const BwdParams p) {
             float s[Tile::kTR][Tile::kTC], dp[Tile::kTR][Tile::kTC];
             simt_scores<Tile>(s, sQ, sK, tr, tc);
             simt_scores<Tile>(dp, sdO, sV, tr, tc);
-            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+            const bool mask = Mask(p).needs_mask(m_block, n_block);
 #pragma unroll
             for (int i = 0; i < Tile::kTR; ++i)
 #pragma unroll
@@ -299,7 +299,7 @@ bwd_dq_kernel(const BwdParams p) {
                     const int qr = tr + i * Tile::kGR;
                     const int kc = tc + j * Tile::kGC;
                     float pv = bwd_prob(s[i][j], p.scale_log2, lse2[i]);
-                    if (mask && !key_visible<kIsCausal>(m0 + qr, n0 + kc, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                    if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
                     sdS[qr * kStrideW + kc] = pv * (dp[i][j] - delta[i]);
                 }
             __syncthreads();  // dS complete
@@ -315,3 +315,9 @@ bwd_dq_kernel(const BwdParams p) {
         simt_store_row<Tile>(gdQ, acc_dq, p.softmax_scale, osub, hd);
     }
 }
+
+// Each kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__device__ const int bwd_dkdv_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>::kSmemBytesDkdv;
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__device__ const int bwd_dq_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytesDq;

@@ -41,16 +41,11 @@
 // are conflict-free for kBlockN % 32 == 0.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 
-// Unroll factors of the S (head_dim, step 4) and P V (keys, step 4) loops;
-// overridable with -D for tuning runs.
-#ifndef SIMT_UNROLL_D
-#define SIMT_UNROLL_D 2
-#endif
-#ifndef SIMT_UNROLL_J
-#define SIMT_UNROLL_J 1
-#endif
+// Unroll factors of the S (head_dim, step 4) and P V (keys, step 4) loops.
+constexpr int kSimtUnrollD = 2;
+constexpr int kSimtUnrollJ = 1;
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct SimtFwdTile {
@@ -179,238 +174,262 @@ __device__ __forceinline__ float group_sum(float x) {
     return x;
 }
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kNWarps * 32)
-fwd_kernel(const FwdParams p) {
-    static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
+// The kernel's parts. Each re-derives the thread's coordinates (Coords::read) rather than holding them:
+// across the key loop only acc_o and the key tile stay in registers.
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+struct SimtFwd {
     using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     using Coords = SimtCoords<kBlockM, Tile::kNX, kIsCausal>;
-    constexpr int kThreads = Tile::kThreads;
-    constexpr int kNX = Tile::kNX;
-    constexpr int kNY = Tile::kNY;
-    constexpr int kRows = Tile::kRows;
-    constexpr int kKeys = Tile::kKeys;
-    constexpr int kChunks = Tile::kChunks;
-    constexpr int kOChunks = Tile::kOChunks;
-    constexpr int kOChunksFull = Tile::kOChunksFull;
-    constexpr int kStride = Tile::kStride;
-    constexpr int kPStride = Tile::kPStride;
+    static constexpr int kThreads = Tile::kThreads;
+    static constexpr int kNX = Tile::kNX;
+    static constexpr int kNY = Tile::kNY;
+    static constexpr int kRows = Tile::kRows;
+    static constexpr int kKeys = Tile::kKeys;
+    static constexpr int kChunks = Tile::kChunks;
+    static constexpr int kOChunks = Tile::kOChunks;
+    static constexpr int kOChunksFull = Tile::kOChunksFull;
+    static constexpr int kStride = Tile::kStride;
+    static constexpr int kPStride = Tile::kPStride;
 
-    extern __shared__ __align__(16) float smem_f32[];
-    float* const sQ = smem_f32;
-    float* const sK = sQ + kBlockM * kStride;
-    float* const sV = sK + kBlockN * kStride;
-    float* const sP = sV + kBlockN * kStride;
-    // Per-thread softmax statistics of its kRows rows, [kRows][2][kThreads]:
-    // the running max (log2 domain of the scaled scores, -inf until a visible
-    // key) and the partial sum of exp2(...). Only this thread touches its
-    // slots. Kept here rather than in registers: they are used once per key
-    // tile, so ptxas would happily spill them to reach an occupancy step.
-    float* const sStat = sP + kBlockM * kPStride;
-
-    // K or V rows [n0, n0 + kBlockN) of this CTA's kv head.
-    auto kv_tile = [&](const void* base, i64 batch_stride, i64 head_stride, i64 row_stride,
-                       const Coords& c, int n0) {
-        return static_cast<const float*>(base) + c.batch * batch_stride
-               + (c.head / p.heads_per_kv) * head_stride + n0 * row_stride;
+    // Shared memory: Q, K, V, P tiles, then the per-thread softmax statistics of its kRows rows,
+    // [kRows][2][kThreads]: the running max (log2 domain of the scaled scores, -inf until a visible key)
+    // and the partial sum of exp2(...). Only this thread touches its slots. Kept here rather than in
+    // registers: they are used once per key tile, so ptxas would happily spill them to reach an
+    // occupancy step.
+    struct Smem {
+        float* q;
+        float* k;
+        float* v;
+        float* p;
+        float* stat;
+        __device__ __forceinline__ explicit Smem(float* base)
+            : q(base), k(q + kBlockM * kStride), v(k + kBlockN * kStride), p(v + kBlockN * kStride),
+              stat(p + kBlockM * kPStride) {}
     };
 
-    float acc_o[kRows][kOChunks][4];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-        for (int cc = 0; cc < kOChunks; ++cc)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[i][cc][e] = 0.f;
+    // K or V rows [n0, n0 + kBlockN) of this CTA's kv head.
+    static __device__ __forceinline__ const float* kv_tile(const FwdParams& p, const void* base, i64 batch_stride,
+                                                           i64 head_stride, i64 row_stride, const Coords& c, int n0) {
+        return static_cast<const float*>(base) + c.batch * batch_stride + (c.head / p.heads_per_kv) * head_stride
+               + n0 * row_stride;
+    }
 
-    int n_block;
-    {
+    // Statistics initialised; Q and the first K tile on their way. Returns the first (last-visited) key tile.
+    static __device__ __forceinline__ int prologue(const FwdParams& p, const Smem& sm) {
         const Coords c = Coords::read();
         const int tid = c.ty * kNX + c.tx;
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
-            sStat[(2 * i) * kThreads + tid] = -CUFLASH_INF;
-            sStat[(2 * i + 1) * kThreads + tid] = 0.f;
+            sm.stat[(2 * i) * kThreads + tid] = -CUFLASH_INF;
+            sm.stat[(2 * i + 1) * kThreads + tid] = 0.f;
         }
-        n_block = Range::n_block_max(c.row_base / kBlockM, p.seqlen_q, p.seqlen_k) - 1;
+        const int n_block = Mask(p).n_block_max(c.row_base / kBlockM) - 1;
         if (n_block >= 0) {
-            const float* gQ = static_cast<const float*>(p.q) + c.batch * p.q_batch_stride
-                              + c.head * p.q_head_stride + c.row_base * p.q_row_stride;
-            simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(
-                sQ, gQ, p.q_row_stride, p.seqlen_q - c.row_base, tid);
+            const float* gQ = static_cast<const float*>(p.q) + c.batch * p.q_batch_stride + c.head * p.q_head_stride
+                              + c.row_base * p.q_row_stride;
+            simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(sm.q, gQ, p.q_row_stride, p.seqlen_q - c.row_base, tid);
             const int n0 = n_block * kBlockN;
             simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                sK, kv_tile(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n0),
-                p.k_row_stride, p.seqlen_k - n0, tid);
+                sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n0), p.k_row_stride,
+                p.seqlen_k - n0, tid);
             simt_cp_async_commit();
         }
+        return n_block;
     }
 
-    // Across this loop only acc_o and n_block stay in registers; everything
-    // else is re-derived (Coords::read) after each inner loop.
-    for (; n_block >= 0; --n_block) {
-        float acc_s[kRows][kKeys];
-        {
-            const Coords c = Coords::read();
-            const int n0 = n_block * kBlockN;
-            simt_cp_async_wait_all();
-            __syncthreads();  // K_n landed; every thread is done reading V_{n+1} and sP
-            simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                sV, kv_tile(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, c, n0),
-                p.v_row_stride, p.seqlen_k - n0, c.ty * kNX + c.tx);
-            simt_cp_async_commit();
-
-            // S = Q K_n^T: each thread a kRows x kKeys block, float4 steps along head_dim.
+    // V_n on its way, then S = Q K_n^T: each thread a kRows x kKeys block, float4 steps along head_dim.
+    static __device__ __forceinline__ void scores(const FwdParams& p, const Smem& sm, int n_block,
+                                                  float (&acc_s)[kRows][kKeys]) {
+        const Coords c = Coords::read();
+        const int n0 = n_block * kBlockN;
+        simt_cp_async_wait_all();
+        __syncthreads();  // K_n landed; every thread is done reading V_{n+1} and sP
+        simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
+            sm.v, kv_tile(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, c, n0), p.v_row_stride,
+            p.seqlen_k - n0, c.ty * kNX + c.tx);
+        simt_cp_async_commit();
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+            for (int k = 0; k < kKeys; ++k) acc_s[i][k] = 0.f;
+        const float* q_ptr = sm.q + c.ty * kStride;
+        const float* k_ptr = sm.k + c.tx * kStride;
+#pragma unroll kSimtUnrollD
+        for (int d = 0; d < kHeadDim; d += 4) {
+            float4 qv[kRows], kv[kKeys];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) qv[i] = *reinterpret_cast<const float4*>(q_ptr + i * kNY * kStride + d);
+#pragma unroll
+            for (int k = 0; k < kKeys; ++k) kv[k] = *reinterpret_cast<const float4*>(k_ptr + k * kNX * kStride + d);
 #pragma unroll
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
-                for (int k = 0; k < kKeys; ++k) acc_s[i][k] = 0.f;
-            const float* q_ptr = sQ + c.ty * kStride;
-            const float* k_ptr = sK + c.tx * kStride;
-#pragma unroll SIMT_UNROLL_D
-            for (int d = 0; d < kHeadDim; d += 4) {
-                float4 qv[kRows], kv[kKeys];
+                for (int k = 0; k < kKeys; ++k) {
+                    float s = acc_s[i][k];
+                    s = fmaf(qv[i].x, kv[k].x, s);
+                    s = fmaf(qv[i].y, kv[k].y, s);
+                    s = fmaf(qv[i].z, kv[k].z, s);
+                    s = fmaf(qv[i].w, kv[k].w, s);
+                    acc_s[i][k] = s;
+                }
+        }
+    }
+
+    // The mask policy, the online softmax in the log2 domain (P to shared memory, O rescaled), then the next
+    // K tile on its way.
+    static __device__ __forceinline__ void softmax(const FwdParams& p, const Smem& sm, int n_block,
+                                                   float (&acc_s)[kRows][kKeys], float (&acc_o)[kRows][kOChunks][4]) {
+        const Coords c = Coords::read();
+        const int n0 = n_block * kBlockN;
+        if constexpr (Mask::kHasScoreMod) {
 #pragma unroll
-                for (int i = 0; i < kRows; ++i)
-                    qv[i] = *reinterpret_cast<const float4*>(q_ptr + i * kNY * kStride + d);
+            for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k)
-                    kv[k] = *reinterpret_cast<const float4*>(k_ptr + k * kNX * kStride + d);
-#pragma unroll
-                for (int i = 0; i < kRows; ++i)
-#pragma unroll
-                    for (int k = 0; k < kKeys; ++k) {
-                        float s = acc_s[i][k];
-                        s = fmaf(qv[i].x, kv[k].x, s);
-                        s = fmaf(qv[i].y, kv[k].y, s);
-                        s = fmaf(qv[i].z, kv[k].z, s);
-                        s = fmaf(qv[i].w, kv[k].w, s);
-                        acc_s[i][k] = s;
-                    }
-            }
+                    acc_s[i][k] = Mask(p).modify_score(acc_s[i][k], c.row_base + c.ty + i * kNY, n0 + c.tx + k * kNX);
         }
-
-        {
-            const Coords c = Coords::read();
-            const int n0 = n_block * kBlockN;
-            if (Range::needs_mask(c.row_base / kBlockM, n_block, p.seqlen_q, p.seqlen_k)) {
+        if (Mask(p).needs_mask(c.row_base / kBlockM, n_block)) {
 #pragma unroll
-                for (int i = 0; i < kRows; ++i)
-#pragma unroll
-                    for (int k = 0; k < kKeys; ++k) {
-                        const int row = c.row_base + c.ty + i * kNY;
-                        const int col = n0 + c.tx + k * kNX;
-                        if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k)) acc_s[i][k] = -CUFLASH_INF;
-                    }
-            }
-
-            // Online softmax in the log2 domain; P to shared memory, O rescaled.
-            const int tid = c.ty * kNX + c.tx;
-#pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                float mx = -CUFLASH_INF;
-#pragma unroll
-                for (int k = 0; k < kKeys; ++k) mx = fmaxf(mx, acc_s[i][k]);
-                mx = group_max<kNX>(mx) * p.scale_log2;
-                const float old_max = sStat[(2 * i) * kThreads + tid];
-                const float new_max = fmaxf(old_max, mx);
-                // A row that has seen no visible key keeps max -inf; use 0 as the
-                // reference so that exp2(-inf - ref) = 0 rather than NaN.
-                const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
-                const float rescale = exp2f(old_max - ref);
-                float sum = 0.f;
-                float* p_row = sP + (c.ty + i * kNY) * kPStride + c.tx;
+            for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k) {
-                    const float pk = exp2f(fmaf(acc_s[i][k], p.scale_log2, -ref));
-                    sum += pk;
-                    p_row[k * kNX] = pk;
+                    const int row = c.row_base + c.ty + i * kNY;
+                    const int col = n0 + c.tx + k * kNX;
+                    if (!Mask(p).visible(row, col)) acc_s[i][k] = -CUFLASH_INF;
                 }
-                sStat[(2 * i) * kThreads + tid] = new_max;
-                sStat[(2 * i + 1) * kThreads + tid] = fmaf(sStat[(2 * i + 1) * kThreads + tid], rescale, sum);
-#pragma unroll
-                for (int cc = 0; cc < kOChunks; ++cc)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[i][cc][e] *= rescale;
-            }
-
-            simt_cp_async_wait_all();
-            __syncthreads();  // V_n landed and sP written; every thread is done reading K_n
-            if (n_block > 0) {
-                const int n_prev = n0 - kBlockN;
-                simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
-                    sK, kv_tile(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_prev),
-                    p.k_row_stride, p.seqlen_k - n_prev, tid);
-                simt_cp_async_commit();
-            }
         }
-
-        // O += P V_n: four keys per step, P read as float4 per row. Chunks
-        // past head_dim (only in the last, partial round of a row group) read
-        // a valid column instead and are never stored.
-        {
-            const Coords c = Coords::read();
-            const float* p_ptr = sP + c.ty * kPStride;
-            int v_col[kOChunks];
+        const int tid = c.ty * kNX + c.tx;
 #pragma unroll
-            for (int cc = 0; cc < kOChunks; ++cc) {
-                const int chunk = c.tx + cc * kNX;
-                v_col[cc] = 4 * (cc < kOChunksFull ? chunk : min(chunk, kChunks - 1));
+        for (int i = 0; i < kRows; ++i) {
+            float mx = -CUFLASH_INF;
+#pragma unroll
+            for (int k = 0; k < kKeys; ++k) mx = fmaxf(mx, acc_s[i][k]);
+            mx = group_max<kNX>(mx) * p.scale_log2;
+            const float old_max = sm.stat[(2 * i) * kThreads + tid];
+            const float new_max = fmaxf(old_max, mx);
+            // A row that has seen no visible key keeps max -inf; use 0 as the
+            // reference so that exp2(-inf - ref) = 0 rather than NaN.
+            const float ref = new_max == -CUFLASH_INF ? 0.f : new_max;
+            const float rescale = exp2f(old_max - ref);
+            float sum = 0.f;
+            float* p_row = sm.p + (c.ty + i * kNY) * kPStride + c.tx;
+#pragma unroll
+            for (int k = 0; k < kKeys; ++k) {
+                const float pk = exp2f(fmaf(acc_s[i][k], p.scale_log2, -ref));
+                sum += pk;
+                p_row[k * kNX] = pk;
             }
-#pragma unroll SIMT_UNROLL_J
-            for (int j = 0; j < kBlockN; j += 4) {
-                float4 pv[kRows];
+            sm.stat[(2 * i) * kThreads + tid] = new_max;
+            sm.stat[(2 * i + 1) * kThreads + tid] = fmaf(sm.stat[(2 * i + 1) * kThreads + tid], rescale, sum);
 #pragma unroll
-                for (int i = 0; i < kRows; ++i)
-                    pv[i] = *reinterpret_cast<const float4*>(p_ptr + i * kNY * kPStride + j);
+            for (int cc = 0; cc < kOChunks; ++cc)
 #pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const float* v_row = sV + (j + jj) * kStride;
+                for (int e = 0; e < 4; ++e) acc_o[i][cc][e] *= rescale;
+        }
+        simt_cp_async_wait_all();
+        __syncthreads();  // V_n landed and sP written; every thread is done reading K_n
+        if (n_block > 0) {
+            const int n_prev = n0 - kBlockN;
+            simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
+                sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_prev), p.k_row_stride,
+                p.seqlen_k - n_prev, tid);
+            simt_cp_async_commit();
+        }
+    }
+
+    // O += P V_n: four keys per step, P read as float4 per row. Chunks past head_dim (only in the last,
+    // partial round of a row group) read a valid column instead and are never stored.
+    static __device__ __forceinline__ void pv(const Smem& sm, float (&acc_o)[kRows][kOChunks][4]) {
+        const Coords c = Coords::read();
+        const float* p_ptr = sm.p + c.ty * kPStride;
+        int v_col[kOChunks];
 #pragma unroll
-                    for (int cc = 0; cc < kOChunks; ++cc) {
-                        const float4 v = *reinterpret_cast<const float4*>(v_row + v_col[cc]);
+        for (int cc = 0; cc < kOChunks; ++cc) {
+            const int chunk = c.tx + cc * kNX;
+            v_col[cc] = 4 * (cc < kOChunksFull ? chunk : min(chunk, kChunks - 1));
+        }
+#pragma unroll kSimtUnrollJ
+        for (int j = 0; j < kBlockN; j += 4) {
+            float4 pv[kRows];
 #pragma unroll
-                        for (int i = 0; i < kRows; ++i) {
-                            const float pij = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
-                            acc_o[i][cc][0] = fmaf(pij, v.x, acc_o[i][cc][0]);
-                            acc_o[i][cc][1] = fmaf(pij, v.y, acc_o[i][cc][1]);
-                            acc_o[i][cc][2] = fmaf(pij, v.z, acc_o[i][cc][2]);
-                            acc_o[i][cc][3] = fmaf(pij, v.w, acc_o[i][cc][3]);
-                        }
+            for (int i = 0; i < kRows; ++i) pv[i] = *reinterpret_cast<const float4*>(p_ptr + i * kNY * kPStride + j);
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const float* v_row = sm.v + (j + jj) * kStride;
+#pragma unroll
+                for (int cc = 0; cc < kOChunks; ++cc) {
+                    const float4 v = *reinterpret_cast<const float4*>(v_row + v_col[cc]);
+#pragma unroll
+                    for (int i = 0; i < kRows; ++i) {
+                        const float pij = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+                        acc_o[i][cc][0] = fmaf(pij, v.x, acc_o[i][cc][0]);
+                        acc_o[i][cc][1] = fmaf(pij, v.y, acc_o[i][cc][1]);
+                        acc_o[i][cc][2] = fmaf(pij, v.z, acc_o[i][cc][2]);
+                        acc_o[i][cc][3] = fmaf(pij, v.w, acc_o[i][cc][3]);
                     }
                 }
             }
         }
     }
 
-    // Epilogue: normalise and store straight from registers (a row group
-    // writes kNX consecutive 16-byte chunks of a row).
-    const Coords c = Coords::read();
-    const int tid = c.ty * kNX + c.tx;
-    const int rows_valid = min(kBlockM, p.seqlen_q - c.row_base);
-    float* gO = static_cast<float*>(p.o) + c.batch * p.o_batch_stride + c.head * p.o_head_stride
-                + c.row_base * p.o_row_stride;
-    float* gLse = p.lse ? p.lse + (static_cast<i64>(c.batch) * p.heads_q + c.head) * p.seqlen_q + c.row_base
-                        : nullptr;
+    // Normalise and store straight from registers (a row group writes kNX consecutive 16-byte chunks of a
+    // row), and lse.
+    static __device__ __forceinline__ void epilogue(const FwdParams& p, const Smem& sm,
+                                                    const float (&acc_o)[kRows][kOChunks][4]) {
+        const Coords c = Coords::read();
+        const int tid = c.ty * kNX + c.tx;
+        const int rows_valid = min(kBlockM, p.seqlen_q - c.row_base);
+        float* gO = static_cast<float*>(p.o) + c.batch * p.o_batch_stride + c.head * p.o_head_stride
+                    + c.row_base * p.o_row_stride;
+        float* gLse = p.lse ? p.lse + (static_cast<i64>(c.batch) * p.heads_q + c.head) * p.seqlen_q + c.row_base
+                            : nullptr;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-        const float sum = group_sum<kNX>(sStat[(2 * i + 1) * kThreads + tid]);
-        const bool empty = !(sum > 0.f);
-        const float inv_sum = empty ? 0.f : 1.f / sum;
-        const int row = c.ty + i * kNY;
-        if (row < rows_valid) {
-            float* o_row = gO + row * p.o_row_stride;
+        for (int i = 0; i < kRows; ++i) {
+            const float sum = group_sum<kNX>(sm.stat[(2 * i + 1) * kThreads + tid]);
+            const bool empty = !(sum > 0.f);
+            const float inv_sum = empty ? 0.f : 1.f / sum;
+            const int row = c.ty + i * kNY;
+            if (row < rows_valid) {
+                float* o_row = gO + row * p.o_row_stride;
 #pragma unroll
-            for (int cc = 0; cc < kOChunks; ++cc) {
-                if (cc < kOChunksFull || c.tx + cc * kNX < kChunks) {
-                    *reinterpret_cast<float4*>(o_row + 4 * (c.tx + cc * kNX)) =
-                        make_float4(acc_o[i][cc][0] * inv_sum, acc_o[i][cc][1] * inv_sum,
-                                    acc_o[i][cc][2] * inv_sum, acc_o[i][cc][3] * inv_sum);
+                for (int cc = 0; cc < kOChunks; ++cc) {
+                    if (cc < kOChunksFull || c.tx + cc * kNX < kChunks) {
+                        *reinterpret_cast<float4*>(o_row + 4 * (c.tx + cc * kNX)) =
+                            make_float4(acc_o[i][cc][0] * inv_sum, acc_o[i][cc][1] * inv_sum,
+                                        acc_o[i][cc][2] * inv_sum, acc_o[i][cc][3] * inv_sum);
+                    }
                 }
+                if (gLse != nullptr && c.tx == 0)
+                    gLse[row] = empty ? -CUFLASH_INF : (sm.stat[(2 * i) * kThreads + tid] + log2f(sum)) * CUFLASH_LN2;
             }
-            if (gLse != nullptr && c.tx == 0)
-                gLse[row] = empty ? -CUFLASH_INF : (sStat[(2 * i) * kThreads + tid] + log2f(sum)) * CUFLASH_LN2;
         }
     }
+};
+
+// The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemFloats * 4;
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kNWarps * 32)
+fwd_kernel(const FwdParams p) {
+    static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
+    using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>;
+    extern __shared__ __align__(16) float smem_f32[];
+    const typename Fwd::Smem sm(smem_f32);
+    float acc_o[Fwd::kRows][Fwd::kOChunks][4];
+#pragma unroll
+    for (int i = 0; i < Fwd::kRows; ++i)
+#pragma unroll
+        for (int cc = 0; cc < Fwd::kOChunks; ++cc)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[i][cc][e] = 0.f;
+    for (int n_block = Fwd::prologue(p, sm); n_block >= 0; --n_block) {
+        float acc_s[Fwd::kRows][Fwd::kKeys];
+        Fwd::scores(p, sm, n_block, acc_s);
+        Fwd::softmax(p, sm, n_block, acc_s, acc_o);
+        Fwd::pv(sm, acc_o);
+    }
+    Fwd::epilogue(p, sm, acc_o);
 }

@@ -26,7 +26,7 @@
 // are fetched into registers early and stored to smem late.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 #include "../common/bwd_math.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
@@ -34,9 +34,7 @@
 // Unroll factor of the k-loops of the products whose operands both come from
 // shared memory: full unrolling lets ptxas hoist every fragment load and
 // run out of registers next to the dK/dV accumulators.
-#ifndef BWD_KK_UNROLL
-#define BWD_KK_UNROLL 2
-#endif
+constexpr int kBwdKkUnroll = 2;
 
 __host__ __device__ constexpr int bwd_imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int bwd_imax(int a, int b) { return a > b ? a : b; }
@@ -124,7 +122,7 @@ __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u
 // its indices, its warp's slices of the three products, and the steps both versions share.
 template <typename Tag, class Tile, bool kIsCausal>
 struct BwdDkdvThread {
-    using Range = BlockRange<Tile::kBlockM, Tile::kBlockN, kIsCausal>;
+    using Mask = CausalMask<Tile::kBlockM, Tile::kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
     static constexpr int kPad = Tile::kHeadDimPad, kThreads = Tile::kThreads;
     static constexpr int kStride = Tile::kStride, kStrideP = Tile::kStrideP;
@@ -160,7 +158,7 @@ struct BwdDkdvThread {
         gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride + n0 * p.v_row_stride;
         gQb = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
         gdOb = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride;
-        m_begin = Range::m_block_min(n_block, p.seqlen_q, p.seqlen_k);
+        m_begin = Mask(p).m_block_min(n_block);
         const int m_end = ceil_div(p.seqlen_q, kBlockM);
         n_m = m_end > m_begin ? m_end - m_begin : 0;
         n_iter = n_m * p.heads_per_kv;
@@ -214,7 +212,7 @@ struct BwdDkdvThread {
     // acc (key x head dim) += sPdS sQdO: dK += dS^T Q or dV += P^T dO.
     __device__ __forceinline__ void key_dim_product(float (&acc)[kMT2][kNT2][4], const u16* sPdS,
                                                     const u16* sQdO) const {
-        warp_mma_smem<Tag, kBlockM / 16, BWD_KK_UNROLL, false, true, kStrideP, kStride>(acc, sPdS, row2, sQdO, col2, lane);
+        warp_mma_smem<Tag, kBlockM / 16, kBwdKkUnroll, false, true, kStrideP, kStride>(acc, sPdS, row2, sQdO, col2, lane);
     }
 
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T * (dP^T - delta), masked, to sP / sdS
@@ -225,7 +223,7 @@ struct BwdDkdvThread {
                                                const float* sLse2, const float* sDelta, int m_block,
                                                u16* sP, u16* sdS) const {
         const int m0 = m_block * kBlockM;
-        const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+        const bool mask = Mask(p).needs_mask(m_block, n_block);
 #pragma unroll
         for (int n = 0; n < kNT1; ++n) {
             const int qc = col1 + n * 8 + 2 * t4;
@@ -245,8 +243,8 @@ struct BwdDkdvThread {
                     float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l.x);
                     float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l.y);
                     if (mask) {
-                        if (!key_visible<kIsCausal>(m0 + qc, n0 + kr, p.seqlen_q, p.seqlen_k)) p0 = 0.f;
-                        if (!key_visible<kIsCausal>(m0 + qc + 1, n0 + kr, p.seqlen_q, p.seqlen_k)) p1 = 0.f;
+                        if (!Mask(p).visible(m0 + qc, n0 + kr)) p0 = 0.f;
+                        if (!Mask(p).visible(m0 + qc + 1, n0 + kr)) p1 = 0.f;
                     }
                     const float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
                     const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
@@ -271,7 +269,7 @@ struct BwdDkdvThread {
             const int colc = col3 + chunk * kNT3c * 8;
             float acc_dq[kMT3][kNT3c][4];
             zero_acc(acc_dq);
-            warp_mma_smem<Tag, kBlockN / 16, BWD_KK_UNROLL, true, true, kStrideP, kStride>(
+            warp_mma_smem<Tag, kBlockN / 16, kBwdKkUnroll, true, true, kStrideP, kStride>(
                 acc_dq, sdS, row3, sK, colc, lane);
 #pragma unroll
             for (int t = 0; t < kMT3; ++t)
@@ -386,14 +384,14 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 
             float acc_s[Tile::kMTiles1][Tile::kNTiles1][4];
             zero_acc(acc_s);
-            th.template key_query_product<BWD_KK_UNROLL>(acc_s, sK, sQ);  // S^T = K Q^T
+            th.template key_query_product<kBwdKkUnroll>(acc_s, sK, sQ);  // S^T = K Q^T
 
             cp_async_wait<0>();
             __syncthreads();  // dO_it landed
 
             float acc_dp[Tile::kMTiles1][Tile::kNTiles1][4];
             zero_acc(acc_dp);
-            th.template key_query_product<BWD_KK_UNROLL>(acc_dp, sV, sdO);  // dP^T = V dO^T
+            th.template key_query_product<kBwdKkUnroll>(acc_dp, sV, sdO);  // dP^T = V dO^T
 
             th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
             __syncthreads();  // P^T, dS^T complete; every warp is done with sLse2/sDelta
@@ -462,7 +460,7 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dq_kernel(const BwdParams p) {
     using Tile = BwdDqTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
     constexpr int kMTiles = Tile::kMTiles;
     constexpr int kStride = Tile::kStride;
@@ -521,11 +519,11 @@ bwd_dq_kernel(const BwdParams p) {
     // dK/dV kernels' key_query_product with the operands swapped (queries are the rows here).
     auto query_key_product = [&](float (&acc)[kMTiles][Tile::kNTilesS][4], const u16* sQdO, const u16* sKV) {
         zero_acc(acc);
-        warp_mma_smem<Tag, kPad / 16, BWD_KK_UNROLL, false, false, kStride, kStride>(
+        warp_mma_smem<Tag, kPad / 16, kBwdKkUnroll, false, false, kStride, kStride>(
             acc, sQdO, warp_row0, sKV, 0, lane);
     };
 
-    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    const int n_block_max = Mask(p).n_block_max(m_block);
     if (n_block_max > 0) {
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
@@ -553,7 +551,7 @@ bwd_dq_kernel(const BwdParams p) {
             query_key_product(acc_s, sQ, sK);  // S = Q K_n^T
 
             // dS = P * (dP - delta), in place in acc_s.
-            const bool mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+            const bool mask = Mask(p).needs_mask(m_block, n_block);
 #pragma unroll
             for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -565,7 +563,7 @@ bwd_dq_kernel(const BwdParams p) {
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
                             const int col = n0 + n * 8 + 2 * t4 + (e & 1);
-                            if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k)) pv = 0.f;
+                            if (!Mask(p).visible(row, col)) pv = 0.f;
                         }
                         acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);
                     }
@@ -620,15 +618,6 @@ bwd_dq_kernel(const BwdParams p) {
 //   * dQ partial sums leave with red.global.add.v2.f32 on sm_90 (one vector
 //     reduction per pair of columns), scalar atomics before.
 
-// Unroll of the S^T / dP^T k-loops (both operands from shared memory): 2 is faster (H100: +4%
-// at d=64, +2.5% at d=128) but spills at d=128 with 64 x 128 tiles on sm_90.
-#ifndef BWD2_S_UNROLL
-#define BWD2_S_UNROLL (Tile::kHeadDimPad <= 64 ? 2 : 1)
-#endif
-// Measurement only (wrong dQ): skip the dQ product and its reductions (1) or the reductions (2).
-#ifndef BWD2_DIAG_SKIP_DQ
-#define BWD2_DIAG_SKIP_DQ 0
-#endif
 
 // Warps along M (the rest along N) of an M x N product that minimise the ldmatrix.x4
 // count per 16-wide k-step, wn * M / 16 + wm * N / 16; ties go to more warps along M.
@@ -729,8 +718,10 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
             float acc_s[Tile::kMTiles1][Tile::kNTiles1][4], acc_dp[Tile::kMTiles1][Tile::kNTiles1][4];
             zero_acc(acc_s);
             zero_acc(acc_dp);
-            th.template key_query_product<BWD2_S_UNROLL>(acc_s, sK, sQ);   // S^T = K Q^T
-            th.template key_query_product<BWD2_S_UNROLL>(acc_dp, sV, sdO); // dP^T = V dO^T
+            // Unrolled by 2 where it does not spill (at d=128 with 64 x 128 tiles it does).
+            constexpr int kSUnroll = Tile::kHeadDimPad <= 64 ? 2 : 1;
+            th.template key_query_product<kSUnroll>(acc_s, sK, sQ);   // S^T = K Q^T
+            th.template key_query_product<kSUnroll>(acc_dp, sV, sdO); // dP^T = V dO^T
 
             th.template store_p_ds<true>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
             if (has_next) th.store_row_stat(sStat0 + (stage ^ 1) * 2 * kBlockM, stat_next);
@@ -739,10 +730,8 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
             th.key_dim_product(acc_dv, sP, sdO);  // dV += P^T dO
             th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
 
-            if constexpr (kAtomicDq && BWD2_DIAG_SKIP_DQ != 1)
-                th.add_dq(sdS, sK, head, m_block, [](float* dst, float a, float b) {
-                    if (BWD2_DIAG_SKIP_DQ != 2) red_add_f32x2(dst, a, b);
-                });
+            if constexpr (kAtomicDq)
+                th.add_dq(sdS, sK, head, m_block, [](float* dst, float a, float b) { red_add_f32x2(dst, a, b); });
         }
     }
     th.store_dkdv(acc_dk, acc_dv, sK, sV);
@@ -759,3 +748,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_dq_kernel(const BwdParams p) {
     bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p);
 }
+
+// Each kernel's dynamic shared memory, as <kernel>_smem_bytes<same template arguments> (the dispatcher reads it
+// from the compiled module).
+#define CUFLASH_SM80_BWD_SMEM(name, tile)                                                                      \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+    __device__ const int name##_smem_bytes = tile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytes;
+CUFLASH_SM80_BWD_SMEM(bwd_dkdv_kernel, BwdDkdvTile)
+CUFLASH_SM80_BWD_SMEM(bwd_dkdv_dq_kernel, BwdDkdvTile)
+CUFLASH_SM80_BWD_SMEM(bwd_dq_kernel, BwdDqTile)
+CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_kernel, BwdDkdvTile2)
+CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_dq_kernel, BwdDkdvTile2)
+#undef CUFLASH_SM80_BWD_SMEM

@@ -9,7 +9,7 @@
 // diagonal) come first.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 #include "../common/softmax.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
@@ -54,11 +54,15 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
         sK + kTileElems, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, tid);
 }
 
+// The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+__device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemElems * 2;
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_kernel(const FwdParams p) {
     using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
     constexpr int kMTiles = Tile::kMTiles;
     constexpr int kStride = Tile::kSmemStride;
@@ -84,7 +88,7 @@ fwd_kernel(const FwdParams p) {
     const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
 
-    const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+    const int n_block_max = Mask(p).n_block_max(m_block);
 
     // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile.
     const int warp_row0 = warp * kMTiles * 16;
@@ -118,7 +122,7 @@ fwd_kernel(const FwdParams p) {
             cp_async_wait<1>();
             __syncthreads();  // tile n (and Q) landed for every thread's copies
 
-            const bool tile_needs_mask = Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k);
+            const bool tile_needs_mask = Mask(p).needs_mask(m_block, n_block);
 #pragma unroll 1
             for (int sub = 0; sub < kBlockN / Tile::kSubN; ++sub) {
                 // S = Q K_n^T over keys [sub * kSubN, (sub + 1) * kSubN) of the stage
@@ -146,6 +150,17 @@ fwd_kernel(const FwdParams p) {
                     }
                 }
 
+                if constexpr (Mask::kHasScoreMod) {
+#pragma unroll
+                    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                        for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                acc_s[t][n][e] = Mask(p).modify_score(
+                                    acc_s[t][n][e], row_base + warp_row0 + t * 16 + g + (e >> 1) * 8,
+                                    n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1));
+                }
                 if (tile_needs_mask) {
 #pragma unroll
                     for (int t = 0; t < kMTiles; ++t)
@@ -155,7 +170,7 @@ fwd_kernel(const FwdParams p) {
                             for (int e = 0; e < 4; ++e) {
                                 const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
                                 const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
-                                if (!key_visible<kIsCausal>(row, col, p.seqlen_q, p.seqlen_k))
+                                if (!Mask(p).visible(row, col))
                                     acc_s[t][n][e] = -CUFLASH_INF;
                             }
                 }

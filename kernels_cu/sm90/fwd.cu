@@ -132,7 +132,18 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 // Entry points. One CTA per tile (`_kernel`) or persistent (`_persistent_kernel`: gridDim.x = min(tiles,
 // SMs), tile_counter two ints zero at launch); the simple schedule is built persistent only. 64-row tiles
 // (8 warps) are built for two CTAs per SM. `attrs` carries the cluster variants' __cluster_dims__.
+// Each entry point's dynamic shared memory, as <name>_smem_bytes<same template arguments>: the dispatcher reads
+// it from the compiled module.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kPersistent>
+__host__ __device__ constexpr int fwd_smem_bytes() {
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
+    return FwdSharedStorage<Tile, kPersistent ? Tile::kQBuffersPersistent : 1>::kBytes;
+}
+#define CUFLASH_SM90_FWD_SMEM(name, persistent)                                                                \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+    __device__ const int name##_smem_bytes = fwd_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, persistent>();
 #define CUFLASH_SM90_FWD_KERNEL(name, schedule, cluster, attrs)                                                \
+    CUFLASH_SM90_FWD_SMEM(name, false)                                                                         \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
     __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1) attrs                                 \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
@@ -141,6 +152,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                                                                                                 tma_v);         \
     }
 #define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, schedule, cluster, attrs)                                     \
+    CUFLASH_SM90_FWD_SMEM(name, true)                                                                          \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
     __global__ void __launch_bounds__(kNWarps * 32, 1) attrs                                                    \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
@@ -158,6 +170,9 @@ CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_x2_persistent_kernel, FwdSchedule
 
 // fp8 (Tag = e4m3_tag) with the overlap schedule: tma_vt maps V^T (cuflash/fp8.py); descale_q, _k, _v
 // point to the float32 per-tensor scales. One CTA per tile, or persistent.
+CUFLASH_SM90_FWD_SMEM(fwd_fp8_kernel, false)
+CUFLASH_SM90_FWD_SMEM(fwd_fp8_persistent_kernel, true)
+#undef CUFLASH_SM90_FWD_SMEM
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_fp8_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,

@@ -33,17 +33,17 @@ struct Sm90FwdTile {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kConsumerWGs = kBlockM / 64;
     static constexpr int kThreads = kNWarps_ * 32;
-    static constexpr int kStages = 2;                       // launch.py mirrors this
+    static constexpr int kStages = 2;
     static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
     static constexpr int kKBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // V (fp16) or V^T (fp8) tile
     static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;   // one ring slot
     static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
-    // Persistent kernels: two Q buffers where shared memory allows (launch.py mirrors this), so that
+    // Persistent kernels: two Q buffers where shared memory allows (FwdSharedStorage::kBytes), so that
     // the next tile's Q is loaded while the consumers finish this one, and a consumer warpgroup done
     // with a tile starts the next without waiting for the others.
     static constexpr int kQBuffersPersistent =
-        1024 + 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (5 + 4 * kStages) <= kSmemLimit ? 2 : 1;
+        1024 + 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (2 * 2 + 4 * kStages + 1) <= kSmemLimit ? 2 : 1;
     static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
@@ -69,6 +69,11 @@ struct FwdSharedStorage {
     static constexpr int kStages = Tile::kStages;
     char* raw;   // the dynamic shared memory as the kernel sees it
     u32 q, k, v, bars;
+
+    // Dynamic shared memory the kernel is launched with: the tiles, the barriers (and tile slots: at most 8
+    // bytes), and 1024 bytes of slack for the base's alignment.
+    static constexpr int kBytes = 1024 + kQBuffers * Tile::kQBytes + 2 * kStages * Tile::kKVBytes
+                                  + 8 * (2 * kQBuffers + 4 * kStages + 1);
 
     __device__ __forceinline__ explicit FwdSharedStorage(char* smem_raw) : raw(smem_raw) {
         q = (smem_u32(smem_raw) + 1023) & ~1023u;
