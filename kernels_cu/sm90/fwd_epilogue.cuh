@@ -23,8 +23,9 @@ struct FwdEpilogue {
     static constexpr int kBlockM = Tile::kBlockM, kPadV = Tile::kHeadDimV, kHeadDim = Tile::kHeadDim;
     static constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
     static constexpr bool kTmaStoreO = kPersistent && kStageO;
-    // Named barriers 4 + cw: one per consumer warpgroup (its staged rows are complete).
-    static constexpr int kStagedBarrier = 4;
+    // Named barriers kStagedBarrier + cw, one per consumer warpgroup: its staged rows are complete (id 0 is
+    // __syncthreads).
+    static constexpr int kStagedBarrier = 1;
 
     const FwdParams& p;
     const Smem& smem;
