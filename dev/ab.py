@@ -105,9 +105,9 @@ def cmd_run(args) -> None:
             errs = _errors(args.pas, shape, results, q, k, v, dout, args.check) if args.check else [None] * len(variants)
             flops = PASS_FLOPS[args.pas] * shape.fwd_flops()
             cells = []
-            for var, t, e in zip(variants, times, errs):
+            for var, run, t, e in zip(variants, runs, times, errs):
                 cell = f"{var.label}: "
-                if runs[variants.index(var)] is None:
+                if run is None:
                     cell += "n/a"
                 elif t:
                     ms = statistics.median(t)
