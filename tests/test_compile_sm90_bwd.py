@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import heuristics, launch, sass
+from cuflash import heuristics, launch
 from cuflash.config import KernelConfig
 from cuflash.compile import arch_option
+
+import sass_tools as sass
 
 from compile_checks import assert_all_compile, assert_static_checks
 

@@ -110,7 +110,7 @@ def _fp8_sass_configs():
 @pytest.mark.parametrize("cfg", _fp8_sass_configs(), ids=lambda c: c.key())
 def test_fp8_sass_uses_qgmma_without_local_memory(cfg):
     """Hopper's fp8 warpgroup MMA disassembles as QGMMA (HGMMA is the 16-bit one)."""
-    from cuflash.sass import opcode_counts, sass, tools_available
+    from sass_tools import opcode_counts, sass, tools_available
 
     missing = tools_available()
     if missing:

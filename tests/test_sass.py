@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cuflash import heuristics
-from cuflash.sass import opcode_counts, sass, tools_available
+from sass_tools import opcode_counts, sass, tools_available
 
 _missing = tools_available()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"SASS tools not found ({_missing})")

@@ -1,5 +1,5 @@
 """A small GPT trained twice from the same start, attention by PyTorch SDPA and by cuflash.torch: the loss
-curves must agree. ``python scripts/train_gpt.py [--steps 300] [--out docs/training]`` writes
+curves must agree. ``python examples/train_gpt.py [--steps 300] [--out docs/training]`` writes
 ``<out>.json`` (both curves, device, date, commit) and ``<out>.png`` (needs matplotlib; otherwise plot the
 JSON later with ``--plot <out>.json``).
 

@@ -3,43 +3,49 @@
 #   tests : GPU tests on the default kernels, PyTorch and DLPack included (FA4 parked too when .fa4a is carried)
 #   tests80 : the forward, backward and determinism tests on the portable kernels (forced)
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
-#   bench : the benchmark table (Markdown) and the deterministic-cost table
-#   fp8 : the fp8 tests and scripts/bench_fp8.py
+#   bench : the benchmark table (Markdown) and the deterministic-cost table (dev/bench.py deterministic)
+#   fp8 [SPEC...] : the fp8 tests and dev/bench.py fp8 SPEC...
 #   fuzz : threads, streams, devices and CUDA graphs (tests/test_concurrency.py), then 1000 random valid
 #          configurations against float64 (tests/test_fuzz.py; CUFLASH_FUZZ_SEED repeats a run)
 #   jax : cuflash.jax (tests/test_jax.py): the XLA FFI custom calls against jax.nn.dot_product_attention, CPU and GPU
 #   ring [ARGS...] : ring attention (cuflash.distributed): local-ring tests on GPU 0; with 2+ GPUs the NCCL check
 #              at N=32k for each ring size and the N=128k speed-up (ARGS to python -m cuflash.distributed.bench)
-#   fa4setup : install FlashAttention-4 into /tmp/fa4site from the wheels of ../shared/tools/fa4_wheels.sh
+#   fa4setup : install FlashAttention-4 into $FA4_SITE from the wheels of ../shared/tools/fa4_wheels.sh
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
 #   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
-#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where /tmp/fa4site exists (scripts/ncu_fwd_pair.py);
+#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where $FA4_SITE exists (dev/profiling.py launch);
 #              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv); NCU_CLOCK=base
 #              locks the clock at base (cycles comparable across inputs and kernels; default: none)
-#   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if /tmp/fa4site
+#   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if $FA4_SITE
 #              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
+#   all : every phase but fa4setup, ncu, fp8 and dists in one go (GPU tests on the default and the forced
+#         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
+# Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
+# scratch files in ${TMPDIR:-/tmp}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+HERE=dev
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q -e .
 status=0
 phase=$1; shift
 
-FA4_SITE=/tmp/fa4site
+FA4_SITE=${FA4_SITE:-/tmp/fa4site}
+TMP=${TMPDIR:-/tmp}
 fa4_setup() {  # the note's steps 2 and 3, whichever the carried folders allow
   if [ -f .fa4a/cu13part00 ]; then
     mkdir -p /root/fa4 && cp .fa4a/cu13part00 /root/fa4/ && echo "fa4setup: parked .fa4a/cu13part00 in /root/fa4"
   fi
   [ -d .fa4b ] || { echo "fa4setup: no .fa4b here (carry it on the next call)"; return 0; }
   [ -f /root/fa4/cu13part00 ] || { echo "fa4setup: /root/fa4/cu13part00 missing: first a call carrying .fa4a"; return 1; }
-  local w=/tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  local w=$TMP/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
   cat /root/fa4/cu13part00 .fa4b/cu13part01 > $w || return 1
   # the libs_core wheel overlaps the others' files: installed apart, then copied without overwriting
   python3 -m pip install -q --no-index --no-deps --no-compile --target $FA4_SITE $w $(ls .fa4b/*.whl | grep -v libs_core) || return 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site2 .fa4b/nvidia_cutlass_dsl_libs_core*.whl || return 1
-  cp -rn /tmp/fa4site2/* $FA4_SITE/ && echo "fa4setup: FlashAttention-4 installed in $FA4_SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $TMP/fa4site2 .fa4b/nvidia_cutlass_dsl_libs_core*.whl || return 1
+  cp -rn $TMP/fa4site2/* $FA4_SITE/ && echo "fa4setup: FlashAttention-4 installed in $FA4_SITE"
 }
 fa4_env() {  # the DSL's own cutlass package must come before the site itself
   if [ -d $FA4_SITE ]; then export CUFLASH_FA4_PATH=$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$FA4_SITE; fi
@@ -47,11 +53,12 @@ fa4_env() {  # the DSL's own cutlass package must come before the site itself
 
 case $phase in
   fa4setup|ncu) ;;  # nothing of cuflash's to compile (ncu: the script compiles what it runs)
-  fp8) python3 scripts/precompile.py fp8 | tail -1 ;;
-  ring) python3 scripts/precompile.py fwd bwd ring | tail -1 ;;
-  jax) python3 scripts/precompile.py fwd bwd | tail -1 ;;
+  all) ;;  # each phase below compiles its own
+  fp8) python3 $HERE/precompile.py fp8 | tail -1 ;;
+  ring) python3 $HERE/precompile.py fwd bwd ring | tail -1 ;;
+  jax) python3 $HERE/precompile.py fwd bwd | tail -1 ;;
   fuzz) ;;  # the fuzz compiles the kernels its cases take, on every core (a full precompile takes longer)
-  *) python3 scripts/precompile.py fwd bwd fp8 | tail -1 ;;
+  *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
   fa4setup)
@@ -79,7 +86,7 @@ case $phase in
   sanitize)
     # compiled first without the tool (in parallel, into CuPy's disk cache): under it only the kernels run.
     # The default kernels with every forced Hopper forward schedule and the ring helpers, then the portable ones.
-    python3 scripts/precompile.py ring sched -j 16 2>&1 | tail -n 1
+    python3 $HERE/precompile.py ring sched -j 16 2>&1 | tail -n 1
     # initcheck does not see bulk-async (TMA) stores: reads of the persistent forward's O and of the
     # backward's dQ slices (bulk store / bulk reduce) are reported as uninitialised although the tests find
     # every value right. So its gated backward run takes the forward that stores O from registers and the
@@ -95,7 +102,7 @@ case $phase in
         t0=$(date +%s)
         env CUFLASH_FWD_BACKEND=$backend CUFLASH_BWD_BACKEND=$backend "${env[@]}" timeout 200 compute-sanitizer \
           --tool "$tool" --error-exitcode 9 --show-backtrace no --print-limit 1000 \
-          python3 scripts/sanitize.py $which > "$OUT/sanitize-$tool-$run.log" 2>&1
+          python3 $HERE/profiling.py sanitize $which > "$OUT/sanitize-$tool-$run.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool ($run kernels, $which): rc=$rc in $(( $(date +%s) - t0 )) s" \
           "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool-$run.log" | tail -1)"
@@ -111,7 +118,7 @@ case $phase in
     ;;
   fp8)
     python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1
-    python3 scripts/bench_fp8.py "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
+    python3 $HERE/bench.py fp8 "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
     ;;
   jax)
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -145,22 +152,27 @@ case $phase in
       ncu --clock-control ${NCU_CLOCK:-none} --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy \
-        python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
+        python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
       if [ -n "${NCU_SOURCE:-}" ]; then   # per-SASS-instruction warp-stall samples, as CSV
         ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 --set none \
-          --section SourceCounters --section WarpStateStats -f -o /tmp/ncu-src-$who \
-          python3 scripts/ncu_fwd_pair.py "$shape" $who $pass "$dist" > /dev/null 2>&1 || status=1
-        ncu --import /tmp/ncu-src-$who.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-src-$who-$pass.csv" 2>&1
-        ncu --import /tmp/ncu-src-$who.ncu-rep --page details --print-details all > "$OUT/ncu-stall-$who-$pass.txt" 2>&1
+          --section SourceCounters --section WarpStateStats -f -o $TMP/ncu-src-$who \
+          python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" > /dev/null 2>&1 || status=1
+        ncu --import $TMP/ncu-src-$who.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-src-$who-$pass.csv" 2>&1
+        ncu --import $TMP/ncu-src-$who.ncu-rep --page details --print-details all > "$OUT/ncu-stall-$who-$pass.txt" 2>&1
       fi
       grep -E "^  [a-zA-Z_].*\(|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc A|Issue Slots Busy|Registers Per|Shared Memory Configuration Size|Dynamic Shared|Warp Cycles Per Issued|Executed Instructions  |L1/TEX Hit|L2 Hit|Block Size|Grid Size" \
         "$OUT/ncu-$who-$pass.txt" | head -40
     done
     ;;
+  all)
+    for p in tests tests80 fuzz jax ring "sanitize memcheck racecheck initcheck synccheck" bench; do
+      bash $HERE/device_run.sh $p || status=1
+    done
+    ;;
   bench)
     fa4_env  # the fa4 column, where fa4setup has run on this machine
     python3 -m cuflash --markdown --json "$OUT/bench.json" --repeats 30 2>&1 | tee "$OUT/bench.log" | tail -n 60 || status=1
-    python3 scripts/bench_deterministic.py 2>&1 | tee "$OUT/deterministic.md" || status=1
+    python3 $HERE/bench.py deterministic 2>&1 | tee "$OUT/deterministic.md" || status=1
     ;;
 esac
 exit $status

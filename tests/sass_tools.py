@@ -1,4 +1,6 @@
-"""Disassembly of kernel instantiations on a machine without a GPU (NVRTC cubin -> cuobjdump).
+"""Disassembly of kernel instantiations on a machine without a GPU (NVRTC cubin -> cuobjdump), for the
+SASS tests (imported as ``sass_tools``: pytest puts tests/ on the path) and ``dev/sass.py``. Not part of the
+installed package.
 
 The cubin is NVRTC's own, compiled as the dispatcher compiles it, so the SASS read is the SASS that
 runs. Needs ``cuobjdump`` + ``nvdisasm`` (the ``test`` extra's wheels nvidia-cuda-cuobjdump and
@@ -15,8 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .compile import compile_offline
-from .config import KernelConfig
+from cuflash.compile import compile_offline
+from cuflash.config import KernelConfig
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9]*)", re.M)
 
