@@ -23,15 +23,11 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "sm80_fwd": Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False),
     "simt_fwd": Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False),
-    # Hopper only (wgmma, TMA, setmaxnreg): chosen only on request (CUFLASH_FWD_BACKEND=sm90).
-    "sm90_fwd": Family("sm90_fwd", "sm90/fwd.cu", "fwd_kernel", 90, True),
+    # Hopper only (wgmma, TMA, setmaxnreg).
     "sm90_fwd_overlap": Family("sm90_fwd_overlap", "sm90/fwd.cu", "fwd_overlap_kernel", 90, True),
-    "sm90_fwd_pingpong": Family("sm90_fwd_pingpong", "sm90/fwd.cu", "fwd_pingpong_kernel", 90, True),
     # The same schedules as persistent kernels (grid = min(tiles, SMs); launch.fwd_grid).
     "sm90_fwd_p": Family("sm90_fwd_p", "sm90/fwd.cu", "fwd_persistent_kernel", 90, True),
     "sm90_fwd_overlap_p": Family("sm90_fwd_overlap_p", "sm90/fwd.cu", "fwd_overlap_persistent_kernel", 90, True),
-    "sm90_fwd_pingpong_p": Family("sm90_fwd_pingpong_p", "sm90/fwd.cu", "fwd_pingpong_persistent_kernel", 90,
-                                  True),
     # The overlap schedule in clusters of two CTAs sharing K / V loads (TMA multicast), one CTA per tile
     # or persistent: not causal, 16-bit, head dims 65..128 and 193..256 (heuristics.fwd_cluster_ok).
     "sm90_fwd_overlap_x2": Family("sm90_fwd_overlap_x2", "sm90/fwd.cu", "fwd_overlap_x2_kernel", 90, True),
@@ -64,9 +60,7 @@ FAMILIES: dict[str, Family] = {
     "sm80_bwd_dq": Family("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", 80, False),
     "simt_bwd_dkdv": Family("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", 80, False),
     "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),
-    # Hopper backward (wgmma, TMA): chosen only on request (CUFLASH_BWD_BACKEND=sm90).
-    "sm90_bwd_dkdv_dq": Family("sm90_bwd_dkdv_dq", "sm90/bwd.cu", "bwd_dkdv_dq_kernel", 90, True),
-    # dQ slices through shared memory and one bulk reduce each into a tiled dq_accum (128-key tiles),
+    # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled dq_accum (128-key tiles),
     # and the same with the key tiles' slices added in a fixed order (deterministic).
     "sm90_bwd_dkdv_dqtile": Family("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", 90, True),
     "sm90_bwd_dkdv_dqtile_ordered": Family("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu",

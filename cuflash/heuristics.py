@@ -76,15 +76,13 @@ def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
     return seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
 
 
-SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
+SM90_FWD_FAMILIES = {"overlap": "sm90_fwd_overlap",
                      # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
                      "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
-                     "pingpong_p": "sm90_fwd_pingpong_p",
                      # the overlap schedule in clusters of two CTAs (TMA multicast of K / V; fwd_cluster_ok)
                      "overlap_x2": "sm90_fwd_overlap_x2", "overlap_x2_p": "sm90_fwd_overlap_x2_p"}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
-SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                     "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
+SM90_FWD_BACKENDS = ("sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
 
 
 def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
@@ -207,7 +205,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
     ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
-    "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
+    "sm90_<schedule>" (SM90_FWD_BACKENDS) force one schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
     seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT;
     fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
@@ -233,7 +231,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             if schedule == "overlap_p" and block_m == 192 and causal:  # 3 x 160 registers: spills under the mask
                 block_m, warps = 128, 12
             if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
-                schedule = schedule_causal = "pingpong_p"
+                schedule = schedule_causal = "overlap"
         schedule = schedule_causal if causal else schedule
         cluster = fwd_cluster_mode()
         if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster_ok(dtype, head_dim, causal) \
@@ -339,29 +337,20 @@ _SIMT_BWD = {
 # 237 / 202 (156 / 151); d=256 bf16 261 / 242 (167 / 163) with one dS copy per warpgroup.
 _SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12),
              192: (64, 64, 12), 256: (64, 64, 12)}
-# Causal d <= 64 took 64-row tiles while 128 spilled under the mask; since the warp-uniform
-# warpgroup index (no spill) 128 rows are faster there too: d=64 fp16 causal 356 vs 341 (2026-11-23).
-_SM90_BWD_CAUSAL: dict = {}
-# Buckets reachable only with CUFLASH_BWD_BACKEND=sm90 until they pass tests/test_bwd.py on a GPU.
-_SM90_BWD_OPTIN: dict = {}
-_SM90_BWD_OPTIN_CAUSAL: dict = {}
-# How the sm90 backward's dQ slices reach global memory ($CUFLASH_SM90_BWD_DQ): "atomic"
-# (red.global.add per element pair) or "tile" (shared memory + one bulk reduce per slice into a
-# tiled dq_accum; deterministic mode: the same, in a fixed order); the deterministic mode needs
-# "tile" (else the portable kernels run).
-SM90_BWD_DQ_MODES = ("atomic", "tile")
-# H100, B=4 H=16 N=4096, backward TFLOP/s atomic -> tile (2026-11-23, scripts/bench_sm90_bwd_dq.py):
-# d=64 fp16 343 -> 395, causal 237 -> 262; d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16
-# 316 -> 395; B=16 N=1024 d=64 244 -> 266; B=1 N=16384 d=128 causal 359 -> 452. Deterministic
-# (ordered tile) 272 / 174 / 315 / 257 / 240 / 209 / 293, the portable deterministic kernels
-# 166 / 144 / 190 / 171 / 174 / 150 / 192.
-_SM90_BWD_DQ_DEFAULT = "tile"
+# How the sm90 backward's dQ slices reach global memory: through shared memory and one bulk reduce per
+# slice into a tiled dq_accum (the deterministic mode: the same, in a fixed order). It replaced
+# red.global.add per element pair (the atomic mode, deleted): H100, B=4 H=16 N=4096, backward TFLOP/s
+# atomic -> tile (2026-11-23, scripts/bench_sm90_bwd_dq.py): d=64 fp16 343 -> 395, causal 237 -> 262;
+# d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16 316 -> 395; B=16 N=1024 d=64 244 -> 266; B=1
+# N=16384 d=128 causal 359 -> 452. Deterministic (ordered tile) 272 / 174 / 315 / 257 / 240 / 209 / 293,
+# the portable deterministic kernels 166 / 144 / 190 / 171 / 174 / 150 / 192.
 
 
 def sm90_bwd_dq_mode() -> str:
-    mode = os.environ.get("CUFLASH_SM90_BWD_DQ", _SM90_BWD_DQ_DEFAULT).strip().lower()
-    if mode not in SM90_BWD_DQ_MODES:
-        raise ValueError(f"CUFLASH_SM90_BWD_DQ must be one of {SM90_BWD_DQ_MODES}, got {mode!r}")
+    """$CUFLASH_SM90_BWD_DQ: "tile", the only mode left (the atomic one was deleted)."""
+    mode = os.environ.get("CUFLASH_SM90_BWD_DQ", "tile").strip().lower()
+    if mode != "tile":
+        raise ValueError(f"CUFLASH_SM90_BWD_DQ must be 'tile' (the atomic dQ mode was deleted), got {mode!r}")
     return mode
 
 
@@ -421,34 +410,27 @@ def bwd_short(seqlen_k: int, causal: bool) -> bool:
 
 
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None, dq_mode: str | None = None, short: bool = False) -> BwdConfigs:
+                backend: str | None = None, short: bool = False) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
     ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + dQ kernel where it
-    applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; deterministic only with the tile dQ
-    mode), ``dq_mode`` (default: $CUFLASH_SM90_BWD_DQ) how its dQ is reduced, ``short``
+    applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; the deterministic mode adds the dQ
+    slices in a fixed order), ``short``
     (bwd_short) the tiles of _SM90_BWD_SHORT where it has the head dim.
     """
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
     backend = bwd_backend() if backend is None else backend
-    table, table_causal = _SM90_BWD, _SM90_BWD_CAUSAL
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
-    elif backend in SM90_BWD_BACKENDS:
-        table, table_causal = {**_SM90_BWD, **_SM90_BWD_OPTIN}, {**_SM90_BWD_CAUSAL, **_SM90_BWD_OPTIN_CAUSAL}
-    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in table:
+    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD:
+        sm90_bwd_dq_mode()   # rejects a request for the deleted atomic mode
         bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (short and _SM90_BWD_SHORT.get(bucket))
-                     or (causal and table_causal.get(bucket)) or table[bucket])
-        tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile"
-        if tile:
-            family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
-            post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
-            return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
-        if not deterministic:
-            dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
-            return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
+                     or _SM90_BWD[bucket])
+        family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
+        post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
+        return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
     if dtype == "float32":
         bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
@@ -480,19 +462,17 @@ def all_bwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
 
 
 def all_sm90_bwd_configs() -> list[KernelConfig]:
-    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, both dQ modes, deterministic or
-    not) and the postprocess of the tile dQ mode, for the CPU compile tests."""
+    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, deterministic or not, short
+    sequences included) and their tiled postprocess, for the CPU compile tests."""
     seen: dict[str, KernelConfig] = {}
     for dtype in ("float16", "bfloat16"):
         for d in TUNED_HEAD_DIMS:
             for causal in (False, True):
                 for det in (False, True):
-                    for mode in SM90_BWD_DQ_MODES:
-                        for short in (False, True):
-                            for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", dq_mode=mode,
-                                                   short=short).all():
-                                if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
-                                    seen.setdefault(cfg.key(), cfg)
+                    for short in (False, True):
+                        for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", short=short).all():
+                            if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
+                                seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 
 

@@ -124,8 +124,8 @@ def test_short_sequence_schedule(monkeypatch):
             short = heuristics.fwd_config("bfloat16", d, causal, 90, short=True)
             assert short == heuristics.fwd_config("bfloat16", d, causal, 90) and short.family == "sm90_fwd_overlap"
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
-    assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple_p")
+    assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd_p"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
 
 
@@ -136,7 +136,7 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
     from cuflash.compile import arch_option
 
     tags = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float8_e4m3fn": "e4m3_tag"}
-    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
+    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p")
                   for c in heuristics.all_sm90_fwd_configs(b)]
     persistent += [c for c in heuristics.all_fp8_fwd_configs() if c.family.endswith("_p")]
     checks, counts = set(), set()

@@ -11,8 +11,7 @@ from test_fwd import _check
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p",
+@pytest.fixture(autouse=True, params=["sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p",
                                       "sm90_overlap_x2", "sm90_overlap_x2_p"])
 def sm90_backend(request, monkeypatch):
     import cupy
