@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
 from . import _checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, params, sm90
+from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -365,7 +366,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     accum_rows, accum_cols = nq, d
     zero_rows = accum_rows
     n_semaphores = 0
-    if post is not None and post[1].family == "bwd_postprocess_tiled":
+    if cfg.fam.dq_mode in TILED_DQ_MODES:
         accum_rows, accum_cols = -(-nq // cfg.block_m) * cfg.block_m, sm90.padded_head_dim(cfg.head_dim)
         zero_rows = accum_rows
         # One semaphore per dQ slice, zeroed by the preprocess.
@@ -379,7 +380,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
         if _POISON_WORKSPACE:
             dq_accum.fill(np.nan)
-            if semaphores is not None and not cfg.family.endswith("_ordered"):
+            if semaphores is not None and cfg.fam.dq_mode != "ordered":
                 semaphores.fill((1 << 24) + 3)   # "stored" (kDqSliceReady): every slice would be added
     layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),

@@ -220,7 +220,7 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, cols, swizzle),
         tma.encode_tiled(vt.data.ptr, "float8_e4m3fn", (nk_pad, d, hkv, b),
                          (nk_pad, d * nk_pad, hkv * d * nk_pad), (128, rows, 1, 1), tma.SWIZZLE_128B)))
-    extra = (maps, tile_counters.for_device(device_id)) if cfg.family.endswith("_p") else (maps,)
+    extra = (maps, tile_counters.for_device(device_id)) if cfg.fam.persistent else (maps,)
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .config import KernelConfig
+from .config import KernelConfig, find_family
 
 TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
@@ -76,11 +76,20 @@ def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
     return seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
 
 
-SM90_FWD_FAMILIES = {"overlap": "sm90_fwd_overlap",
-                     # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
-                     "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
-                     # the overlap schedule in clusters of two CTAs (TMA multicast of K / V; fwd_cluster_ok)
-                     "overlap_x2": "sm90_fwd_overlap_x2", "overlap_x2_p": "sm90_fwd_overlap_x2_p"}
+# The sm90 forward's kernels by the name a forced backend gives them (CUFLASH_FWD_BACKEND=sm90_<name>) and
+# the tuned tables use: (consumer schedule, persistent, CTAs per cluster). Persistent kernels: one CTA per
+# SM looping over tiles, longest causal tiles first; clusters of two: TMA multicast of K / V (fwd_cluster_ok).
+SM90_FWD_KINDS = {"overlap": ("overlap", False, 1), "simple_p": ("simple", True, 1), "overlap_p": ("overlap", True, 1),
+                  "overlap_x2": ("overlap", False, 2), "overlap_x2_p": ("overlap", True, 2)}
+
+
+def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool = False) -> str:
+    """The name of the sm90 forward family with these traits (config.find_family)."""
+    return find_family(backend="sm90", direction="fwd", schedule=schedule, persistent=persistent, cluster=cluster,
+                       fp8=fp8).name
+
+
+SM90_FWD_FAMILIES = {name: sm90_fwd_family(*kind) for name, kind in SM90_FWD_KINDS.items()}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
 SM90_FWD_BACKENDS = ("sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
 
@@ -157,7 +166,7 @@ def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelCo
     block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
     forced = os.environ.get("CUFLASH_SM90_FP8_PERSISTENT")
     persistent = persistent if forced is None else forced == "1"
-    family = "sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"
+    family = sm90_fwd_family("overlap", persistent, fp8=True)
     return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
 
 
@@ -216,28 +225,26 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
-        block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
+        block_m, block_n, warps, kind, kind_causal = _SM90_FWD[bucket]
         short_tile = _SM90_FWD_SHORT[bucket][causal] if backend == "sm90" and short else None
         if short_tile is not None:
-            block_m, block_n, warps, schedule = short_tile
-            schedule_causal = schedule
+            block_m, block_n, warps, kind = short_tile
+            kind_causal = kind
         block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
+        schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if causal else kind]
         if backend != "sm90":
-            schedule = schedule_causal = backend[len("sm90_"):]
-            if "_x2" in schedule and not fwd_cluster_ok(dtype, head_dim, causal):
-                schedule = schedule_causal = schedule.replace("_x2", "")   # the plain kernel where clusters do not apply
-            if schedule == "overlap_x2_p" and bucket == 256:  # 232 consumer registers: one CTA per tile
-                schedule = schedule_causal = "overlap_x2"
-            if schedule == "overlap_p" and block_m == 192 and causal:  # 3 x 160 registers: spills under the mask
-                block_m, warps = 128, 12
-            if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
-                schedule = schedule_causal = "overlap"
-        schedule = schedule_causal if causal else schedule
-        cluster = fwd_cluster_mode()
-        if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster_ok(dtype, head_dim, causal) \
-                and (cluster == "1" or (cluster == "auto" and long_seqs)):
-            schedule = schedule.replace("overlap", "overlap_x2")
-        family = SM90_FWD_FAMILIES[schedule]
+            schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
+            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, causal):
+                cluster = 1   # the plain kernel where clusters do not apply
+            if schedule == "overlap" and persistent and bucket == 256:
+                persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
+            if schedule == "overlap" and persistent and block_m == 192 and causal:
+                block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
+        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, causal):
+            mode = fwd_cluster_mode()
+            if mode == "1" or (mode == "auto" and long_seqs):
+                cluster = 2
+        family = sm90_fwd_family(schedule, persistent, cluster)
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
         block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]

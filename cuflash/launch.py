@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from . import tile_counters
-from .config import KernelConfig
+from .config import TILED_DQ_MODES, KernelConfig
 
 
 def _round_up(x: int, m: int) -> int:
@@ -87,7 +87,7 @@ def sm90_fwd_q_buffers(c: KernelConfig) -> int:
     (Sm90FwdTile::kQBuffersPersistent), else one."""
     q_bytes, kv_slot = _sm90_fwd_tiles(c)
     fits = 1024 + 2 * q_bytes + 2 * SM90_FWD_STAGES * kv_slot + 8 * (5 + 4 * SM90_FWD_STAGES) <= SM90_SMEM_LIMIT
-    return 2 if c.family.endswith("_p") and fits else 1
+    return 2 if c.fam.persistent and fits else 1
 
 
 def _sm90_fwd_smem(c: KernelConfig) -> int:
@@ -108,7 +108,7 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     split_d = c.block_n == 64 and consumer_wgs == 2
     ds_copies = 2 if split_d else 1  # split-D: one dS copy per consumer warpgroup
     # kDqStageBytes: the warpgroups' dQ slices (split-D tiles stage them in the Q / dO ring)
-    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family and not split_d else 0
+    dq_stage = c.block_m * pad * 4 if c.fam.dq_mode in TILED_DQ_MODES and not split_d else 0
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
             + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * consumer_wgs))  # kBarriers
 
@@ -158,14 +158,14 @@ def sm_count() -> int:
 
 
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
-    """One CTA per (query tile, head, batch); persistent families (sm90_fwd*_p): one per SM, at
+    """One CTA per (query tile, head, batch); persistent families: one per SM, at
     most one per tile (the kernel walks the tiles itself); the other causal sm90 families: a 1-D
     grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords). Clusters (``c.cluster``
     CTAs on adjacent query tiles): query tiles counted in whole clusters, the grid a multiple of it."""
     tiles = -(-((seqlen_q + c.block_m - 1) // c.block_m) // c.cluster) * c.cluster
-    if c.family.endswith("_p"):
+    if c.fam.persistent:
         return (max(c.cluster, min(tiles * heads_q * batch, sm_count()) // c.cluster * c.cluster), 1, 1)
-    if c.causal and c.family.startswith("sm90_fwd"):
+    if c.causal and c.fam.sm90_fwd:
         return (tiles * heads_q * batch, 1, 1)
     return (tiles, heads_q, batch)
 
@@ -189,8 +189,7 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
     in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
     rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or c.block_m == 128
-                                            or c.num_warps == 8):
+    if c.fam.sm90_bwd and (c.causal or c.fam.dq_mode == "ordered" or c.block_m == 128 or c.num_warps == 8):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

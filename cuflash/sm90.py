@@ -21,9 +21,9 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
     writes a compact stand-in, which the caller copies into ``out``. That check runs only when the
     tensor-map cache misses. Other families pass through unchanged.
     """
-    if not cfg.family.startswith("sm90_fwd"):
+    if not cfg.fam.sm90_fwd:
         return kern, cfg, smem, (), out
-    if not cfg.family.endswith("_p"):
+    if not cfg.fam.persistent:
         maps = _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
         if maps is None:
             return (*_portable_fwd(cfg, device_id), (), out)

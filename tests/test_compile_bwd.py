@@ -39,7 +39,7 @@ def _in_group(cfg, group: str) -> bool:
     if group == "bwd_pre_post":
         return cfg.family in ("bwd_preprocess", "bwd_postprocess")
     if group == "simt_bwd":
-        return cfg.family.startswith("simt_bwd")
+        return cfg.fam.backend == "simt" and cfg.fam.direction == "bwd"
     return cfg.family == group
 
 
@@ -77,11 +77,11 @@ def test_deterministic_mode_uses_no_atomic_kernel():
         for dtype in ("float16", "bfloat16", "float32"):
             for d in heuristics.TUNED_HEAD_DIMS:
                 cfgs = heuristics.bwd_configs(dtype, d, True, cc, deterministic=True)
-                if cfgs.dkdv.family.startswith("sm90"):
+                if cfgs.dkdv.fam.sm90_bwd:
                     assert cfgs.dkdv.family == "sm90_bwd_dkdv_dqtile_ordered", cfgs.dkdv.key()
                 else:
                     assert cfgs.postprocess is None and cfgs.dq is not None, cfgs.dkdv.key()
-                    assert not cfgs.dkdv.family.endswith("_dq"), cfgs.dkdv.key()
+                    assert cfgs.dkdv.fam.dq_mode == "kernel", cfgs.dkdv.key()
 
 
 def _tile_expr(cfg) -> str | None:

@@ -74,7 +74,7 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["UBLKRED"] == 1, f"{cfg.key()}: {ops['UBLKRED']} bulk reduces"
     # The first slice's store, the release after it (ordered: after every slice) and the unordered mode's
     # claim of a slice (cuflash/sm90.py: bwd_first_slice_stored).
-    ordered = cfg.family.endswith("_ordered")
+    ordered = cfg.fam.dq_mode == "ordered"
     # Bulk copies: the first slice's store, and the lse2 / delta rows that come with each Q / dO tile.
     assert ops["UBLKCP"] == 3, f"{cfg.key()}: {ops['UBLKCP']} bulk copies (first slice's store, lse2, delta)"
     assert ops["REDG"] == 1, f"{cfg.key()}: {ops['REDG']} REDG"
