@@ -5,9 +5,9 @@ Head dims that are not tuned use the tiles of the next larger tuned head dim
 """
 from __future__ import annotations
 
-import os
-
+from . import options
 from .config import KernelConfig, find_family
+from .options import Options
 
 TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
@@ -91,7 +91,7 @@ def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool
 
 SM90_FWD_FAMILIES = {name: sm90_fwd_family(*kind) for name, kind in SM90_FWD_KINDS.items()}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
-SM90_FWD_BACKENDS = ("sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
+SM90_FWD_BACKENDS = ("sm90",) + tuple(f"sm90_{kind}" for kind in SM90_FWD_KINDS)
 
 
 def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
@@ -115,13 +115,10 @@ def fwd_long(seqlen_q: int, seqlen_k: int) -> bool:
     return min(seqlen_q, seqlen_k) >= SM90_FWD_CLUSTER_SEQLEN
 
 
-def fwd_cluster_mode() -> str:
-    """$CUFLASH_SM90_FWD_CLUSTER: "1" the tuned table takes the cluster kernels of its overlap schedules
-    wherever they apply (fwd_cluster_ok), "0" never, unset (or "auto") for long sequences only."""
-    value = os.environ.get("CUFLASH_SM90_FWD_CLUSTER", "auto").strip().lower()
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"CUFLASH_SM90_FWD_CLUSTER must be 0, 1 or auto, got {value!r}")
-    return value
+def fwd_cluster_mode(opts: Options | None = None) -> str:
+    """Options.sm90_fwd_cluster ($CUFLASH_SM90_FWD_CLUSTER): "1" the tuned table takes the cluster kernels
+    of its overlap schedules wherever they apply (fwd_cluster_ok), "0" never, "auto" for long sequences only."""
+    return (opts or options.current()).sm90_fwd_cluster
 
 # sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
 # without / with the causal mask). block_n is a whole 128-byte V^T row. The fp16 tiles where they fit,
@@ -153,19 +150,19 @@ _SM90_FWD_FP8_SHORT = {
 }
 
 
-def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelConfig:
+def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False, opts: Options | None = None) -> KernelConfig:
     """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config. Tuning runs
-    may force the tiles ($CUFLASH_SM90_FP8_TILES="block_m,block_n,warps") and whether the kernel is
-    persistent ($CUFLASH_SM90_FP8_PERSISTENT=0 or 1)."""
+    may force the tiles (Options.sm90_fp8_tiles) and whether the kernel is persistent
+    (Options.sm90_fp8_persistent); ``opts`` defaults to options.current()."""
+    opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
     block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[bucket]
     persistent = persistent_causal if causal else persistent
     short_tile = _SM90_FWD_FP8_SHORT[bucket][causal] if short else None
     if short_tile is not None:
         (block_m, block_n, warps), persistent = short_tile, True
-    block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
-    forced = os.environ.get("CUFLASH_SM90_FP8_PERSISTENT")
-    persistent = persistent if forced is None else forced == "1"
+    block_m, block_n, warps = opts.sm90_fp8_tiles or (block_m, block_n, warps)
+    persistent = persistent if opts.sm90_fp8_persistent is None else opts.sm90_fp8_persistent
     family = sm90_fwd_family("overlap", persistent, fp8=True)
     return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
 
@@ -195,24 +192,19 @@ def head_dim_bucket(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM}")
 
 
-def _override(name: str):
-    """Tile override for tuning runs, e.g. CUFLASH_SM80_FWD_TILES="128,64,4"."""
-    value = os.environ.get(name)
-    return tuple(int(x) for x in value.split(",")) if value else None
-
-
-def fwd_backend() -> str:
-    """$CUFLASH_FWD_BACKEND: "auto" (default: the Hopper kernels on compute capability 9.0 for
-    fp16/bf16, the portable ones elsewhere), "sm80" (force the portable mma.sync kernels),
-    "sm90" or "sm90_<schedule>" (Hopper, one consumer schedule forced)."""
-    return os.environ.get("CUFLASH_FWD_BACKEND", "auto").strip().lower()
+def fwd_backend(opts: Options | None = None) -> str:
+    """Options.fwd_backend ($CUFLASH_FWD_BACKEND): "auto" (the Hopper kernels on compute capability 9.0
+    for fp16/bf16, the portable ones elsewhere), "sm80" (force the portable mma.sync kernels), "sm90" or
+    "sm90_<kind>" (Hopper, one kernel kind of SM90_FWD_KINDS forced)."""
+    return (opts or options.current()).fwd_backend
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False, long_seqs: bool = False) -> KernelConfig:
+               short: bool = False, long_seqs: bool = False, opts: Options | None = None) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
-    ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
+    ``opts`` (default: options.current()) gives the tile overrides and the defaults of ``backend``
+    (Options.fwd_backend) and of the cluster mode. ``backend`` "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
     "sm90_<schedule>" (SM90_FWD_BACKENDS) force one schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
@@ -220,8 +212,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
     the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode).
     """
+    opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
-    backend = fwd_backend() if backend is None else backend
+    backend = opts.fwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
@@ -230,7 +223,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         if short_tile is not None:
             block_m, block_n, warps, kind = short_tile
             kind_causal = kind
-        block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
+        block_m, block_n, warps = opts.sm90_fwd_tiles or (block_m, block_n, warps)
         schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if causal else kind]
         if backend != "sm90":
             schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
@@ -241,16 +234,15 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             if schedule == "overlap" and persistent and block_m == 192 and causal:
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
         elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, causal):
-            mode = fwd_cluster_mode()
+            mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2
         family = sm90_fwd_family(schedule, persistent, cluster)
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
-        block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
+        block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
-    block_m, block_n, warps = (_override("CUFLASH_SM80_FWD_TILES")
-                               or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket])
+    block_m, block_n, warps = opts.sm80_fwd_tiles or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
 
 
@@ -320,11 +312,11 @@ _SM80_BWD_DQ = {
 _SM80_BWD_DKDV2 = {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)}
 
 
-def bwd_variant(cc: int, bucket: int) -> int:
-    """dK/dV kernel version: 2 where it applies, unless $CUFLASH_SM80_BWD_VARIANT is "1"."""
+def bwd_variant(cc: int, bucket: int, opts: Options | None = None) -> int:
+    """dK/dV kernel version: 2 where it applies, unless Options.sm80_bwd_variant is 1."""
     if cc < 90 or smem_class(cc) != "large" or bucket not in _SM80_BWD_DKDV2:
         return 1
-    return 1 if os.environ.get("CUFLASH_SM80_BWD_VARIANT", "2").strip() == "1" else 2
+    return (opts or options.current()).sm80_bwd_variant
 
 
 # float32 (CUDA cores): one tile shape for the dK/dV and the dQ kernel.
@@ -351,14 +343,6 @@ _SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64
 # d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16 316 -> 395; B=16 N=1024 d=64 244 -> 266; B=1
 # N=16384 d=128 causal 359 -> 452. Deterministic (ordered tile) 272 / 174 / 315 / 257 / 240 / 209 / 293,
 # the portable deterministic kernels 166 / 144 / 190 / 171 / 174 / 150 / 192.
-
-
-def sm90_bwd_dq_mode() -> str:
-    """$CUFLASH_SM90_BWD_DQ: "tile", the only mode left (the atomic one was deleted)."""
-    mode = os.environ.get("CUFLASH_SM90_BWD_DQ", "tile").strip().lower()
-    if mode != "tile":
-        raise ValueError(f"CUFLASH_SM90_BWD_DQ must be 'tile' (the atomic dQ mode was deleted), got {mode!r}")
-    return mode
 
 
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
@@ -389,10 +373,10 @@ def _aux_config(family: str, dtype: str) -> KernelConfig:
     return KernelConfig(family, dtype, 0, False, 4 * BWD_AUX_WARPS, 0, BWD_AUX_WARPS)
 
 
-def bwd_backend() -> str:
-    """$CUFLASH_BWD_BACKEND: "auto" (default: the Hopper dK/dV kernel on compute capability 9.0
-    where it applies, the portable kernels elsewhere), "sm80" (force portable) or "sm90"."""
-    return os.environ.get("CUFLASH_BWD_BACKEND", "auto").strip().lower()
+def bwd_backend(opts: Options | None = None) -> str:
+    """Options.bwd_backend ($CUFLASH_BWD_BACKEND): "auto" (the Hopper dK/dV kernel on compute capability
+    9.0 where it applies, the portable kernels elsewhere), "sm80" (force portable) or "sm90"."""
+    return (opts or options.current()).bwd_backend
 
 
 # sm90 backward on short key sequences (bwd_short), head dims <= 64: one consumer warpgroup of 64
@@ -407,20 +391,21 @@ SM90_BWD_SHORT_SEQLEN_K = 512
 SM90_BWD_SHORT_SEQLEN_K_CAUSAL = 1024
 
 
-def bwd_short(seqlen_k: int, causal: bool) -> bool:
-    """Whether bwd_configs takes these inputs as short (its ``short``); $CUFLASH_SM90_BWD_SHORT=1 / 0
-    forces it on / off."""
-    forced = os.environ.get("CUFLASH_SM90_BWD_SHORT")
-    if forced in ("0", "1"):
-        return forced == "1"
+def bwd_short(seqlen_k: int, causal: bool, opts: Options | None = None) -> bool:
+    """Whether bwd_configs takes these inputs as short (its ``short``); Options.sm90_bwd_short
+    ($CUFLASH_SM90_BWD_SHORT) True / False forces it on / off."""
+    forced = (opts or options.current()).sm90_bwd_short
+    if forced is not None:
+        return forced
     return seqlen_k <= (SM90_BWD_SHORT_SEQLEN_K_CAUSAL if causal else SM90_BWD_SHORT_SEQLEN_K)
 
 
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None, short: bool = False) -> BwdConfigs:
+                backend: str | None = None, short: bool = False, opts: Options | None = None) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
-    ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + dQ kernel where it
+    ``opts`` (default: options.current()) gives the tile overrides, the dK/dV kernel version and the
+    default of ``backend`` (Options.bwd_backend). ``backend`` "sm90" picks the Hopper dK/dV + dQ kernel where it
     applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; the deterministic mode adds the dQ
     slices in a fixed order), ``short``
     (bwd_short) the tiles of _SM90_BWD_SHORT where it has the head dim.
@@ -428,29 +413,27 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
-    backend = bwd_backend() if backend is None else backend
+    opts = opts or options.current()
+    backend = opts.bwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD:
-        sm90_bwd_dq_mode()   # rejects a request for the deleted atomic mode
-        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (short and _SM90_BWD_SHORT.get(bucket))
+        bm, bn, w = (opts.sm90_bwd_tiles or (short and _SM90_BWD_SHORT.get(bucket))
                      or _SM90_BWD[bucket])
         family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
         post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
         return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
     if dtype == "float32":
-        bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
+        bm, bn, w = opts.simt_bwd_tiles or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
-    v2 = bwd_variant(cc, bucket) == 2
+    v2 = bwd_variant(cc, bucket, opts) == 2
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
-        bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
-                     or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket]))
+        bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
         dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
-        qm, qn, qw = _override("CUFLASH_SM80_BWD_DQ_TILES") or _SM80_BWD_DQ[size][bucket]
+        qm, qn, qw = opts.sm80_bwd_dq_tiles or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
-    bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
-                 or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket]))
+    bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
     dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
 
-from . import tile_counters
+from . import options, tile_counters
 from .config import TILED_DQ_MODES, KernelConfig
 
 
@@ -198,7 +197,7 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
 # (each argument at its C alignment; tests/test_launch_layout.py checks against the PTX), and
 # cuLaunchKernel gets an array of pointers into it. CuPy's own launch path reads
 # ``__array_interface__`` of every NumPy argument (about 1.5 us each, 20 us for a structured
-# dtype); this path costs one memmove. CUFLASH_LAUNCH=cupy selects CuPy's path.
+# dtype); this path costs one memmove. Options.launch "cupy" ($CUFLASH_LAUNCH=cupy) selects CuPy's path.
 TMA_DESC_ALIGN = 64      # alignas(64) struct TmaDesc, kernels_cu/sm90/tma.cuh
 _PARAM_BUFFER_BYTES = 4096  # the CUDA limit on kernel parameters
 
@@ -321,7 +320,7 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
            extra_args: tuple = ()) -> None:
     """Launch on CuPy's current stream (of the current device). ``params``: the parameter struct
     (bytes, or a one-element array); ``extra_args`` follow it (e.g. the sm90 tensor maps)."""
-    if _LAUNCH_VIA_CUPY:
+    if options.current().launch == "cupy":
         _launch_via_cupy(kernel, config, grid, params, smem, extra_args)
         return
     launch_kernel, current_stream = _cuda or _bind_cuda()
@@ -390,8 +389,8 @@ class Prepared:
 def prepare(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
             extra_args: tuple = ()):
     """A ``Prepared`` launch (arguments as for ``launch``), or None where launches go through CuPy
-    ($CUFLASH_LAUNCH=cupy)."""
-    return None if _LAUNCH_VIA_CUPY else Prepared(kernel, config, grid, params, smem, extra_args)
+    (Options.launch "cupy", $CUFLASH_LAUNCH=cupy)."""
+    return None if options.current().launch == "cupy" else Prepared(kernel, config, grid, params, smem, extra_args)
 
 
 def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extra_args: tuple) -> None:
@@ -417,5 +416,3 @@ def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extr
         raise
     counters.launched(ticket, stream_ptr)
 
-
-_LAUNCH_VIA_CUPY = os.environ.get("CUFLASH_LAUNCH", "").strip().lower() == "cupy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import heuristics, sass
+from cuflash import heuristics, options, sass
 from cuflash.config import FAMILIES
 
 family_of = FAMILIES.__getitem__
@@ -84,24 +84,24 @@ def test_sm90_fwd_wgmma_descriptors_stay_uniform(cfg):
 def test_backend_selection(monkeypatch):
     """Hopper kernels by default on cc 9.0 for fp16/bf16; CUFLASH_FWD_BACKEND=sm80 forces the
     portable ones; other GPUs and float32 always take the portable kernels."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    options.use(options.Options())
     assert heuristics.fwd_config("bfloat16", 128, False, 90).fam.sm90_fwd
     assert heuristics.fwd_config("float16", 64, True, 90).fam.sm90_fwd
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 89).family == "sm80_fwd"
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    options.set(fwd_backend="sm80")
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm80_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
+    options.set(fwd_backend="sm90")
     assert heuristics.fwd_config("bfloat16", 128, False, 90).fam.sm90_fwd
     for schedule, family in heuristics.SM90_FWD_FAMILIES.items():
-        monkeypatch.setenv("CUFLASH_FWD_BACKEND", f"sm90_{schedule}")
+        options.set(fwd_backend=f"sm90_{schedule}")
         assert heuristics.fwd_config("bfloat16", 128, False, 90).family == family
         # the cluster kernels are not causal: forced, a causal call takes the plain schedule
         forced = heuristics.fwd_config("bfloat16", 128, True, 90).fam
         assert forced.cluster == 1 and (forced.schedule, forced.persistent) == (family_of(family).schedule,
                                                                              family_of(family).persistent)
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
+    options.set(fwd_backend="sm90")
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
 
@@ -110,8 +110,7 @@ def test_short_sequence_schedule(monkeypatch):
     """The table runs persistent kernels at head dims <= 128 (overlap_p; causal <= 64 simple_p) and one
     CTA per tile above; short sequences take _SM90_FWD_SHORT's kernel where it has one (causal head
     dims <= 64: overlap_p with 128-row tiles); forced schedules keep the table's tiles."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
+    options.use(options.Options())
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
     for d in (32, 64, 96, 128):
         short = heuristics.fwd_config("float16", d, False, 90, short=True)
@@ -128,7 +127,7 @@ def test_short_sequence_schedule(monkeypatch):
             short = heuristics.fwd_config("bfloat16", d, causal, 90, short=True)
             assert short == heuristics.fwd_config("bfloat16", d, causal, 90) and short.family == "sm90_fwd_overlap"
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple_p")
+    options.set(fwd_backend="sm90_simple_p")
     assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd_p"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
 
@@ -157,9 +156,7 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
 def test_long_sequence_clusters(monkeypatch):
     """Both lengths >= SM90_FWD_CLUSTER_SEQLEN (fwd_long): the table's overlap kernels run in clusters of two
     where fwd_cluster_ok; $CUFLASH_SM90_FWD_CLUSTER=1 takes them at every length, 0 at none."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_CLUSTER", raising=False)
+    options.use(options.Options())
     n = heuristics.SM90_FWD_CLUSTER_SEQLEN
     assert heuristics.fwd_long(n, n) and not heuristics.fwd_long(n - 1, n) and not heuristics.fwd_long(n, 1)
     cfg = lambda d, causal=False, dtype="bfloat16", **kw: heuristics.fwd_config(dtype, d, causal, 90, **kw)  # noqa: E731
@@ -170,13 +167,15 @@ def test_long_sequence_clusters(monkeypatch):
         assert cfg(d, causal, long_seqs=True) == cfg(d, causal)
     assert heuristics.fwd_config("float32", 128, False, 90, long_seqs=True).family == "simt_fwd"
     assert cfg(128).family == "sm90_fwd_overlap_p"
-    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "0")
+    options.set(sm90_fwd_cluster="0")
     assert cfg(128, long_seqs=True).family == "sm90_fwd_overlap_p"
-    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "1")
+    options.set(sm90_fwd_cluster="1")
     assert cfg(128).family == "sm90_fwd_overlap_x2_p"
+    with pytest.raises(ValueError, match="CUFLASH_SM90_FWD_CLUSTER"):
+        options.set(sm90_fwd_cluster="yes")
     monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "yes")
     with pytest.raises(ValueError, match="CUFLASH_SM90_FWD_CLUSTER"):
-        cfg(128)
+        options.reload()
 
 
 def test_forward_short_class():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import heuristics, launch, sass
+from cuflash import heuristics, launch, options, sass
 from cuflash.config import KernelConfig
 from cuflash.compile import arch_option
 
@@ -91,18 +91,17 @@ def test_sm90_bwd_backend_selection(monkeypatch):
     def portable(cfgs):
         return not any(c.fam.arch_specific for c in cfgs.all())
 
-    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
+    options.use(options.Options())
     assert not portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     assert not portable(heuristics.bwd_configs("bfloat16", 256, True, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
     assert portable(heuristics.bwd_configs("float32", 128, False, 90))
     assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90))
-    monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm80")
+    options.set(bwd_backend="sm80")
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     for backend in ("auto", "sm90"):
-        monkeypatch.setenv("CUFLASH_BWD_BACKEND", backend)
+        options.set(bwd_backend=backend)
         # Default dQ mode "tile": bulk-reduced dQ, and its ordered variant for the deterministic mode
         # (split-D tiles at 192 / 256 included).
         cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
@@ -123,7 +122,7 @@ def test_sm90_bwd_backend_selection(monkeypatch):
     # The atomic dQ mode was deleted: asking for it is an error, not a silent change of kernel.
     monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "atomic")
     with pytest.raises(ValueError, match="CUFLASH_SM90_BWD_DQ"):
-        heuristics.bwd_configs("bfloat16", 128, False, 90)
+        options.reload()
 
 
 def test_sm90_bwd_grid_order():
@@ -145,9 +144,7 @@ def test_sm90_bwd_short_sequences(monkeypatch):
     """Short key sequences at head dims <= 64 take the one-consumer-warpgroup tile (two CTAs per SM,
     64 keys, 64-row query steps) on the sectioned 1-D grid; longer ones and larger head dims do not;
     $CUFLASH_SM90_BWD_SHORT forces the choice."""
-    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_SHORT", raising=False)
+    options.use(options.Options())
     assert heuristics.bwd_short(512, False) and not heuristics.bwd_short(513, False)
     assert heuristics.bwd_short(1024, True) and not heuristics.bwd_short(1025, True)
     for d in (32, 64):
@@ -158,7 +155,7 @@ def test_sm90_bwd_short_sequences(monkeypatch):
             assert launch.SMEM_BYTES[tile.family](tile) <= H100_SMEM_OPTIN // 2  # two CTAs per SM
     assert heuristics.bwd_configs("float16", 64, False, 90, short=False).dkdv.num_warps == 12
     assert heuristics.bwd_configs("float16", 128, False, 90, short=True).dkdv.num_warps == 12
-    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "1")
+    options.set(sm90_bwd_short=True)
     assert heuristics.bwd_short(1 << 20, False)
-    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "0")
+    options.set(sm90_bwd_short=False)
     assert not heuristics.bwd_short(16, True)
