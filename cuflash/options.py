@@ -171,7 +171,8 @@ def parse_tiles(field_name: str, text: str) -> Tiles:
     try:
         tiles = tuple(int(x) for x in text.strip().split(","))
     except ValueError:
-        raise ValueError(f"{ENV[field_name]} must be \"block_m,block_n,num_warps\" (three ints); got {text!r}") from None
+        raise ValueError(f"{ENV[field_name]} must be \"block_m,block_n,num_warps\" (three ints); "
+                         f"got {text!r}") from None
     _check_tiles(field_name, tiles)
     return tiles
 
