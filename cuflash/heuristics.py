@@ -349,12 +349,6 @@ def _aux_config(family: str, dtype: str) -> KernelConfig:
     return KernelConfig(family, dtype, 0, False, 4 * BWD_AUX_WARPS, 0, BWD_AUX_WARPS)
 
 
-def bwd_backend(opts: Options | None = None) -> str:
-    """Options.bwd_backend ($CUFLASH_BWD_BACKEND): "auto" (the Hopper dK/dV kernel on compute capability
-    9.0 where it applies, the portable kernels elsewhere), "sm80" (force portable) or "sm90"."""
-    return (opts or options.current()).bwd_backend
-
-
 # sm90 backward on short key sequences (bwd_short), head dims <= 64: one consumer warpgroup of 64
 # keys per CTA stepping over 64-row query tiles, two CTAs per SM (kernels_cu/sm90/bwd.cu,
 # Sm90BwdTile): one CTA's start and end overlap the other's steps, at the price of m64n64 GEMMs. It wins
