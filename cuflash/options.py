@@ -283,7 +283,10 @@ def set(**fields) -> Options:  # noqa: A001 - options.set reads as intended
 
 @contextlib.contextmanager
 def override(**fields) -> Iterator[Options]:
-    """``with options.override(fwd_backend="sm80"):`` these settings inside, the previous ones after."""
+    """``with options.override(fwd_backend="sm80"):`` these settings inside, the previous ones after.
+
+    The settings are process-wide (one module-level reference, swapped whole): other threads see the
+    override too, and nested overrides must end in the reverse order of their start."""
     previous = current()
     try:
         yield set(**fields)
