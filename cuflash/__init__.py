@@ -3,8 +3,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import options  # noqa: E402 - cuflash.options: the settings (Options, set, override, reload)
 from .api import backward, forward, forward_fp8, quantize_fp8, vjp  # noqa: E402
 from .reference import attention_reference, attention_reference_backward, attention_reference_chunked  # noqa: E402
 
 __all__ = ["forward", "backward", "vjp", "forward_fp8", "quantize_fp8", "attention_reference",
-           "attention_reference_backward", "attention_reference_chunked", "__version__"]
+           "attention_reference_backward", "attention_reference_chunked", "options", "__version__"]

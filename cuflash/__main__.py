@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 
-from . import __version__, bench
+from . import __version__, bench, options
 
 
 def _progress(i: int, n: int, cfg) -> None:
@@ -333,7 +332,7 @@ def main(argv=None) -> int:
         # Nothing is said of FA4 unless it imports or was pointed at, so that the default report stays as it was.
         if fa4_fn() is not None:
             print(f"{fa4_status()} found: fa4 column included")
-        elif os.environ.get(FA4_PATH_ENV):
+        elif options.current().fa4_path:
             print(f"${FA4_PATH_ENV} is set but {fa4_status()}: fa4 column omitted")
     except ImportError:
         print("PyTorch not installed: SDPA columns omitted")

@@ -12,7 +12,8 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, params, sm90
+from . import _checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, options, params, sm90
+from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
@@ -66,10 +67,13 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
         _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
 
+    opts = options.current()
+
     def launch_fn(o, l_):
         prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
-                               device_id=dev)
-        if key is not None and prepared is not None:
+                               device_id=dev, opts=opts)
+        # Recorded under the options it was planned with (another thread may have changed them since the key).
+        if key is not None and prepared is not None and key[call_cache.OPTIONS_TOKEN] == opts.token:
             _fwd_calls.record(key, prepared, o, l_, dev)
 
     return _run_forward(launch_fn, out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse)
@@ -102,28 +106,34 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
 
 # The forward's call cache (call_cache.py): a hit replays the recorded launch.
 _fwd_calls = call_cache.CallCache()
-# (dtype, head_dim, causal, device, backend, short, long) -> (kernel, config, shared memory bytes): keeps the
-# heuristics and the module lookup off the hot path. Tuning scripts clear it (and so the calls).
+# (dtype, head_dim, causal, device, options token, short, long) -> (kernel, config, shared memory bytes):
+# keeps the heuristics and the module lookup off the hot path.
 _fwd_plans = call_cache.Plans(_fwd_calls)
 
 
-def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, long_seqs: bool = False):
-    key = (dtype, head_dim, causal, device_id, heuristics.fwd_backend(), short, long_seqs)
+def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, long_seqs: bool = False,
+              opts: Optional[options.Options] = None):
+    opts = opts or options.current()
+    key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs)
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)
-        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs)
+        cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs,
+                                    opts=opts)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
-        plan = _fwd_plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
+        plan = _fwd_plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg, smem_bytes(cfg))
     return plan
 
 
-def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int):
+def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int,
+                opts: Optional[options.Options] = None):
     """Launches the forward on the current stream; returns the launch as a ``launch.Prepared`` for the
     call cache, or None where it cannot be replayed as is (O through a stand-in, CuPy's launch path)."""
     b, nq, nk, hq, hkv, d = dims
-    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk), heuristics.fwd_long(nq, nk))
+    opts = opts or options.current()
+    kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk), heuristics.fwd_long(nq, nk),
+                                opts)
     extra = ()
     written = out   # where the kernel writes O: out, or a compact stand-in copied into it after
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
@@ -316,22 +326,23 @@ def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale
 # any part of it that no kernel initialises shows in the result.
 _POISON_WORKSPACE = False
 
-# (dtype, head_dim, causal, deterministic, device) -> [(kernel, config, smem) or None] * 4
-# for preprocess, dkdv, dq, postprocess.
-_bwd_plans: dict = {}
+# (dtype, head_dim, causal, deterministic, device, options token, backend, short) ->
+# [(kernel, config, smem) or None] * 4 for preprocess, dkdv, dq, postprocess.
+_bwd_plans = call_cache.Plans()
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int,
-              backend: Optional[str] = None, short: bool = False):
-    backend = heuristics.bwd_backend() if backend is None else backend
-    key = (dtype, head_dim, causal, deterministic, device_id, backend, short)
+              backend: Optional[str] = None, short: bool = False, opts: Optional[options.Options] = None):
+    opts = opts or options.current()
+    backend = opts.bwd_backend if backend is None else backend
+    key = (dtype, head_dim, causal, deterministic, device_id, opts.token, backend, short)
     plan = _bwd_plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
         cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend,
-                                      short=short)
+                                      short=short, opts=opts)
         plan = _bwd_plans[key] = tuple(
-            None if c is None else (get_kernel(c, device_id), c, smem_bytes(c))
+            None if c is None else (get_kernel(c, device_id, opts.nvrtc_defines), c, smem_bytes(c))
             for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq, cfgs.postprocess))
     return plan
 
@@ -341,8 +352,9 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     import cupy
 
     b, nq, nk, hq, hkv, d = dims
+    opts = options.current()
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
-                                           short=heuristics.bwd_short(nk, causal))
+                                           short=heuristics.bwd_short(nk, causal, opts), opts=opts)
     kern, cfg, smem = dkdv
     extra = ()
     stat_rows = 0
@@ -351,7 +363,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         # lse2 and delta rows padded to whole query tiles (BwdParams.stats), indexed in 32 bits.
         stat_rows = -(-nq // cfg.block_m) * cfg.block_m
         if maps is None or b * hq * 2 * stat_rows >= 2**32:
-            pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80")
+            pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80",
+                                                   opts=opts)
             kern, cfg, smem = dkdv
             stat_rows = 0
         else:
@@ -365,13 +378,13 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     accum_rows, accum_cols = nq, d
     zero_rows = accum_rows
     n_semaphores = 0
-    if post is not None and post[1].family == "bwd_postprocess_tiled":
+    if cfg.fam.dq_mode in TILED_DQ_MODES:
         accum_rows, accum_cols = -(-nq // cfg.block_m) * cfg.block_m, sm90.padded_head_dim(cfg.head_dim)
         zero_rows = accum_rows
         # One semaphore per dQ slice, zeroed by the preprocess.
         n_semaphores = b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS
         semaphores = cupy.empty(n_semaphores, dtype=np.int32)
-        if sm90.bwd_first_slice_stored(cfg):
+        if sm90.bwd_first_slice_stored(cfg, opts):
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
             zero_rows = (max(0, nq - nk) // cfg.block_m) * cfg.block_m if causal else 0
@@ -379,7 +392,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
         if _POISON_WORKSPACE:
             dq_accum.fill(np.nan)
-            if semaphores is not None and not cfg.family.endswith("_ordered"):
+            if semaphores is not None and cfg.fam.dq_mode != "ordered":
                 semaphores.fill((1 << 24) + 3)   # "stored" (kDqSliceReady): every slice would be added
     layout = (*params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),

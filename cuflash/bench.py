@@ -7,7 +7,6 @@ convention: forward 4*B*H*Nq*Nk*D (halved for causal with Nq == Nk), backward
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import options
 from .distributions import make_inputs
 
 
@@ -175,20 +175,13 @@ def host_overhead_us(fn: Callable[[], object], *, repeats: int = 2000) -> float:
 
 def select_kernels(direction: str, backend: str, tiles: str | None = None) -> None:
     """For tuning and diagnosis scripts: the next ``direction`` ("fwd" or "bwd") calls use
-    ``backend`` ($CUFLASH_FWD_BACKEND / $CUFLASH_BWD_BACKEND) and, if given, the sm90 tile override
-    ``tiles`` ("bm,bn,w": $CUFLASH_SM90_FWD_TILES / $CUFLASH_SM90_BWD_TILES, cleared otherwise).
-    The cached launch plans of that direction are dropped so that the next call picks again."""
-    import os
-
-    from . import api
-
-    tag = direction.upper()
-    os.environ[f"CUFLASH_{tag}_BACKEND"] = backend
-    if tiles:
-        os.environ[f"CUFLASH_SM90_{tag}_TILES"] = tiles
-    else:
-        os.environ.pop(f"CUFLASH_SM90_{tag}_TILES", None)
-    (api._fwd_plans if direction == "fwd" else api._bwd_plans).clear()
+    ``backend`` (Options.fwd_backend / bwd_backend) and, if given, the sm90 tile override ``tiles``
+    ("bm,bn,w": Options.sm90_fwd_tiles / sm90_bwd_tiles, cleared otherwise). The plans and recorded
+    calls are keyed on the options, so the next call picks again."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    parsed = options.parse_tiles(f"sm90_{direction}_tiles", tiles) if tiles else None
+    options.set(**{f"{direction}_backend": backend.strip().lower(), f"sm90_{direction}_tiles": parsed})
 
 
 def random_inputs(shape: Shape, seed: int = 0):
@@ -312,10 +305,10 @@ FA4_PATH_ENV = "CUFLASH_FA4_PATH"
 
 
 def _import_fa4():
-    """(flash_attn.cute.flash_attn_func, None), or (None, why not). The paths in $CUFLASH_FA4_PATH
-    (os.pathsep-separated) go in front of sys.path first, in their order: an FA4 installed with
+    """(flash_attn.cute.flash_attn_func, None), or (None, why not). The paths of Options.fa4_path
+    ($CUFLASH_FA4_PATH, os.pathsep-separated) go in front of sys.path first, in their order: an FA4 installed with
     ``pip --target`` needs the CUTLASS DSL's own ``cutlass`` package before any other."""
-    paths = [p for p in os.environ.get(FA4_PATH_ENV, "").split(os.pathsep) if p]
+    paths = list(options.current().fa4_path)
     sys.path[:0] = [p for p in paths if p not in sys.path]
     try:
         from flash_attn.cute import flash_attn_func

@@ -8,21 +8,12 @@ costs little more than the driver's launch.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from . import options
+
 CALLS_MAX = 256
-# $CUFLASH_FWD_BACKEND as the environment mapping stores it: os.environ.get costs about 1 us (it encodes
-# the name and decodes the value); the mapping's own dict, which os.environ's setters keep current, a
-# twentieth of that. Other platforms' mappings: through os.environ.
-_env_data = getattr(os.environ, "_data", None)
-_encodekey = getattr(os.environ, "encodekey", None)
-if isinstance(_env_data, dict) and _encodekey is not None:
-    _BACKEND_KEY = _encodekey("CUFLASH_FWD_BACKEND")
-    _backend_setting = lambda: _env_data.get(_BACKEND_KEY)  # noqa: E731
-else:  # pragma: no cover
-    _backend_setting = lambda: os.environ.get("CUFLASH_FWD_BACKEND")  # noqa: E731
+_current_options = options.current   # bound once: the key is built on every call
 # CuPy's array type and current-stream / current-device getters, bound on first use (CuPy is
 # imported lazily): the key is built on every call, and a module lookup or an import statement there
 # costs as much as a field.
@@ -46,8 +37,9 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
     CuPy arrays, a scale that is not a float or int, flags that are not bools, no usable device).
 
     It holds everything the checks, the plan and the launch read: each array's address, shape, strides
-    and dtype (the address fixes the device), the options, the current stream and device, and
-    $CUFLASH_FWD_BACKEND (tests and tuning runs switch it). An output the call allocates (``out`` None)
+    and dtype (the address fixes the device), the call's flags, the current stream and device, and the
+    token of the cuflash options in force (Options.token: every setting that picks a kernel, a tile or
+    the launch path; tests and tuning runs switch them). An output the call allocates (``out`` None)
     is not in it: the recorded launch holds the address it wrote, and ``replay`` compares.
 
     Whether ``out`` overlaps q, k or v is a function of these addresses, shapes, strides and dtypes,
@@ -75,11 +67,11 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
         return None
     return (q.data.ptr, q.shape, q.strides, q.dtype, k.data.ptr, k.shape, k.strides, k.dtype,
             v.data.ptr, v.shape, v.strides, v.dtype, out_sig, causal, softmax_scale, return_lse,
-            stream, device, _backend_setting())
+            stream, device, _current_options().token)
 
 
 # Positions in fwd_key's tuple.
-_STREAM, _DEVICE = -3, -2
+_STREAM, _DEVICE, OPTIONS_TOKEN = -3, -2, -1
 
 
 class RecordedCall:
@@ -120,8 +112,11 @@ class CallCache(dict):
 
 
 class Plans(dict):
-    """A plan cache whose ``clear()`` also drops the calls recorded from its plans (tuning scripts and
-    tests clear the plans when they change the kernel choice)."""
+    """A plan cache whose ``clear()`` also drops the calls recorded from its plans.
+
+    Plans are keyed on the options' token, so a changed setting never finds a stale plan. ``clear()``
+    also re-reads the environment if a cuflash variable changed there since it was last read
+    (options.refresh): tuning scripts that set a variable and clear the plans keep working."""
 
     def __init__(self, *dependents: dict) -> None:
         super().__init__()
@@ -131,3 +126,4 @@ class Plans(dict):
         super().clear()
         for d in self._dependents:
             d.clear()
+        options.refresh()

@@ -9,10 +9,10 @@ sees every header's content.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
+from . import options
 from .config import KernelConfig
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -88,8 +88,8 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     from cupy.cuda import nvrtc
 
     src = load_source(config.source)
-    # $CUFLASH_NVRTC_DEFINES as in dispatch.get_kernel, so that a tuning variant's SASS can be read too
-    opts = list(compile_options(config, cc)) + ["-ftz=true"] + os.environ.get("CUFLASH_NVRTC_DEFINES", "").split()
+    # Options.nvrtc_defines as in dispatch.get_kernel, so that a tuning variant's SASS can be read too
+    opts = list(compile_options(config, cc)) + ["-ftz=true"] + list(options.current().nvrtc_defines)
     if ptx:
         opts[0] = f"-arch=compute_{cc}"
     elif verbose_ptxas:

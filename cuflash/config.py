@@ -7,9 +7,21 @@ from dataclasses import dataclass
 DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float", "float8_e4m3fn": "e4m3_tag"}
 
 
+DIRECTIONS = ("fwd", "bwd", "aux")
+BACKENDS = ("sm80", "simt", "sm90", "aux")
+SCHEDULES = ("simple", "overlap")
+DQ_MODES = ("atomic", "kernel", "tile", "ordered")
+# The dQ modes whose float32 sums are laid out in query tiles (bwd_postprocess_tiled converts them).
+TILED_DQ_MODES = ("tile", "ordered")
+
+
 @dataclass(frozen=True)
 class Family:
-    """One kernel family: a source file and a kernel template in it."""
+    """One kernel family: a source file, a kernel template in it, and what kind of kernel it is.
+
+    The typed fields below say what the dispatcher and the launch need to know about a family (grid,
+    shared memory, extra arguments); nothing reads them out of the family's name.
+    """
 
     name: str
     source: str          # path under kernels_cu/
@@ -18,67 +30,117 @@ class Family:
     arch_specific: bool  # needs the "a" target (sm_90a): wgmma, setmaxnreg
     # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag).
     template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "causal")
+    direction: str = "aux"        # "fwd" | "bwd" | "aux" (helpers: pre/postprocess, fp8, ring)
+    backend: str = "aux"          # "sm80" (mma.sync) | "simt" (float32) | "sm90" (wgmma, TMA) | "aux"
+    schedule: str | None = None   # sm90 forward consumer schedule: "simple" | "overlap"
+    persistent: bool = False      # one CTA per SM walking the tiles (grid = min(tiles, SMs))
+    cluster: int = 1              # CTAs per thread-block cluster (TMA multicast of K / V)
+    # How a dK/dV kernel's dQ reaches memory: "atomic" (float32 atomics into dq_accum), "kernel" (dQ by
+    # its own kernel), "tile" (sm90: bulk reduces into a tiled dq_accum), "ordered" (the same, in a fixed
+    # order: deterministic); None for other kernels.
+    dq_mode: str | None = None
+    fp8: bool = False             # e4m3 inputs, V transposed (cuflash/fp8.py)
+
+    def __post_init__(self) -> None:
+        for field, value, allowed in (("direction", self.direction, DIRECTIONS), ("backend", self.backend, BACKENDS),
+                                      ("schedule", self.schedule, (None,) + SCHEDULES),
+                                      ("dq_mode", self.dq_mode, (None,) + DQ_MODES)):
+            if value not in allowed:
+                raise ValueError(f"Family {self.name!r}: {field} must be one of {allowed}, got {value!r}")
+        for field in ("persistent", "fp8", "arch_specific"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"Family {self.name!r}: {field} must be a bool, got {getattr(self, field)!r}")
+        if isinstance(self.cluster, bool) or not isinstance(self.cluster, int) or self.cluster < 1:
+            raise ValueError(f"Family {self.name!r}: cluster must be a positive int, got {self.cluster!r}")
+
+    @property
+    def sm90_fwd(self) -> bool:
+        """A Hopper forward kernel (fp16/bf16 or fp8): TMA loads, the 1-D causal grid."""
+        return self.backend == "sm90" and self.direction == "fwd"
+
+    @property
+    def sm90_bwd(self) -> bool:
+        """A Hopper dK/dV kernel."""
+        return self.backend == "sm90" and self.direction == "bwd"
 
 
-FAMILIES: dict[str, Family] = {
-    "sm80_fwd": Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False),
-    "simt_fwd": Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False),
-    # Hopper only (wgmma, TMA, setmaxnreg): chosen only on request (CUFLASH_FWD_BACKEND=sm90).
-    "sm90_fwd": Family("sm90_fwd", "sm90/fwd.cu", "fwd_kernel", 90, True),
-    "sm90_fwd_overlap": Family("sm90_fwd_overlap", "sm90/fwd.cu", "fwd_overlap_kernel", 90, True),
-    "sm90_fwd_pingpong": Family("sm90_fwd_pingpong", "sm90/fwd.cu", "fwd_pingpong_kernel", 90, True),
-    # The same schedules as persistent kernels (grid = min(tiles, SMs); launch.fwd_grid).
-    "sm90_fwd_p": Family("sm90_fwd_p", "sm90/fwd.cu", "fwd_persistent_kernel", 90, True),
-    "sm90_fwd_overlap_p": Family("sm90_fwd_overlap_p", "sm90/fwd.cu", "fwd_overlap_persistent_kernel", 90, True),
-    "sm90_fwd_pingpong_p": Family("sm90_fwd_pingpong_p", "sm90/fwd.cu", "fwd_pingpong_persistent_kernel", 90,
-                                  True),
+def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, cluster: int = 1,
+              fp8: bool = False) -> Family:
+    return Family(name, "sm90/fwd.cu", kernel, 90, True, direction="fwd", backend="sm90", schedule=schedule,
+                  persistent=persistent, cluster=cluster, fp8=fp8)
+
+
+def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:
+    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode)
+
+
+def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
+    return Family(name, source, kernel, min_cc, False, template)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="sm80"),
+    Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="simt"),
+    # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
+    # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
+    _sm90_fwd("sm90_fwd_overlap", "fwd_overlap_kernel", "overlap"),
+    # Persistent kernels (grid = min(tiles, SMs); launch.fwd_grid).
+    _sm90_fwd("sm90_fwd_p", "fwd_persistent_kernel", "simple", persistent=True),
+    _sm90_fwd("sm90_fwd_overlap_p", "fwd_overlap_persistent_kernel", "overlap", persistent=True),
     # The overlap schedule in clusters of two CTAs sharing K / V loads (TMA multicast), one CTA per tile
     # or persistent: not causal, 16-bit, head dims 65..128 and 193..256 (heuristics.fwd_cluster_ok).
-    "sm90_fwd_overlap_x2": Family("sm90_fwd_overlap_x2", "sm90/fwd.cu", "fwd_overlap_x2_kernel", 90, True),
-    "sm90_fwd_overlap_x2_p": Family("sm90_fwd_overlap_x2_p", "sm90/fwd.cu", "fwd_overlap_x2_persistent_kernel", 90,
-                                    True),
+    _sm90_fwd("sm90_fwd_overlap_x2", "fwd_overlap_x2_kernel", "overlap", cluster=2),
+    _sm90_fwd("sm90_fwd_overlap_x2_p", "fwd_overlap_x2_persistent_kernel", "overlap", persistent=True, cluster=2),
     # fp8 (e4m3) inputs with V transposed (cuflash/fp8.py), the overlap schedule; one CTA per tile or
     # persistent.
-    "sm90_fwd_fp8": Family("sm90_fwd_fp8", "sm90/fwd.cu", "fwd_fp8_kernel", 90, True),
-    "sm90_fwd_fp8_p": Family("sm90_fwd_fp8_p", "sm90/fwd.cu", "fwd_fp8_persistent_kernel", 90, True),
+    _sm90_fwd("sm90_fwd_fp8", "fwd_fp8_kernel", "overlap", fp8=True),
+    _sm90_fwd("sm90_fwd_fp8_p", "fwd_fp8_persistent_kernel", "overlap", persistent=True, fp8=True),
     # fp8 helpers: V -> V^T in the P-fragment key order, and per-tensor quantisation (tag: the input's).
-    "fp8_transpose_v": Family("fp8_transpose_v", "aux/fp8.cu", "fp8_transpose_v_kernel", 89, False,
-                              ("num_warps",)),
-    "fp8_amax": Family("fp8_amax", "aux/fp8.cu", "fp8_amax_kernel", 89, False, ("tag", "num_warps")),
-    "fp8_quantize": Family("fp8_quantize", "aux/fp8.cu", "fp8_quantize_kernel", 89, False, ("tag", "num_warps")),
+    _aux("fp8_transpose_v", "aux/fp8.cu", "fp8_transpose_v_kernel", 89, ("num_warps",)),
+    _aux("fp8_amax", "aux/fp8.cu", "fp8_amax_kernel", 89, ("tag", "num_warps")),
+    _aux("fp8_quantize", "aux/fp8.cu", "fp8_quantize_kernel", 89, ("tag", "num_warps")),
     # Ring attention (cuflash/distributed): merging the steps' partial results in float32 (tag: the inputs').
-    "ring_merge": Family("ring_merge", "aux/ring.cu", "ring_merge_kernel", 80, False, ("tag", "num_warps")),
-    "ring_accumulate": Family("ring_accumulate", "aux/ring.cu", "ring_accumulate_kernel", 80, False,
-                             ("tag", "num_warps")),
-    "ring_convert": Family("ring_convert", "aux/ring.cu", "ring_convert_kernel", 80, False, ("tag", "num_warps")),
+    _aux("ring_merge", "aux/ring.cu", "ring_merge_kernel", 80, ("tag", "num_warps")),
+    _aux("ring_accumulate", "aux/ring.cu", "ring_accumulate_kernel", 80, ("tag", "num_warps")),
+    _aux("ring_convert", "aux/ring.cu", "ring_convert_kernel", 80, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
-    "bwd_preprocess": Family("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, False,
-                             ("tag", "num_warps")),
-    "bwd_postprocess": Family("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, False,
-                              ("tag", "num_warps")),
-    "sm80_bwd_dkdv": Family("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", 80, False),
-    "sm80_bwd_dkdv_dq": Family("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", 80, False),
+    _aux("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, ("tag", "num_warps")),
+    _aux("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, ("tag", "num_warps")),
+    _bwd("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", "sm80", "kernel"),
+    _bwd("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", "sm80", "atomic"),
     # Version 2 of the dK/dV kernels (Q/dO ring, two barriers per step, 2-D warp grids).
-    "sm80_bwd_dkdv2": Family("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", 80, False),
-    "sm80_bwd_dkdv2_dq": Family("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", 80, False),
-    "sm80_bwd_dq": Family("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", 80, False),
-    "simt_bwd_dkdv": Family("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", 80, False),
-    "simt_bwd_dq": Family("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", 80, False),
-    # Hopper backward (wgmma, TMA): chosen only on request (CUFLASH_BWD_BACKEND=sm90).
-    "sm90_bwd_dkdv_dq": Family("sm90_bwd_dkdv_dq", "sm90/bwd.cu", "bwd_dkdv_dq_kernel", 90, True),
-    # dQ slices through shared memory and one bulk reduce each into a tiled dq_accum (128-key tiles),
-    # and the same with the key tiles' slices added in a fixed order (deterministic).
-    "sm90_bwd_dkdv_dqtile": Family("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", 90, True),
-    "sm90_bwd_dkdv_dqtile_ordered": Family("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu",
-                                           "bwd_dkdv_dqtile_ordered_kernel", 90, True),
+    _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel"),
+    _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic"),
+    _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None),
+    _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
+    _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
+    # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
+    # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
+    _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),
+    _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90),
     # Converts the tiled dq_accum of the two families above (block_m: their query tile).
-    "bwd_postprocess_tiled": Family("bwd_postprocess_tiled", "aux/bwd_postprocess.cu", "bwd_postprocess_tiled_kernel",
-                                    80, False, ("tag", "head_dim", "block_m", "num_warps")),
-}
+    _aux("bwd_postprocess_tiled", "aux/bwd_postprocess.cu", "bwd_postprocess_tiled_kernel", 80,
+         ("tag", "head_dim", "block_m", "num_warps")),
+)}
 
 
 def register_family(family: Family) -> None:
+    """Adds (or replaces) a kernel family, e.g. an experimental kernel in a tuning script."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family takes a Family, got {type(family).__name__}")
     FAMILIES[family.name] = family
+
+
+def find_family(**traits) -> Family:
+    """The one family whose typed fields equal ``traits`` (e.g. ``backend="sm90", direction="fwd",
+    schedule="overlap", persistent=True, cluster=1, fp8=False``); LookupError if none or several match."""
+    unknown = set(traits) - set(Family.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"find_family: unknown Family fields {sorted(unknown)}")
+    found = [f for f in FAMILIES.values() if all(getattr(f, k) == v for k, v in traits.items())]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} kernel families match {traits}: {[f.name for f in found]}")
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -103,8 +165,8 @@ class KernelConfig:
 
     @property
     def cluster(self) -> int:
-        """CTAs per thread-block cluster (the sm90 forward's ``_x2`` families: 2)."""
-        return 2 if "_x2" in self.family else 1
+        """CTAs per thread-block cluster (Family.cluster)."""
+        return self.fam.cluster
 
     @property
     def threads(self) -> int:

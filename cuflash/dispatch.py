@@ -7,12 +7,12 @@ memory per (config, device).
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable, Iterable
 
 import cupy
 
+from . import options
 from .compile import compile_options, load_source
 from .config import KernelConfig
 
@@ -43,10 +43,11 @@ def smem_bytes(config: KernelConfig) -> int:
     return SMEM_BYTES[config.family](config)
 
 
-def get_kernel(config: KernelConfig, device_id: int) -> "cupy.RawKernel":
-    """The compiled kernel for ``config`` on ``device_id``, compiled on first use."""
-    # Tuning knob: extra NVRTC options (e.g. "-DBWD_KK_UNROLL=1"), part of the cache key.
-    extra = tuple(os.environ.get("CUFLASH_NVRTC_DEFINES", "").split())
+def get_kernel(config: KernelConfig, device_id: int, defines: tuple[str, ...] | None = None) -> "cupy.RawKernel":
+    """The compiled kernel for ``config`` on ``device_id``, compiled on first use. ``defines``: extra
+    NVRTC options (default: Options.nvrtc_defines, a tuning knob such as "-DBWD_KK_UNROLL=1"), part of
+    the cache key."""
+    extra = options.current().nvrtc_defines if defines is None else tuple(defines)
     key = (config.key(), device_id, extra)
     kern = _kernels.get(key)
     if kern is not None:
@@ -90,7 +91,7 @@ def _compile(config: KernelConfig, device_id: int, key: tuple, extra: tuple) -> 
 
 
 def loaded_modules(define: str) -> list["cupy.RawModule"]:
-    """The modules loaded so far whose CUFLASH_NVRTC_DEFINES included ``define`` (diagnostic builds,
+    """The modules loaded so far whose NVRTC defines (Options.nvrtc_defines) included ``define`` (diagnostic builds,
     e.g. the forward's fallback counters read by the tests)."""
     with _lock:   # a compile on another thread may add one meanwhile
         return [m for key, m in _modules.items() if define in key[2]]

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from . import _checks, capture, heuristics, launch, params, tile_counters, tma
+from . import _checks, call_cache, capture, heuristics, launch, options, params, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -135,12 +135,13 @@ _aux_kernels: dict = {}
 
 
 def _aux_kernel(family: str, dtype: str, device_id: int):
-    """(kernel, config) of an fp8 helper, looked up once per (family, dtype, device)."""
-    key = (family, dtype, device_id)
+    """(kernel, config) of an fp8 helper, looked up once per (family, dtype, device, NVRTC defines)."""
+    defines = options.current().nvrtc_defines
+    key = (family, dtype, device_id, defines)
     found = _aux_kernels.get(key)
     if found is None:
         cfg = _aux_config(family, dtype)
-        found = _aux_kernels[key] = (get_kernel(cfg, device_id), cfg)
+        found = _aux_kernels[key] = (get_kernel(cfg, device_id, defines), cfg)
     return found
 
 
@@ -189,19 +190,21 @@ def transpose_v(v, seqlen_k_pad: int):
     return vt
 
 
-_plans: dict = {}
+# (head dim, causal, device, short, options token) -> (kernel, config, shared memory bytes)
+_plans = call_cache.Plans()
 
 
 def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False):
-    key = (head_dim, causal, device_id, short)
+    opts = options.current()
+    key = (head_dim, causal, device_id, short, opts.token)
     plan = _plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
         if cc != 90:
             raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
                                f"{cc / 10:.1f}")
-        cfg = heuristics.fp8_fwd_config(head_dim, causal, short)
-        plan = _plans[key] = (get_kernel(cfg, device_id), cfg, smem_bytes(cfg))
+        cfg = heuristics.fp8_fwd_config(head_dim, causal, short, opts)
+        plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg, smem_bytes(cfg))
     return plan
 
 
@@ -220,7 +223,7 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         tma.bshd_map(k, "float8_e4m3fn", cfg.block_n, cols, swizzle),
         tma.encode_tiled(vt.data.ptr, "float8_e4m3fn", (nk_pad, d, hkv, b),
                          (nk_pad, d * nk_pad, hkv * d * nk_pad), (128, rows, 1, 1), tma.SWIZZLE_128B)))
-    extra = (maps, tile_counters.for_device(device_id)) if cfg.family.endswith("_p") else (maps,)
+    extra = (maps, tile_counters.for_device(device_id)) if cfg.fam.persistent else (maps,)
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,

@@ -2,18 +2,22 @@
 
 Head dims that are not tuned use the tiles of the next larger tuned head dim
 (the kernel itself is still instantiated for the exact head dim).
+
+The tables were tuned on an H100 (B=4 H=16 N=4096 unless said otherwise). The comments say why each
+table is as it is; the measurements behind them are in BENCHMARKS.md and, per decision, in the git
+history of this file (the comments before commit 7ff08ba quote the TFLOP/s of every alternative).
 """
 from __future__ import annotations
 
-import os
-
-from .config import KernelConfig
+from . import options
+from .config import KernelConfig, find_family
+from .options import Options
 
 TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
-_SM80_FWD = {  # measured on an H100 (scripts/tune_fwd.py), 2026-11-23
+_SM80_FWD = {  # scripts/tune_fwd.py
     32: (128, 128, 4),
     64: (128, 128, 4),
     96: (128, 32, 4),
@@ -24,28 +28,16 @@ _SM80_FWD = {  # measured on an H100 (scripts/tune_fwd.py), 2026-11-23
 # Causal tiles where they differ: the diagonal favours wider key tiles at D=128.
 _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 
-# sm90 forward (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n,
-# num_warps, consumer schedule without / with the causal mask); num_warps = 4 * (1 producer
-# + block_m / 64 consumer warpgroups). Schedules: "simple" (each consumer warpgroup on its
-# own), "overlap" (softmax of key tile i overlaps P V of tile i-1), "pingpong" (consumer
-# warpgroups take turns at the tensor cores). Picked from H100 runs (2026-11-23,
-# tools/bench_sm90_variants.py, B=4 H=16 N=4096): D=64 fp16 192x128 simple 471 TFLOP/s
-# (128x128: 393); D=128 bf16 overlap 655 (simple 589), causal pingpong 509 (overlap 492);
-# D=256 bf16 overlap 651 (simple 631). Since the overlap schedule really overlaps (a scheduling
-# barrier keeps ptxas from hoisting the PV wait above the softmax, 2026-11-23 third session): D=256
-# bf16 680-693, causal overlap 599-611 (pingpong 565). With idle warpgroups past seqlen_q skipping
-# their GEMMs: D=64 fp16 192x128 overlap 489 (simple 481, 128x176 overlap 449), B=16 N=1024 373
-# (simple 363, 64x128 two CTAs per SM 373, 128x128 overlap 309); D=64 causal overlap 405
-# (simple_p 395, 128x128 overlap_p 359).
-# Persistent kernels (eighth session, kernels_cu/sm90/NOTES.md): once their consumers read the tile
-# index through a lane-0 broadcast (ptxas had kept every wgmma descriptor in ordinary registers, an
-# R2UR per wgmma, because the index came from shared memory), they lead the one-CTA-per-tile kernels
-# at head dims <= 128 at every length. H100 2026-11-23 (scripts/ab_defines.py, B=4 H=16 N=4096,
-# TFLOP/s overlap / overlap_p / simple_p): D=64 fp16 500 / 522 / 502, causal 423 / 401 (128-row
-# tiles) / 443; D=96 bf16 531 / 540, causal 462 / 498; D=128 bf16 689 / 698, causal 602 / 640; B=1
-# N=16384 D=64 542 / 557; causal D=64 B=2 N=8192 497 / 438 / 500, B=8 N=2048 334 / 346 / 372; causal
-# D=128 B=1 N=32768 661 / 695. At D=192 / 256 one CTA per tile stays ahead: D=192 752 / 736, causal
-# 639 / 572; D=256 780 / 679 (pingpong_p), causal 705 / 611.
+# sm90 forward (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n, num_warps,
+# kernel kind (SM90_FWD_KINDS) without / with the causal mask); num_warps = 4 * (1 producer + block_m / 64
+# consumer warpgroups). D <= 64 take 192-row tiles (three consumer warpgroups; 128 rows: a fifth slower).
+# The overlap schedule (the softmax of key tile i overlaps P V of tile i-1; a scheduling barrier keeps
+# ptxas from hoisting the P V wait above the softmax) wins wherever its registers allow. Persistent
+# kernels lead at head dims <= 128 at every length, once their consumers read the tile index through a
+# lane-0 broadcast (from shared memory, ptxas kept every wgmma descriptor in ordinary registers: an R2UR
+# per wgmma; kernels_cu/sm90/NOTES.md); at D=192 / 256 one CTA per tile stays ahead. Causal D <= 64
+# takes the simple schedule with 192-row tiles: the overlap schedule needs 128-row tiles under the mask
+# there (3 x 160 consumer registers spill) and is slower with them.
 _SM90_FWD = {
     32: (192, 128, 16, "overlap_p", "simple_p"),
     64: (192, 128, 16, "overlap_p", "simple_p"),
@@ -54,12 +46,11 @@ _SM90_FWD = {
     192: (128, 96, 12, "overlap", "overlap"),
     256: (128, 64, 12, "overlap", "overlap"),
 }
-# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; api._launch_fwd): where another kernel than the
-# table's won. Head-dim bucket -> (block_m, block_n, num_warps, schedule) without / with the causal
-# mask; None keeps the table's kernel. Causal D<=64: 128-row tiles (H100 2026-11-23, eighth session,
-# TFLOP/s this / the table's simple_p 192x128 / one CTA per tile: D=64 N=1024 275 / 260 / 222, N=512
-# 194 / 195 / 150, D=32 N=1024 149 / 145 / 121). Causal D=192 / 256 lost their persistent short
-# kernels once one CTA per tile wrote O through shared memory (N=1024 387 -> 393, 431 -> 451).
+# Short sequences (seqlen_q <= 1024, seqlen_k <= 2048; fwd_short): where another kernel than the table's
+# won. Head-dim bucket -> (block_m, block_n, num_warps, kernel kind) without / with the causal mask; None
+# keeps the table's kernel. Causal D <= 64: the persistent overlap kernel with 128-row tiles (at N=1024
+# 5 % over the table's kernel, a quarter over one CTA per tile). Causal D=192 / 256 lost their
+# persistent short kernels once one CTA per tile wrote O through shared memory.
 _SM90_FWD_SHORT = {
     32: (None, (128, 128, 12, "overlap_p")),
     64: (None, (128, 128, 12, "overlap_p")),
@@ -76,15 +67,22 @@ def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
     return seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and seqlen_k <= SM90_FWD_SHORT_SEQLEN_K
 
 
-SM90_FWD_FAMILIES = {"simple": "sm90_fwd", "overlap": "sm90_fwd_overlap", "pingpong": "sm90_fwd_pingpong",
-                     # persistent kernels (one CTA per SM looping over tiles, longest causal tiles first)
-                     "simple_p": "sm90_fwd_p", "overlap_p": "sm90_fwd_overlap_p",
-                     "pingpong_p": "sm90_fwd_pingpong_p",
-                     # the overlap schedule in clusters of two CTAs (TMA multicast of K / V; fwd_cluster_ok)
-                     "overlap_x2": "sm90_fwd_overlap_x2", "overlap_x2_p": "sm90_fwd_overlap_x2_p"}
+# The sm90 forward's kernels by the name a forced backend gives them (CUFLASH_FWD_BACKEND=sm90_<name>) and
+# the tuned tables use: (consumer schedule, persistent, CTAs per cluster). Persistent kernels: one CTA per
+# SM looping over tiles, longest causal tiles first; clusters of two: TMA multicast of K / V (fwd_cluster_ok).
+SM90_FWD_KINDS = {"overlap": ("overlap", False, 1), "simple_p": ("simple", True, 1), "overlap_p": ("overlap", True, 1),
+                  "overlap_x2": ("overlap", False, 2), "overlap_x2_p": ("overlap", True, 2)}
+
+
+def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool = False) -> str:
+    """The name of the sm90 forward family with these traits (config.find_family)."""
+    return find_family(backend="sm90", direction="fwd", schedule=schedule, persistent=persistent, cluster=cluster,
+                       fp8=fp8).name
+
+
+SM90_FWD_FAMILIES = {name: sm90_fwd_family(*kind) for name, kind in SM90_FWD_KINDS.items()}
 # CUFLASH_FWD_BACKEND values that select the sm90 forward: "sm90" (tuned table) or one schedule.
-SM90_FWD_BACKENDS = ("sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                     "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p", "sm90_overlap_x2", "sm90_overlap_x2_p")
+SM90_FWD_BACKENDS = ("sm90",) + tuple(f"sm90_{kind}" for kind in SM90_FWD_KINDS)
 
 
 def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
@@ -95,10 +93,8 @@ def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
 
 
 # Long sequences (both at least this many tokens): the tuned table's overlap schedules run in clusters of
-# two where fwd_cluster_ok. H100, 2026-11-24, forward TFLOP/s plain / clusters (scripts/ab_defines.py, five
-# alternating rounds): B=1 H=16 N=32768 D=128 bf16 757 / 761, fp16 707 / 736, D=96 564 / 582, D=256 769 / 777;
-# B=2 N=32768 D=128 726 / 742; B=1 H=8 N=65536 725 / 743; below, level or slower (B=1 N=16384 777 / 772,
-# B=4 N=4096 716 / 715, D=256 N=4096 778 / 761): there all CTAs do not stream the same K / V at once.
+# two where fwd_cluster_ok (a few percent faster at N=32768 and more, e.g. D=128 fp16 707 -> 736 TFLOP/s);
+# below, level or slower: there all CTAs do not stream the same K / V at once, so the multicast saves little.
 SM90_FWD_CLUSTER_SEQLEN = 32768
 
 
@@ -108,19 +104,15 @@ def fwd_long(seqlen_q: int, seqlen_k: int) -> bool:
     return min(seqlen_q, seqlen_k) >= SM90_FWD_CLUSTER_SEQLEN
 
 
-def fwd_cluster_mode() -> str:
-    """$CUFLASH_SM90_FWD_CLUSTER: "1" the tuned table takes the cluster kernels of its overlap schedules
-    wherever they apply (fwd_cluster_ok), "0" never, unset (or "auto") for long sequences only."""
-    value = os.environ.get("CUFLASH_SM90_FWD_CLUSTER", "auto").strip().lower()
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"CUFLASH_SM90_FWD_CLUSTER must be 0, 1 or auto, got {value!r}")
-    return value
+def fwd_cluster_mode(opts: Options | None = None) -> str:
+    """Options.sm90_fwd_cluster ($CUFLASH_SM90_FWD_CLUSTER): "1" the tuned table takes the cluster kernels
+    of its overlap schedules wherever they apply (fwd_cluster_ok), "0" never, "auto" for long sequences only."""
+    return (opts or options.current()).sm90_fwd_cluster
+
 
 # sm90 fp8 (e4m3) forward, overlap schedule: head-dim bucket -> (block_m, block_n, num_warps, persistent
 # without / with the causal mask). block_n is a whole 128-byte V^T row. The fp16 tiles where they fit,
-# 128-key tiles throughout; persistent at head dims <= 128 as in fp16 (H100 2026-11-23, eighth
-# session, scripts/ab_defines.py fp8, B=4 N=4096 TFLOP/s one CTA per tile -> persistent: D=64 567 ->
-# 596, causal 462 -> 490, D=128 825 -> 864; D=192 976 -> 985 left as it was).
+# 128-key tiles throughout; persistent at head dims <= 128 as in fp16 (5 % faster there; level at D=192).
 _SM90_FWD_FP8 = {
     32: (192, 128, 16, True, True),
     64: (192, 128, 16, True, True),
@@ -131,35 +123,34 @@ _SM90_FWD_FP8 = {
 }
 
 
-# Short sequences (as _SM90_FWD_SHORT): head-dim bucket -> persistent kernel tiles (block_m,
-# block_n, num_warps) without / with the causal mask, None for the table's kernel. H100 2026-11-23
-# (A/B in one run, forward_fp8 with the table patched, TFLOP/s table -> this): D=64 N=512 284 -> 328,
-# N=1024 395 -> 426, causal N=1024 225 -> 263 (128-row tiles; 192 rows 255), D=128 N=1024 557 -> 613;
-# non-causal D=256 N=1024 781 -> 713 keeps the table's kernel.
+# Short sequences (as _SM90_FWD_SHORT): head-dim bucket -> persistent kernel tiles (block_m, block_n,
+# num_warps) without / with the causal mask, None for the table's kernel. The persistent kernel wins there
+# (7-17 % at N <= 1024; causal D <= 64 with 128-row tiles); non-causal D=256 keeps the table's kernel (it
+# lost 9 %), and causal D=256 too: its persistent kernel spills above D=192.
 _SM90_FWD_FP8_SHORT = {
     32: ((192, 128, 16), (128, 128, 12)),
     64: ((192, 128, 16), (128, 128, 12)),
     96: ((128, 128, 12), None),  # causal: persistent at every length already
     128: ((128, 128, 12), None),
     192: (None, (128, 128, 12)),
-    256: (None, None),  # causal persistent ran 427 -> 465 at N=1024 but spills 140 bytes above D=192
+    256: (None, None),  # causal persistent was faster at N=1024 but spills 140 bytes above D=192
 }
 
 
-def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False) -> KernelConfig:
+def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False, opts: Options | None = None) -> KernelConfig:
     """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config. Tuning runs
-    may force the tiles ($CUFLASH_SM90_FP8_TILES="block_m,block_n,warps") and whether the kernel is
-    persistent ($CUFLASH_SM90_FP8_PERSISTENT=0 or 1)."""
+    may force the tiles (Options.sm90_fp8_tiles) and whether the kernel is persistent
+    (Options.sm90_fp8_persistent); ``opts`` defaults to options.current()."""
+    opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
     block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[bucket]
     persistent = persistent_causal if causal else persistent
     short_tile = _SM90_FWD_FP8_SHORT[bucket][causal] if short else None
     if short_tile is not None:
         (block_m, block_n, warps), persistent = short_tile, True
-    block_m, block_n, warps = _override("CUFLASH_SM90_FP8_TILES") or (block_m, block_n, warps)
-    forced = os.environ.get("CUFLASH_SM90_FP8_PERSISTENT")
-    persistent = persistent if forced is None else forced == "1"
-    family = "sm90_fwd_fp8_p" if persistent else "sm90_fwd_fp8"
+    block_m, block_n, warps = opts.sm90_fp8_tiles or (block_m, block_n, warps)
+    persistent = persistent if opts.sm90_fp8_persistent is None else opts.sm90_fp8_persistent
+    family = sm90_fwd_family("overlap", persistent, fp8=True)
     return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
 
 
@@ -188,64 +179,57 @@ def head_dim_bucket(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM}")
 
 
-def _override(name: str):
-    """Tile override for tuning runs, e.g. CUFLASH_SM80_FWD_TILES="128,64,4"."""
-    value = os.environ.get(name)
-    return tuple(int(x) for x in value.split(",")) if value else None
-
-
-def fwd_backend() -> str:
-    """$CUFLASH_FWD_BACKEND: "auto" (default: the Hopper kernels on compute capability 9.0 for
-    fp16/bf16, the portable ones elsewhere), "sm80" (force the portable mma.sync kernels),
-    "sm90" or "sm90_<schedule>" (Hopper, one consumer schedule forced)."""
-    return os.environ.get("CUFLASH_FWD_BACKEND", "auto").strip().lower()
+def fwd_backend(opts: Options | None = None) -> str:
+    """Options.fwd_backend ($CUFLASH_FWD_BACKEND): "auto" (the Hopper kernels on compute capability 9.0
+    for fp16/bf16, the portable ones elsewhere), "sm80" (force the portable mma.sync kernels), "sm90" or
+    "sm90_<kind>" (Hopper, one kernel kind of SM90_FWD_KINDS forced)."""
+    return (opts or options.current()).fwd_backend
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False, long_seqs: bool = False) -> KernelConfig:
+               short: bool = False, long_seqs: bool = False, opts: Options | None = None) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
-    ``backend`` (default: $CUFLASH_FWD_BACKEND, see fwd_backend): "auto" and "sm90" pick the
+    ``opts`` (default: options.current()) gives the tile overrides and the defaults of ``backend``
+    (Options.fwd_backend) and of the cluster mode. ``backend`` "auto" and "sm90" pick the
     Hopper kernels where they apply (cc 9.0, fp16/bf16) with the tuned schedule,
-    "sm90_simple" / "sm90_overlap" / "sm90_pingpong" force one consumer schedule; "sm80" and
+    "sm90_<schedule>" (SM90_FWD_BACKENDS) force one schedule; "sm80" and
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
     seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT;
     fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
     the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode).
     """
+    opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
-    backend = fwd_backend() if backend is None else backend
+    backend = opts.fwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
-        block_m, block_n, warps, schedule, schedule_causal = _SM90_FWD[bucket]
+        block_m, block_n, warps, kind, kind_causal = _SM90_FWD[bucket]
         short_tile = _SM90_FWD_SHORT[bucket][causal] if backend == "sm90" and short else None
         if short_tile is not None:
-            block_m, block_n, warps, schedule = short_tile
-            schedule_causal = schedule
-        block_m, block_n, warps = _override("CUFLASH_SM90_FWD_TILES") or (block_m, block_n, warps)
+            block_m, block_n, warps, kind = short_tile
+            kind_causal = kind
+        block_m, block_n, warps = opts.sm90_fwd_tiles or (block_m, block_n, warps)
+        schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if causal else kind]
         if backend != "sm90":
-            schedule = schedule_causal = backend[len("sm90_"):]
-            if "_x2" in schedule and not fwd_cluster_ok(dtype, head_dim, causal):
-                schedule = schedule_causal = schedule.replace("_x2", "")   # the plain kernel where clusters do not apply
-            if schedule == "overlap_x2_p" and bucket == 256:  # 232 consumer registers: one CTA per tile
-                schedule = schedule_causal = "overlap_x2"
-            if schedule == "overlap_p" and block_m == 192 and causal:  # 3 x 160 registers: spills under the mask
-                block_m, warps = 128, 12
-            if schedule == "overlap_p" and bucket == 256:  # 232 consumer registers: spills (fp16 causal)
-                schedule = schedule_causal = "pingpong_p"
-        schedule = schedule_causal if causal else schedule
-        cluster = fwd_cluster_mode()
-        if backend == "sm90" and schedule in ("overlap", "overlap_p") and fwd_cluster_ok(dtype, head_dim, causal) \
-                and (cluster == "1" or (cluster == "auto" and long_seqs)):
-            schedule = schedule.replace("overlap", "overlap_x2")
-        family = SM90_FWD_FAMILIES[schedule]
+            schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
+            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, causal):
+                cluster = 1   # the plain kernel where clusters do not apply
+            if schedule == "overlap" and persistent and bucket == 256:
+                persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
+            if schedule == "overlap" and persistent and block_m == 192 and causal:
+                block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
+        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, causal):
+            mode = opts.sm90_fwd_cluster
+            if mode == "1" or (mode == "auto" and long_seqs):
+                cluster = 2
+        family = sm90_fwd_family(schedule, persistent, cluster)
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
     if dtype == "float32":
-        block_m, block_n, warps = _override("CUFLASH_SIMT_FWD_TILES") or _SIMT_FWD[bucket]
+        block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
-    block_m, block_n, warps = (_override("CUFLASH_SM80_FWD_TILES")
-                               or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket])
+    block_m, block_n, warps = opts.sm80_fwd_tiles or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
 
 
@@ -284,10 +268,8 @@ _SM80_BWD_DKDV = {
     "small": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
               192: (32, 64, 8), 256: (32, 32, 4)},
 }
-# dK/dV kernel with atomic dQ (the default mode). H100, fp16, b4 h16 n4096 (2026-11-23):
-# d=128 (32,128,8) 156 TF/s full, 146 causal vs (64,64,8) 120 / 114; (64,128,8) would be
-# faster still (175 / 162) but spills on sm_80. d=64: (64,128,8) 143 / 131 is the best
-# tile without spills.
+# dK/dV kernel with atomic dQ (the default mode). d=128 takes (32,128,8): (64,128,8) is faster on an
+# H100 but spills on sm_80; d=64 (64,128,8) is the best tile without spills.
 _SM80_BWD_DKDV_DQ = {
     "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (32, 128, 8),
               192: (64, 64, 8), 256: (64, 64, 8)},
@@ -295,7 +277,7 @@ _SM80_BWD_DKDV_DQ = {
               192: (32, 64, 8), 256: (32, 32, 4)},
 }
 # Head-dim buckets where the dQ kernel beats the atomic dQ even when determinism is not asked
-# for (H100, d=256: 8.5 ms vs 11.3 full, 4.5 vs 5.9 causal): both modes run the same kernels.
+# for (d=256: a quarter less time): both modes run the same kernels.
 _BWD_DQ_KERNEL_ALWAYS = (192, 256)
 # dQ kernel of the deterministic mode (block_m query rows per CTA, block_n keys streamed).
 _SM80_BWD_DQ = {
@@ -307,19 +289,16 @@ _SM80_BWD_DQ = {
 # dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids; kernels_cu/sm80/bwd.cu
 # bwd_dkdv2_*), the default where it applies: head-dim bucket -> tiles, both modes, for devices with
 # >= 200 KB of shared memory per block (sm_90, sm_100); other buckets and devices keep version 1.
-# H100 (scripts/bench_bwd_v2.py, 2026-11-23, B=4 H=16 N=4096 fp16, atomic dQ, backward TFLOP/s
-# full / causal): d=64 (64,128,8) 192 / 172 (version 1: 143 / 132; v2 (64,64,4) 174 / 167,
-# (128,64,8) 152 / 141; (128,128,8) 217 / 192 but spills 8 bytes); d=128 (64,128,8) 230 / 209
-# (version 1 (32,128,8): 156 / 146; v2 (32,128,8) 180 / 173, (64,64,8) 155 / 149). Without the
-# dQ reductions (BWD2_DIAG_SKIP_DQ=2, wrong dQ) d=128 runs at 313 / 278: they are the limiter now.
+# A third to a half faster than version 1 at d=64 / 128 (scripts/bench_bwd_v2.py); (128,128,8) would
+# be faster still but spills 8 bytes. Its dQ reductions are the limiter now.
 _SM80_BWD_DKDV2 = {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)}
 
 
-def bwd_variant(cc: int, bucket: int) -> int:
-    """dK/dV kernel version: 2 where it applies, unless $CUFLASH_SM80_BWD_VARIANT is "1"."""
+def bwd_variant(cc: int, bucket: int, opts: Options | None = None) -> int:
+    """dK/dV kernel version: 2 where it applies, unless Options.sm80_bwd_variant is 1."""
     if cc < 90 or smem_class(cc) != "large" or bucket not in _SM80_BWD_DKDV2:
         return 1
-    return 1 if os.environ.get("CUFLASH_SM80_BWD_VARIANT", "2").strip() == "1" else 2
+    return (opts or options.current()).sm80_bwd_variant
 
 
 # float32 (CUDA cores): one tile shape for the dK/dV and the dQ kernel.
@@ -328,42 +307,19 @@ _SIMT_BWD = {
     "small": {32: (32, 32, 8), 64: (32, 32, 8), 96: (32, 32, 8), 128: (32, 32, 8),
               192: (16, 16, 8), 256: (16, 16, 8)},
 }
-# sm90 dK/dV + atomic dQ (wgmma, TMA; the default on cc 9.0 where listed): head-dim bucket ->
+# sm90 dK/dV with tiled dQ (wgmma, TMA; the default on cc 9.0 for fp16/bf16): head-dim bucket ->
 # (block_m, block_n, num_warps); one producer and two consumer warpgroups: block_n = 128, 64 keys
 # each, or block_n = 64 (split-D, head dims 192 / 256): both compute S^T / dP^T of the same 64 keys
-# and each owns half of the head dim of dK, dV and dQ. Buckets 32 / 96 run on head dims padded to
-# 64 / 128 (TMA zero fill). Float32, deterministic mode and other GPUs keep the sm80 / simt kernels.
-# H100, B=4 H=16 N=4096 (2026-11-23): d=64 fp16 128-row query tiles 343 TFLOP/s (64 rows: 314);
-# causal 64 rows 237 (128 rows spill 4 bytes under the mask); d=128 bf16 386-391, causal 301-312.
-# d=32 fp16 195 / causal 135 (sm80 140 / 124); d=96 bf16 313 / 262 (208 / 191); d=192 bf16
-# 237 / 202 (156 / 151); d=256 bf16 261 / 242 (167 / 163) with one dS copy per warpgroup.
+# and each owns half of the head dim of dK, dV and dQ (one dS copy per warpgroup). Buckets 32 / 96 run
+# on head dims padded to 64 / 128 (TMA zero fill). 128-row query tiles at d <= 64, causal too: they
+# spilled under the mask until the warpgroup index was made warp-uniform, and are faster since. 1.1-1.6x
+# the portable kernels at every bucket. Float32 and other GPUs keep the sm80 / simt kernels.
 _SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12),
              192: (64, 64, 12), 256: (64, 64, 12)}
-# Causal d <= 64 took 64-row tiles while 128 spilled under the mask; since the warp-uniform
-# warpgroup index (no spill) 128 rows are faster there too: d=64 fp16 causal 356 vs 341 (2026-11-23).
-_SM90_BWD_CAUSAL: dict = {}
-# Buckets reachable only with CUFLASH_BWD_BACKEND=sm90 until they pass tests/test_bwd.py on a GPU.
-_SM90_BWD_OPTIN: dict = {}
-_SM90_BWD_OPTIN_CAUSAL: dict = {}
-# How the sm90 backward's dQ slices reach global memory ($CUFLASH_SM90_BWD_DQ): "atomic"
-# (red.global.add per element pair) or "tile" (shared memory + one bulk reduce per slice into a
-# tiled dq_accum; deterministic mode: the same, in a fixed order); the deterministic mode needs
-# "tile" (else the portable kernels run).
-SM90_BWD_DQ_MODES = ("atomic", "tile")
-# H100, B=4 H=16 N=4096, backward TFLOP/s atomic -> tile (2026-11-23, scripts/bench_sm90_bwd_dq.py):
-# d=64 fp16 343 -> 395, causal 237 -> 262; d=128 bf16 386 -> 513, causal 301 -> 369; d=96 bf16
-# 316 -> 395; B=16 N=1024 d=64 244 -> 266; B=1 N=16384 d=128 causal 359 -> 452. Deterministic
-# (ordered tile) 272 / 174 / 315 / 257 / 240 / 209 / 293, the portable deterministic kernels
-# 166 / 144 / 190 / 171 / 174 / 150 / 192.
-_SM90_BWD_DQ_DEFAULT = "tile"
-
-
-def sm90_bwd_dq_mode() -> str:
-    mode = os.environ.get("CUFLASH_SM90_BWD_DQ", _SM90_BWD_DQ_DEFAULT).strip().lower()
-    if mode not in SM90_BWD_DQ_MODES:
-        raise ValueError(f"CUFLASH_SM90_BWD_DQ must be one of {SM90_BWD_DQ_MODES}, got {mode!r}")
-    return mode
-
+# The sm90 backward's dQ slices reach global memory through shared memory and one bulk reduce per slice
+# into a tiled dq_accum (the deterministic mode: the same, in a fixed order). That replaced red.global.add
+# per element pair (the atomic mode, deleted): 9-33 % faster (scripts/bench_sm90_bwd_dq.py); the ordered
+# mode is still 1.2-1.7x the portable deterministic kernels.
 
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)
@@ -377,8 +333,8 @@ def smem_class(cc: int) -> str:
 
 
 class BwdConfigs:
-    """The kernels of one backward call: preprocess, dkdv, then dq (deterministic,
-    float32) or postprocess (atomic dQ); the unused one is None."""
+    """The kernels of one backward call: preprocess, dkdv, then dq (its own dQ kernel: the portable
+    deterministic mode, float32) or postprocess (converting the float32 dQ sums); the unused one is None."""
 
     __slots__ = ("preprocess", "dkdv", "dq", "postprocess")
 
@@ -393,75 +349,57 @@ def _aux_config(family: str, dtype: str) -> KernelConfig:
     return KernelConfig(family, dtype, 0, False, 4 * BWD_AUX_WARPS, 0, BWD_AUX_WARPS)
 
 
-def bwd_backend() -> str:
-    """$CUFLASH_BWD_BACKEND: "auto" (default: the Hopper dK/dV kernel on compute capability 9.0
-    where it applies, the portable kernels elsewhere), "sm80" (force portable) or "sm90"."""
-    return os.environ.get("CUFLASH_BWD_BACKEND", "auto").strip().lower()
-
-
 # sm90 backward on short key sequences (bwd_short), head dims <= 64: one consumer warpgroup of 64
 # keys per CTA stepping over 64-row query tiles, two CTAs per SM (kernels_cu/sm90/bwd.cu,
-# Sm90BwdTile): one CTA's start and end overlap the other's steps, at the price of m64n64 GEMMs.
-# H100 (2026-11-23, ninth session), backward TFLOP/s two-warpgroup table tile / this one, same run:
-# B=32 N=512 D=64 bf16 224 / 232, causal fp16 136 / 146; B=16 N=1024 D=64 causal 217 / 225, D=32
-# bf16 causal 119 / 123; but B=16 N=1024 D=64 316 / 312, B=8 N=2048 D=64 causal 310 / 304, B=4
-# N=4096 D=64 451 / 393.
+# Sm90BwdTile): one CTA's start and end overlap the other's steps, at the price of m64n64 GEMMs. It wins
+# by 3-7 % up to 512 keys (1024 causal) and loses beyond (N=4096: 13 %).
 _SM90_BWD_SHORT = {32: (64, 64, 8), 64: (64, 64, 8)}
 SM90_BWD_SHORT_SEQLEN_K = 512
 SM90_BWD_SHORT_SEQLEN_K_CAUSAL = 1024
 
 
-def bwd_short(seqlen_k: int, causal: bool) -> bool:
-    """Whether bwd_configs takes these inputs as short (its ``short``); $CUFLASH_SM90_BWD_SHORT=1 / 0
-    forces it on / off."""
-    forced = os.environ.get("CUFLASH_SM90_BWD_SHORT")
-    if forced in ("0", "1"):
-        return forced == "1"
+def bwd_short(seqlen_k: int, causal: bool, opts: Options | None = None) -> bool:
+    """Whether bwd_configs takes these inputs as short (its ``short``); Options.sm90_bwd_short
+    ($CUFLASH_SM90_BWD_SHORT) True / False forces it on / off."""
+    forced = (opts or options.current()).sm90_bwd_short
+    if forced is not None:
+        return forced
     return seqlen_k <= (SM90_BWD_SHORT_SEQLEN_K_CAUSAL if causal else SM90_BWD_SHORT_SEQLEN_K)
 
 
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None, dq_mode: str | None = None, short: bool = False) -> BwdConfigs:
+                backend: str | None = None, short: bool = False, opts: Options | None = None) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
-    ``backend`` (default: $CUFLASH_BWD_BACKEND) "sm90" picks the Hopper dK/dV + dQ kernel where it
-    applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; deterministic only with the tile dQ
-    mode), ``dq_mode`` (default: $CUFLASH_SM90_BWD_DQ) how its dQ is reduced, ``short``
-    (bwd_short) the tiles of _SM90_BWD_SHORT where it has the head dim.
+    ``opts`` (default: options.current()) gives the tile overrides, the dK/dV kernel version and the
+    default of ``backend`` (Options.bwd_backend). ``backend`` "sm90" picks the Hopper dK/dV + dQ kernel
+    where it applies (cc 9.0, fp16/bf16, head-dim buckets of _SM90_BWD; the deterministic mode adds the
+    dQ slices in a fixed order), ``short`` (bwd_short) the tiles of _SM90_BWD_SHORT where it has the
+    head dim.
     """
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
     pre = _aux_config("bwd_preprocess", dtype)
-    backend = bwd_backend() if backend is None else backend
-    table, table_causal = _SM90_BWD, _SM90_BWD_CAUSAL
+    opts = opts or options.current()
+    backend = opts.bwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
-    elif backend in SM90_BWD_BACKENDS:
-        table, table_causal = {**_SM90_BWD, **_SM90_BWD_OPTIN}, {**_SM90_BWD_CAUSAL, **_SM90_BWD_OPTIN_CAUSAL}
-    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in table:
-        bm, bn, w = (_override("CUFLASH_SM90_BWD_TILES") or (short and _SM90_BWD_SHORT.get(bucket))
-                     or (causal and table_causal.get(bucket)) or table[bucket])
-        tile = (sm90_bwd_dq_mode() if dq_mode is None else dq_mode) == "tile"
-        if tile:
-            family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
-            post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
-            return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
-        if not deterministic:
-            dkdv = KernelConfig("sm90_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
-            return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
+    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD:
+        bm, bn, w = opts.sm90_bwd_tiles or (short and _SM90_BWD_SHORT.get(bucket)) or _SM90_BWD[bucket]
+        family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
+        post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
+        return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
     if dtype == "float32":
-        bm, bn, w = _override("CUFLASH_SIMT_BWD_TILES") or _SIMT_BWD[size][bucket]
+        bm, bn, w = opts.simt_bwd_tiles or _SIMT_BWD[size][bucket]
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
-    v2 = bwd_variant(cc, bucket) == 2
+    v2 = bwd_variant(cc, bucket, opts) == 2
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
-        bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
-                     or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket]))
+        bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
         dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
-        qm, qn, qw = _override("CUFLASH_SM80_BWD_DQ_TILES") or _SM80_BWD_DQ[size][bucket]
+        qm, qn, qw = opts.sm80_bwd_dq_tiles or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
-    bm, bn, w = (_override("CUFLASH_SM80_BWD_DKDV_TILES")
-                 or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket]))
+    bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
     dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
@@ -480,19 +418,17 @@ def all_bwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
 
 
 def all_sm90_bwd_configs() -> list[KernelConfig]:
-    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, both dQ modes, deterministic or
-    not) and the postprocess of the tile dQ mode, for the CPU compile tests."""
+    """Every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, deterministic or not, short
+    sequences included) and their tiled postprocess, for the CPU compile tests."""
     seen: dict[str, KernelConfig] = {}
     for dtype in ("float16", "bfloat16"):
         for d in TUNED_HEAD_DIMS:
             for causal in (False, True):
                 for det in (False, True):
-                    for mode in SM90_BWD_DQ_MODES:
-                        for short in (False, True):
-                            for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", dq_mode=mode,
-                                                   short=short).all():
-                                if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
-                                    seen.setdefault(cfg.key(), cfg)
+                    for short in (False, True):
+                        for cfg in bwd_configs(dtype, d, causal, 90, det, backend="sm90", short=short).all():
+                            if cfg.fam.arch_specific or cfg.family == "bwd_postprocess_tiled":
+                                seen.setdefault(cfg.key(), cfg)
     return list(seen.values())
 
 

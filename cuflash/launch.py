@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import numpy as np
 
-from . import tile_counters
-from .config import KernelConfig
+from . import options, tile_counters
+from .config import TILED_DQ_MODES, KernelConfig
 
 
 def _round_up(x: int, m: int) -> int:
@@ -87,7 +86,7 @@ def sm90_fwd_q_buffers(c: KernelConfig) -> int:
     (Sm90FwdTile::kQBuffersPersistent), else one."""
     q_bytes, kv_slot = _sm90_fwd_tiles(c)
     fits = 1024 + 2 * q_bytes + 2 * SM90_FWD_STAGES * kv_slot + 8 * (5 + 4 * SM90_FWD_STAGES) <= SM90_SMEM_LIMIT
-    return 2 if c.family.endswith("_p") and fits else 1
+    return 2 if c.fam.persistent and fits else 1
 
 
 def _sm90_fwd_smem(c: KernelConfig) -> int:
@@ -108,7 +107,7 @@ def _sm90_bwd_smem(c: KernelConfig) -> int:
     split_d = c.block_n == 64 and consumer_wgs == 2
     ds_copies = 2 if split_d else 1  # split-D: one dS copy per consumer warpgroup
     # kDqStageBytes: the warpgroups' dQ slices (split-D tiles stage them in the Q / dO ring)
-    dq_stage = c.block_m * pad * 4 if "dqtile" in c.family and not split_d else 0
+    dq_stage = c.block_m * pad * 4 if c.fam.dq_mode in TILED_DQ_MODES and not split_d else 0
     return (1024 + 2 * c.block_n * pad * 2 + 2 * s * c.block_m * pad * 2 + 2 * ds_copies * c.block_m * c.block_n * 2
             + dq_stage + 2 * s * c.block_m * 4 + 8 * (1 + 3 * s + 2 * consumer_wgs))  # kBarriers
 
@@ -125,12 +124,9 @@ SMEM_BYTES = {
     "sm80_bwd_dq": _sm80_bwd_dq_smem,
     "simt_bwd_dkdv": _simt_bwd_dkdv_smem,
     "simt_bwd_dq": _simt_bwd_dq_smem,
-    "sm90_fwd": _sm90_fwd_smem,
     "sm90_fwd_overlap": _sm90_fwd_smem,
-    "sm90_fwd_pingpong": _sm90_fwd_smem,
     "sm90_fwd_p": _sm90_fwd_smem,
     "sm90_fwd_overlap_p": _sm90_fwd_smem,
-    "sm90_fwd_pingpong_p": _sm90_fwd_smem,
     "sm90_fwd_overlap_x2": _sm90_fwd_smem,
     "sm90_fwd_overlap_x2_p": _sm90_fwd_smem,
     "sm90_fwd_fp8": _sm90_fwd_smem,
@@ -141,7 +137,6 @@ SMEM_BYTES = {
     "ring_merge": lambda c: 0,
     "ring_accumulate": lambda c: 0,
     "ring_convert": lambda c: 0,
-    "sm90_bwd_dkdv_dq": _sm90_bwd_smem,
     "sm90_bwd_dkdv_dqtile": _sm90_bwd_smem,
     "sm90_bwd_dkdv_dqtile_ordered": _sm90_bwd_smem,
     "bwd_postprocess_tiled": lambda c: 0,
@@ -162,14 +157,14 @@ def sm_count() -> int:
 
 
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
-    """One CTA per (query tile, head, batch); persistent families (sm90_fwd*_p): one per SM, at
+    """One CTA per (query tile, head, batch); persistent families: one per SM, at
     most one per tile (the kernel walks the tiles itself); the other causal sm90 families: a 1-D
     grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords). Clusters (``c.cluster``
     CTAs on adjacent query tiles): query tiles counted in whole clusters, the grid a multiple of it."""
     tiles = -(-((seqlen_q + c.block_m - 1) // c.block_m) // c.cluster) * c.cluster
-    if c.family.endswith("_p"):
+    if c.fam.persistent:
         return (max(c.cluster, min(tiles * heads_q * batch, sm_count()) // c.cluster * c.cluster), 1, 1)
-    if c.causal and c.family.startswith("sm90_fwd"):
+    if c.causal and c.fam.sm90_fwd:
         return (tiles * heads_q * batch, 1, 1)
     return (tiles, heads_q, batch)
 
@@ -193,8 +188,7 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
     in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
     rank order (kernels_cu/sm90/bwd.cu: bwd_block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.family.startswith("sm90_bwd") and (c.causal or c.family.endswith("_ordered") or c.block_m == 128
-                                            or c.num_warps == 8):
+    if c.fam.sm90_bwd and (c.causal or c.fam.dq_mode == "ordered" or c.block_m == 128 or c.num_warps == 8):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 
@@ -203,7 +197,7 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
 # (each argument at its C alignment; tests/test_launch_layout.py checks against the PTX), and
 # cuLaunchKernel gets an array of pointers into it. CuPy's own launch path reads
 # ``__array_interface__`` of every NumPy argument (about 1.5 us each, 20 us for a structured
-# dtype); this path costs one memmove. CUFLASH_LAUNCH=cupy selects CuPy's path.
+# dtype); this path costs one memmove. Options.launch "cupy" ($CUFLASH_LAUNCH=cupy) selects CuPy's path.
 TMA_DESC_ALIGN = 64      # alignas(64) struct TmaDesc, kernels_cu/sm90/tma.cuh
 _PARAM_BUFFER_BYTES = 4096  # the CUDA limit on kernel parameters
 
@@ -326,7 +320,7 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
            extra_args: tuple = ()) -> None:
     """Launch on CuPy's current stream (of the current device). ``params``: the parameter struct
     (bytes, or a one-element array); ``extra_args`` follow it (e.g. the sm90 tensor maps)."""
-    if _LAUNCH_VIA_CUPY:
+    if options.current().launch == "cupy":
         _launch_via_cupy(kernel, config, grid, params, smem, extra_args)
         return
     launch_kernel, current_stream = _cuda or _bind_cuda()
@@ -395,8 +389,8 @@ class Prepared:
 def prepare(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
             extra_args: tuple = ()):
     """A ``Prepared`` launch (arguments as for ``launch``), or None where launches go through CuPy
-    ($CUFLASH_LAUNCH=cupy)."""
-    return None if _LAUNCH_VIA_CUPY else Prepared(kernel, config, grid, params, smem, extra_args)
+    (Options.launch "cupy", $CUFLASH_LAUNCH=cupy)."""
+    return None if options.current().launch == "cupy" else Prepared(kernel, config, grid, params, smem, extra_args)
 
 
 def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extra_args: tuple) -> None:
@@ -422,5 +416,3 @@ def _launch_via_cupy(kernel, config: KernelConfig, grid, params, smem: int, extr
         raise
     counters.launched(ticket, stream_ptr)
 
-
-_LAUNCH_VIA_CUPY = os.environ.get("CUFLASH_LAUNCH", "").strip().lower() == "cupy"

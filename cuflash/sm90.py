@@ -1,9 +1,7 @@
 """Host side of the Hopper (sm90) kernel families: tensor maps and fallbacks."""
 from __future__ import annotations
 
-import os
-
-from . import heuristics, tile_counters, tma
+from . import heuristics, options, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
 from .launch import PackedTail
@@ -21,9 +19,9 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
     writes a compact stand-in, which the caller copies into ``out``. That check runs only when the
     tensor-map cache misses. Other families pass through unchanged.
     """
-    if not cfg.family.startswith("sm90_fwd"):
+    if not cfg.fam.sm90_fwd:
         return kern, cfg, smem, (), out
-    if not cfg.family.endswith("_p"):
+    if not cfg.fam.persistent:
         maps = _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
         if maps is None:
             return (*_portable_fwd(cfg, device_id), (), out)
@@ -81,11 +79,11 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
 
 
-def bwd_first_slice_stored(cfg: KernelConfig) -> bool:
+def bwd_first_slice_stored(cfg: KernelConfig, opts: options.Options | None = None) -> bool:
     """Whether the sm90 tile-dQ backward kernel ``cfg`` stores the first slice that reaches each query tile of
     its float32 dQ sums instead of adding it (kernels_cu/sm90/bwd.cu: the ordered mode stores its first
     contribution, the unordered one claims it), so that the preprocess zeroes only the query tiles no key
-    tile writes. $CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1 says no, as a kernel built with
+    tile writes. Options.sm90_bwd_zero_dq_accum ($CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1) says no, as a kernel built with
     -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 needs (A/B timing of those builds);
     without it those builds are negative controls for tests/test_bwd.py's test_workspace_poisoned."""
-    return os.environ.get("CUFLASH_SM90_BWD_ZERO_DQ_ACCUM", "") != "1"
+    return not (opts or options.current()).sm90_bwd_zero_dq_accum

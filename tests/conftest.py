@@ -64,6 +64,17 @@ def dtype_of(name: str):
     return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[name]
 
 
+@pytest.fixture(autouse=True)
+def _restore_cuflash_options():
+    """Whatever a test sets with cuflash.options.set / use / reload, the next one starts from the settings in
+    force before it (after monkeypatch has put the environment back)."""
+    from cuflash import options
+
+    before = options.current()
+    yield
+    options.use(before)
+
+
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test id so failures can be replayed."""

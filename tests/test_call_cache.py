@@ -32,19 +32,27 @@ def test_key_declines_what_it_cannot_take():
     assert call_cache.fwd_key(x, x, x, None, False, None, False) is None
 
 
-def test_backend_setting_follows_environment(monkeypatch):
-    """The key reads $CUFLASH_FWD_BACKEND from the environment mapping's own storage; a change made
-    through os.environ (as monkeypatch and users do) must show (CPU)."""
-    from cuflash import call_cache
+def test_options_token_in_keys(monkeypatch):
+    """The call cache's key and the plans' keys carry the options' token: equal settings share a token,
+    other settings get another, so a changed option never replays a stale launch (CPU)."""
+    from cuflash import call_cache, options
 
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    unset = call_cache._backend_setting()
+    base = options.use(options.Options())
+    with options.override(fwd_backend="sm80") as sm80:
+        assert sm80.token != base.token and options.current() is sm80
+        with options.override(fwd_backend="auto") as again:
+            assert again is base
+    assert options.current() is base
+    assert options.set(sm90_fwd_tiles=(128, 64, 12)).token not in (base.token, sm80.token)
+    assert options.set(sm90_fwd_tiles=None) is base
+    # A script that changes the environment and clears the plans gets the new setting.
     monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
-    assert call_cache._backend_setting() not in (None, unset)
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
-    sm90 = call_cache._backend_setting()
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
-    assert call_cache._backend_setting() != sm90
+    call_cache.Plans().clear()
+    assert options.current() is sm80
+    # While the environment stays as it is, clearing plans keeps what set / override chose.
+    options.set(fwd_backend="sm90")
+    call_cache.Plans().clear()
+    assert options.current().fwd_backend == "sm90"
 
 
 def _inputs(rng, shape, dtype, count=3):
@@ -106,11 +114,11 @@ def test_repeat_allocating_output(rng, return_lse):
 
 @requires_gpu
 def test_other_stream_and_backend(rng, monkeypatch):
-    """The same arrays on another stream, and after $CUFLASH_FWD_BACKEND changes, are other calls."""
+    """The same arrays on another stream, and after the forward backend changes, are other calls."""
     import cupy
 
     import cuflash
-    from cuflash import api
+    from cuflash import api, options
     from cuflash.reference import attention_reference, rel_err
 
     q, k, v = _inputs(rng, (2, 129, 2, 64), "bfloat16")
@@ -125,7 +133,7 @@ def test_other_stream_and_backend(rng, monkeypatch):
         stream.synchronize()
     assert len(api._fwd_calls) == before + 1
     assert rel_err(out, attention_reference(q, k, v)[0]) <= FWD_TOL["bfloat16"]
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    options.set(fwd_backend="sm80")
     out.fill(np.nan)
     cuflash.forward(q, k, v, out=out)
     assert rel_err(out, attention_reference(q, k, v)[0]) <= FWD_TOL["bfloat16"]

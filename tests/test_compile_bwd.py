@@ -3,11 +3,9 @@
 shared-memory sizes agree with the kernels' own."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from cuflash import heuristics, launch
+from cuflash import heuristics, launch, options
 from compile_checks import assert_all_compile, assert_static_checks
 
 SMEM_LIMIT = {"large": 166912, "small": 101376}  # opt-in bytes per block: sm_80 (A100), sm_86/89
@@ -19,15 +17,8 @@ def _configs(cc: str) -> list:
         return [c for c in heuristics.all_bwd_configs(86) if c.key() not in large]
     if cc.startswith("90"):  # both dK/dV kernel versions (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1)
         out = {c.key(): c for c in heuristics.all_bwd_configs(90)}
-        old = os.environ.get("CUFLASH_SM80_BWD_VARIANT")
-        os.environ["CUFLASH_SM80_BWD_VARIANT"] = "1"
-        try:
+        with options.override(sm80_bwd_variant=1):
             out.update({c.key(): c for c in heuristics.all_bwd_configs(90)})
-        finally:
-            if old is None:
-                del os.environ["CUFLASH_SM80_BWD_VARIANT"]
-            else:
-                os.environ["CUFLASH_SM80_BWD_VARIANT"] = old
         return list(out.values())
     return heuristics.all_bwd_configs(int(cc))
 
@@ -39,7 +30,7 @@ def _in_group(cfg, group: str) -> bool:
     if group == "bwd_pre_post":
         return cfg.family in ("bwd_preprocess", "bwd_postprocess")
     if group == "simt_bwd":
-        return cfg.family.startswith("simt_bwd")
+        return cfg.fam.backend == "simt" and cfg.fam.direction == "bwd"
     return cfg.family == group
 
 
@@ -77,11 +68,11 @@ def test_deterministic_mode_uses_no_atomic_kernel():
         for dtype in ("float16", "bfloat16", "float32"):
             for d in heuristics.TUNED_HEAD_DIMS:
                 cfgs = heuristics.bwd_configs(dtype, d, True, cc, deterministic=True)
-                if cfgs.dkdv.family.startswith("sm90"):
+                if cfgs.dkdv.fam.sm90_bwd:
                     assert cfgs.dkdv.family == "sm90_bwd_dkdv_dqtile_ordered", cfgs.dkdv.key()
                 else:
                     assert cfgs.postprocess is None and cfgs.dq is not None, cfgs.dkdv.key()
-                    assert not cfgs.dkdv.family.endswith("_dq"), cfgs.dkdv.key()
+                    assert cfgs.dkdv.fam.dq_mode == "kernel", cfgs.dkdv.key()
 
 
 def _tile_expr(cfg) -> str | None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import heuristics
+from cuflash import heuristics, options
+from cuflash.config import FAMILIES
+
+family_of = FAMILIES.__getitem__
 
 import sass_tools as sass
 from compile_checks import assert_all_compile, assert_static_checks
@@ -46,20 +49,20 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     # step of the padded head dim; besides, only the overlap schedule's rare recompute of a warp's S
     # (qk_warp, a loop: one ldmatrix of Q, one of K).
     pad = (cfg.head_dim + 63) // 64 * 64
-    schedule = cfg.family.removeprefix("sm90_fwd").removesuffix("_p").removesuffix("_x2")
-    q_in_regs = (schedule == "_overlap" and cfg.block_m == 128 and pad <= 128) or (schedule == "" and pad <= 64)
-    recompute = 2 if schedule == "_overlap" else 0
+    overlap = cfg.fam.schedule == "overlap"
+    q_in_regs = (overlap and cfg.block_m == 128 and pad <= 128) or (cfg.fam.schedule == "simple" and pad <= 64)
+    recompute = 2 if overlap else 0
     assert ops["LDSM"] == (pad // 16 if q_in_regs else 0) + recompute, f"{cfg.key()}: {ops['LDSM']} LDSM"
     # One issue site per GEMM and loop position: Q K^T (padded head dim / 16 k-steps) and P V (block_n / 16)
     # in the key loop, plus the overlap schedule's Q K^T of the first key tile and P V of the last. Every warp
     # of a warpgroup must issue a wgmma from the same instruction; a copy of the loop per warp state (the kept
     # max's) broke that silently in tests and only synccheck saw it.
     qk_steps, pv_steps = pad // 16, cfg.block_n // 16
-    sites = 2 if schedule == "_overlap" else 1
+    sites = 2 if overlap else 1
     assert ops["HGMMA"] == sites * (qk_steps + pv_steps), f"{cfg.key()}: {ops['HGMMA']} HGMMA"
     # The persistent kernels stage O at head dims <= 128 and store it with TMA (kTmaStoreO); the others
     # store it from registers or shared memory with ordinary stores.
-    tma_store_o = cfg.family.endswith("_p") and pad <= 128
+    tma_store_o = cfg.fam.persistent and pad <= 128
     assert (ops["UTMASTG"] > 0) == tma_store_o, f"{cfg.key()}: {ops['UTMASTG']} UTMASTG"
 
 
@@ -82,23 +85,24 @@ def test_sm90_fwd_wgmma_descriptors_stay_uniform(cfg):
 def test_backend_selection(monkeypatch):
     """Hopper kernels by default on cc 9.0 for fp16/bf16; CUFLASH_FWD_BACKEND=sm80 forces the
     portable ones; other GPUs and float32 always take the portable kernels."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
-    assert heuristics.fwd_config("float16", 64, True, 90).family.startswith("sm90_fwd")
+    options.use(options.Options())
+    assert heuristics.fwd_config("bfloat16", 128, False, 90).fam.sm90_fwd
+    assert heuristics.fwd_config("float16", 64, True, 90).fam.sm90_fwd
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 89).family == "sm80_fwd"
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    options.set(fwd_backend="sm80")
     assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm80_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
-    assert heuristics.fwd_config("bfloat16", 128, False, 90).family.startswith("sm90_fwd")
+    options.set(fwd_backend="sm90")
+    assert heuristics.fwd_config("bfloat16", 128, False, 90).fam.sm90_fwd
     for schedule, family in heuristics.SM90_FWD_FAMILIES.items():
-        monkeypatch.setenv("CUFLASH_FWD_BACKEND", f"sm90_{schedule}")
+        options.set(fwd_backend=f"sm90_{schedule}")
         assert heuristics.fwd_config("bfloat16", 128, False, 90).family == family
         # the cluster kernels are not causal: forced, a causal call takes the plain schedule
-        plain = heuristics.SM90_FWD_FAMILIES[schedule.replace("_x2", "")]
-        assert heuristics.fwd_config("bfloat16", 128, True, 90).family == plain
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90")
+        forced = heuristics.fwd_config("bfloat16", 128, True, 90).fam
+        assert forced.cluster == 1 and (forced.schedule, forced.persistent) == (family_of(family).schedule,
+                                                                             family_of(family).persistent)
+    options.set(fwd_backend="sm90")
     assert heuristics.fwd_config("float32", 128, False, 90).family == "simt_fwd"
     assert heuristics.fwd_config("bfloat16", 128, False, 80).family == "sm80_fwd"
 
@@ -107,8 +111,7 @@ def test_short_sequence_schedule(monkeypatch):
     """The table runs persistent kernels at head dims <= 128 (overlap_p; causal <= 64 simple_p) and one
     CTA per tile above; short sequences take _SM90_FWD_SHORT's kernel where it has one (causal head
     dims <= 64: overlap_p with 128-row tiles); forced schedules keep the table's tiles."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
+    options.use(options.Options())
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps)  # noqa: E731
     for d in (32, 64, 96, 128):
         short = heuristics.fwd_config("float16", d, False, 90, short=True)
@@ -125,8 +128,8 @@ def test_short_sequence_schedule(monkeypatch):
             short = heuristics.fwd_config("bfloat16", d, causal, 90, short=True)
             assert short == heuristics.fwd_config("bfloat16", d, causal, 90) and short.family == "sm90_fwd_overlap"
     assert heuristics.fwd_config("float16", 64, False, 80, short=True).family == "sm80_fwd"
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_simple")
-    assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd"
+    options.set(fwd_backend="sm90_simple_p")
+    assert heuristics.fwd_config("float16", 64, False, 90, short=True).family == "sm90_fwd_p"
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
 
 
@@ -137,9 +140,9 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
     from cuflash.compile import arch_option
 
     tags = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float8_e4m3fn": "e4m3_tag"}
-    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p")
+    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p")
                   for c in heuristics.all_sm90_fwd_configs(b)]
-    persistent += [c for c in heuristics.all_fp8_fwd_configs() if c.family.endswith("_p")]
+    persistent += [c for c in heuristics.all_fp8_fwd_configs() if c.fam.persistent]
     checks, counts = set(), set()
     for c in persistent:
         expected = launch.sm90_fwd_q_buffers(c)
@@ -147,16 +150,14 @@ def test_python_q_buffers_match_the_sm90_fwd_kernel():
         tile = f"Sm90FwdTile<{tags[c.dtype]}, {c.head_dim}, {c.block_m}, {c.block_n}, {c.num_warps}>"
         checks.add(f'static_assert({tile}::kQBuffersPersistent == {expected}, "{c.key()}");')
     assert counts == {1, 2}, "both cases covered"
-    assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.family.endswith("_p"))
+    assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.fam.persistent)
     assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])
 
 
 def test_long_sequence_clusters(monkeypatch):
     """Both lengths >= SM90_FWD_CLUSTER_SEQLEN (fwd_long): the table's overlap kernels run in clusters of two
     where fwd_cluster_ok; $CUFLASH_SM90_FWD_CLUSTER=1 takes them at every length, 0 at none."""
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_CLUSTER", raising=False)
+    options.use(options.Options())
     n = heuristics.SM90_FWD_CLUSTER_SEQLEN
     assert heuristics.fwd_long(n, n) and not heuristics.fwd_long(n - 1, n) and not heuristics.fwd_long(n, 1)
     cfg = lambda d, causal=False, dtype="bfloat16", **kw: heuristics.fwd_config(dtype, d, causal, 90, **kw)  # noqa: E731
@@ -167,13 +168,15 @@ def test_long_sequence_clusters(monkeypatch):
         assert cfg(d, causal, long_seqs=True) == cfg(d, causal)
     assert heuristics.fwd_config("float32", 128, False, 90, long_seqs=True).family == "simt_fwd"
     assert cfg(128).family == "sm90_fwd_overlap_p"
-    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "0")
+    options.set(sm90_fwd_cluster="0")
     assert cfg(128, long_seqs=True).family == "sm90_fwd_overlap_p"
-    monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "1")
+    options.set(sm90_fwd_cluster="1")
     assert cfg(128).family == "sm90_fwd_overlap_x2_p"
+    with pytest.raises(ValueError, match="CUFLASH_SM90_FWD_CLUSTER"):
+        options.set(sm90_fwd_cluster="yes")
     monkeypatch.setenv("CUFLASH_SM90_FWD_CLUSTER", "yes")
     with pytest.raises(ValueError, match="CUFLASH_SM90_FWD_CLUSTER"):
-        cfg(128)
+        options.reload()
 
 
 def test_forward_short_class():

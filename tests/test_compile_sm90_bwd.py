@@ -1,12 +1,12 @@
-"""CPU-only: every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, both dQ modes)
+"""CPU-only: every sm90 backward instantiation (CUFLASH_BWD_BACKEND=sm90, deterministic or not)
 compiles for sm_90a without spills, and its SASS runs on the Hopper tensor cores (HGMMA) with TMA
-loads, float32 reductions for dQ (vector atomics, or bulk reduces in the tile modes) and no
+loads, float32 bulk reduces for dQ and no
 local-memory traffic (LDL/STL); the Python shared-memory sizes match the kernel's."""
 from __future__ import annotations
 
 import pytest
 
-from cuflash import heuristics, launch
+from cuflash import heuristics, launch, options
 from cuflash.config import KernelConfig
 from cuflash.compile import arch_option
 
@@ -18,8 +18,7 @@ ALL_CONFIGS = heuristics.all_sm90_bwd_configs()
 SM90_BWD_CONFIGS = [c for c in ALL_CONFIGS if c.fam.arch_specific]
 POSTPROCESS_CONFIGS = [c for c in ALL_CONFIGS if not c.fam.arch_specific]
 H100_SMEM_OPTIN = 232448
-DQ_MODE = {"sm90_bwd_dkdv_dq": "kDqAtomic", "sm90_bwd_dkdv_dqtile": "kDqTile",
-           "sm90_bwd_dkdv_dqtile_ordered": "kDqTileOrdered"}
+DQ_MODE = {"sm90_bwd_dkdv_dqtile": "kDqTile", "sm90_bwd_dkdv_dqtile_ordered": "kDqTileOrdered"}
 
 
 def test_sm90_bwd_configs():
@@ -28,7 +27,7 @@ def test_sm90_bwd_configs():
     # Every bucket, dtype and mask in each dQ mode, and the short-sequence tiles (one consumer
     # warpgroup, heuristics._SM90_BWD_SHORT) of its buckets.
     short = len(heuristics._SM90_BWD_SHORT)
-    assert [len(by_family[f]) for f in DQ_MODE] == [(6 + short) * 2 * 2] * 3
+    assert [len(by_family[f]) for f in DQ_MODE] == [(6 + short) * 2 * 2] * 2
     assert {(c.block_m, c.block_n, c.num_warps) for c in SM90_BWD_CONFIGS if c.num_warps == 8} \
         == set(heuristics._SM90_BWD_SHORT.values())
     assert {c.family for c in POSTPROCESS_CONFIGS} == {"bwd_postprocess_tiled"}
@@ -73,17 +72,15 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) * kv_pieces + cfg.block_n // 16 * dq_pieces
     assert ops["HGMMA"] == per_step, f"{cfg.key()}: {ops['HGMMA']} HGMMA, expected {per_step}"
     assert ops["UTMALDG"] > 0, f"{cfg.key()}: no TMA load in SASS"
-    if cfg.family == "sm90_bwd_dkdv_dq":
-        assert ops["REDG"] > 0 and ops["UBLKRED"] == 0, f"{cfg.key()}: no global reduction (atomic dQ) in SASS"
-    else:  # one bulk reduce per slice, or a bulk store for the first; the only atomics are the semaphore's
-        assert ops["UBLKRED"] == 1, f"{cfg.key()}: {ops['UBLKRED']} bulk reduces"
-        # The first slice's store, the release after it (ordered: after every slice) and the unordered mode's
-        # claim of a slice (cuflash/sm90.py: bwd_first_slice_stored).
-        ordered = cfg.family.endswith("_ordered")
-        # Bulk copies: the first slice's store, and the lse2 / delta rows that come with each Q / dO tile.
-        assert ops["UBLKCP"] == 3, f"{cfg.key()}: {ops['UBLKCP']} bulk copies (first slice's store, lse2, delta)"
-        assert ops["REDG"] == 1, f"{cfg.key()}: {ops['REDG']} REDG"
-        assert ops["ATOMG"] == int(not ordered), f"{cfg.key()}: {ops['ATOMG']} ATOMG"
+    # One bulk reduce per slice, or a bulk store for the first; the only atomics are the semaphore's.
+    assert ops["UBLKRED"] == 1, f"{cfg.key()}: {ops['UBLKRED']} bulk reduces"
+    # The first slice's store, the release after it (ordered: after every slice) and the unordered mode's
+    # claim of a slice (cuflash/sm90.py: bwd_first_slice_stored).
+    ordered = cfg.fam.dq_mode == "ordered"
+    # Bulk copies: the first slice's store, and the lse2 / delta rows that come with each Q / dO tile.
+    assert ops["UBLKCP"] == 3, f"{cfg.key()}: {ops['UBLKCP']} bulk copies (first slice's store, lse2, delta)"
+    assert ops["REDG"] == 1, f"{cfg.key()}: {ops['REDG']} REDG"
+    assert ops["ATOMG"] == int(not ordered), f"{cfg.key()}: {ops['ATOMG']} ATOMG"
     # dS (split-D: and its P^T half) goes to shared memory by stmatrix, one per 16 query rows of the step;
     # causal 128-row tiles keep two-byte stores, which measured faster there (kernels_cu/sm90/NOTES.md).
     stsm = 0 if cfg.block_m == 128 and cfg.causal else cfg.block_m // 16
@@ -96,18 +93,17 @@ def test_sm90_bwd_backend_selection(monkeypatch):
     def portable(cfgs):
         return not any(c.fam.arch_specific for c in cfgs.all())
 
-    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
+    options.use(options.Options())
     assert not portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     assert not portable(heuristics.bwd_configs("bfloat16", 256, True, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 80))
     assert portable(heuristics.bwd_configs("float32", 128, False, 90))
     assert not any(c.fam.arch_specific for c in heuristics.all_bwd_configs(90))
-    monkeypatch.setenv("CUFLASH_BWD_BACKEND", "sm80")
+    options.set(bwd_backend="sm80")
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90))
     assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
     for backend in ("auto", "sm90"):
-        monkeypatch.setenv("CUFLASH_BWD_BACKEND", backend)
+        options.set(bwd_backend=backend)
         # Default dQ mode "tile": bulk-reduced dQ, and its ordered variant for the deterministic mode
         # (split-D tiles at 192 / 256 included).
         cfgs = heuristics.bwd_configs("bfloat16", 128, False, 90)
@@ -125,15 +121,10 @@ def test_sm90_bwd_backend_selection(monkeypatch):
         assert heuristics.bwd_configs("float16", 64, False, 90).dkdv.block_m == 128
         assert heuristics.bwd_configs("float16", 64, True, 90).dkdv.block_m == 128
         assert heuristics.bwd_configs("float16", 128, True, 90).dkdv.block_m == 64
-        # CUFLASH_SM90_BWD_DQ=atomic: red.global dQ everywhere; deterministic: the portable kernels.
-        monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "atomic")
-        assert heuristics.bwd_configs("bfloat16", 128, False, 90).dkdv.family == "sm90_bwd_dkdv_dq"
-        assert heuristics.bwd_configs("bfloat16", 128, False, 90).postprocess.family == "bwd_postprocess"
-        assert portable(heuristics.bwd_configs("bfloat16", 128, False, 90, deterministic=True))
-        monkeypatch.delenv("CUFLASH_SM90_BWD_DQ")
-    monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "nonsense")
+    # The atomic dQ mode was deleted: asking for it is an error, not a silent change of kernel.
+    monkeypatch.setenv("CUFLASH_SM90_BWD_DQ", "atomic")
     with pytest.raises(ValueError, match="CUFLASH_SM90_BWD_DQ"):
-        heuristics.bwd_configs("bfloat16", 128, False, 90)
+        options.reload()
 
 
 def test_sm90_bwd_grid_order():
@@ -155,9 +146,7 @@ def test_sm90_bwd_short_sequences(monkeypatch):
     """Short key sequences at head dims <= 64 take the one-consumer-warpgroup tile (two CTAs per SM,
     64 keys, 64-row query steps) on the sectioned 1-D grid; longer ones and larger head dims do not;
     $CUFLASH_SM90_BWD_SHORT forces the choice."""
-    monkeypatch.delenv("CUFLASH_BWD_BACKEND", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_DQ", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_BWD_SHORT", raising=False)
+    options.use(options.Options())
     assert heuristics.bwd_short(512, False) and not heuristics.bwd_short(513, False)
     assert heuristics.bwd_short(1024, True) and not heuristics.bwd_short(1025, True)
     for d in (32, 64):
@@ -168,7 +157,7 @@ def test_sm90_bwd_short_sequences(monkeypatch):
             assert launch.SMEM_BYTES[tile.family](tile) <= H100_SMEM_OPTIN // 2  # two CTAs per SM
     assert heuristics.bwd_configs("float16", 64, False, 90, short=False).dkdv.num_warps == 12
     assert heuristics.bwd_configs("float16", 128, False, 90, short=True).dkdv.num_warps == 12
-    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "1")
+    options.set(sm90_bwd_short=True)
     assert heuristics.bwd_short(1 << 20, False)
-    monkeypatch.setenv("CUFLASH_SM90_BWD_SHORT", "0")
+    options.set(sm90_bwd_short=False)
     assert not heuristics.bwd_short(16, True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import requires_gpu
 
-from cuflash import bench
+from cuflash import bench, options
 from cuflash.__main__ import main, markdown_table, parse_args, print_table, table_shapes
 from cuflash.bench import DIST_SHAPES, QUICK_SHAPES, STANDARD_SHAPES, Shape
 from cuflash.dist_table import dist_summary, format_dist_table, markdown_dist_table
@@ -249,6 +249,7 @@ def fake_fa4(tmp_path, monkeypatch):
     for mod in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setenv(bench.FA4_PATH_ENV, f"{extra}{os.pathsep}{tmp_path / 'site'}")
+    options.reload()   # conftest restores the options after the test
     yield [str(extra), str(tmp_path / "site")]
     for mod in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         del sys.modules[mod]
@@ -270,7 +271,7 @@ def test_fa4_output_tuple_is_unwrapped(fake_fa4):
 
 def test_fa4_absent(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setenv(bench.FA4_PATH_ENV, str(tmp_path))
+    options.set(fa4_path=(str(tmp_path),))
     if any(m == "flash_attn" for m in sys.modules):
         pytest.skip("a flash_attn package is already imported")
     try:

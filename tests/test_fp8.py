@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import LSE_RTOL_FP8, assert_lse_matches, requires_gpu
-from cuflash import heuristics
+from cuflash import heuristics, options
 from cuflash.config import KernelConfig
 
 # ||out - ref|| / ||ref|| against float64 attention of the dequantised inputs. The error comes from
@@ -70,8 +70,7 @@ def test_fp8_configs_cover_every_head_dim():
 
 def test_fp8_persistent_kernels(monkeypatch):
     """Persistent at head dims <= 128 at every length; short sequences also at causal 192."""
-    monkeypatch.delenv("CUFLASH_SM90_FP8_TILES", raising=False)
-    monkeypatch.delenv("CUFLASH_SM90_FP8_PERSISTENT", raising=False)
+    options.use(options.Options())
     for d, causal, persistent in ((64, False, True), (64, True, True), (128, False, True), (128, True, True),
                                   (192, False, False), (192, True, True), (256, False, False), (256, True, False)):
         short = heuristics.fp8_fwd_config(d, causal, short=True)
@@ -82,7 +81,7 @@ def test_fp8_persistent_kernels(monkeypatch):
             assert heuristics.fp8_fwd_config(d, causal).family == "sm90_fwd_fp8_p"
     assert heuristics.fp8_fwd_config(192, True).family == "sm90_fwd_fp8"
     assert heuristics.fp8_fwd_config(256, True).family == "sm90_fwd_fp8"
-    monkeypatch.setenv("CUFLASH_SM90_FP8_PERSISTENT", "0")
+    options.set(sm90_fp8_persistent=False)
     assert heuristics.fp8_fwd_config(64, False).family == "sm90_fwd_fp8"
 
 

@@ -29,11 +29,9 @@ def counting(monkeypatch):
     """Builds the forward with its fallback counters; yields a function that zeroes them and one that
     reads (rebased, recomputed) summed over the loaded counting modules."""
     import cupy
-    from cuflash import api, dispatch
+    from cuflash import dispatch, options
 
-    monkeypatch.setenv("CUFLASH_NVRTC_DEFINES", COUNT_DEFINE)
-    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
-    api._fwd_plans.clear()
+    options.set(nvrtc_defines=(COUNT_DEFINE,), fwd_backend="auto")   # conftest restores the options after
 
     def counters():
         for m in dispatch.loaded_modules(COUNT_DEFINE):
@@ -49,15 +47,13 @@ def counting(monkeypatch):
         return tuple(int(x) for x in sum((c.get() for c in counters()), np.zeros(2, np.uint64)))
 
     yield reset, read
-    monkeypatch.delenv("CUFLASH_NVRTC_DEFINES")
-    api._fwd_plans.clear()
 
 
 def _uses_keep_max(dtype: str, d: int, causal: bool) -> bool:
     """Whether the tuned table's kernel for these inputs has the overlap schedule (the kept max)."""
     from cuflash import heuristics
 
-    return "overlap" in heuristics.fwd_config(dtype, d, causal, 90).family
+    return heuristics.fwd_config(dtype, d, causal, 90).fam.schedule == "overlap"
 
 
 def _run(q, k, v, causal, scale=None):
@@ -116,10 +112,9 @@ def test_max_jump(counting, rng, path, gap, dtype, d, causal):
 def test_max_jump_causal_d64_overlap(counting, rng, monkeypatch, path, gap, dtype):
     """Causal D=64, where the tuned table's kernel (the simple schedule) keeps no max: the persistent overlap
     schedule forced (128-row tiles under the mask), so that both fallback paths are checked there too."""
-    from cuflash import api
+    from cuflash import options
 
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm90_overlap_p")
-    api._fwd_plans.clear()
+    options.set(fwd_backend="sm90_overlap_p")
     assert _uses_keep_max(dtype, 64, True)
     _max_jump(counting, rng, path, gap, dtype, 64, True)
 

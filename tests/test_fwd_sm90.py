@@ -1,6 +1,6 @@
-"""The Hopper forward (sm90_fwd, opt-in through CUFLASH_FWD_BACKEND=sm90) against the
-float64 reference (GPU, compute capability 9.0). tests/test_fwd.py runs the whole
-forward suite on this path when the variable is set for the session."""
+"""The Hopper forward (the tuned table, CUFLASH_FWD_BACKEND=sm90, and each kernel kind forced) against
+the float64 reference (GPU, compute capability 9.0). tests/test_fwd.py runs the whole forward suite on
+this path when the variable is set for the session."""
 from __future__ import annotations
 
 import pytest
@@ -11,20 +11,16 @@ from test_fwd import _check
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True, params=["sm90", "sm90_simple", "sm90_overlap", "sm90_pingpong",
-                                      "sm90_simple_p", "sm90_overlap_p", "sm90_pingpong_p",
+@pytest.fixture(autouse=True, params=["sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p",
                                       "sm90_overlap_x2", "sm90_overlap_x2_p"])
 def sm90_backend(request, monkeypatch):
     import cupy
-    from cuflash import api
+    from cuflash import options
 
     if int(cupy.cuda.Device().compute_capability) != 90:
         pytest.skip("needs compute capability 9.0 (sm_90a)")
-    monkeypatch.setenv("CUFLASH_FWD_BACKEND", request.param)
-    monkeypatch.delenv("CUFLASH_SM90_FWD_TILES", raising=False)
-    api._fwd_plans.clear()
-    yield request.param
-    api._fwd_plans.clear()
+    with options.override(fwd_backend=request.param, sm90_fwd_tiles=None):
+        yield request.param
 
 
 def test_selected(sm90_backend):
@@ -120,10 +116,9 @@ def test_output_tma_cannot_address(rng, causal, d):
                                            ("128,176,12", 64, "float16")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_variants(rng, monkeypatch, sm90_backend, tiles, d, dtype, causal):
-    from cuflash import api
+    from cuflash import options
 
-    monkeypatch.setenv("CUFLASH_SM90_FWD_TILES", tiles)
-    api._fwd_plans.clear()
+    options.set(sm90_fwd_tiles=options.parse_tiles("sm90_fwd_tiles", tiles))
     for nq, nk in [(1000, 1000), (113, 203), (203, 113), (239, 1)]:
         _check(rng, dtype, 2, nq, nk, 3, 1, d, causal)
 

@@ -55,7 +55,7 @@ def _packed_offsets(struct, n_maps: int, n_ptrs: int) -> tuple[list[int], int]:
 
 CASES = [  # (config, parameter struct, tensor maps, device pointers after the maps)
     (heuristics.fwd_config("float16", 64, False, 90, backend="sm80"), params.FWD_PARAMS, 0, 0),
-    (KernelConfig("sm90_fwd", "bfloat16", 128, False, 128, 128, 12), params.FWD_PARAMS, 3, 0),
+    (KernelConfig("sm90_fwd_overlap", "bfloat16", 128, False, 128, 128, 12), params.FWD_PARAMS, 3, 0),
     # persistent: q, k, v, out (O leaves through TMA stores), then the tile counter
     (KernelConfig("sm90_fwd_p", "float16", 64, True, 192, 128, 16), params.FWD_PARAMS, 4, 1),
     # fp8: the three descale pointers after the maps (and after the tile counter when persistent)

@@ -42,7 +42,7 @@ class _FakeModule:
 def fake_compiler(monkeypatch):
     import cupy
 
-    from cuflash import dispatch
+    from cuflash import dispatch, options
 
     _FakeModule.compiles, _FakeModule.running, _FakeModule.most_at_once = {}, 0, 0
     monkeypatch.setattr(cupy, "RawModule", _FakeModule)
@@ -51,7 +51,7 @@ def fake_compiler(monkeypatch):
     monkeypatch.setattr(dispatch, "_kernels", {})
     monkeypatch.setattr(dispatch, "_modules", {})
     monkeypatch.setattr(dispatch, "_key_locks", {})
-    monkeypatch.delenv("CUFLASH_NVRTC_DEFINES", raising=False)
+    options.set(nvrtc_defines=())   # conftest restores the options after the test
     return dispatch
 
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from cuflash import launch, tile_counters
+from cuflash import launch, options, tile_counters
 from cuflash.config import KernelConfig
 from cuflash.tile_counters import BLOCK_SLOTS, RESERVE_SLOTS, SLOT_BYTES, TileCounterPool
 
@@ -245,7 +245,7 @@ def test_launch_writes_each_launch_slot(monkeypatch, via):
 
     map_ = launch.PackedTail((__import__("numpy").zeros(1, "V128"),))
     monkeypatch.setattr(launch, "_cuda", (fake_launch, lambda: type("S", (), {"ptr": 2})()))
-    monkeypatch.setattr(launch, "_LAUNCH_VIA_CUPY", False)
+    options.set(launch="packed")   # conftest restores the options after the test
     real_acquire = pool.acquire
 
     def tracked_acquire(stream):   # register the holder before the fake launch reads it

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _checks, launch
+from .. import _checks, launch, options
 from ..config import KernelConfig
 from ..dispatch import get_kernel
 
@@ -23,11 +23,13 @@ def configs() -> list[KernelConfig]:
 
 
 def _kernel(family: str, dtype, device_id: int):
-    key = (family, dtype, device_id)
+    """A ring helper's kernel, looked up once per (family, dtype, device, NVRTC defines)."""
+    defines = options.current().nvrtc_defines
+    key = (family, dtype, device_id, defines)
     kern = _kernels.get(key)
     if kern is None:
         cfg = KernelConfig(family, _checks.dtype_name(dtype), 0, False, 0, 0, _WARPS)
-        kern = _kernels[key] = get_kernel(cfg, device_id)
+        kern = _kernels[key] = get_kernel(cfg, device_id, defines)
     return kern
 
 

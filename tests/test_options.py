@@ -1,0 +1,114 @@
+"""CPU-only: cuflash.options, the one place settings come from."""
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from cuflash import heuristics, options
+from cuflash.options import Options
+
+
+def test_defaults_and_environment_parsing():
+    assert options.from_environ({}) == Options()
+    env = {"CUFLASH_FWD_BACKEND": " SM80 ", "CUFLASH_SM90_FWD_TILES": "128,64,12", "CUFLASH_SM90_BWD_SHORT": "0",
+           "CUFLASH_NVRTC_DEFINES": "-DA=1  -DB", "CUFLASH_SM80_BWD_VARIANT": "1", "CUFLASH_LAUNCH": "cupy",
+           "CUFLASH_SM90_FP8_PERSISTENT": "1", "CUFLASH_SM90_BWD_ZERO_DQ_ACCUM": "1", "CUFLASH_BWD_BACKEND": ""}
+    opts = options.from_environ(env)
+    assert opts == Options(fwd_backend="sm80", sm90_fwd_tiles=(128, 64, 12), sm90_bwd_short=False,
+                           nvrtc_defines=("-DA=1", "-DB"), sm80_bwd_variant=1, launch="cupy",
+                           sm90_fp8_persistent=True, sm90_bwd_zero_dq_accum=True)
+
+
+@pytest.mark.parametrize("var,value", [("CUFLASH_FWD_BACKEND", "sm90_pingpong"), ("CUFLASH_FWD_BACKEND", "sm90_simple"),
+                                       ("CUFLASH_BWD_BACKEND", "sm100"), ("CUFLASH_SM90_FWD_CLUSTER", "yes"),
+                                       ("CUFLASH_SM90_BWD_DQ", "atomic"), ("CUFLASH_SM90_BWD_SHORT", "true"),
+                                       ("CUFLASH_SM90_FWD_TILES", "128,64"), ("CUFLASH_SM80_FWD_TILES", "a,b,c"),
+                                       ("CUFLASH_SM80_BWD_VARIANT", "3"), ("CUFLASH_LAUNCH", "driver")])
+def test_bad_environment_values_name_the_variable(var, value):
+    with pytest.raises(ValueError, match=var):
+        options.from_environ({var: value})
+
+
+def test_bad_fields():
+    with pytest.raises(ValueError, match="CUFLASH_FWD_BACKEND"):
+        Options(fwd_backend="nonsense")
+    with pytest.raises(ValueError, match="CUFLASH_SM90_BWD_TILES"):
+        Options(sm90_bwd_tiles=(64, 0, 12))
+    with pytest.raises(TypeError, match="CUFLASH_SM90_BWD_SHORT"):
+        Options(sm90_bwd_short="1")
+    with pytest.raises(TypeError, match="CUFLASH_NVRTC_DEFINES"):
+        Options(nvrtc_defines="-DA")
+    with pytest.raises(TypeError, match="unknown cuflash option"):
+        options.set(fwd_backends="sm80")
+    with pytest.raises(TypeError):
+        options.use({"fwd_backend": "sm80"})
+
+
+def test_forced_backends_match_the_heuristics():
+    assert options.FWD_BACKENDS == ("auto", "sm80") + heuristics.SM90_FWD_BACKENDS
+    assert options.BWD_BACKENDS == ("auto", "sm80") + heuristics.SM90_BWD_BACKENDS
+
+
+def test_reload_reads_the_environment_again(monkeypatch):
+    monkeypatch.delenv("CUFLASH_FWD_BACKEND", raising=False)
+    options.reload()
+    monkeypatch.setenv("CUFLASH_FWD_BACKEND", "sm80")
+    assert options.current().fwd_backend == "auto"   # read once, not per call
+    assert options.reload().fwd_backend == "sm80" and options.current().fwd_backend == "sm80"
+    assert heuristics.fwd_config("bfloat16", 128, False, 90).family == "sm80_fwd"
+
+
+def test_override_restores_and_is_seen_by_the_heuristics():
+    before = options.current()
+    with options.override(fwd_backend="sm80", sm80_fwd_tiles=(64, 64, 4)) as opts:
+        assert options.current() is opts
+        cfg = heuristics.fwd_config("bfloat16", 128, False, 90)
+        assert (cfg.family, cfg.block_m, cfg.block_n, cfg.num_warps) == ("sm80_fwd", 64, 64, 4)
+    assert options.current() is before
+    with pytest.raises(RuntimeError):
+        with options.override(bwd_backend="sm80"):
+            raise RuntimeError
+    assert options.current() is before
+
+
+def test_set_from_threads_publishes_whole_objects():
+    """Threads switching settings see one published object or another, never a mix; equal settings
+    share one token."""
+    errors = []
+
+    def worker(i):
+        for _ in range(200):
+            opts = options.set(sm90_fwd_tiles=(64 * (1 + i % 2), 128, 12))
+            cur = options.current()
+            if cur.sm90_fwd_tiles not in ((64, 128, 12), (128, 128, 12)) or opts.token == 0:
+                errors.append(cur)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert options.set(sm90_fwd_tiles=(64, 128, 12)) is options.set(sm90_fwd_tiles=(64, 128, 12))
+
+
+def test_only_options_reads_the_environment():
+    """Every cuflash setting comes through options.current(); the rest of the package does not read
+    os.environ (distributed/launch.py sets NCCL's variables for the processes it starts)."""
+    root = Path(__file__).resolve().parent.parent / "cuflash"
+    allowed = {"options.py", "sass.py"}
+    reads = re.compile(r"os\.environ(\.get|\[|\b(?!\.setdefault))|os\.getenv")
+    found = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name not in allowed
+             for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    assert not found, found
+
+
+def test_readme_documents_every_variable():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    doc = options.__doc__
+    for var in options.ENV.values():
+        assert var in doc, var
+        assert var in readme, var
