@@ -155,6 +155,28 @@ struct Fp8Descale {
     const float* v = nullptr;
 };
 
+// Shared memory, from a 1024-byte aligned base (the swizzle atoms' alignment): kQBuffers Q tiles, the K and V
+// rings (kStages slots each), then the mbarriers and (persistent) the tile slots by which the producer hands
+// each Q buffer's tile index to the consumers.
+template <class Tile, int kQBuffers>
+struct FwdSmem {
+    static constexpr int kStages = Tile::kStages;
+    u32 q, k, v, bars;
+    __device__ __forceinline__ explicit FwdSmem(const char* smem_raw) {
+        q = (smem_u32(smem_raw) + 1023) & ~1023u;
+        k = q + kQBuffers * Tile::kQBytes;
+        v = k + kStages * Tile::kKVBytes;
+        bars = v + kStages * Tile::kKVBytes;
+    }
+    __device__ __forceinline__ u32 q_full(int b) const { return bars + 8 * b; }   // Q buffer b (and its tile slot) loaded
+    __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (kQBuffers + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (kQBuffers + kStages + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (kQBuffers + 2 * kStages + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (kQBuffers + 3 * kStages + s); }
+    // Persistent: Q buffer b (and its tile slot) free again.
+    __device__ __forceinline__ u32 q_empty(int b) const { return bars + 8 * (kQBuffers + 4 * kStages + b); }
+};
+
 // kCluster: 1, or 2 for clusters of two CTAs on adjacent query tiles of one (head, batch), not causal
 // (the two tiles then visit the same key tiles), 16-bit, an even number of 64-column blocks (head dims
 // 65..128, 193..256). Each CTA loads every other column block of each K and V tile and multicasts it to
@@ -184,17 +206,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     constexpr int kQBuffers = kPersistent ? Tile::kQBuffersPersistent : 1;
 
     extern __shared__ char smem_raw[];
-    const u32 sQ = (smem_u32(smem_raw) + 1023) & ~1023u;   // [kQBuffers]; swizzle atoms need 1024-byte alignment
-    const u32 sK = sQ + kQBuffers * Tile::kQBytes;
-    const u32 sV = sK + kStages * Tile::kKVBytes;
-    const u32 bars = sV + kStages * Tile::kKVBytes;
-    auto bar_q = [&](int b) { return bars + 8 * b; };       // Q buffer b (and its tile slot) loaded
-    auto bar_k_full = [&](int s) { return bars + 8 * (kQBuffers + s); };
-    auto bar_v_full = [&](int s) { return bars + 8 * (kQBuffers + kStages + s); };
-    auto bar_k_empty = [&](int s) { return bars + 8 * (kQBuffers + 2 * kStages + s); };
-    auto bar_v_empty = [&](int s) { return bars + 8 * (kQBuffers + 3 * kStages + s); };
-    // Persistent: Q buffer b (and its tile slot) free again.
-    auto bar_q_empty = [&](int b) { return bars + 8 * (kQBuffers + 4 * kStages + b); };
+    const FwdSmem<Tile, kQBuffers> smem(smem_raw);
+    const u32 sQ = smem.q, sK = smem.k, sV = smem.v, bars = smem.bars;
     // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done), per buffer.
     volatile int* tile_slot =
         reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 * kQBuffers + 4 * kStages) - smem_u32(smem_raw)));
@@ -220,16 +233,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int b = 0; b < kQBuffers; ++b) {
-            mbar_init(bar_q(b), 1);
-            mbar_init(bar_q_empty(b), Tile::kConsumerWGs * 128);
+            mbar_init(smem.q_full(b), 1);
+            mbar_init(smem.q_empty(b), Tile::kConsumerWGs * 128);
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(bar_k_full(s), 1);
-            mbar_init(bar_v_full(s), 1);
+            mbar_init(smem.k_full(s), 1);
+            mbar_init(smem.v_full(s), 1);
             // Clusters: one arrival per consumer warp of each CTA (release_kv); else every consumer thread.
-            mbar_init(bar_k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
-            mbar_init(bar_v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
+            mbar_init(smem.k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
+            mbar_init(smem.v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
         }
         fence_barrier_init();
     }
@@ -261,19 +274,20 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             };
             // V of key tile n_block into the ring stage of iteration v_it, once the consumers have freed it.
             auto load_v = [&](int v_it, int n_block, int head_kv, int batch) {
-                const int stage = v_it % kStages;
+                const PipelineState<kStages> ring(v_it);
+                const int stage = ring.stage();
                 const u32 v_dst = sV + stage * Tile::kKVBytes;
-                mbar_wait(bar_v_empty(stage), ((v_it / kStages) & 1) ^ 1);
-                mbar_arrive_expect_tx(bar_v_full(stage), Tile::kVBytes);
+                mbar_wait(smem.v_empty(stage), ring.empty_phase());
+                mbar_arrive_expect_tx(smem.v_full(stage), Tile::kVBytes);
                 if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
 #pragma unroll
                     for (int cb = 0; cb < kBlockN / 128; ++cb)
-                        tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, bar_v_full(stage), n_block * kBlockN + cb * 128,
+                        tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, smem.v_full(stage), n_block * kBlockN + cb * 128,
                                     0, head_kv, batch);
                 } else {
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, bar_v_full(stage), cb, cb * 64,
+                        load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, smem.v_full(stage), cb, cb * 64,
                                       n_block * kBlockN, head_kv, batch);
                 }
             };
@@ -291,14 +305,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             };
             for (;;) {
                 int m_block, head, batch;
-                const int qb = q_count % kQBuffers;                      // this tile's Q buffer
-                const u32 q_phase = (q_count / kQBuffers) & 1;
+                const PipelineState<kQBuffers> q_ring(q_count);
+                const int qb = q_ring.stage();                           // this tile's Q buffer
+                const u32 q_phase = q_ring.phase();
                 if constexpr (kPersistent) {
                     if (t >= num_tiles) {   // no work left: tell the consumers, reset the counter
                         flush_v();
-                        mbar_wait(bar_q_empty(qb), q_phase ^ 1);
+                        mbar_wait(smem.q_empty(qb), q_phase ^ 1);
                         tile_slot[qb] = t;
-                        mbar_arrive(bar_q(qb));
+                        mbar_arrive(smem.q_full(qb));
                         if (atomicAdd(tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
                             tile_counter[0] = 0;   // every CTA has taken its last tile: ready for the next launch
                             tile_counter[1] = 0;
@@ -313,7 +328,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 const int head_kv = head / p.heads_per_kv;
                 const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
                 auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
-                    mbar_wait(bar_q_empty(qb), q_phase ^ 1);
+                    mbar_wait(smem.q_empty(qb), q_phase ^ 1);
                     tile_slot[qb] = t_cur;
                 };
                 // Persistent: claim the next tile. Only the next trip round the loop reads it, so it is
@@ -329,30 +344,31 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     if (!kPersistent) break;
                     flush_v();
                     publish();
-                    mbar_arrive(bar_q(qb));
+                    mbar_arrive(smem.q_full(qb));
                     claim_next();
                     ++q_count;
                     continue;
                 }
                 auto load_q = [&]() {
                     if (kPersistent) publish();
-                    mbar_arrive_expect_tx(bar_q(qb), Tile::kQBytes);
+                    mbar_arrive_expect_tx(smem.q_full(qb), Tile::kQBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        tma_load_4d(sQ + qb * Tile::kQBytes + cb * kBlockM * Tile::kRowBytes, &tma_q, bar_q(qb),
+                        tma_load_4d(sQ + qb * Tile::kQBytes + cb * kBlockM * Tile::kRowBytes, &tma_q, smem.q_full(qb),
                                     cb * Tile::kBlockCols, m_block * kBlockM, head, batch);
                 };
                 if (!kPersistent) load_q();
                 for (int i = 0; i < n_block_max; ++i, ++it) {
                     const int n_block = n_block_max - 1 - i;
-                    const int stage = it % kStages;
-                    const u32 parity = (it / kStages) & 1;
+                    const PipelineState<kStages> ring(it);
+                    const int stage = ring.stage();
+                    const u32 parity = ring.phase();
                     const u32 k_dst = sK + stage * Tile::kKVBytes;
-                    mbar_wait(bar_k_empty(stage), parity ^ 1);
-                    mbar_arrive_expect_tx(bar_k_full(stage), Tile::kKBytes);
+                    mbar_wait(smem.k_empty(stage), ring.empty_phase());
+                    mbar_arrive_expect_tx(smem.k_full(stage), Tile::kKBytes);
 #pragma unroll
                     for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                        load_kv_block(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, bar_k_full(stage), cb,
+                        load_kv_block(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, smem.k_full(stage), cb,
                                       cb * Tile::kBlockCols, n_block * kBlockN, head_kv, batch);
 #ifdef CUFLASH_SM90_FWD_TRACE   // slot 7 of consumer warpgroup 0's record: the tile's first K load issued
                     if (kPersistent && i == 0 && q_count < 16)
@@ -400,14 +416,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         int o_store_buffer = -1;
         for (int k_tile = 0;; ++k_tile) {
         int m_block, head, batch;
-        const int qb = q_count % kQBuffers;   // this tile's Q buffer
+        const PipelineState<kQBuffers> q_ring(q_count);
+        const int qb = q_ring.stage();   // this tile's Q buffer
+        const u32 q_phase = q_ring.phase();
         CUFLASH_FWD_TRACE(0, clock64());
         CUFLASH_FWD_TRACE(5, sm_id());
         if constexpr (kPersistent) {
-            mbar_wait(bar_q(qb), (q_count / kQBuffers) & 1);   // Q and the tile index have landed
+            mbar_wait(smem.q_full(qb), q_phase);   // Q and the tile index have landed
             if (o_store_buffer >= 0) {   // the previous tile's O store (kTmaStoreO): read by now, as a rule
                 bulk_wait_read();
-                mbar_arrive(bar_q_empty(o_store_buffer));
+                mbar_arrive(smem.q_empty(o_store_buffer));
                 o_store_buffer = -1;
             }
             CUFLASH_FWD_TRACE(1, clock64());
@@ -455,7 +473,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
             const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);
             const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
-            ldmatrix_x4(a, q_rows + (kk / 4) * kBlockM * 128 + r * 128 + ((chunk ^ (r % 8)) << 4));
+            ldmatrix_x4(a, swizzle128(q_rows + (kk / 4) * kBlockM * 128, r, chunk));
         };
         auto load_q_frags = [&]() {
             if constexpr (kQInRegs) {
@@ -479,7 +497,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                         load_q_frag(a, kk);
                         // Lanes 0..15 address key 8 j + l % 8, 16-byte chunk 2 kk + l / 8 (b0, b1).
                         const int n = 8 * j + (lane & 7), chunk = (2 * kk + ((lane >> 3) & 1)) % 8;
-                        ldmatrix_x2(b, k_src + (kk / 4) * kBlockN * 128 + n * 128 + ((chunk ^ (n % 8)) << 4));
+                        ldmatrix_x2(b, swizzle128(k_src + (kk / 4) * kBlockN * 128, n, chunk));
                         Mma16816<Tag>::run(c, a, b[0], b[1]);
                     }
                     // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
@@ -581,37 +599,39 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         const bool idle = m_block * kBlockM + cw * 64 >= p.seqlen_q;
         if (idle) {
             for (int i = 0; i < n_block_max; ++i) {
-                const int stage = (it + i) % kStages;
-                const u32 parity = ((it + i) / kStages) & 1;
-                mbar_wait(bar_k_full(stage), parity);
-                release_kv(bar_k_empty(stage));
-                mbar_wait(bar_v_full(stage), parity);
-                release_kv(bar_v_empty(stage));
+                const PipelineState<kStages> ring(it + i);
+                const int stage = ring.stage();
+                const u32 parity = ring.phase();
+                mbar_wait(smem.k_full(stage), parity);
+                release_kv(smem.k_empty(stage));
+                mbar_wait(smem.v_full(stage), parity);
+                release_kv(smem.v_empty(stage));
             }
         }
-        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(bar_q(0), 0);
+        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(smem.q_full(0), 0);
         if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
             load_q_frags();
             for (int i = 0; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
-                const int stage = (it + i) % kStages;
-                const u32 parity = ((it + i) / kStages) & 1;
+                const PipelineState<kStages> ring(it + i);
+                const int stage = ring.stage();
+                const u32 parity = ring.phase();
                 float acc_s[kBlockN / 2];
-                mbar_wait(bar_k_full(stage), parity);
+                mbar_wait(smem.k_full(stage), parity);
                 issue_qk(acc_s, sK + stage * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
-                release_kv(bar_k_empty(stage));
+                release_kv(smem.k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2];
                 if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
                 u32 pa[kPSteps][4];
                 pack_p(pa, acc_s);
-                mbar_wait(bar_v_full(stage), parity);
+                mbar_wait(smem.v_full(stage), parity);
                 issue_pv(pa, sV + stage * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_o);
-                release_kv(bar_v_empty(stage));
+                release_kv(smem.v_empty(stage));
             }
         }
         if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
@@ -661,14 +681,15 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             load_q_frags();
             {
                 float acc_s[kBlockN / 2];
-                const int stage0 = it % kStages;
-                mbar_wait(bar_k_full(stage0), (it / kStages) & 1);
+                const PipelineState<kStages> ring(it);
+                const int stage0 = ring.stage();
+                mbar_wait(smem.k_full(stage0), ring.phase());
                 CUFLASH_FWD_TRACE(2, clock64());
                 CUFLASH_FWD_TRACE(6, n_block_max);
                 issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
                 wgmma_wait<0>();
                 fence_operand(acc_s);
-                release_kv(bar_k_empty(stage0));
+                release_kv(smem.k_empty(stage0));
                 mask(acc_s, n_block_max - 1);
                 float rescale[2];
                 softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
@@ -683,13 +704,14 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             bool rescale_pending = false;   // warp-uniform
             for (int i = 1; i < n_block_max; ++i) {
                 const int n_block = n_block_max - 1 - i;
-                const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
-                const u32 parity = ((it + i) / kStages) & 1, prev_parity = ((it + i - 1) / kStages) & 1;
+                const PipelineState<kStages> ring(it + i), ring_prev(it + i - 1);
+                const int stage = ring.stage(), prev = ring_prev.stage();
+                const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
                 float acc_s[kBlockN / 2];
-                mbar_wait(bar_k_full(stage), parity);
+                mbar_wait(smem.k_full(stage), parity);
                 issue_qk(acc_s, sK + stage * Tile::kKVBytes);
                 if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
-                mbar_wait(bar_v_full(prev), prev_parity);
+                mbar_wait(smem.v_full(prev), prev_parity);
                 issue_pv(pa, sV + prev * Tile::kKVBytes);
                 wgmma_wait<1>();  // S_i is ready (groups complete in order)
                 fence_operand(acc_s);
@@ -697,7 +719,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 // warpgroup (a build with the two states in loops of their own broke that: synccheck).
                 const bool full_step = !kKeepMax || settled < settle_tiles;
                 // The kept-max state holds K for a possible recompute; the full step frees it at once.
-                if (full_step) release_kv(bar_k_empty(stage));
+                if (full_step) release_kv(smem.k_empty(stage));
                 mask(acc_s, n_block);
                 float rescale[2] = {1.f, 1.f};
                 bool max_changed = false, unset = false;
@@ -725,7 +747,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                     } else {
                         softmax.add_sums(sums);
                     }
-                    release_kv(bar_k_empty(stage));
+                    release_kv(smem.k_empty(stage));
                 }
                 // Pin the softmax before the wait: the fences consume its results and the
                 // scheduling barrier keeps ptxas from hoisting the wait above them.
@@ -746,15 +768,16 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 if (kKeepMax && full_step)
                     settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
                 pack_p(pa, acc_s);
-                release_kv(bar_v_empty(prev));
+                release_kv(smem.v_empty(prev));
             }
-            const int last = (it + n_block_max - 1) % kStages;
+            const PipelineState<kStages> ring_last(it + n_block_max - 1);
+            const int last = ring_last.stage();
             if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
-            mbar_wait(bar_v_full(last), ((it + n_block_max - 1) / kStages) & 1);
+            mbar_wait(smem.v_full(last), ring_last.phase());
             issue_pv(pa, sV + last * Tile::kKVBytes);
             wgmma_wait<0>();
             fence_operand(acc_o);
-            release_kv(bar_v_empty(last));
+            release_kv(smem.v_empty(last));
             CUFLASH_FWD_TRACE(3, clock64());
         }
 
@@ -776,7 +799,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         constexpr int kOStagedBarrier = 4;
         // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
         // the producer may load the next Q into it (persistent).
-        if (kPersistent && !kStageO) mbar_arrive(bar_q_empty(qb));
+        if (kPersistent && !kStageO) mbar_arrive(smem.q_empty(qb));
         it += n_block_max > 0 ? n_block_max : 0;
         ++q_count;
 
@@ -833,7 +856,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 }
                 }
             }
-            if (kPersistent && o_store_buffer != qb) mbar_arrive(bar_q_empty(qb));
+            if (kPersistent && o_store_buffer != qb) mbar_arrive(smem.q_empty(qb));
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
