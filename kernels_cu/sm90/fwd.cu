@@ -21,7 +21,7 @@
 // descales, O by the v descale, and the output is bf16.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
-#include "../common/block_range.cuh"
+#include "../common/mask.cuh"
 #include "../common/softmax.cuh"
 #include "../common/mma_sync.cuh"
 #include "wgmma.cuh"
@@ -188,7 +188,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
                                          Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Range = BlockRange<kBlockM, kBlockN, kIsCausal>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
     constexpr int kPadV = Tile::kHeadDimV;
@@ -326,7 +326,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                 }
                 const int t_cur = t;
                 const int head_kv = head / p.heads_per_kv;
-                const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+                const int n_block_max = Mask(p).n_block_max(m_block);
                 auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
                     mbar_wait(smem.q_empty(qb), q_phase ^ 1);
                     tile_slot[qb] = t_cur;
@@ -438,7 +438,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             if (k_tile > 0) break;
             grid_coords(m_block, head, batch);
         }
-        const int n_block_max = Range::n_block_max(m_block, p.seqlen_q, p.seqlen_k);
+        const int n_block_max = Mask(p).n_block_max(m_block);
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
 
         float acc_o[kPadV / 2];
@@ -546,15 +546,24 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             }
             wgmma_commit();
         };
+        // The mask policy on one S tile: its score modifier on every element (where it has one), then -inf
+        // where a tile that needs the mask hides a key.
         auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
-            if (Range::needs_mask(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+            if constexpr (Mask::kHasScoreMod) {
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[4 * j + e] = Mask(p).modify_score(acc_s[4 * j + e], row0 + 8 * (e >> 1),
+                                                                n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+            }
+            if (Mask(p).needs_mask(m_block, n_block)) {
                 const int n0 = n_block * kBlockN;
 #pragma unroll
                 for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (!key_visible<kIsCausal>(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1),
-                                                    p.seqlen_q, p.seqlen_k))
+                        if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
                             acc_s[4 * j + e] = -CUFLASH_INF;
             }
         };
