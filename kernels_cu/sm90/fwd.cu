@@ -486,7 +486,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // must not wait for the other warps, nor take registers or instruction cache from the key loop (loops,
         // not unrolled: unrolled, this path spilled or doubled the kernel). Even so its presence slows the full
         // step at head dim 64, in every form tried; what would remove it: docs/design.md, open directions.
-        auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
+        auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src, int n_block) {
             if constexpr (!Tile::kFp8) {
 #pragma unroll 1
                 for (int j = 0; j < kBlockN / 8; ++j) {   // key block of 8
@@ -499,6 +499,11 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                         const int n = 8 * j + (lane & 7), chunk = (2 * kk + ((lane >> 3) & 1)) % 8;
                         ldmatrix_x2(b, swizzle128(k_src + (kk / 4) * kBlockN * 128, n, chunk));
                         Mma16816<Tag>::run(c, a, b[0], b[1]);
+                    }
+                    if constexpr (Mask::kHasScoreMod) {   // the scores the probabilities came from
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            c[e] = Mask(p).modify_score(c[e], row0 + 8 * (e >> 1), n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
                     }
                     // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
                     // underflowed), it is 0 against the new max too, so S there becomes -inf (the mask's
@@ -746,7 +751,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                             max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
                             CUFLASH_FWD_COUNT(0);
                         } else {
-                            qk_warp(acc_s, sK + stage * Tile::kKVBytes);   // masked as the probabilities were
+                            qk_warp(acc_s, sK + stage * Tile::kKVBytes, n_block);   // masked as the probabilities were
                             max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
                             CUFLASH_FWD_COUNT(1);
                         }
