@@ -335,6 +335,531 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
     }
 }
 
+// The consumer warpgroups' tile loop (64 query rows each): take a tile (persistent: the index the producer
+// published with its Q), run the schedule's key loop over it, store O and lse.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode, bool kPersistent,
+          int kCluster, int kQBuffers>
+__device__ __forceinline__ void fwd_consumer(const FwdParams& p,
+                                             const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>, kQBuffers>& smem,
+                                             volatile int* tile_slot, const PersistentOrder& order, const int cw,
+                                             int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o) {
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;
+    using OutTag = typename ElemTraits<Tag>::OutTag;
+    constexpr int kStages = Tile::kStages;
+    constexpr int kPad = Tile::kHeadDimPad;
+    constexpr int kPadV = Tile::kHeadDimV;
+    extern __shared__ char smem_raw[];
+    const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
+    const int num_tiles = order.num_tiles;
+    auto grid_coords = [&](int& m_block, int& head, int& batch) {
+        if constexpr (kIsCausal) {
+            order.template coords<true>(static_cast<int>(blockIdx.x), p.heads_q, m_block, head, batch);
+        } else {
+            m_block = blockIdx.x;
+            head = blockIdx.y;
+            batch = blockIdx.z;
+        }
+    };
+    const int lane = threadIdx.x & 31;
+    const int warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
+    int settle_tiles = 1;      // the overlap schedule's kept-max state (below)
+    bool kept_failed = false;  // whether a kept step failed in the last query tile
+    // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
+    // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
+    auto release_kv = [&](u32 bar) {
+        if constexpr (kCluster == 1) {
+            mbar_arrive(bar);
+        } else {
+            __syncwarp();   // every lane's reads of the stage (qk_warp) are done
+            if (lane < kCluster) mbar_arrive_cluster(bar, lane);
+        }
+    };
+    // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
+    // seen read (-1: none), released to the producer once it has been.
+    int o_store_buffer = -1;
+    for (int k_tile = 0;; ++k_tile) {
+    int m_block, head, batch;
+    const PipelineState<kQBuffers> q_ring(q_count);
+    const int qb = q_ring.stage();   // this tile's Q buffer
+    const u32 q_phase = q_ring.phase();
+    CUFLASH_FWD_TRACE(0, clock64());
+    CUFLASH_FWD_TRACE(5, sm_id());
+    if constexpr (kPersistent) {
+        mbar_wait(smem.q_full(qb), q_phase);   // Q and the tile index have landed
+        if (o_store_buffer >= 0) {   // the previous tile's O store (kTmaStoreO): read by now, as a rule
+            bulk_wait_read();
+            mbar_arrive(smem.q_empty(o_store_buffer));
+            o_store_buffer = -1;
+        }
+        CUFLASH_FWD_TRACE(1, clock64());
+        // Broadcast from lane 0: ptxas then knows the tile (and so the ring stage and Q buffer of every
+        // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
+        const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
+        if (t >= num_tiles) break;
+        order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
+    } else {
+        if (k_tile > 0) break;
+        grid_coords(m_block, head, batch);
+    }
+    const int n_block_max = Mask(p).n_block_max(m_block);
+    const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
+
+    float acc_o[kPadV / 2];
+#pragma unroll
+    for (int i = 0; i < kPadV / 2; ++i) acc_o[i] = 0.f;
+    // The running max may trail by up to 2^8: most key tiles then leave it, and O, alone.
+    constexpr int kMaxSlackLog2 = 8;
+    // fp16: a max that moves is set 2^8 above the row's largest score (OnlineSoftmax's headroom), so that
+    // the kept max below takes scores up to 2^22 above it before P passes its bound, where a sharp head's
+    // later maxima mostly fall. fp16 keeps 11 bits down to 2^-14, so probabilities down to 2^-6 of the
+    // largest lose nothing, and smaller ones at most what bf16 P loses; larger headrooms cost accuracy on
+    // N(0, 1) inputs. bf16 P needs none (its bound is 2^48), fp8 keeps no max.
+    constexpr int kHeadroomLog2 = (kIsBf16<Tag> || Tile::kFp8) ? 0 : 8;
+    OnlineSoftmax<1, kBlockN / 8, kMaxSlackLog2, kHeadroomLog2> softmax;
+    softmax.init();
+
+    auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
+        return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
+    };
+    // 16-bit tiles: this warpgroup's 64 Q rows as wgmma A fragments (k16 step kk in qa[kk]), loaded
+    // once per tile, so that Q K^T reads only K from shared memory (a third less of the key loop's
+    // shared-memory reads: docs/design.md, Q in registers). The overlap schedule with three warpgroups,
+    // above head dim 128 or above 128 keys a tile spills with the extra registers, so it keeps the
+    // shared-memory operand there.
+    constexpr bool kQInRegs = !Tile::kFp8 && kBlockN <= 128
+                              && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
+                                  || (kMode == kModeSimple && kPad <= 64));
+    u32 qa[kQInRegs ? kPad / 16 : 1][4];
+    // This warp's 16 Q rows, k16 step kk, as an mma A fragment (the wgmma RS A fragment of the warp):
+    // lane l addresses row l % 8 (+ 8 for odd l / 8) of the 16-byte chunk 2 kk + (l / 16).
+    auto load_q_frag = [&](u32 (&a)[4], int kk) {
+        const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+        const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);
+        const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
+        ldmatrix_x4(a, swizzle128(q_rows + (kk / 4) * kBlockM * 128, r, chunk));
+    };
+    auto load_q_frags = [&]() {
+        if constexpr (kQInRegs) {
+#pragma unroll
+            for (int kk = 0; kk < kPad / 16; ++kk) load_q_frag(qa[kk], kk);
+        }
+    };
+    // S of this warp's 16 rows alone, with mma.sync (its accumulator layout is the wgmma one): the kept-max
+    // softmax's recompute, taken only where a score passed a settled running max by more than 2^120, so it
+    // must not wait for the other warps, nor take registers or instruction cache from the key loop (loops,
+    // not unrolled: unrolled, this path spilled or doubled the kernel). Even so its presence slows the full
+    // step at head dim 64, in every form tried; what would remove it: docs/design.md, open directions.
+    auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src, int n_block) {
+        if constexpr (!Tile::kFp8) {
+#pragma unroll 1
+            for (int j = 0; j < kBlockN / 8; ++j) {   // key block of 8
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+                for (int kk = 0; kk < kPad / 16; ++kk) {
+                    u32 a[4], b[2];
+                    load_q_frag(a, kk);
+                    // Lanes 0..15 address key 8 j + l % 8, 16-byte chunk 2 kk + l / 8 (b0, b1).
+                    const int n = 8 * j + (lane & 7), chunk = (2 * kk + ((lane >> 3) & 1)) % 8;
+                    ldmatrix_x2(b, swizzle128(k_src + (kk / 4) * kBlockN * 128, n, chunk));
+                    Mma16816<Tag>::run(c, a, b[0], b[1]);
+                }
+                if constexpr (Mask::kHasScoreMod) {   // the scores the probabilities came from
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        c[e] = Mask(p).modify_score(c[e], row0 + 8 * (e >> 1), n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+                }
+                // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
+                // underflowed), it is 0 against the new max too, so S there becomes -inf (the mask's
+                // effect, without its index arithmetic and registers). Static indices keep acc_s in registers.
+#pragma unroll
+                for (int jj = 0; jj < kBlockN / 8; ++jj)
+                    if (jj == j) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc_s[4 * jj + e] = acc_s[4 * jj + e] == 0.f ? -CUFLASH_INF : c[e];
+                    }
+            }
+        }
+    };
+    // S = Q K^T of one key tile (issued, not waited for).
+    auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
+        if constexpr (kQInRegs) {
+            const SmemDesc<> k_desc(k_src, 16, 1024);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPad / 16; ++kk) {
+                const u64 db = k_desc.at((kk / 4) * kBlockN * 128 + (kk % 4) * 32);
+                WgmmaRS<Tag, kBlockN>::template run<false>(acc_s, qa[kk], db, kk > 0);
+            }
+            wgmma_commit();
+        } else {
+            wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
+                acc_s, sQ + qb * Tile::kQBytes + cw * 64 * Tile::kRowBytes, k_src);
+        }
+    };
+    constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
+    // O += P V of one key tile (issued, not waited for).
+    auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) {
+        const SmemDesc<> v_desc(v_src, Tile::kFp8 ? 16 : kBlockN * 128, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+            if constexpr (Tile::kFp8) {   // V^T, K-major: 32 keys (bytes) of its kPadV rows per step
+                const u64 db = v_desc.at((kk / 4) * kPadV * 128 + (kk % 4) * 32);
+                WgmmaRS<Tag, kPadV>::template run<false>(acc_o, pa[kk], db, 1);
+            } else {                      // V, MN-major: 16 key rows per step
+                const u64 db = v_desc.at(kk * 16 * 128);
+                WgmmaRS<Tag, kPadV>::template run<true>(acc_o, pa[kk], db, 1);
+            }
+        }
+        wgmma_commit();
+    };
+    // The mask policy on one S tile: its score modifier on every element (where it has one), then -inf
+    // where a tile that needs the mask hides a key.
+    auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
+        if constexpr (Mask::kHasScoreMod) {
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[4 * j + e] = Mask(p).modify_score(acc_s[4 * j + e], row0 + 8 * (e >> 1),
+                                                            n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+        }
+        if (Mask(p).needs_mask(m_block, n_block)) {
+            const int n0 = n_block * kBlockN;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
+                        acc_s[4 * j + e] = -CUFLASH_INF;
+        }
+    };
+    auto rescale_o = [&](const float (&rescale)[2]) {
+#pragma unroll
+        for (int j = 0; j < kPadV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= rescale[e >> 1];
+    };
+    // P in the wgmma A-register fragment: two n8 blocks of S per k16 step (fp16), four per k32
+    // step (fp8). The fp8 A fragment wants keys 4t..4t+3 (and 16 + ...) of rows g and g + 8 where
+    // the accumulator holds keys 2t, 2t+1 of each n8 block: each register takes two blocks' pairs
+    // instead (keys 2t, 2t+1, 8+2t, 9+2t), and V^T's keys are stored in that order, so the
+    // product is unchanged and no shuffle is needed.
+    auto pack_p = [&](u32 (&pa)[kPSteps][4], const float (&acc_s)[kBlockN / 2]) {
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) {
+            if constexpr (Tile::kFp8) {
+                const float* s = acc_s + 16 * kk;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {   // r: (row half r % 2, block pair r / 2)
+                    const int b = 8 * (r >> 1) + 2 * (r & 1);
+                    pa[kk][r] = ElemTraits<Tag>::pack4(s[b], s[b + 1], s[b + 4], s[b + 5]);
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+            }
+        }
+    };
+    // fp8: the q and k descales scale S; the v descale scales O in the epilogue.
+    float scale_log2 = p.scale_log2, o_scale = 1.f;
+    if constexpr (Tile::kFp8) {
+        scale_log2 *= *descale.q * *descale.k;
+        o_scale = *descale.v;
+    }
+
+    // A warpgroup whose 64 rows all lie past seqlen_q (the last query tile when seqlen_q is not a
+    // multiple of kBlockM, e.g. 1024 rows in 192-row tiles) keeps the ring's phases (waits for each
+    // stage, releases it) but runs no GEMM, leaving the tensor cores to the others.
+    const bool idle = m_block * kBlockM + cw * 64 >= p.seqlen_q;
+    if (idle) {
+        for (int i = 0; i < n_block_max; ++i) {
+            const PipelineState<kStages> ring(it + i);
+            const int stage = ring.stage();
+            const u32 parity = ring.phase();
+            mbar_wait(smem.k_full(stage), parity);
+            release_kv(smem.k_empty(stage));
+            mbar_wait(smem.v_full(stage), parity);
+            release_kv(smem.v_empty(stage));
+        }
+    }
+    if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(smem.q_full(0), 0);
+    if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
+        load_q_frags();
+        for (int i = 0; i < n_block_max; ++i) {
+            const int n_block = n_block_max - 1 - i;
+            const PipelineState<kStages> ring(it + i);
+            const int stage = ring.stage();
+            const u32 parity = ring.phase();
+            float acc_s[kBlockN / 2];
+            mbar_wait(smem.k_full(stage), parity);
+            issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            release_kv(smem.k_empty(stage));
+            mask(acc_s, n_block);
+            float rescale[2];
+            if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
+            u32 pa[kPSteps][4];
+            pack_p(pa, acc_s);
+            mbar_wait(smem.v_full(stage), parity);
+            issue_pv(pa, sV + stage * Tile::kKVBytes);
+            wgmma_wait<0>();
+            fence_operand(acc_o);
+            release_kv(smem.v_empty(stage));
+        }
+    }
+    if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
+        // Intra-warpgroup overlap: the softmax of key tile i runs while the
+        // tensor cores compute O += P_{i-1} V_{i-1}.
+        // 16-bit: a warp whose rows' max has settled takes each key tile's probabilities against the
+        // running max as it stands (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad
+        // shuffles, no rescale). Where some row passes 2^kKeepMaxBoundLog2, the warp re-bases those rows
+        // from their probabilities (OnlineSoftmax::rebase: the max of p, p / max; no S needed) and returns to
+        // the full step until key tiles move none of its maxima. The decision is per warp and adaptive:
+        // trained models' sharp heads move some row's max on many key tiles, and a warpgroup-wide fallback
+        // (computing S again for all 64 rows, as this kernel first did) cost up to 26 % there. Only a score
+        // 2^112 (bf16 2^120) above a settled max makes the warp compute its S again (qk_warp; the K stage is
+        // therefore freed after the softmax in the kept-max state). -DCUFLASH_SM90_FWD_KEEP_MAX=0: the full step
+        // alone (the baseline of BENCHMARKS.md's distribution table).
+#ifndef CUFLASH_SM90_FWD_KEEP_MAX
+#define CUFLASH_SM90_FWD_KEEP_MAX 1
+#endif
+        // The bound on a thread's partial row sum (so on each probability) in the kept-max state: fp16 P
+        // holds up to 2^15; bf16 P has float32's range, and 2^48 still leaves O's float32 sums 2^79 of room
+        // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
+        constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
+        constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
+        u32 pa[kPSteps][4];
+        // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
+        // starts unsettled (the first key tile, partial or on the causal diagonal, may leave a row a weak
+        // max) and leaves that state when a kept step fails; it comes back after `settle_tiles` full steps
+        // in a row that move no max. That number doubles with each failure, up to 64 (a failed step stalls
+        // the warpgroup's next GEMMs, so it costs more than a full step), and lives across the persistent
+        // tile loop: a query tile whose kept steps never failed brings it down by a quarter, so that a warp
+        // that met a sharp head comes back to the kept max on a diffuse one, while a warp on a head whose
+        // max keeps moving stays with the full step. With three consumer warpgroups (head dim 64, a
+        // softmax-bound tile) a failure costs the most and it never comes down; in fp16 there (whose P bound
+        // sharp heads pass again and again) a warp's first failure ends its kept max for the kernel.
+        int settled = 0;   // full steps in a row that moved no max; the kept max once it reaches settle_tiles
+        constexpr int kSettleTilesMax = 64;
+        constexpr bool kSettleDecay = Tile::kConsumerWGs < 3;
+        constexpr bool kFailureEndsKeptMax = !kSettleDecay && !kIsBf16<Tag>;
+        // bf16 with two consumer warpgroups: a full step counts towards settling whether or not it moved a
+        // max (rows with no max yet excepted), since the kept state absorbs later maxima up to 2^48 above
+        // it; sharp heads, whose maxima keep moving by small amounts, then need not stay on the full step.
+        // At head dim 64 (three warpgroups) it lost on the mixed and outlier heads.
+        constexpr bool kMovesAbsorbed = kIsBf16<Tag> && kSettleDecay;
+        constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
+        if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
+        kept_failed = false;
+        load_q_frags();
+        {
+            float acc_s[kBlockN / 2];
+            const PipelineState<kStages> ring(it);
+            const int stage0 = ring.stage();
+            mbar_wait(smem.k_full(stage0), ring.phase());
+            CUFLASH_FWD_TRACE(2, clock64());
+            CUFLASH_FWD_TRACE(6, n_block_max);
+            issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            release_kv(smem.k_empty(stage0));
+            mask(acc_s, n_block_max - 1);
+            float rescale[2];
+            softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
+            pack_p(pa, acc_s);
+        }
+        // At head dims 65-128, O's rescale for key tile i is applied at step i + 1 while Q K^T_{i+1} runs,
+        // just before O += P_i V_i, rather than between the wait for P_{i-1} V_{i-1} and that issue, where
+        // this warpgroup's tensor work would wait on it: it pays on the heads whose max keeps moving. At 64
+        // (three warpgroups) and 256 it measured level or worse, so there it stays after the wait.
+        constexpr bool kRescaleUnderQk = !Tile::kFp8 && Tile::kHeadDimPad == 128;
+        float pending_rescale[2] = {1.f, 1.f};
+        bool rescale_pending = false;   // warp-uniform
+        for (int i = 1; i < n_block_max; ++i) {
+            const int n_block = n_block_max - 1 - i;
+            const PipelineState<kStages> ring(it + i), ring_prev(it + i - 1);
+            const int stage = ring.stage(), prev = ring_prev.stage();
+            const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
+            float acc_s[kBlockN / 2];
+            mbar_wait(smem.k_full(stage), parity);
+            issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+            if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
+            mbar_wait(smem.v_full(prev), prev_parity);
+            issue_pv(pa, sV + prev * Tile::kKVBytes);
+            wgmma_wait<1>();  // S_i is ready (groups complete in order)
+            fence_operand(acc_s);
+            // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
+            // warpgroup (a build with the two states in loops of their own broke that: synccheck).
+            const bool full_step = !kKeepMax || settled < settle_tiles;
+            // The kept-max state holds K for a possible recompute; the full step frees it at once.
+            if (full_step) release_kv(smem.k_empty(stage));
+            mask(acc_s, n_block);
+            float rescale[2] = {1.f, 1.f};
+            bool max_changed = false, unset = false;
+            if (full_step) {
+                // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
+                unset = kKeepMax && softmax.has_unset_row();
+                max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale) || unset;
+            } else if constexpr (kKeepMax) {
+                CUFLASH_FWD_COUNT(2);
+                float sums[2];
+                const bool ok =
+                    softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
+                if (__any_sync(0xffffffff, !ok)) {
+                    if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
+                        max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
+                        CUFLASH_FWD_COUNT(0);
+                    } else {
+                        qk_warp(acc_s, sK + stage * Tile::kKVBytes, n_block);   // masked as the probabilities were
+                        max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                        CUFLASH_FWD_COUNT(1);
+                    }
+                    settled = 0;
+                    settle_tiles = kFailureEndsKeptMax ? kNeverSettles : min(2 * settle_tiles, kSettleTilesMax);
+                    kept_failed = true;
+                } else {
+                    softmax.add_sums(sums);
+                }
+                release_kv(smem.k_empty(stage));
+            }
+            // Pin the softmax before the wait: the fences consume its results and the
+            // scheduling barrier keeps ptxas from hoisting the wait above them.
+            fence_operand(acc_s);
+            fence_operand(rescale);
+            fence_operand(softmax.row_sum);
+            scheduling_barrier(p.seqlen_k);
+            wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
+            fence_operand(acc_o);
+            const bool warp_moved = __any_sync(0xffffffff, max_changed);
+            if constexpr (kRescaleUnderQk) {
+                rescale_pending = warp_moved;
+                pending_rescale[0] = rescale[0];
+                pending_rescale[1] = rescale[1];
+            } else if (warp_moved) {
+                rescale_o(rescale);   // this warp's rows only
+            }
+            if (kKeepMax && full_step)
+                settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
+            pack_p(pa, acc_s);
+            release_kv(smem.v_empty(prev));
+        }
+        const PipelineState<kStages> ring_last(it + n_block_max - 1);
+        const int last = ring_last.stage();
+        if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
+        mbar_wait(smem.v_full(last), ring_last.phase());
+        issue_pv(pa, sV + last * Tile::kKVBytes);
+        wgmma_wait<0>();
+        fence_operand(acc_o);
+        release_kv(smem.v_empty(last));
+        CUFLASH_FWD_TRACE(3, clock64());
+    }
+
+    // 16-bit O goes out through shared memory (kStageO): written straight from the accumulators it
+    // would be 4-byte stores, each warp touching eight rows per instruction, and the warps wait on
+    // them before the next tile (docs/design.md: O staging). The staging
+    // area is this warpgroup's rows of its Q buffer, which only its own (finished) Q K^T products
+    // read: the same 64-column blocks of 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8).
+    // fp8 Q rows are too narrow for O's: those store directly, and so do the persistent kernels
+    // above head dim 128 (the staging code spills the overlap one at 192 under the causal mask).
+    constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
+    // Persistent: staged O leaves through one TMA store per warpgroup, issued by its first thread, so
+    // that the warpgroup goes on to the next tile at once; that thread releases the Q buffer once
+    // the store has read it, at the next tile's start (two Q buffers: the producer is then loading
+    // the other one), or at once (one buffer): the stores' issue had held every warpgroup ~1,000
+    // cycles per tile.
+    constexpr bool kTmaStoreO = kPersistent && kStageO;
+    // Named barriers 4..6, one per consumer warpgroup: its staged rows are complete.
+    constexpr int kOStagedBarrier = 4;
+    // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
+    // the producer may load the next Q into it (persistent).
+    if (kPersistent && !kStageO) mbar_arrive(smem.q_empty(qb));
+    it += n_block_max > 0 ? n_block_max : 0;
+    ++q_count;
+
+    // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
+    float inv_sum[2], lse[2];
+    softmax.finalize(inv_sum, lse);
+    inv_sum[0] *= o_scale;
+    inv_sum[1] *= o_scale;
+    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    if constexpr (kStageO) {
+        if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
+            char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
+            // The warp's ldmatrix of these Q rows (kQInRegs, or the kept max's recompute) read what other
+            // lanes now overwrite.
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = warp * 16 + g + 8 * h;
+#pragma unroll
+                for (int j = 0; j < kPadV / 8; ++j)
+                    *reinterpret_cast<u32*>(sO + (j / 8) * kBlockM * 128 + r * 128 + (((j % 8) ^ (r % 8)) * 16)
+                                            + 4 * t4) =
+                        ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
+                                                  acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+            }
+            if constexpr (kTmaStoreO) {
+                fence_proxy_async_smem();   // the staged rows, visible to the TMA engine
+                named_barrier_sync(kOStagedBarrier + cw, 128);
+                if ((threadIdx.x & 127) == 0) {
+                    const u32 rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+#pragma unroll
+                    for (int cb = 0; cb < kPadV / 64; ++cb)
+                        tma_store_4d(tma_o, rows + cb * kBlockM * 128, cb * 64, m_block * kBlockM + cw * 64, head,
+                                     batch);
+                    bulk_commit_group();
+                    if constexpr (kQBuffers == 2) {
+                        o_store_buffer = qb;
+                    } else {
+                        bulk_wait_read();
+                    }
+                }
+            } else {
+            named_barrier_sync(kOStagedBarrier + cw, 128);
+            constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
+            const int row_base = m_block * kBlockM + cw * 64;
+#pragma unroll
+            for (int k = 0; k < 64 * kChunks / 128; ++k) {
+                const int idx = k * 128 + (threadIdx.x & 127);
+                const int r = idx / kChunks, c = idx % kChunks;
+                if (row_base + r < p.seqlen_q && c * 8 < kHeadDim)
+                    *reinterpret_cast<uint4*>(gO + (row_base + r) * p.o_row_stride + c * 8) =
+                        *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
+                                                        + (((c % 8) ^ (r % 8)) * 16));
+            }
+            }
+        }
+        if (kPersistent && o_store_buffer != qb) mbar_arrive(smem.q_empty(qb));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row < p.seqlen_q) {
+            if constexpr (!kStageO) {
+                u16* o_row = gO + row * p.o_row_stride;
+#pragma unroll
+                for (int j = 0; j < kPadV / 8; ++j) {
+                    const int col = 8 * j + 2 * t4;
+                    if (col < kHeadDim)
+                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
+                            acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+            }
+            if (p.lse != nullptr && t4 == 0)
+                p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
+        }
+    }
+    CUFLASH_FWD_TRACE(4, clock64());
+    }  // tiles
+}
+
 // kCluster: 1, or 2 for clusters of two CTAs on adjacent query tiles of one (head, batch), not causal
 // (the two tiles then visit the same key tiles), 16-bit, an even number of 64-column blocks (head dims
 // 65..128, 193..256). Each CTA loads every other column block of each K and V tile and multicasts it to
@@ -421,504 +946,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     } else {
         // Consumer warpgroups: 64 query rows each.
         setmaxnreg_inc<kConsumerRegs>();
-        const int cw = wg - 1;
-        const int lane = threadIdx.x & 31;
-        const int warp = (threadIdx.x >> 5) & 3;
-        const int g = lane >> 2, t4 = lane & 3;
-        int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
-        int settle_tiles = 1;      // the overlap schedule's kept-max state (below)
-        bool kept_failed = false;  // whether a kept step failed in the last query tile
-        // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
-        // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
-        auto release_kv = [&](u32 bar) {
-            if constexpr (kCluster == 1) {
-                mbar_arrive(bar);
-            } else {
-                __syncwarp();   // every lane's reads of the stage (qk_warp) are done
-                if (lane < kCluster) mbar_arrive_cluster(bar, lane);
-            }
-        };
-        // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
-        // seen read (-1: none), released to the producer once it has been.
-        int o_store_buffer = -1;
-        for (int k_tile = 0;; ++k_tile) {
-        int m_block, head, batch;
-        const PipelineState<kQBuffers> q_ring(q_count);
-        const int qb = q_ring.stage();   // this tile's Q buffer
-        const u32 q_phase = q_ring.phase();
-        CUFLASH_FWD_TRACE(0, clock64());
-        CUFLASH_FWD_TRACE(5, sm_id());
-        if constexpr (kPersistent) {
-            mbar_wait(smem.q_full(qb), q_phase);   // Q and the tile index have landed
-            if (o_store_buffer >= 0) {   // the previous tile's O store (kTmaStoreO): read by now, as a rule
-                bulk_wait_read();
-                mbar_arrive(smem.q_empty(o_store_buffer));
-                o_store_buffer = -1;
-            }
-            CUFLASH_FWD_TRACE(1, clock64());
-            // Broadcast from lane 0: ptxas then knows the tile (and so the ring stage and Q buffer of every
-            // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
-            const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
-            if (t >= num_tiles) break;
-            order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
-        } else {
-            if (k_tile > 0) break;
-            grid_coords(m_block, head, batch);
-        }
-        const int n_block_max = Mask(p).n_block_max(m_block);
-        const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
-
-        float acc_o[kPadV / 2];
-#pragma unroll
-        for (int i = 0; i < kPadV / 2; ++i) acc_o[i] = 0.f;
-        // The running max may trail by up to 2^8: most key tiles then leave it, and O, alone.
-        constexpr int kMaxSlackLog2 = 8;
-        // fp16: a max that moves is set 2^8 above the row's largest score (OnlineSoftmax's headroom), so that
-        // the kept max below takes scores up to 2^22 above it before P passes its bound, where a sharp head's
-        // later maxima mostly fall. fp16 keeps 11 bits down to 2^-14, so probabilities down to 2^-6 of the
-        // largest lose nothing, and smaller ones at most what bf16 P loses; larger headrooms cost accuracy on
-        // N(0, 1) inputs. bf16 P needs none (its bound is 2^48), fp8 keeps no max.
-        constexpr int kHeadroomLog2 = (kIsBf16<Tag> || Tile::kFp8) ? 0 : 8;
-        OnlineSoftmax<1, kBlockN / 8, kMaxSlackLog2, kHeadroomLog2> softmax;
-        softmax.init();
-
-        auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] {
-            return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
-        };
-        // 16-bit tiles: this warpgroup's 64 Q rows as wgmma A fragments (k16 step kk in qa[kk]), loaded
-        // once per tile, so that Q K^T reads only K from shared memory (a third less of the key loop's
-        // shared-memory reads: docs/design.md, Q in registers). The overlap schedule with three warpgroups,
-        // above head dim 128 or above 128 keys a tile spills with the extra registers, so it keeps the
-        // shared-memory operand there.
-        constexpr bool kQInRegs = !Tile::kFp8 && kBlockN <= 128
-                                  && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
-                                      || (kMode == kModeSimple && kPad <= 64));
-        u32 qa[kQInRegs ? kPad / 16 : 1][4];
-        // This warp's 16 Q rows, k16 step kk, as an mma A fragment (the wgmma RS A fragment of the warp):
-        // lane l addresses row l % 8 (+ 8 for odd l / 8) of the 16-byte chunk 2 kk + (l / 16).
-        auto load_q_frag = [&](u32 (&a)[4], int kk) {
-            const u32 q_rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
-            const int q = lane >> 3, r = warp * 16 + (q & 1) * 8 + (lane & 7);
-            const int chunk = (2 * kk + (q >> 1)) % 8;   // 16-byte chunk in its 64-column block
-            ldmatrix_x4(a, swizzle128(q_rows + (kk / 4) * kBlockM * 128, r, chunk));
-        };
-        auto load_q_frags = [&]() {
-            if constexpr (kQInRegs) {
-#pragma unroll
-                for (int kk = 0; kk < kPad / 16; ++kk) load_q_frag(qa[kk], kk);
-            }
-        };
-        // S of this warp's 16 rows alone, with mma.sync (its accumulator layout is the wgmma one): the kept-max
-        // softmax's recompute, taken only where a score passed a settled running max by more than 2^120, so it
-        // must not wait for the other warps, nor take registers or instruction cache from the key loop (loops,
-        // not unrolled: unrolled, this path spilled or doubled the kernel). Even so its presence slows the full
-        // step at head dim 64, in every form tried; what would remove it: docs/design.md, open directions.
-        auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src, int n_block) {
-            if constexpr (!Tile::kFp8) {
-#pragma unroll 1
-                for (int j = 0; j < kBlockN / 8; ++j) {   // key block of 8
-                    float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-                    for (int kk = 0; kk < kPad / 16; ++kk) {
-                        u32 a[4], b[2];
-                        load_q_frag(a, kk);
-                        // Lanes 0..15 address key 8 j + l % 8, 16-byte chunk 2 kk + l / 8 (b0, b1).
-                        const int n = 8 * j + (lane & 7), chunk = (2 * kk + ((lane >> 3) & 1)) % 8;
-                        ldmatrix_x2(b, swizzle128(k_src + (kk / 4) * kBlockN * 128, n, chunk));
-                        Mma16816<Tag>::run(c, a, b[0], b[1]);
-                    }
-                    if constexpr (Mask::kHasScoreMod) {   // the scores the probabilities came from
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            c[e] = Mask(p).modify_score(c[e], row0 + 8 * (e >> 1), n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
-                    }
-                    // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
-                    // underflowed), it is 0 against the new max too, so S there becomes -inf (the mask's
-                    // effect, without its index arithmetic and registers). Static indices keep acc_s in registers.
-#pragma unroll
-                    for (int jj = 0; jj < kBlockN / 8; ++jj)
-                        if (jj == j) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                acc_s[4 * jj + e] = acc_s[4 * jj + e] == 0.f ? -CUFLASH_INF : c[e];
-                        }
-                }
-            }
-        };
-        // S = Q K^T of one key tile (issued, not waited for).
-        auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) {
-            if constexpr (kQInRegs) {
-                const SmemDesc<> k_desc(k_src, 16, 1024);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < kPad / 16; ++kk) {
-                    const u64 db = k_desc.at((kk / 4) * kBlockN * 128 + (kk % 4) * 32);
-                    WgmmaRS<Tag, kBlockN>::template run<false>(acc_s, qa[kk], db, kk > 0);
-                }
-                wgmma_commit();
-            } else {
-                wgmma_ss_rows_product<Tag, kBlockN, kPad, kBlockM, kBlockN, Tile::kRowBytes>(
-                    acc_s, sQ + qb * Tile::kQBytes + cw * 64 * Tile::kRowBytes, k_src);
-            }
-        };
-        constexpr int kPSteps = kBlockN / Tile::kKeyStep;   // k-steps of P V per key tile
-        // O += P V of one key tile (issued, not waited for).
-        auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) {
-            const SmemDesc<> v_desc(v_src, Tile::kFp8 ? 16 : kBlockN * 128, 1024);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kPSteps; ++kk) {
-                if constexpr (Tile::kFp8) {   // V^T, K-major: 32 keys (bytes) of its kPadV rows per step
-                    const u64 db = v_desc.at((kk / 4) * kPadV * 128 + (kk % 4) * 32);
-                    WgmmaRS<Tag, kPadV>::template run<false>(acc_o, pa[kk], db, 1);
-                } else {                      // V, MN-major: 16 key rows per step
-                    const u64 db = v_desc.at(kk * 16 * 128);
-                    WgmmaRS<Tag, kPadV>::template run<true>(acc_o, pa[kk], db, 1);
-                }
-            }
-            wgmma_commit();
-        };
-        // The mask policy on one S tile: its score modifier on every element (where it has one), then -inf
-        // where a tile that needs the mask hides a key.
-        auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
-            if constexpr (Mask::kHasScoreMod) {
-#pragma unroll
-                for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        acc_s[4 * j + e] = Mask(p).modify_score(acc_s[4 * j + e], row0 + 8 * (e >> 1),
-                                                                n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
-            }
-            if (Mask(p).needs_mask(m_block, n_block)) {
-                const int n0 = n_block * kBlockN;
-#pragma unroll
-                for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
-                            acc_s[4 * j + e] = -CUFLASH_INF;
-            }
-        };
-        auto rescale_o = [&](const float (&rescale)[2]) {
-#pragma unroll
-            for (int j = 0; j < kPadV / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= rescale[e >> 1];
-        };
-        // P in the wgmma A-register fragment: two n8 blocks of S per k16 step (fp16), four per k32
-        // step (fp8). The fp8 A fragment wants keys 4t..4t+3 (and 16 + ...) of rows g and g + 8 where
-        // the accumulator holds keys 2t, 2t+1 of each n8 block: each register takes two blocks' pairs
-        // instead (keys 2t, 2t+1, 8+2t, 9+2t), and V^T's keys are stored in that order, so the
-        // product is unchanged and no shuffle is needed.
-        auto pack_p = [&](u32 (&pa)[kPSteps][4], const float (&acc_s)[kBlockN / 2]) {
-#pragma unroll
-            for (int kk = 0; kk < kPSteps; ++kk) {
-                if constexpr (Tile::kFp8) {
-                    const float* s = acc_s + 16 * kk;
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {   // r: (row half r % 2, block pair r / 2)
-                        const int b = 8 * (r >> 1) + 2 * (r & 1);
-                        pa[kk][r] = ElemTraits<Tag>::pack4(s[b], s[b + 1], s[b + 4], s[b + 5]);
-                    }
-                } else {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-                }
-            }
-        };
-        // fp8: the q and k descales scale S; the v descale scales O in the epilogue.
-        float scale_log2 = p.scale_log2, o_scale = 1.f;
-        if constexpr (Tile::kFp8) {
-            scale_log2 *= *descale.q * *descale.k;
-            o_scale = *descale.v;
-        }
-
-        // A warpgroup whose 64 rows all lie past seqlen_q (the last query tile when seqlen_q is not a
-        // multiple of kBlockM, e.g. 1024 rows in 192-row tiles) keeps the ring's phases (waits for each
-        // stage, releases it) but runs no GEMM, leaving the tensor cores to the others.
-        const bool idle = m_block * kBlockM + cw * 64 >= p.seqlen_q;
-        if (idle) {
-            for (int i = 0; i < n_block_max; ++i) {
-                const PipelineState<kStages> ring(it + i);
-                const int stage = ring.stage();
-                const u32 parity = ring.phase();
-                mbar_wait(smem.k_full(stage), parity);
-                release_kv(smem.k_empty(stage));
-                mbar_wait(smem.v_full(stage), parity);
-                release_kv(smem.v_empty(stage));
-            }
-        }
-        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(smem.q_full(0), 0);
-        if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
-            load_q_frags();
-            for (int i = 0; i < n_block_max; ++i) {
-                const int n_block = n_block_max - 1 - i;
-                const PipelineState<kStages> ring(it + i);
-                const int stage = ring.stage();
-                const u32 parity = ring.phase();
-                float acc_s[kBlockN / 2];
-                mbar_wait(smem.k_full(stage), parity);
-                issue_qk(acc_s, sK + stage * Tile::kKVBytes);
-                wgmma_wait<0>();
-                fence_operand(acc_s);
-                release_kv(smem.k_empty(stage));
-                mask(acc_s, n_block);
-                float rescale[2];
-                if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
-                u32 pa[kPSteps][4];
-                pack_p(pa, acc_s);
-                mbar_wait(smem.v_full(stage), parity);
-                issue_pv(pa, sV + stage * Tile::kKVBytes);
-                wgmma_wait<0>();
-                fence_operand(acc_o);
-                release_kv(smem.v_empty(stage));
-            }
-        }
-        if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
-            // Intra-warpgroup overlap: the softmax of key tile i runs while the
-            // tensor cores compute O += P_{i-1} V_{i-1}.
-            // 16-bit: a warp whose rows' max has settled takes each key tile's probabilities against the
-            // running max as it stands (OnlineSoftmax::probs_at_running_max: no FMNMX chain, no quad
-            // shuffles, no rescale). Where some row passes 2^kKeepMaxBoundLog2, the warp re-bases those rows
-            // from their probabilities (OnlineSoftmax::rebase: the max of p, p / max; no S needed) and returns to
-            // the full step until key tiles move none of its maxima. The decision is per warp and adaptive:
-            // trained models' sharp heads move some row's max on many key tiles, and a warpgroup-wide fallback
-            // (computing S again for all 64 rows, as this kernel first did) cost up to 26 % there. Only a score
-            // 2^112 (bf16 2^120) above a settled max makes the warp compute its S again (qk_warp; the K stage is
-            // therefore freed after the softmax in the kept-max state). -DCUFLASH_SM90_FWD_KEEP_MAX=0: the full step
-            // alone (the baseline of BENCHMARKS.md's distribution table).
-#ifndef CUFLASH_SM90_FWD_KEEP_MAX
-#define CUFLASH_SM90_FWD_KEEP_MAX 1
-#endif
-            // The bound on a thread's partial row sum (so on each probability) in the kept-max state: fp16 P
-            // holds up to 2^15; bf16 P has float32's range, and 2^48 still leaves O's float32 sums 2^79 of room
-            // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
-            constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
-            constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
-            u32 pa[kPSteps][4];
-            // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
-            // starts unsettled (the first key tile, partial or on the causal diagonal, may leave a row a weak
-            // max) and leaves that state when a kept step fails; it comes back after `settle_tiles` full steps
-            // in a row that move no max. That number doubles with each failure, up to 64 (a failed step stalls
-            // the warpgroup's next GEMMs, so it costs more than a full step), and lives across the persistent
-            // tile loop: a query tile whose kept steps never failed brings it down by a quarter, so that a warp
-            // that met a sharp head comes back to the kept max on a diffuse one, while a warp on a head whose
-            // max keeps moving stays with the full step. With three consumer warpgroups (head dim 64, a
-            // softmax-bound tile) a failure costs the most and it never comes down; in fp16 there (whose P bound
-            // sharp heads pass again and again) a warp's first failure ends its kept max for the kernel.
-            int settled = 0;   // full steps in a row that moved no max; the kept max once it reaches settle_tiles
-            constexpr int kSettleTilesMax = 64;
-            constexpr bool kSettleDecay = Tile::kConsumerWGs < 3;
-            constexpr bool kFailureEndsKeptMax = !kSettleDecay && !kIsBf16<Tag>;
-            // bf16 with two consumer warpgroups: a full step counts towards settling whether or not it moved a
-            // max (rows with no max yet excepted), since the kept state absorbs later maxima up to 2^48 above
-            // it; sharp heads, whose maxima keep moving by small amounts, then need not stay on the full step.
-            // At head dim 64 (three warpgroups) it lost on the mixed and outlier heads.
-            constexpr bool kMovesAbsorbed = kIsBf16<Tag> && kSettleDecay;
-            constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
-            if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
-            kept_failed = false;
-            load_q_frags();
-            {
-                float acc_s[kBlockN / 2];
-                const PipelineState<kStages> ring(it);
-                const int stage0 = ring.stage();
-                mbar_wait(smem.k_full(stage0), ring.phase());
-                CUFLASH_FWD_TRACE(2, clock64());
-                CUFLASH_FWD_TRACE(6, n_block_max);
-                issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
-                wgmma_wait<0>();
-                fence_operand(acc_s);
-                release_kv(smem.k_empty(stage0));
-                mask(acc_s, n_block_max - 1);
-                float rescale[2];
-                softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
-                pack_p(pa, acc_s);
-            }
-            // At head dims 65-128, O's rescale for key tile i is applied at step i + 1 while Q K^T_{i+1} runs,
-            // just before O += P_i V_i, rather than between the wait for P_{i-1} V_{i-1} and that issue, where
-            // this warpgroup's tensor work would wait on it: it pays on the heads whose max keeps moving. At 64
-            // (three warpgroups) and 256 it measured level or worse, so there it stays after the wait.
-            constexpr bool kRescaleUnderQk = !Tile::kFp8 && Tile::kHeadDimPad == 128;
-            float pending_rescale[2] = {1.f, 1.f};
-            bool rescale_pending = false;   // warp-uniform
-            for (int i = 1; i < n_block_max; ++i) {
-                const int n_block = n_block_max - 1 - i;
-                const PipelineState<kStages> ring(it + i), ring_prev(it + i - 1);
-                const int stage = ring.stage(), prev = ring_prev.stage();
-                const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
-                float acc_s[kBlockN / 2];
-                mbar_wait(smem.k_full(stage), parity);
-                issue_qk(acc_s, sK + stage * Tile::kKVBytes);
-                if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
-                mbar_wait(smem.v_full(prev), prev_parity);
-                issue_pv(pa, sV + prev * Tile::kKVBytes);
-                wgmma_wait<1>();  // S_i is ready (groups complete in order)
-                fence_operand(acc_s);
-                // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
-                // warpgroup (a build with the two states in loops of their own broke that: synccheck).
-                const bool full_step = !kKeepMax || settled < settle_tiles;
-                // The kept-max state holds K for a possible recompute; the full step frees it at once.
-                if (full_step) release_kv(smem.k_empty(stage));
-                mask(acc_s, n_block);
-                float rescale[2] = {1.f, 1.f};
-                bool max_changed = false, unset = false;
-                if (full_step) {
-                    // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
-                    unset = kKeepMax && softmax.has_unset_row();
-                    max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale) || unset;
-                } else if constexpr (kKeepMax) {
-                    CUFLASH_FWD_COUNT(2);
-                    float sums[2];
-                    const bool ok =
-                        softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
-                    if (__any_sync(0xffffffff, !ok)) {
-                        if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
-                            max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
-                            CUFLASH_FWD_COUNT(0);
-                        } else {
-                            qk_warp(acc_s, sK + stage * Tile::kKVBytes, n_block);   // masked as the probabilities were
-                            max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
-                            CUFLASH_FWD_COUNT(1);
-                        }
-                        settled = 0;
-                        settle_tiles = kFailureEndsKeptMax ? kNeverSettles : min(2 * settle_tiles, kSettleTilesMax);
-                        kept_failed = true;
-                    } else {
-                        softmax.add_sums(sums);
-                    }
-                    release_kv(smem.k_empty(stage));
-                }
-                // Pin the softmax before the wait: the fences consume its results and the
-                // scheduling barrier keeps ptxas from hoisting the wait above them.
-                fence_operand(acc_s);
-                fence_operand(rescale);
-                fence_operand(softmax.row_sum);
-                scheduling_barrier(p.seqlen_k);
-                wgmma_wait<0>();  // O += P_{i-1} V_{i-1} done
-                fence_operand(acc_o);
-                const bool warp_moved = __any_sync(0xffffffff, max_changed);
-                if constexpr (kRescaleUnderQk) {
-                    rescale_pending = warp_moved;
-                    pending_rescale[0] = rescale[0];
-                    pending_rescale[1] = rescale[1];
-                } else if (warp_moved) {
-                    rescale_o(rescale);   // this warp's rows only
-                }
-                if (kKeepMax && full_step)
-                    settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
-                pack_p(pa, acc_s);
-                release_kv(smem.v_empty(prev));
-            }
-            const PipelineState<kStages> ring_last(it + n_block_max - 1);
-            const int last = ring_last.stage();
-            if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
-            mbar_wait(smem.v_full(last), ring_last.phase());
-            issue_pv(pa, sV + last * Tile::kKVBytes);
-            wgmma_wait<0>();
-            fence_operand(acc_o);
-            release_kv(smem.v_empty(last));
-            CUFLASH_FWD_TRACE(3, clock64());
-        }
-
-        // 16-bit O goes out through shared memory (kStageO): written straight from the accumulators it
-        // would be 4-byte stores, each warp touching eight rows per instruction, and the warps wait on
-        // them before the next tile (docs/design.md: O staging). The staging
-        // area is this warpgroup's rows of its Q buffer, which only its own (finished) Q K^T products
-        // read: the same 64-column blocks of 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8).
-        // fp8 Q rows are too narrow for O's: those store directly, and so do the persistent kernels
-        // above head dim 128 (the staging code spills the overlap one at 192 under the causal mask).
-        constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
-        // Persistent: staged O leaves through one TMA store per warpgroup, issued by its first thread, so
-        // that the warpgroup goes on to the next tile at once; that thread releases the Q buffer once
-        // the store has read it, at the next tile's start (two Q buffers: the producer is then loading
-        // the other one), or at once (one buffer): the stores' issue had held every warpgroup ~1,000
-        // cycles per tile.
-        constexpr bool kTmaStoreO = kPersistent && kStageO;
-        // Named barriers 4..6, one per consumer warpgroup: its staged rows are complete.
-        constexpr int kOStagedBarrier = 4;
-        // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
-        // the producer may load the next Q into it (persistent).
-        if (kPersistent && !kStageO) mbar_arrive(smem.q_empty(qb));
-        it += n_block_max > 0 ? n_block_max : 0;
-        ++q_count;
-
-        // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
-        float inv_sum[2], lse[2];
-        softmax.finalize(inv_sum, lse);
-        inv_sum[0] *= o_scale;
-        inv_sum[1] *= o_scale;
-        u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-        if constexpr (kStageO) {
-            if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
-                char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
-                // The warp's ldmatrix of these Q rows (kQInRegs, or the kept max's recompute) read what other
-                // lanes now overwrite.
-                __syncwarp();
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = warp * 16 + g + 8 * h;
-#pragma unroll
-                    for (int j = 0; j < kPadV / 8; ++j)
-                        *reinterpret_cast<u32*>(sO + (j / 8) * kBlockM * 128 + r * 128 + (((j % 8) ^ (r % 8)) * 16)
-                                                + 4 * t4) =
-                            ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
-                                                      acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
-                }
-                if constexpr (kTmaStoreO) {
-                    fence_proxy_async_smem();   // the staged rows, visible to the TMA engine
-                    named_barrier_sync(kOStagedBarrier + cw, 128);
-                    if ((threadIdx.x & 127) == 0) {
-                        const u32 rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
-#pragma unroll
-                        for (int cb = 0; cb < kPadV / 64; ++cb)
-                            tma_store_4d(tma_o, rows + cb * kBlockM * 128, cb * 64, m_block * kBlockM + cw * 64, head,
-                                         batch);
-                        bulk_commit_group();
-                        if constexpr (kQBuffers == 2) {
-                            o_store_buffer = qb;
-                        } else {
-                            bulk_wait_read();
-                        }
-                    }
-                } else {
-                named_barrier_sync(kOStagedBarrier + cw, 128);
-                constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
-                const int row_base = m_block * kBlockM + cw * 64;
-#pragma unroll
-                for (int k = 0; k < 64 * kChunks / 128; ++k) {
-                    const int idx = k * 128 + (threadIdx.x & 127);
-                    const int r = idx / kChunks, c = idx % kChunks;
-                    if (row_base + r < p.seqlen_q && c * 8 < kHeadDim)
-                        *reinterpret_cast<uint4*>(gO + (row_base + r) * p.o_row_stride + c * 8) =
-                            *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
-                                                            + (((c % 8) ^ (r % 8)) * 16));
-                }
-                }
-            }
-            if (kPersistent && o_store_buffer != qb) mbar_arrive(smem.q_empty(qb));
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 8 * h;
-            if (row < p.seqlen_q) {
-                if constexpr (!kStageO) {
-                    u16* o_row = gO + row * p.o_row_stride;
-#pragma unroll
-                    for (int j = 0; j < kPadV / 8; ++j) {
-                        const int col = 8 * j + 2 * t4;
-                        if (col < kHeadDim)
-                            *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
-                                acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
-                    }
-                }
-                if (p.lse != nullptr && t4 == 0)
-                    p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
-            }
-        }
-        CUFLASH_FWD_TRACE(4, clock64());
-        }  // tiles
+        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kMode, kPersistent, kCluster, kQBuffers>(
+            p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
     }
     if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
 }
