@@ -39,8 +39,9 @@ __host__ __device__ constexpr int fp8_v_rows(int head_dim) {
          : head_dim <= 192 ? 192 : 256;
 }
 
-template <typename Tag, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <typename Tag_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct Sm90FwdTile {
+    using Tag = Tag_;
     static constexpr int kElemBytes = ElemTraits<Tag>::kBytes;
     static constexpr bool kFp8 = kElemBytes == 1;
     static constexpr int kHeadDim = kHeadDim_;
@@ -332,6 +333,94 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
         }
         ++q_count;
         if (!kPersistent) break;
+    }
+}
+
+// The epilogue: O normalised by the row sums (16-bit: staged through this warpgroup's rows of its Q buffer,
+// then a TMA store (persistent) or 16-byte stores; fp8 and wide persistent tiles: straight from the
+// accumulators), and lse. `idle`: the warpgroup has no rows (and did not wait for the Q load).
+template <class Tile, int kQBuffers, bool kPersistent>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const TmaDesc* tma_o,
+                                             const float (&acc_o)[Tile::kHeadDimV / 2], const float (&inv_sum)[2],
+                                             const float (&lse)[2], int m_block, int head, int batch, int qb, int cw,
+                                             bool idle, int row0, int& o_store_buffer) {
+    using OutTag = typename ElemTraits<typename Tile::Tag>::OutTag;
+    constexpr int kBlockM = Tile::kBlockM, kPadV = Tile::kHeadDimV, kHeadDim = Tile::kHeadDim;
+    constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
+    constexpr bool kTmaStoreO = kPersistent && kStageO;
+    constexpr int kOStagedBarrier = 4;   // named barriers 4..6, one per consumer warpgroup: its staged rows are complete
+    extern __shared__ char smem_raw[];
+    const u32 sQ = smem.q;
+    const int lane = threadIdx.x & 31;
+    const int warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    if constexpr (kStageO) {
+        if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
+            char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
+            // The warp's ldmatrix of these Q rows (kQInRegs, or the kept max's recompute) read what other
+            // lanes now overwrite.
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = warp * 16 + g + 8 * h;
+#pragma unroll
+                for (int j = 0; j < kPadV / 8; ++j)
+                    *reinterpret_cast<u32*>(sO + (j / 8) * kBlockM * 128 + r * 128 + (((j % 8) ^ (r % 8)) * 16)
+                                            + 4 * t4) =
+                        ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
+                                                  acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+            }
+            if constexpr (kTmaStoreO) {
+                fence_proxy_async_smem();   // the staged rows, visible to the TMA engine
+                named_barrier_sync(kOStagedBarrier + cw, 128);
+                if ((threadIdx.x & 127) == 0) {
+                    const u32 rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
+#pragma unroll
+                    for (int cb = 0; cb < kPadV / 64; ++cb)
+                        tma_store_4d(tma_o, rows + cb * kBlockM * 128, cb * 64, m_block * kBlockM + cw * 64, head,
+                                     batch);
+                    bulk_commit_group();
+                    if constexpr (kQBuffers == 2) {
+                        o_store_buffer = qb;
+                    } else {
+                        bulk_wait_read();
+                    }
+                }
+            } else {
+            named_barrier_sync(kOStagedBarrier + cw, 128);
+            constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
+            const int row_base = m_block * kBlockM + cw * 64;
+#pragma unroll
+            for (int k = 0; k < 64 * kChunks / 128; ++k) {
+                const int idx = k * 128 + (threadIdx.x & 127);
+                const int r = idx / kChunks, c = idx % kChunks;
+                if (row_base + r < p.seqlen_q && c * 8 < kHeadDim)
+                    *reinterpret_cast<uint4*>(gO + (row_base + r) * p.o_row_stride + c * 8) =
+                        *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
+                                                        + (((c % 8) ^ (r % 8)) * 16));
+            }
+            }
+        }
+        if (kPersistent && o_store_buffer != qb) mbar_arrive(smem.q_empty(qb));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row < p.seqlen_q) {
+            if constexpr (!kStageO) {
+                u16* o_row = gO + row * p.o_row_stride;
+#pragma unroll
+                for (int j = 0; j < kPadV / 8; ++j) {
+                    const int col = 8 * j + 2 * t4;
+                    if (col < kHeadDim)
+                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
+                            acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
+                }
+            }
+            if (p.lse != nullptr && t4 == 0)
+                p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
+        }
     }
 }
 
@@ -788,74 +877,8 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
     softmax.finalize(inv_sum, lse);
     inv_sum[0] *= o_scale;
     inv_sum[1] *= o_scale;
-    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-    if constexpr (kStageO) {
-        if (!idle) {   // an idle warpgroup has no rows to store (and did not wait for the Q load)
-            char* sO = smem_raw + (sQ + qb * Tile::kQBytes + cw * 64 * 128 - smem_u32(smem_raw));
-            // The warp's ldmatrix of these Q rows (kQInRegs, or the kept max's recompute) read what other
-            // lanes now overwrite.
-            __syncwarp();
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = warp * 16 + g + 8 * h;
-#pragma unroll
-                for (int j = 0; j < kPadV / 8; ++j)
-                    *reinterpret_cast<u32*>(sO + (j / 8) * kBlockM * 128 + r * 128 + (((j % 8) ^ (r % 8)) * 16)
-                                            + 4 * t4) =
-                        ElemTraits<OutTag>::pack2(acc_o[4 * j + 2 * h] * inv_sum[h],
-                                                  acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
-            }
-            if constexpr (kTmaStoreO) {
-                fence_proxy_async_smem();   // the staged rows, visible to the TMA engine
-                named_barrier_sync(kOStagedBarrier + cw, 128);
-                if ((threadIdx.x & 127) == 0) {
-                    const u32 rows = sQ + qb * Tile::kQBytes + cw * 64 * 128;
-#pragma unroll
-                    for (int cb = 0; cb < kPadV / 64; ++cb)
-                        tma_store_4d(tma_o, rows + cb * kBlockM * 128, cb * 64, m_block * kBlockM + cw * 64, head,
-                                     batch);
-                    bulk_commit_group();
-                    if constexpr (kQBuffers == 2) {
-                        o_store_buffer = qb;
-                    } else {
-                        bulk_wait_read();
-                    }
-                }
-            } else {
-            named_barrier_sync(kOStagedBarrier + cw, 128);
-            constexpr int kChunks = kPadV / 8;   // 16-byte chunks of a row
-            const int row_base = m_block * kBlockM + cw * 64;
-#pragma unroll
-            for (int k = 0; k < 64 * kChunks / 128; ++k) {
-                const int idx = k * 128 + (threadIdx.x & 127);
-                const int r = idx / kChunks, c = idx % kChunks;
-                if (row_base + r < p.seqlen_q && c * 8 < kHeadDim)
-                    *reinterpret_cast<uint4*>(gO + (row_base + r) * p.o_row_stride + c * 8) =
-                        *reinterpret_cast<const uint4*>(sO + (c / 8) * kBlockM * 128 + r * 128
-                                                        + (((c % 8) ^ (r % 8)) * 16));
-            }
-            }
-        }
-        if (kPersistent && o_store_buffer != qb) mbar_arrive(smem.q_empty(qb));
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        if (row < p.seqlen_q) {
-            if constexpr (!kStageO) {
-                u16* o_row = gO + row * p.o_row_stride;
-#pragma unroll
-                for (int j = 0; j < kPadV / 8; ++j) {
-                    const int col = 8 * j + 2 * t4;
-                    if (col < kHeadDim)
-                        *reinterpret_cast<u32*>(o_row + col) = ElemTraits<OutTag>::pack2(
-                            acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]);
-                }
-            }
-            if (p.lse != nullptr && t4 == 0)
-                p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
-        }
-    }
+    fwd_epilogue<Tile, kQBuffers, kPersistent>(p, smem, tma_o, acc_o, inv_sum, lse, m_block, head, batch, qb, cw, idle,
+                                               row0, o_store_buffer);
     CUFLASH_FWD_TRACE(4, clock64());
     }  // tiles
 }
