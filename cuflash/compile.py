@@ -143,8 +143,8 @@ def smem_bytes_offline_many(configs, cc: str, defines: tuple[str, ...] = ()) -> 
             out[c] = 0
         else:
             groups.setdefault((c.source, compile_options(c, cc)), []).append(c)
-    for (source, options), group in groups.items():
-        opts = [f"-arch=compute_{cc}"] + list(options[1:]) + list(defines)   # PTX: no ptxas, no GPU
+    for (source, family_opts), group in groups.items():
+        opts = [f"-arch=compute_{cc}"] + list(family_opts[1:]) + list(defines)   # PTX: no ptxas, no GPU
         exprs = sorted({c.smem_expression() for c in group})
         prog = nvrtc.createProgram(load_source(source), source, [], [])
         try:
