@@ -44,7 +44,7 @@ def peer(name: str):
     if not has_cuda:
         pytest.skip("PyTorch with CUDA is not installed")
     if name == "fa4":
-        pytest.skip(f"{fa4_status()}; install it (scripts/device_run.sh fa4setup) and point $CUFLASH_FA4_PATH at it")
+        pytest.skip(f"{fa4_status()}; install it (dev/device_run.sh fa4setup) and point $CUFLASH_FA4_PATH at it")
     pytest.skip(f"{name} is not available")
 
 

@@ -121,8 +121,10 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs,
                                     opts=opts)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
-            cfg = heuristics.fit_shared_memory(cfg, smem_limit, smem_bytes)
-        plan = _fwd_plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg, smem_bytes(cfg))
+            cfg = heuristics.fit_shared_memory(cfg, smem_limit,
+                                               lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
+        plan = _fwd_plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
+                                  smem_bytes(cfg, device_id, opts.nvrtc_defines))
     return plan
 
 
@@ -342,7 +344,8 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id
         cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend,
                                       short=short, opts=opts)
         plan = _bwd_plans[key] = tuple(
-            None if c is None else (get_kernel(c, device_id, opts.nvrtc_defines), c, smem_bytes(c))
+            None if c is None else (get_kernel(c, device_id, opts.nvrtc_defines), c,
+                                    smem_bytes(c, device_id, opts.nvrtc_defines))
             for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq, cfgs.postprocess))
     return plan
 

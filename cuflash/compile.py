@@ -71,6 +71,12 @@ def arch_option(cc: str) -> str:
     return f"-arch=sm_{cc}"
 
 
+def target(config: KernelConfig, cc: int) -> str:
+    """The compute capability that ``config`` is built for on a device of ``cc`` (e.g. 90): "90a" for the
+    families that need the arch-specific target (wgmma, setmaxnreg), else "90"."""
+    return f"{cc}a" if config.fam.arch_specific else str(cc)
+
+
 def compile_options(config: KernelConfig, cc: str) -> tuple[str, ...]:
     """NVRTC options for one kernel family on compute capability ``cc`` ("80", "90a", ...)."""
     return (arch_option(cc), "-std=c++17", "-DCUFLASH_SOURCE_" + config.family,
@@ -82,7 +88,7 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     """Compile one instantiation with NVRTC, without a GPU: returns (cubin or PTX, log).
 
     Used by the CPU tests (every instantiation must build for sm_80 and sm_90a
-    without register spills) and, disassembled, to read SASS (cuflash.sass). Options
+    without register spills) and, disassembled, to read SASS (tests/sass_tools.py). Options
     match what the dispatcher passes, plus the ``-ftz=true`` that CuPy adds.
     """
     from cupy.cuda import nvrtc
@@ -106,3 +112,68 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
         return (nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)), log
     finally:
         nvrtc.destroyProgram(prog)
+
+
+# A compiled module holds `.global .align 4 .u32 <lowered name> = <value>;` for each variable it was asked for.
+_PTX_INT_RE = r"\s*=\s*(-?\d+)\s*;"
+
+
+def missing_smem_variable(config: KernelConfig, log: str) -> str | None:
+    """The message for a compile whose ``log`` says that the kernel source lacks the variable of
+    ``config.smem_expression()``, else None."""
+    name = f"{config.fam.kernel}_smem_bytes"
+    if not re.search(rf'identifier "{name}" is undefined', log):
+        return None
+    return (f"kernels_cu/{config.source} defines no `{name}`: a kernel family with dynamic shared memory "
+            f"(Family.dynamic_smem) exports its size as `__device__ const int {name}<the kernel's template "
+            f"parameters>`, which the dispatcher reads from the compiled module")
+
+
+def smem_bytes_offline_many(configs, cc: str, defines: tuple[str, ...] = ()) -> dict[KernelConfig, int]:
+    """Dynamic shared memory of each config, as its kernel source computes it (``<kernel>_smem_bytes``), without
+    a GPU: the variables alone are compiled to PTX (one NVRTC program per source; each takes ~0.1 s) for
+    compute capability ``cc`` ("80", "90a", ...) with the NVRTC ``defines`` (Options.nvrtc_defines) of the
+    build. Configs whose family has none (Family.dynamic_smem) get 0."""
+    from cupy.cuda import nvrtc
+
+    out: dict[KernelConfig, int] = {}
+    groups: dict[tuple, list[KernelConfig]] = {}   # one program per source and options (as the dispatcher's)
+    for c in configs:
+        if c.smem_expression() is None:
+            out[c] = 0
+        else:
+            groups.setdefault((c.source, compile_options(c, cc)), []).append(c)
+    for (source, family_opts), group in groups.items():
+        opts = [f"-arch=compute_{cc}"] + list(family_opts[1:]) + list(defines)   # PTX: no ptxas, no GPU
+        exprs = sorted({c.smem_expression() for c in group})
+        prog = nvrtc.createProgram(load_source(source), source, [], [])
+        try:
+            for e in exprs:
+                nvrtc.addNameExpression(prog, e)
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError as e:
+                log = nvrtc.getProgramLog(prog)
+                for message in filter(None, (missing_smem_variable(c, log) for c in group)):
+                    raise RuntimeError(message) from e
+                raise RuntimeError(f"NVRTC failed for the shared-memory sizes of kernels_cu/{source} on "
+                                   f"compute_{cc}:\n{log}") from e
+            ptx = nvrtc.getPTX(prog)
+            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+            values = {}
+            for e in exprs:
+                m = re.search(re.escape(nvrtc.getLoweredName(prog, e)) + _PTX_INT_RE, ptx)
+                if m is None:
+                    raise RuntimeError(f"the PTX of kernels_cu/{source} holds no value for {e}")
+                values[e] = int(m.group(1))
+        finally:
+            nvrtc.destroyProgram(prog)
+        out.update({c: values[c.smem_expression()] for c in group})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def smem_bytes_offline(config: KernelConfig, cc: str, defines: tuple[str, ...] = ()) -> int:
+    """Dynamic shared memory of one CTA of ``config`` built for ``cc`` ("80", "90a", ...) with ``defines``,
+    read from its kernel source without a GPU (smem_bytes_offline_many); 0 where the family has none."""
+    return smem_bytes_offline_many([config], cc, tuple(defines))[config]

@@ -40,6 +40,10 @@ class Family:
     # order: deterministic); None for other kernels.
     dq_mode: str | None = None
     fp8: bool = False             # e4m3 inputs, V transposed (cuflash/fp8.py)
+    # Whether the kernel takes dynamic shared memory: its source then exports the size as
+    # ``<kernel>_smem_bytes<same template arguments>`` (KernelConfig.smem_expression), which the dispatcher
+    # reads from the compiled module (dispatch.smem_bytes); False: none (the aux kernels).
+    dynamic_smem: bool = True
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("direction", self.direction, DIRECTIONS), ("backend", self.backend, BACKENDS),
@@ -47,7 +51,7 @@ class Family:
                                       ("dq_mode", self.dq_mode, (None,) + DQ_MODES)):
             if value not in allowed:
                 raise ValueError(f"Family {self.name!r}: {field} must be one of {allowed}, got {value!r}")
-        for field in ("persistent", "fp8", "arch_specific"):
+        for field in ("persistent", "fp8", "arch_specific", "dynamic_smem"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"Family {self.name!r}: {field} must be a bool, got {getattr(self, field)!r}")
         if isinstance(self.cluster, bool) or not isinstance(self.cluster, int) or self.cluster < 1:
@@ -75,7 +79,7 @@ def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None,
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
-    return Family(name, source, kernel, min_cc, False, template)
+    return Family(name, source, kernel, min_cc, False, template, dynamic_smem=False)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -180,6 +184,14 @@ class KernelConfig:
 
     def name_expression(self) -> str:
         return f"{self.fam.kernel}<{', '.join(str(a) for a in self.template_args())}>"
+
+    def smem_expression(self) -> str | None:
+        """NVRTC name expression of the kernel's dynamic shared-memory size, ``&<kernel>_smem_bytes<template
+        arguments>`` (a ``__device__ const int`` variable template beside the kernel), or None where the
+        family takes none (Family.dynamic_smem)."""
+        if not self.fam.dynamic_smem:
+            return None
+        return f"&{self.fam.kernel}_smem_bytes<{', '.join(str(a) for a in self.template_args())}>"
 
     def key(self) -> str:
         return (f"{self.family}:{self.dtype}:d{self.head_dim}:{'causal' if self.causal else 'full'}:"

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import cupy
 
 from . import options
-from .compile import compile_options, load_source
+from .compile import compile_options, load_source, missing_smem_variable, smem_bytes_offline, target
 from .config import KernelConfig
 
 # Compiles hold the lock of their key only, so that threads asking for different kernels on a cold start
@@ -22,6 +22,7 @@ _lock = threading.Lock()          # guards _key_locks and the reads of _modules
 _key_locks: dict[tuple, threading.Lock] = {}
 _kernels: dict[tuple[str, int], "cupy.RawKernel"] = {}
 _modules: dict[tuple, "cupy.RawModule"] = {}   # same keys: diagnostic builds read module globals
+_smem: dict[tuple, int] = {}   # same keys: the kernel's dynamic shared memory, read from its module
 _device_info: dict[int, tuple[int, int]] = {}
 
 
@@ -36,17 +37,44 @@ def device_info(device_id: int) -> tuple[int, int]:
     return info
 
 
-def smem_bytes(config: KernelConfig) -> int:
-    """Dynamic shared memory of one CTA."""
-    from .launch import SMEM_BYTES  # family -> function(config)
+def smem_bytes(config: KernelConfig, device_id: int | None = None, defines: tuple[str, ...] | None = None) -> int:
+    """Dynamic shared memory of one CTA, as the kernel's source computes it (``<kernel>_smem_bytes``, Family.
+    dynamic_smem): read from the module where the kernel is compiled for ``device_id`` with ``defines``
+    (default: Options.nvrtc_defines), else from the source without a GPU (compile.smem_bytes_offline, ~0.1 s
+    once per config; for device_id None, built for the family's own target: sm_80, or sm_90a). Plan time
+    only: nothing on the per-call path calls this."""
+    if not config.fam.dynamic_smem:
+        return 0
+    extra = options.current().nvrtc_defines if defines is None else tuple(defines)
+    if device_id is None:
+        return smem_bytes_offline(config, target(config, max(config.fam.min_cc, 80)), extra)
+    found = _smem.get((config.key(), device_id, extra))
+    if found is not None:
+        return found
+    return smem_bytes_offline(config, target(config, device_info(device_id)[0]), extra)
 
-    return SMEM_BYTES[config.family](config)
+
+def _module_int(module: "cupy.RawModule", expr: str, device_id: int) -> int:
+    """The int32 that the variable of name expression ``expr`` holds in a loaded module: a 4-byte copy on the
+    setup stream (capture.setup_stream), so that nothing lands in a graph being captured."""
+    import numpy as np
+    from cupy.cuda import runtime
+
+    from .capture import setup_stream
+
+    lowered = module.module.mapping[expr]
+    ptr = module.get_global(lowered)
+    host = np.zeros(1, np.int32)
+    stream = setup_stream(device_id)
+    runtime.memcpyAsync(host.ctypes.data, ptr.ptr, 4, runtime.memcpyDeviceToHost, stream.ptr)
+    stream.synchronize()
+    return int(host[0])
 
 
 def get_kernel(config: KernelConfig, device_id: int, defines: tuple[str, ...] | None = None) -> "cupy.RawKernel":
     """The compiled kernel for ``config`` on ``device_id``, compiled on first use. ``defines``: extra
-    NVRTC options (default: Options.nvrtc_defines, a tuning knob such as "-DBWD_KK_UNROLL=1"), part of
-    the cache key."""
+    NVRTC options (default: Options.nvrtc_defines, e.g. a diagnostic build's
+    "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS"), part of the cache key."""
     extra = options.current().nvrtc_defines if defines is None else tuple(defines)
     key = (config.key(), device_id, extra)
     kern = _kernels.get(key)
@@ -62,30 +90,39 @@ def get_kernel(config: KernelConfig, device_id: int, defines: tuple[str, ...] | 
 
 
 def _compile(config: KernelConfig, device_id: int, key: tuple, extra: tuple) -> "cupy.RawKernel":
-    """Compiles (or loads from CuPy's cache) and publishes one kernel; the caller holds its key's lock."""
+    """Compiles (or loads from CuPy's cache) and publishes one kernel; the caller holds its key's lock. The
+    module holds the kernel and its shared-memory size (``config.smem_expression()``), read once here."""
     cc, smem_limit = device_info(device_id)
     fam = config.fam
     if cc < fam.min_cc:
         raise RuntimeError(f"cuflash kernel family {fam.name} needs compute capability "
                            f">= {fam.min_cc / 10:.1f}; this device has {cc / 10:.1f}")
-    smem = smem_bytes(config)
-    if smem > smem_limit:
-        raise RuntimeError(f"{config.key()} needs {smem} bytes of shared memory; "
-                           f"the device allows {smem_limit}")
     # CuPy appends -arch=sm_<cc> itself; name the arch only where the family
     # needs the arch-specific target (sm_90a: wgmma, setmaxnreg).
-    options = compile_options(config, f"{cc}a" if fam.arch_specific else str(cc))
+    options = compile_options(config, target(config, cc))
     if not fam.arch_specific:
         options = tuple(o for o in options if not o.startswith("-arch="))
     options += extra
+    smem_expr = config.smem_expression()
+    names = [config.name_expression()] + ([smem_expr] if smem_expr else [])
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=load_source(config.source), options=options,
-                                name_expressions=[config.name_expression()])
-        kern = module.get_function(config.name_expression())
+        module = cupy.RawModule(code=load_source(config.source), options=options, name_expressions=names)
+        try:
+            kern = module.get_function(config.name_expression())
+        except cupy.cuda.compiler.CompileException as e:
+            message = smem_expr and missing_smem_variable(config, str(e))
+            if message:
+                raise RuntimeError(message) from e
+            raise
+        smem = _module_int(module, smem_expr, device_id) if smem_expr else 0
+        if smem > smem_limit:
+            raise RuntimeError(f"{config.key()} needs {smem} bytes of shared memory; "
+                               f"the device allows {smem_limit}")
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
     with _lock:
         _modules[key] = module
+    _smem[key] = smem
     _kernels[key] = kern   # last: a thread that finds it finds it ready
     return kern
 

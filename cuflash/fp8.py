@@ -204,7 +204,8 @@ def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False):
             raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
                                f"{cc / 10:.1f}")
         cfg = heuristics.fp8_fwd_config(head_dim, causal, short, opts)
-        plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg, smem_bytes(cfg))
+        plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
+                              smem_bytes(cfg, device_id, opts.nvrtc_defines))
     return plan
 
 

@@ -17,7 +17,7 @@ TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = 256
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
-_SM80_FWD = {  # scripts/tune_fwd.py
+_SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TILES
     32: (128, 128, 4),
     64: (128, 128, 4),
     96: (128, 32, 4),
@@ -289,7 +289,8 @@ _SM80_BWD_DQ = {
 # dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids; kernels_cu/sm80/bwd.cu
 # bwd_dkdv2_*), the default where it applies: head-dim bucket -> tiles, both modes, for devices with
 # >= 200 KB of shared memory per block (sm_90, sm_100); other buckets and devices keep version 1.
-# A third to a half faster than version 1 at d=64 / 128 (scripts/bench_bwd_v2.py); (128,128,8) would
+# A third to a half faster than version 1 at d=64 / 128 (dev/ab.py run bwd "@CUFLASH_BWD_BACKEND=sm80"
+# "@CUFLASH_BWD_BACKEND=sm80 @CUFLASH_SM80_BWD_VARIANT=1"); (128,128,8) would
 # be faster still but spills 8 bytes. Its dQ reductions are the limiter now.
 _SM80_BWD_DKDV2 = {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)}
 
@@ -318,8 +319,8 @@ _SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64
              192: (64, 64, 12), 256: (64, 64, 12)}
 # The sm90 backward's dQ slices reach global memory through shared memory and one bulk reduce per slice
 # into a tiled dq_accum (the deterministic mode: the same, in a fixed order). That replaced red.global.add
-# per element pair (the atomic mode, deleted): 9-33 % faster (scripts/bench_sm90_bwd_dq.py); the ordered
-# mode is still 1.2-1.7x the portable deterministic kernels.
+# per element pair (the atomic mode, deleted): 9-33 % faster (a dQ-mode A/B, now dev/ab.py run bwd with
+# @CUFLASH_SM90_BWD_DQ variants); the ordered mode is still 1.2-1.7x the portable deterministic kernels.
 
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)

@@ -148,7 +148,7 @@ class TileCounterPool:
 
 class FixedCounter:
     """One caller-given buffer as every launch's counter: for diagnostic builds that need a larger one
-    (scripts/fwd_trace.py: -DCUFLASH_SM90_FWD_TRACE stamps after the two ints), one stream only."""
+    (dev/trace.py fwd: -DCUFLASH_SM90_FWD_TRACE stamps after the two ints), one stream only."""
 
     def __init__(self, device_id: int, address: int) -> None:
         self.device_id, self.address = device_id, address

@@ -4,7 +4,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cuflash.compile import _inline, compile_offline, load_source
+from cuflash.compile import _inline, compile_offline, load_source, smem_bytes_offline_many
+
+# Shared memory of an H100 (sm_90): opt-in bytes per block, and per SM (each resident block also takes 1 KB
+# of it for the system), so that two blocks of a tile built for two per SM fit in TWO_CTA_SMEM bytes each.
+H100_SMEM_OPTIN = 232448
+H100_SMEM_PER_SM = 233472
+TWO_CTA_SMEM = H100_SMEM_PER_SM // 2 - 1024
 
 # Test-only kernels (tests/test_sm90_primitives.py) live beside the tests, so that the wheel carries
 # only what the library runs; they include cuflash's sm90 headers by relative path.
@@ -35,6 +41,12 @@ def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
         except (AssertionError, RuntimeError) as e:
             failures.append(str(e)[:2000])
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+
+
+def kernel_smem(configs, cc: str) -> dict:
+    """{config: dynamic shared memory as its kernel reports it (<kernel>_smem_bytes)}, read from the PTX of
+    those variables alone (one NVRTC program per source: ~0.1 s)."""
+    return smem_bytes_offline_many(list(configs), cc)
 
 
 def assert_static_checks(source: str, checks, options) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from cuflash import heuristics, params
 from cuflash.compile import load_source
-from compile_checks import assert_all_compile
+from compile_checks import assert_all_compile, kernel_smem
 
 from cupy.cuda import nvrtc  # noqa: E402  (CPU-only: NVRTC needs no GPU)
 
@@ -88,16 +88,34 @@ def test_fast_packing_matches_numpy_field_assignment(struct):
 SMALL_SMEM_LIMITS = [99 * 1024, 163 * 1024]
 
 
-def test_fit_shared_memory_shrinks_until_it_fits():
+def test_fit_shared_memory_shrinks_until_the_kernel_fits():
+    """fit_shared_memory on the sizes the kernels report (dispatch.smem_bytes without a GPU: the PTX of each
+    <kernel>_smem_bytes): a tuned portable tile over a smaller device's opt-in limit shrinks, its kernel's
+    size falling at every step, to the first tile within the limit; the tiles within it stay."""
     from cuflash.dispatch import smem_bytes
 
-    for cfg in heuristics.all_fwd_configs(cc=90):
+    configs = heuristics.all_fwd_configs(cc=90)
+    assert not any(c.fam.arch_specific for c in configs)   # the only tiles the forward ever fits
+    tuned = kernel_smem(configs, "80")
+    steps = []
+
+    def smem_of(c):
+        steps.append(c)
+        return tuned[c] if c in tuned else smem_bytes(c)
+
+    shrunk = 0
+    for cfg in configs:
         for limit in SMALL_SMEM_LIMITS:
-            fitted = heuristics.fit_shared_memory(cfg, limit, smem_bytes)
-            assert smem_bytes(fitted) <= limit
+            steps.clear()
+            fitted = heuristics.fit_shared_memory(cfg, limit, smem_of)
+            chain = list(dict.fromkeys(steps))
+            sizes = [smem_of(c) for c in chain]
+            assert chain[0] == cfg and chain[-1] == fitted, cfg.key()
+            assert sizes[-1] <= limit and all(s > limit for s in sizes[:-1]), (cfg.key(), limit, sizes)
+            assert all(a > b for a, b in zip(sizes, sizes[1:])), (cfg.key(), sizes)
             assert fitted.family == cfg.family and fitted.head_dim == cfg.head_dim
-            if smem_bytes(cfg) <= limit:
-                assert fitted == cfg
+            shrunk += fitted != cfg
+    assert shrunk, "some tuned tile exceeds a small limit"
 
 
 @pytest.mark.parametrize("limit", SMALL_SMEM_LIMITS)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from cuflash import heuristics, options
-from cuflash.config import FAMILIES
+from cuflash.config import FAMILIES, find_family
 
 family_of = FAMILIES.__getitem__
 
 import sass_tools as sass
-from compile_checks import assert_all_compile, assert_static_checks
+from compile_checks import H100_SMEM_OPTIN, TWO_CTA_SMEM, assert_all_compile, assert_static_checks, kernel_smem
 
 SM90_CONFIGS = heuristics.all_sm90_fwd_configs()  # the tuned table (CUFLASH_FWD_BACKEND=sm90)
 # One instantiation per distinct tile shape (padded head dim), both dtypes and masks.
@@ -133,24 +133,36 @@ def test_short_sequence_schedule(monkeypatch):
     assert heuristics.fwd_config("float16", 64, True, 90, short=True) == heuristics.fwd_config("float16", 64, True, 90)
 
 
-def test_python_q_buffers_match_the_sm90_fwd_kernel():
-    """launch.sm90_fwd_q_buffers (and so SMEM_BYTES) mirrors Sm90FwdTile::kQBuffersPersistent: two Q
-    buffers in the persistent kernels where shared memory allows (fp16/bf16 and fp8), one elsewhere."""
-    from cuflash import launch
+def test_kernel_smem_sizes_and_persistent_q_buffers():
+    """As each kernel reports it (<kernel>_smem_bytes): every tile fits the H100's opt-in shared memory;
+    a persistent kernel takes a second Q buffer (Sm90FwdTile::kQBytes and its two mbarriers) over the
+    one-CTA kernel of the same tile exactly where that still fits (fp16/bf16 and fp8), else the same size."""
+    from dataclasses import replace
+
     from cuflash.compile import arch_option
 
     tags = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float8_e4m3fn": "e4m3_tag"}
-    persistent = [c for b in ("sm90_simple_p", "sm90_overlap_p")
-                  for c in heuristics.all_sm90_fwd_configs(b)]
-    persistent += [c for c in heuristics.all_fp8_fwd_configs() if c.fam.persistent]
-    checks, counts = set(), set()
-    for c in persistent:
-        expected = launch.sm90_fwd_q_buffers(c)
-        counts.add(expected)
+    configs = SM90_CONFIGS + FORCED_CONFIGS + heuristics.all_fp8_fwd_configs()
+    configs += [c for b in ("sm90_simple_p", "sm90_overlap_p") for c in heuristics.all_sm90_fwd_configs(b)]
+    configs = list({c.key(): c for c in configs if c.fam.sm90_fwd}.values())
+    # The one-CTA kernel of each persistent one's tile (shared memory depends on the tile and persistence only).
+    single = {c: replace(c, family=find_family(backend="sm90", direction="fwd", schedule="overlap",
+                                                persistent=False, cluster=c.cluster, fp8=c.fam.fp8).name)
+              for c in configs if c.fam.persistent}
+    sizes = kernel_smem(configs + list(single.values()), "90a")
+    for c in configs:
+        limit = TWO_CTA_SMEM if c.num_warps == 8 and not c.fam.persistent else H100_SMEM_OPTIN
+        assert 1024 < sizes[c] <= limit, f"{c.key()} needs {sizes[c]} bytes (limit {limit})"
+    checks, buffers = set(), set()
+    for c, one in single.items():
         tile = f"Sm90FwdTile<{tags[c.dtype]}, {c.head_dim}, {c.block_m}, {c.block_n}, {c.num_warps}>"
-        checks.add(f'static_assert({tile}::kQBuffersPersistent == {expected}, "{c.key()}");')
-    assert counts == {1, 2}, "both cases covered"
-    assert all(launch.sm90_fwd_q_buffers(c) == 1 for c in SM90_CONFIGS if not c.fam.persistent)
+        extra = sizes[c] - sizes[one]
+        buffers.add(extra > 0)
+        if extra:   # a second Q buffer and its full / empty barriers
+            checks.add(f'static_assert({tile}::kQBytes + 16 == {extra}, "{c.key()}");')
+        else:       # one Q buffer: a second would not have fit
+            checks.add(f'static_assert({sizes[one]} + {tile}::kQBytes + 16 > {H100_SMEM_OPTIN}, "{c.key()}");')
+    assert buffers == {False, True}, "both cases covered"
     assert_static_checks("sm90/fwd.cu", checks, [arch_option("90a"), "-std=c++17"])
 
 

@@ -11,8 +11,17 @@ from cuflash import heuristics, launch
 from cuflash.config import FAMILIES, Family, KernelConfig, find_family
 
 
-def test_every_family_has_a_shared_memory_formula():
-    assert set(launch.SMEM_BYTES) == set(FAMILIES)
+def test_shared_memory_comes_from_the_kernels():
+    """The fwd / bwd kernels name their shared-memory variable (read from the module by dispatch.smem_bytes);
+    the aux kernels take none; nothing in launch.py sizes shared memory by hand any more."""
+    for fam in FAMILIES.values():
+        assert fam.dynamic_smem == (fam.direction != "aux"), fam.name
+    cfg = KernelConfig("sm90_fwd_overlap_p", "bfloat16", 128, True, 128, 128, 12)
+    assert cfg.smem_expression() == "&fwd_overlap_persistent_kernel_smem_bytes<bf16_tag, 128, 128, 128, 12, true>"
+    assert KernelConfig("bwd_preprocess", "float16", 0, False, 32, 0, 8).smem_expression() is None
+    assert not hasattr(launch, "SMEM_BYTES") and not hasattr(launch, "sm90_fwd_q_buffers")
+    with pytest.raises(TypeError):
+        Family("x", "sm80/fwd.cu", "fwd_kernel", 80, False, dynamic_smem=1)
 
 
 def test_typed_fields():

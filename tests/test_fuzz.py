@@ -8,7 +8,7 @@ or a size-1 batch with a stride TMA cannot take (the portable kernels, or the fo
 for an output). Forward (out, lse) and backward (dq, dk, dv) are checked against the float64 reference
 with the bounds of the other tests; output buffers are slices of NaN-filled buffers, and nothing outside
 the slice may change. Sizes are small, so the run takes about a minute once the kernels are compiled
-(scripts/precompile.py fwd bwd compiles every one of them; otherwise the cases' kernels are compiled first,
+(dev/precompile.py fwd bwd compiles every one of them; otherwise the cases' kernels are compiled first,
 on as many threads as there are cores).
 
     CUFLASH_FUZZ_SEED=<seed>  the run's seed (printed; default: a new one)

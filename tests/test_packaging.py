@@ -38,9 +38,12 @@ def test_wheel_contains_every_kernel_source(wheel):
 
 
 def test_wheel_holds_only_the_library(wheel):
-    """No tests (their kernels included), scripts or benchmarks; the license is in the metadata."""
+    """No tests (their kernels and the SASS reader included), development tools, examples or benchmarks; the
+    license is in the metadata."""
     names = zipfile.ZipFile(wheel).namelist()
-    assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "tools", "benchmarks", "docs")]
+    assert not [n for n in names if n.split("/")[0] in ("tests", "dev", "examples", "scripts", "tools", "benchmarks",
+                                                        "docs")]
+    assert not [n for n in names if n.split("/")[-1] in ("sass.py", "sass_tools.py", "gen_wgmma.py")], names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
 

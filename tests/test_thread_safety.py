@@ -50,6 +50,8 @@ def fake_compiler(monkeypatch):
     monkeypatch.setattr(dispatch, "device_info", lambda device_id: (90, 232448))
     monkeypatch.setattr(dispatch, "_kernels", {})
     monkeypatch.setattr(dispatch, "_modules", {})
+    monkeypatch.setattr(dispatch, "_smem", {})
+    monkeypatch.setattr(dispatch, "_module_int", lambda module, expr, device_id: 1024)   # no module to read
     monkeypatch.setattr(dispatch, "_key_locks", {})
     options.set(nvrtc_defines=())   # conftest restores the options after the test
     return dispatch

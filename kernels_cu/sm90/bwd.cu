@@ -868,3 +868,14 @@ CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dq_kernel, kDqAtomic)
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_kernel, kDqTile)
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 #undef CUFLASH_SM90_BWD_KERNEL
+
+// Each entry point's dynamic shared memory, <name>_smem_bytes<same template arguments> (the dispatcher reads
+// it from the compiled module): Sm90BwdTile::kSmemBytes after the base, and 1024 bytes of slack for the
+// base's alignment.
+#define CUFLASH_SM90_BWD_SMEM(name, mode)                                                                    \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>               \
+    __device__ const int name##_smem_bytes =                                                                   \
+        1024 + Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kSmemBytes;
+CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_kernel, kDqTile)
+CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
+#undef CUFLASH_SM90_BWD_SMEM
