@@ -1,0 +1,50 @@
+// The Hopper forward's tile order: which (query tile, head, batch) a CTA takes, and in what order.
+#pragma once
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+
+// Persistent tile order (kPersistent): tiles t = 0 .. num_m * heads_q * batch - 1, handed out
+// dynamically (CTA c starts with tile c, then takes the next one from a global counter). Without
+// the mask, query tiles of one (head, batch) are adjacent (they share K/V in L2). With it, the
+// (head, batch) pairs go in equal sections whose K/V fit in L2, and inside a section the longest
+// query tiles (most key tiles) come first, so that the short ones fill the tail.
+constexpr int kSectionMB = 32;   // L2 budget of one causal section of (head, batch) pairs, in MB
+// At most 32 (head, batch) pairs a section: the first wave of a section runs the longest query tile of
+// every pair in it, each loading its pair's K / V from DRAM for the first time, and with short sequences
+// a 32 MB section held 128 pairs or more (a burst that the CTAs of that wave all waited on).
+constexpr int kSectionPairs = 32;
+// Clusters of `cluster` CTAs (not causal): query tiles counted in whole clusters (the padding tiles have
+// no rows: their CTAs only load their share of K / V), so that a cluster's tiles share a (head, batch).
+struct PersistentOrder {
+    int num_m, num_hb, num_tiles, group;
+    __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row, int cluster = 1) {
+        num_m = (p.seqlen_q + block_m - 1) / block_m;
+        num_m = (num_m + cluster - 1) / cluster * cluster;
+        num_hb = p.heads_q * p.batch;
+        num_tiles = num_m * num_hb;
+        const long long kv_head = static_cast<long long>(p.seqlen_k) * kv_bytes_per_row;
+        const long long g = (static_cast<long long>(kSectionMB) << 20) / (kv_head > 0 ? kv_head : 1);
+        group = static_cast<int>(g < 1 ? 1 : (g > num_hb ? num_hb : g));
+        if (group > kSectionPairs) group = kSectionPairs;
+        const int sections = (num_hb + group - 1) / group;
+        group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
+    }
+    template <bool kIsCausal>
+    __device__ __forceinline__ void coords(int t, int heads_q, int& m_block, int& head, int& batch) const {
+        int hb;
+        if (!kIsCausal) {
+            m_block = t % num_m;
+            hb = t / num_m;
+        } else {
+            const int per_section = num_m * group;
+            const int section = t / per_section;
+            const int hb0 = section * group;
+            const int g = min(group, num_hb - hb0);
+            const int r = t - section * per_section;
+            m_block = num_m - 1 - r / g;
+            hb = hb0 + r % g;
+        }
+        head = hb % heads_q;
+        batch = hb / heads_q;
+    }
+};

@@ -1,0 +1,108 @@
+// The Hopper forward's tile shape, shared-memory layout, diagnostic hooks and fp8 scales.
+#pragma once
+#include "../common/numeric.cuh"
+#include "pipeline.cuh"
+
+// Consumer schedules: each warpgroup on its own, or with the softmax of one key tile
+// overlapping the P V product of the previous one.
+constexpr int kModeSimple = 0, kModeOverlap = 1;
+
+// fp8 V^T rows (the P V product's N): the head dim rounded up to a wgmma N of the tuned head dims
+// (cuflash/sm90.py: fp8_v_rows mirrors this).
+__host__ __device__ constexpr int fp8_v_rows(int head_dim) {
+    return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128
+         : head_dim <= 192 ? 192 : 256;
+}
+
+template <typename Tag_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Sm90FwdTile {
+    using Tag = Tag_;
+    static constexpr int kElemBytes = ElemTraits<Tag>::kBytes;
+    static constexpr bool kFp8 = kElemBytes == 1;
+    static constexpr int kHeadDim = kHeadDim_;
+    // Bytes of a swizzled Q / K row block: 128, or 64 for fp8 head dims <= 64 (the 64-byte swizzle,
+    // so that Q K^T does not run over 64 zero columns).
+    static constexpr int kRowBytes = kFp8 && kHeadDim <= 64 ? 64 : 128;
+    static constexpr int kBlockCols = kRowBytes / kElemBytes;   // columns of one row block
+    static constexpr int kHeadDimPad = (kHeadDim + kBlockCols - 1) / kBlockCols * kBlockCols;  // Q and K
+    static constexpr int kColBlocks = kHeadDimPad / kBlockCols;
+    // Columns of V and O: fp16 V is an MN-major B in 64-column blocks; fp8 V^T has one row per column.
+    static constexpr int kHeadDimV = kFp8 ? fp8_v_rows(kHeadDim) : kHeadDimPad;
+    static constexpr int kKeyStep = 32 / kElemBytes;        // keys per k-step of the P V product
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kConsumerWGs = kBlockM / 64;
+    static constexpr int kThreads = kNWarps_ * 32;
+    static constexpr int kStages = 2;
+    static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
+    static constexpr int kKBytes = kBlockN * kHeadDimPad * kElemBytes;
+    static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // V (fp16) or V^T (fp8) tile
+    static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;   // one ring slot
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+    // Persistent kernels: two Q buffers where shared memory allows (fwd_smem_bytes), so that
+    // the next tile's Q is loaded while the consumers finish this one, and a consumer warpgroup done
+    // with a tile starts the next without waiting for the others.
+    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int kQBuffersPersistent =
+        1024 + 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (5 + 4 * kStages) <= kSmemLimit ? 2 : 1;
+    static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
+    static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
+    static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: V^T tiles are whole 128-key (128-byte) rows");
+};
+
+// -DCUFLASH_SM90_FWD_TRACE (dev/trace.py fwd, persistent kernels only): clock64 stamps per CTA,
+// consumer warpgroup and tile (the first 16) after the two tile-counter ints: u64[(cta * 3 + cw) * 16 +
+// tile][8], slots 0 tile start, 1 Q landed, 2 first K landed, 3 key loop done, 4 epilogue done, 5 SM id,
+// 6 key tiles, 7 (warpgroup 0's record, written by the producer) first K load issued. A diagnostic build only.
+#ifdef CUFLASH_SM90_FWD_TRACE
+#define CUFLASH_FWD_TRACE(slot, value)                                                                       \
+    do {                                                                                                     \
+        if (kPersistent && (threadIdx.x & 127) == 0 && k_tile < 16)                                          \
+            reinterpret_cast<unsigned long long*>(tile_counter + 64)[((blockIdx.x * 3 + cw) * 16 + k_tile) * 8 \
+                                                                     + (slot)] = (value);                   \
+    } while (0)
+#else
+#define CUFLASH_FWD_TRACE(slot, value)
+#endif
+
+// -DCUFLASH_SM90_FWD_COUNT_FALLBACKS (tests): how often a warp left the kept-max fast path of the overlap
+// schedule, [0] re-based from its probabilities, [1] computed S again, and [2] how many key-tile steps it took
+// in the kept-max state; read back through the module global.
+#ifdef CUFLASH_SM90_FWD_COUNT_FALLBACKS
+__device__ unsigned long long cuflash_fwd_fallbacks[3];
+#define CUFLASH_FWD_COUNT(kind) \
+    do { if (lane == 0) atomicAdd(cuflash_fwd_fallbacks + (kind), 1ull); } while (0)
+#else
+#define CUFLASH_FWD_COUNT(kind)
+#endif
+
+// fp8 only: the per-tensor scales of the e4m3 inputs (x = x8 * descale), float32 scalars on the device.
+struct Fp8Descale {
+    const float* q = nullptr;
+    const float* k = nullptr;
+    const float* v = nullptr;
+};
+
+// Shared memory, from a 1024-byte aligned base (the swizzle atoms' alignment): kQBuffers Q tiles, the K and V
+// rings (kStages slots each), then the mbarriers and (persistent) the tile slots by which the producer hands
+// each Q buffer's tile index to the consumers.
+template <class Tile, int kQBuffers>
+struct FwdSmem {
+    static constexpr int kStages = Tile::kStages;
+    u32 q, k, v, bars;
+    __device__ __forceinline__ explicit FwdSmem(const char* smem_raw) {
+        q = (smem_u32(smem_raw) + 1023) & ~1023u;
+        k = q + kQBuffers * Tile::kQBytes;
+        v = k + kStages * Tile::kKVBytes;
+        bars = v + kStages * Tile::kKVBytes;
+    }
+    __device__ __forceinline__ u32 q_full(int b) const { return bars + 8 * b; }   // Q buffer b (and its tile slot) loaded
+    __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (kQBuffers + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (kQBuffers + kStages + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (kQBuffers + 2 * kStages + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (kQBuffers + 3 * kStages + s); }
+    // Persistent: Q buffer b (and its tile slot) free again.
+    __device__ __forceinline__ u32 q_empty(int b) const { return bars + 8 * (kQBuffers + 4 * kStages + b); }
+};
