@@ -30,7 +30,7 @@ _AUX_WARPS = 8
 
 
 def v_rows(head_dim: int) -> int:
-    """Rows of the kernel's V^T tile: the head dim rounded up to a tuned head dim (fwd.cu fp8_v_rows)."""
+    """Rows of the kernel's V^T tile: the head dim rounded up to a tuned head dim (kernels_cu/sm90/fwd_tile.cuh fp8_v_rows)."""
     return heuristics.head_dim_bucket(head_dim)
 
 

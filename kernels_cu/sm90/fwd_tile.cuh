@@ -8,7 +8,7 @@
 constexpr int kModeSimple = 0, kModeOverlap = 1;
 
 // fp8 V^T rows (the P V product's N): the head dim rounded up to a wgmma N of the tuned head dims
-// (cuflash/sm90.py: fp8_v_rows mirrors this).
+// (cuflash/fp8.py: v_rows mirrors this, for the layout of V^T it writes).
 __host__ __device__ constexpr int fp8_v_rows(int head_dim) {
     return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128
          : head_dim <= 192 ? 192 : 256;
