@@ -184,11 +184,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
                                          Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
     constexpr int kPadV = Tile::kHeadDimV;
-    using OutTag = typename ElemTraits<Tag>::OutTag;
     static_assert(kCluster == 1 || (!kIsCausal && !Tile::kFp8 && Tile::kColBlocks % kCluster == 0),
                   "clusters: not causal, 16-bit, whole column blocks per CTA");
     // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
@@ -203,25 +201,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 
     extern __shared__ char smem_raw[];
     const FwdSmem<Tile, kQBuffers> smem(smem_raw);
-    const u32 sQ = smem.q, sK = smem.k, sV = smem.v, bars = smem.bars;
+    const u32 bars = smem.bars;
     // Persistent: the tile the producer hands to the consumers with each Q (>= num_tiles: done), per buffer.
     volatile int* tile_slot =
         reinterpret_cast<volatile int*>(smem_raw + (bars + 8 * (2 * kQBuffers + 4 * kStages) - smem_u32(smem_raw)));
 
     const PersistentOrder order(p, kBlockM, (kPad + kPadV) * Tile::kElemBytes, kCluster);
-    const int num_tiles = order.num_tiles;
-    // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the
-    // persistent order (longest query tiles first within L2-sized sections of heads), so that the
-    // last wave holds short tiles and the waves in flight share K/V in L2.
-    auto grid_coords = [&](int& m_block, int& head, int& batch) {
-        if constexpr (kIsCausal) {
-            order.template coords<true>(static_cast<int>(blockIdx.x), p.heads_q, m_block, head, batch);
-        } else {
-            m_block = blockIdx.x;
-            head = blockIdx.y;
-            batch = blockIdx.z;
-        }
-    };
     // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
     // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
     const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);

@@ -16,9 +16,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
     const int warp, const int t4, const int m_block, const int row0) {
     using Math = FwdMath<Tile, kMode>;
     using Tag = typename Tile::Tag;
-    constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages, kPad = Tile::kHeadDimPad;
+    constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
-    constexpr bool kQInRegs = Math::kQInRegs;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     auto release_kv = [&](u32 bar) {
         if constexpr (kCluster == 1) {
@@ -77,9 +76,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     const int k_tile, int* tile_counter) {
     using Math = FwdMath<Tile, kMode>;
     using Tag = typename Tile::Tag;
-    constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages, kPad = Tile::kHeadDimPad;
+    constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
-    constexpr bool kQInRegs = Math::kQInRegs;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     auto release_kv = [&](u32 bar) {
         if constexpr (kCluster == 1) {
