@@ -38,9 +38,9 @@
 #include "pipeline.cuh"
 
 // How a CTA's dQ slices reach global memory (see the header comment).
-enum Sm90DqMode { kDqAtomic = 0, kDqTile = 1, kDqTileOrdered = 2 };
+enum Sm90DqMode { kDqTile = 1, kDqTileOrdered = 2 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDqMode_ = kDqAtomic>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDqMode_>
 struct Sm90BwdTile {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
@@ -71,17 +71,9 @@ struct Sm90BwdTile {
     // products take that half (SS, MN-major A). -DCUFLASH_SM90_BWD_DUP_SDP builds the earlier form:
     // both warpgroups compute all of S^T / dP^T and each stores the whole dS into its own buffers, so
     // that they need no common barrier (-DCUFLASH_SM90_BWD_SHARED_DS there: one dS, half stored by each).
-#ifdef CUFLASH_SM90_BWD_DUP_SDP
-    static constexpr bool kSplitSdP = false;
-#else
     static constexpr bool kSplitSdP = kSplitD;
-#endif
     // 64 x 64 16-bit buffers per step parity: dS (common or one per warpgroup); kSplitSdP: dS and P^T.
-#ifdef CUFLASH_SM90_BWD_SHARED_DS
-    static constexpr int kDsCopies = kSplitSdP ? 2 : 1;
-#else
     static constexpr int kDsCopies = kSplitD ? 2 : 1;
-#endif
     // dQ slice of a consumer warpgroup: with 64-row query tiles, all rows and 1 / kConsumerWGs of the
     // columns; with 128-row tiles, 64 rows and all columns.
     static constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / kConsumerWGs : kHeadDimPad;
@@ -94,8 +86,8 @@ struct Sm90BwdTile {
     // Split-D tiles have no shared memory left for the slices (231 KB at d=256): a warpgroup's slice
     // (64 x 128 floats) goes into the Q (warpgroup 0) or dO (1) buffer of the step's ring stage once
     // both warpgroups are done with it, and the stage is freed when the bulk reduce has read it.
-    static constexpr bool kDqInRing = kSplitD && kDqMode != kDqAtomic;
-    static constexpr int kDqStageBytes = kDqMode == kDqAtomic || kDqInRing ? 0 : kConsumerWGs * kDqSliceFloats * 4;
+    static constexpr bool kDqInRing = kSplitD;
+    static constexpr int kDqStageBytes = kDqInRing ? 0 : kConsumerWGs * kDqSliceFloats * 4;
     // kv, q_full / do_full / empty per stage, dq_full / dq_empty per consumer warpgroup.
     static constexpr int kBarriers = 1 + 3 * kStages + 2 * kConsumerWGs;
     // setmaxnreg moves registers within the CTA's launch allocation (65536 / kCtasPerSm / threads each):
@@ -115,10 +107,6 @@ struct Sm90BwdTile {
     static_assert(kDqCols % 16 == 0 && kDqCols <= 128, "dQ slice");
     static_assert(!kDqInRing || kDqSliceFloats * 4 == kQBytes, "split-D dQ slice: one Q / dO ring buffer");
 };
-
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
 
 // The ordered dQ mode stores each query tile's first slice (order 0) instead of adding it, so that the
 // preprocess need not zero those sums; 0 adds it too (a negative control for the tests).
@@ -434,7 +422,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                     tma_load_4d(do_dst + cb * kBlockM * 128, &tma_do, bar_do_full(stage), cb * 64, m0, head, batch);
                 bulk_load(sStat + (kStages + stage) * kBlockM * 4, stats + p.stat_rows, kStatBytes, bar_do_full(stage));
             }
-        } else if (kDqMode != kDqAtomic && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
+        } else if (kDqMode != 0 && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
                    && steps.n_iter > 0) {
             // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after
             // the key tiles before this one, and released when its writes are performed).
@@ -452,7 +440,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // as soon as the store is performed, before any wait on another CTA's flag: no wait is circular.
             int tile_next = slice_index(0);
             // (Not the causal split-D tiles: the value read ahead spills this 24-register warp at D=192.)
-            constexpr bool kClaimEarly = kClaim && CUFLASH_SM90_BWD_CLAIM_EARLY && !(kIsCausal && Tile::kDqInRing);
+            constexpr bool kClaimEarly = kClaim && !(kIsCausal && Tile::kDqInRing);
             int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
             for (int i = 0; i < steps.n_iter; ++i) {
                 const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? sQ : sdO) + (i % kStages) * Tile::kQBytes
@@ -475,9 +463,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                                             : n_block;
                 bool first = CUFLASH_SM90_BWD_FIRST_STORE && order == 0;
                 if constexpr (kDqMode == kDqTileOrdered) {
-#ifndef CUFLASH_SM90_BWD_PROBE_NO_ORDER_WAIT   // a timing probe only: the order is then lost
                     semaphore_wait(sem, order);
-#endif
                     fence_proxy_async_global();
                 } else if constexpr (kClaim) {
                     first = seen == 0;
@@ -491,9 +477,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 bulk_wait_read();
                 mbar_arrive(Tile::kDqInRing ? bar_empty(i % kStages) : bar_dq_empty(cw));
                 if (kDqMode == kDqTileOrdered || (kClaim && first)) {
-#ifndef CUFLASH_SM90_BWD_PROBE_NO_WAIT_ALL   // a timing probe only: the release may then come early
                     bulk_wait_all();
-#endif
                     fence_proxy_async_global();
                     semaphore_release_add(sem, kDqMode == kDqTileOrdered ? 1 : kDqSliceReady);
                 }
@@ -505,9 +489,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // Each reduce has read its slice (wait_group.read above), so the CTA's shared memory may go;
             // the adds themselves complete before the grid does, so the CTA need not wait for them
             // (as a TMA store's epilogue does not).
-#ifdef CUFLASH_SM90_BWD_EXIT_WAIT_ALL
-            bulk_wait_all();
-#endif
             if (cw == 0) CUFLASH_BWD_TRACE(6, clock64());
         }
     } else {
@@ -537,23 +518,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 #pragma unroll
         for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
 
-        // dq_accum += a dQ slice (atomic mode); dst: the row of this thread's first query (query row + 8:
-        // h = 1), rows_valid: seqlen_q minus that row. Register 4j + e: query + 8 (e >> 1), column
-        // dq_col0 + 8j + 2 t4.
-        auto store_dq = [&](const float (&acc_dq)[kDqCols / 2], float* dq_dst, int dq_rows_valid) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (8 * h < dq_rows_valid) {
-                    float* dst = dq_dst + 8 * h * p.head_dim;
-#pragma unroll
-                    for (int j = 0; j < kDqCols / 8; ++j) {
-                        const int col = dq_col0 + 8 * j + 2 * t4;
-                        if (col < p.head_dim) red_add_v2(dst + col, acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
-                    }
-                }
-            }
-        };
-
         if (steps.n_iter > 0) mbar_wait(bar_kv, 0);
         if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
         for (int i = 0; i < steps.n_iter; ++i) {
@@ -563,7 +527,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             const int stage = i % kStages;
             const u32 parity = (i / kStages) & 1;
             const u32 q_src = sQ + stage * Tile::kQBytes, do_src = sdO + stage * Tile::kQBytes;
-            const u32 ds_buf = sdS + ((i & 1) * Tile::kDsCopies + (Tile::kDsCopies == 2 && !kSplitSdP ? cw : 0))
+            const u32 ds_buf = sdS + ((i & 1) * Tile::kDsCopies + 0)
                                          * Tile::kDsBytes;
             const u32 p_buf = ds_buf + Tile::kDsBytes;   // kSplitSdP: the common P^T
 
@@ -584,11 +548,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // backward TFLOP/s: D=128 bf16 600 -> 608, fp16 585 -> 592, D=96 463 -> 473; the causal rows lost
             // about 1 % (D=128 517 -> 512, D=256 381 -> 378) and keep the late reads; 128-row query steps (64
             // registers of them) spill with it. -DCUFLASH_SM90_BWD_STATS_LATE: after the wait everywhere.
-#ifdef CUFLASH_SM90_BWD_STATS_LATE
-            constexpr bool kStatsEarly = false;
-#else
             constexpr bool kStatsEarly = kQCols <= 64 && !kIsCausal;
-#endif
             const float* lse2_s = stat_ptr + stage * kBlockM;
             const float* delta_s = stat_ptr + (kStages + stage) * kBlockM;
             float2 lse2_v[kQCols / 8], delta_v[kQCols / 8];
@@ -653,7 +613,6 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
                 const int kchunk = 2 * warp + (q & 1);               // (key_local % 64) / 8 of block q
 #pragma unroll
                 for (int kk = 0; kk < kQCols / 16; ++kk) {
-                    if (kSplitD && !kSplitSdP && Tile::kDsCopies == 1 && (kk & 1) != cw) continue;
                     const int m = q_off + 16 * kk + 8 * (q >> 1) + row;      // m % 8 == row
                     stmatrix_x4_trans(ds_base + m * 128 + ((kchunk ^ row) << 4), dsa[kk][0], dsa[kk][1], dsa[kk][2],
                                       dsa[kk][3]);
@@ -714,10 +673,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // memory while dK runs (the tensor cores were idle while it was, after a wait for all three).
             // H100 A/B (sm90/NOTES.md, fourteenth session), backward TFLOP/s: D=128 bf16 N=4096 569 -> 589,
             // causal 485 -> 513, D=96 429 -> 461, D=64 fp16 467 -> 488. -DCUFLASH_SM90_BWD_DQ_EARLY=0: off.
-#ifndef CUFLASH_SM90_BWD_DQ_EARLY
-#define CUFLASH_SM90_BWD_DQ_EARLY 1
-#endif
-            constexpr bool kDqEarly = CUFLASH_SM90_BWD_DQ_EARLY && kDqMode != kDqAtomic && !Tile::kDqInRing
+            constexpr bool kDqEarly = !Tile::kDqInRing
                                       && !kSplitSdP && kPad <= 192;
             kv_product(acc_dv, pa, do_src, p_buf);
             if constexpr (!kDqEarly) kv_product(acc_dk, dsa, q_src, ds_buf);
@@ -727,20 +683,9 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             // then serialise every wgmma of the kernel (C7512): dV and dK complete before dQ starts. With
             // half the fragments (kSplitSdP) they fit, and dQ is issued behind them (H100 A/B: d=256 bf16
             // 408 -> 413 TFLOP/s, causal 374 -> 383).
-            if constexpr (kPad > 192 && !kSplitSdP) {
-                wgmma_wait<0>();
-                fence_operand(acc_dv);
-                fence_operand(acc_dk);
-#pragma unroll
-                for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
-            }
-
             // Every consumer warpgroup's half of dS (kDsCopies = 2: every warp's part of this
             // warpgroup's copy) is in shared memory (kSplitSdP: synchronised before dV / dK).
-            if constexpr (!kSplitSdP) {
-                if constexpr (Tile::kDsCopies == 2) named_barrier_sync(2 + cw, 128);
-                else named_barrier_sync(1, Tile::kConsumerWGs * 128);
-            }
+            if constexpr (!kSplitSdP) named_barrier_sync(1, Tile::kConsumerWGs * 128);
 
             // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
             // would otherwise keep the last step's values live across the loop.
@@ -798,12 +743,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
             if constexpr (!Tile::kDqInRing) mbar_arrive(bar_empty(stage));
 
-            if constexpr (kDqMode == kDqAtomic) {
-                const int dq_row = m0 + dq_row0 + warp * 16 + g;
-                store_dq(acc_dq,
-                         p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + dq_row) * p.head_dim,
-                         p.seqlen_q - dq_row);
-            } else if constexpr (!kDqEarly) {   // (kDqEarly: staged above, while dK ran)
+            if constexpr (!kDqEarly) {   // (kDqEarly: staged above, while dK ran)
                 stage_dq_slice();
             }
             if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
@@ -859,12 +799,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 #define CUFLASH_SM90_BWD_KERNEL(name, mode)                                                                  \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>               \
     __global__ void __launch_bounds__(kNWarps * 32,                                                            \
-                                      (Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kCtasPerSm))          \
+                                      (Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kCtasPerSm))    \
     name(const BwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,      \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do) {                      \
         bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v, tma_do);   \
     }
-CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dq_kernel, kDqAtomic)
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_kernel, kDqTile)
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 #undef CUFLASH_SM90_BWD_KERNEL
