@@ -183,13 +183,14 @@ struct BwdMainloop {
         }
     }
 
-    // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major; B = K MN-major, k16 = 16 keys).
-    __device__ __forceinline__ void dq_product(DqAcc& acc_dq, u32 ds_buf, int dq_row0) const {
+    // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major from ds_rows, the dS rows of
+    // dq_row0 on; B = K MN-major, k16 = 16 keys).
+    __device__ __forceinline__ void dq_product(DqAcc& acc_dq, u32 ds_rows) const {
 #pragma unroll
         for (int pc = 0; pc < kDqCols / kDqPiece; ++pc) {
             const int col = thr.dq_col0 + pc * kDqPiece;
             auto& dq = *reinterpret_cast<float(*)[kDqPiece / 2]>(acc_dq + pc * (kDqPiece / 2));
-            const SmemDesc<> ds_desc(ds_buf + dq_row0 * 128, 16, 1024);
+            const SmemDesc<> ds_desc(ds_rows, 16, 1024);
             const SmemDesc<> k_desc(smem.k + (col / 64) * kBlockN * 128 + (col % 64) * 2, kBlockN * 128, 1024);
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -296,7 +297,7 @@ struct BwdMainloop {
         // would otherwise keep the last step's values live across the loop.
         float acc_dq[kDqCols / 2];
         wgmma_fence();
-        dq_product(acc_dq, ds_buf, dq_row0);
+        dq_product(acc_dq, ds_buf + dq_row0 * 128);
         wgmma_commit();
         if constexpr (kDqEarly) {
             wgmma_fence();
