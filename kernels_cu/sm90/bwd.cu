@@ -65,6 +65,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     using Tile = Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kDqMode>;
     using Scheduler = BwdTileScheduler<kBlockM, kBlockN, kHeadDim, kIsCausal, kDqMode>;
     using Steps = BwdSteps<kBlockM, kBlockN, Mask, Scheduler::kRotate>;
+    using DqWriter = BwdDqWriter<Tile, kIsCausal, Mask>;
 
     extern __shared__ char smem_raw[];
     const BwdSmem<Tile> smem(smem_raw);
@@ -92,9 +93,11 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
         const int warp = threadIdx.x / 32;
         if (warp == 0 && threadIdx.x == 0 && steps.n_iter > 0) {
             BwdProducer<Tile>::run(p, smem, steps, tma_q, tma_k, tma_v, tma_do, n0, blk.head_kv, blk.batch, head0);
-        } else if (kDqMode != 0 && warp >= 2 && warp < 2 + Tile::kConsumerWGs && (threadIdx.x & 31) == 0
+        } else if (DqWriter::kWarps > 0 && warp >= 2 && warp < 2 + DqWriter::kWarps && (threadIdx.x & 31) == 0
                    && steps.n_iter > 0) {
-            BwdDqWriter<Tile, kIsCausal, Mask>::run(p, smem, steps, blk.n_block, blk.batch, head0, warp - 2);
+            // (kWarps > 0 always holds: the term is kept because the front end's code for this condition,
+            // and with it the kernel's SASS, differs without it.)
+            DqWriter::run(p, smem, steps, blk.n_block, blk.batch, head0, warp - 2);
         }
     } else {
         bwd_consumer<Tag, Tile, kIsCausal, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, blk.batch, wg);

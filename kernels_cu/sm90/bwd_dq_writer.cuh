@@ -57,6 +57,7 @@ using BwdDqSlotState = PipelineState<1>;
 template <class Tile, bool kIsCausal, class Mask>
 struct BwdDqWriter {
     static constexpr int kBlockM = Tile::kBlockM, kStages = Tile::kStages, kDqMode = Tile::kDqMode;
+    static constexpr int kWarps = Tile::kConsumerWGs;   // warps 2 .. 2 + kWarps of the producer warpgroup
     static constexpr bool kClaim = kDqMode == kDqTile && CUFLASH_SM90_BWD_CLAIM_FIRST;
     // A slice's semaphore is read a step ahead, its round trip hidden behind the wait for the consumers;
     // a slice already stored is then added with no atomic at all, and only the others are claimed, after

@@ -4,7 +4,8 @@
 #pragma once
 #include "bwd_dq_writer.cuh"
 
-// What a consumer thread owns: its warpgroup's keys, query columns and dK / dV / dQ columns.
+// What a consumer thread owns: its warpgroup's keys, query columns and dK / dV / dQ columns (the dQ rows,
+// with 128-row query tiles, are BwdMainloop::run's dq_row0).
 template <class Tile>
 struct BwdConsumerThread {
     static constexpr int kBlockM = Tile::kBlockM;
@@ -15,13 +16,12 @@ struct BwdConsumerThread {
     int key_local;   // this thread's key rows: key_local (+ 8)
     int kv_col0;     // this warpgroup's dK / dV columns
     int dq_col0;     // and dQ columns
-    int dq_row0;     // and rows
     int q_off;       // and first query column of S^T / dP^T
     __device__ __forceinline__ explicit BwdConsumerThread(int wg)
         : cw(wg - 1), lane(threadIdx.x & 31), warp((threadIdx.x >> 5) & 3), g(lane >> 2), t4(lane & 3),
           key_wg(Tile::kSplitD ? 0 : cw), key_local(key_wg * 64 + warp * 16 + g),
           kv_col0(Tile::kSplitD ? cw * Tile::kKvCols : 0), dq_col0(kBlockM == 64 ? cw * Tile::kDqCols : 0),
-          dq_row0(kBlockM == 64 ? 0 : cw * 64), q_off(Tile::kSplitSdP ? cw * kQCols : 0) {}
+          q_off(Tile::kSplitSdP ? cw * kQCols : 0) {}
 };
 
 // A score modifier's derivative per accumulator element (kHasScoreMod); nothing without a modifier.
@@ -59,6 +59,8 @@ struct BwdMainloop {
     const BwdConsumerThread<Tile>& thr;
     int n_block, n0;
 
+    // The helpers that were lambdas of the earlier single function are plain inline functions (not
+    // __forceinline__), so that the compiler simplifies and inlines them as it did the lambdas.
     __device__ __forceinline__ BwdMainloop(const BwdParams& p_, const BwdSmem<Tile>& smem_,
                                            const BwdConsumerThread<Tile>& thr_, int n_block_, int n0_)
         : p(p_), smem(smem_), thr(thr_), n_block(n_block_), n0(n0_) {}
@@ -71,8 +73,9 @@ struct BwdMainloop {
         wgmma_ss_rows_product<Tag, kQCols, kPad, kBlockN, kBlockM>(acc, key_tile + thr.key_wg * 64 * 128,
                                                                    query_tile + thr.q_off * 128);
     }
+    // lse2 / delta of this thread's query columns 8j + 2 t4 (+ 1).
     __device__ void load_stats(int j, const float* lse2_s, const float* delta_s, StatRow& lse2_v,
-                                               StatRow& delta_v) const {
+                               StatRow& delta_v) const {
         lse2_v[j] = *reinterpret_cast<const float2*>(lse2_s + thr.q_off + 8 * j + 2 * thr.t4);
         delta_v[j] = *reinterpret_cast<const float2*>(delta_s + thr.q_off + 8 * j + 2 * thr.t4);
     }
@@ -134,7 +137,9 @@ struct BwdMainloop {
             const int kchunk = 2 * thr.warp + (q & 1);                   // (key_local % 64) / 8 of block q
 #pragma unroll
             for (int kk = 0; kk < kQCols / 16; ++kk) {
-                const int m = thr.q_off + 16 * kk + 8 * (q >> 1) + row;      // m % 8 == row
+                // swizzle128(m, kchunk), written with row = m % 8 (known to be lane & 7: with m % 8 the
+                // SASS changes).
+                const int m = thr.q_off + 16 * kk + 8 * (q >> 1) + row;
                 stmatrix_x4_trans(ds_base + m * 128 + ((kchunk ^ row) << 4), dsa[kk][0], dsa[kk][1], dsa[kk][2],
                                   dsa[kk][3]);
                 if constexpr (kSplitSdP)
@@ -150,6 +155,7 @@ struct BwdMainloop {
                     const int m = 16 * kk + 8 * (r >> 1) + 2 * thr.t4;      // query of the low half
                     const int kchunk = 2 * thr.warp + (r & 1);              // (key_local % 64) / 8
                     const u32 w = dsa[kk][r];
+                    // swizzle128(m, kchunk) and swizzle128(m + 1, kchunk), written with & 7 (% 8 changes the SASS).
                     *reinterpret_cast<u16*>(ds_ptr + m * 128 + ((kchunk ^ (m & 7)) << 4) + thr.g * 2) = static_cast<u16>(w & 0xffff);
                     *reinterpret_cast<u16*>(ds_ptr + (m + 1) * 128 + ((kchunk ^ ((m + 1) & 7)) << 4) + thr.g * 2) =
                         static_cast<u16>(w >> 16);
@@ -204,7 +210,7 @@ struct BwdMainloop {
     // warpgroup's dQ warp.
     __device__ void stage_dq_slice(const int& i, const int& stage, const DqAcc& acc_dq) const {
         u32 dq_stage;
-        mbar_wait(smem.bar_dq_empty(thr.cw), ~i & 1);   // the previous slice is taken
+        mbar_wait(smem.bar_dq_empty(thr.cw), BwdDqSlotState(i).empty_phase());   // the previous slice is taken
         if constexpr (Tile::kDqInRing) {
             bwd_barrier_sync<Tile>(BwdBarrier::kRingStageRead);
             dq_stage = (thr.cw == 0 ? smem.q : smem.dout) + stage * Tile::kQBytes;
@@ -221,105 +227,103 @@ struct BwdMainloop {
     }
 
     // Every step: step i takes query tile steps.query_tile(i) from ring stage PipelineState(i).stage().
-    // Then the accumulated dK and dV go to the epilogue (the accumulators live here, with the step's
-    // own arrays, so that the code generated is the one of the kernel's earlier single function).
+    // Then the accumulated dK and dV go to the epilogue. The accumulators and the loop live here, with
+    // the step's own arrays, so that the compiler sees them as in the kernel's earlier single function
+    // (its SASS is unchanged; with them in the caller, or the step in its own function, it changes).
     template <class Epilogue, class Steps>
     __device__ __forceinline__ void run(const Steps& steps, int head_kv, int batch) const {
-      float acc_dk[kKvCols / 2], acc_dv[kKvCols / 2];
+        float acc_dk[kKvCols / 2], acc_dv[kKvCols / 2];
 #pragma unroll
-      for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
+        for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
 
-      if (steps.n_iter > 0) mbar_wait(smem.bar_kv(), 0);
-      if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
-      const int key_wg = thr.key_wg, q_off = thr.q_off;
-      const int dq_row0 = kBlockM == 64 ? 0 : thr.cw * 64;
-      const u32 sK = smem.k, sV = smem.v;
-      for (int i = 0; i < steps.n_iter; ++i) {
-        const int m_block = steps.query_tile(i);
-        const int m0 = m_block * kBlockM;
-        const PipelineState<kStages> pipe(i);
-        const int stage = pipe.stage();
-        const u32 phase = pipe.phase();
-        const u32 q_src = smem.q_stage(stage), do_src = smem.dout_stage(stage);
-        const u32 ds_buf = smem.ds + (i & 1) * Tile::kDsCopies * Tile::kDsBytes;   // by step parity
-        const u32 p_buf = ds_buf + Tile::kDsBytes;   // kSplitSdP: the common P^T
+        if (steps.n_iter > 0) mbar_wait(smem.bar_kv(), 0);
+        if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
+        // The dQ slice's rows (128-row query tiles: 64 per warpgroup). Computed here, not kept in thr:
+        // equal to the K rows' offset there, and the code generated from a copy in thr differs.
+        const int dq_row0 = kBlockM == 64 ? 0 : thr.cw * 64;
+        for (int i = 0; i < steps.n_iter; ++i) {
+            const int m_block = steps.query_tile(i);
+            const int m0 = m_block * kBlockM;
+            const PipelineState<kStages> pipe(i);
+            const int stage = pipe.stage();
+            const u32 phase = pipe.phase();
+            const u32 q_src = smem.q_stage(stage), do_src = smem.dout_stage(stage);
+            // dS (and P^T) double-buffered by step parity (i & 1: PipelineState<2>'s i % 2 changes the SASS).
+            const u32 ds_buf = smem.ds + (i & 1) * Tile::kDsCopies * Tile::kDsBytes;
+            const u32 p_buf = ds_buf + Tile::kDsBytes;   // kSplitSdP: the common P^T
 
-        // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: its kQCols queries).
-        float acc_s[kQCols / 2], acc_dp[kQCols / 2];
-        auto key_query_product = [&](float (&acc)[kQCols / 2], u32 key_tile, u32 query_tile) {
-            wgmma_ss_rows_product<Tag, kQCols, kPad, kBlockN, kBlockM>(acc, key_tile + key_wg * 64 * 128,
-                                                                       query_tile + q_off * 128);
-        };
-        mbar_wait(smem.bar_q_full(stage), phase);
-        key_query_product(acc_s, sK, q_src);
-        mbar_wait(smem.bar_do_full(stage), phase);
-        key_query_product(acc_dp, sV, do_src);
-        const float* lse2_s = smem.stat_ptr() + stage * kBlockM;
-        const float* delta_s = smem.stat_ptr() + (kStages + stage) * kBlockM;
-        float2 lse2_v[kQCols / 8], delta_v[kQCols / 8];
-        if constexpr (kStatsEarly) {
+            // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: its kQCols queries).
+            float acc_s[kQCols / 2], acc_dp[kQCols / 2];
+            mbar_wait(smem.bar_q_full(stage), phase);
+            key_query_product(acc_s, smem.k, q_src);
+            mbar_wait(smem.bar_do_full(stage), phase);
+            key_query_product(acc_dp, smem.v, do_src);
+            const float* lse2_s = smem.stat_ptr() + stage * kBlockM;
+            const float* delta_s = smem.stat_ptr() + (kStages + stage) * kBlockM;
+            float2 lse2_v[kQCols / 8], delta_v[kQCols / 8];
+            if constexpr (kStatsEarly) {
 #pragma unroll
-            for (int j = 0; j < kQCols / 8; ++j) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
-        }
-        wgmma_wait<0>();
-        fence_operand(acc_s);
-        fence_operand(acc_dp);
-        if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
-
-        probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v);
-        // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
-        u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kQCols / 16; ++kk)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-                dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
+                for (int j = 0; j < kQCols / 8; ++j) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
             }
-        store_ds(ds_buf, p_buf, pa, dsa);
-        fence_proxy_async_smem();
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            fence_operand(acc_dp);
+            if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
-        // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes here.
-        // Passing it also means that the other warpgroup finished step i - 1 (every wgmma waited for), whose
-        // buffers (the other parity) this one overwrites at step i + 1: no race.
-        if constexpr (kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
+            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v);
+            // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
+            u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+                    dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
+                }
+            store_ds(ds_buf, p_buf, pa, dsa);
+            fence_proxy_async_smem();
 
-        // dV += P^T dO, dK += dS^T Q.
-        wgmma_fence();
-        kv_product(acc_dv, pa, do_src, p_buf);
-        if constexpr (!kDqEarly) kv_product(acc_dk, dsa, q_src, ds_buf);
-        wgmma_commit();
+            // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes here.
+            // Passing it also means that the other warpgroup finished step i - 1 (every wgmma waited for), whose
+            // buffers (the other parity) this one overwrites at step i + 1: no race.
+            if constexpr (kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
 
-        // Every consumer warpgroup's half of dS is in shared memory (kSplitSdP: synchronised before dV / dK).
-        if constexpr (!kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
-
-        // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
-        // would otherwise keep the last step's values live across the loop.
-        float acc_dq[kDqCols / 2];
-        wgmma_fence();
-        dq_product(acc_dq, ds_buf + dq_row0 * 128);
-        wgmma_commit();
-        if constexpr (kDqEarly) {
+            // dV += P^T dO, dK += dS^T Q.
             wgmma_fence();
-            kv_product(acc_dk, dsa, q_src, ds_buf);
+            kv_product(acc_dv, pa, do_src, p_buf);
+            if constexpr (!kDqEarly) kv_product(acc_dk, dsa, q_src, ds_buf);
             wgmma_commit();
-            wgmma_wait<1>();   // dV and dQ done
+
+            // Every consumer warpgroup's half of dS is in shared memory (kSplitSdP: synchronised before dV / dK).
+            if constexpr (!kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
+
+            // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
+            // would otherwise keep the last step's values live across the loop.
+            float acc_dq[kDqCols / 2];
+            wgmma_fence();
+            dq_product(acc_dq, ds_buf + dq_row0 * 128);
+            wgmma_commit();
+            if constexpr (kDqEarly) {
+                wgmma_fence();
+                kv_product(acc_dk, dsa, q_src, ds_buf);
+                wgmma_commit();
+                wgmma_wait<1>();   // dV and dQ done
+                fence_operand(acc_dv);
+                fence_operand(acc_dq);
+#pragma unroll
+                for (int kk = 0; kk < kQCols / 16; ++kk) fence_operand(pa[kk]);
+                stage_dq_slice(i, stage, acc_dq);
+            }
+            wgmma_wait<0>();
             fence_operand(acc_dv);
+            fence_operand(acc_dk);
             fence_operand(acc_dq);
 #pragma unroll
-            for (int kk = 0; kk < kQCols / 16; ++kk) fence_operand(pa[kk]);
-            stage_dq_slice(i, stage, acc_dq);
+            for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            if constexpr (!Tile::kDqInRing) mbar_arrive(smem.bar_empty(stage));
+            if constexpr (!kDqEarly) stage_dq_slice(i, stage, acc_dq);   // (kDqEarly: staged above, while dK ran)
+            if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
         }
-        wgmma_wait<0>();
-        fence_operand(acc_dv);
-        fence_operand(acc_dk);
-        fence_operand(acc_dq);
-#pragma unroll
-        for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
-        if constexpr (!Tile::kDqInRing) mbar_arrive(smem.bar_empty(stage));
-        if constexpr (!kDqEarly) stage_dq_slice(i, stage, acc_dq);   // (kDqEarly: staged above, while dK ran)
-        if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
-      }
-      Epilogue::store(p, smem, thr, acc_dk, acc_dv, n0, head_kv, batch);
+        Epilogue::store(p, smem, thr, acc_dk, acc_dv, n0, head_kv, batch);
     }
 };
