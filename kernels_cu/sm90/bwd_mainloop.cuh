@@ -1,0 +1,329 @@
+// The sm90 backward's consumer mainloop: per step (one query tile of one query head), a consumer
+// warpgroup computes S^T and dP^T of its keys, P^T and dS^T, adds P^T dO to dV and dS^T Q to dK, and
+// hands its dQ slice (dS K) to its dQ writer warp.
+#pragma once
+#include "bwd_dq_writer.cuh"
+
+// What a consumer thread owns: its warpgroup's keys, query columns and dK / dV / dQ columns (the dQ rows,
+// with 128-row query tiles, are BwdMainloop::run's dq_row0).
+template <class Tile>
+struct BwdConsumerThread {
+    static constexpr int kBlockM = Tile::kBlockM;
+    // Query columns of a warpgroup's S^T / dP^T: all kBlockM, or (kSplitSdP) its half.
+    static constexpr int kQCols = Tile::kSplitSdP ? kBlockM / 2 : kBlockM;
+    int cw, lane, warp, g, t4;
+    int key_wg;      // 64-key block of this warpgroup
+    int key_local;   // this thread's key rows: key_local (+ 8)
+    int kv_col0;     // this warpgroup's dK / dV columns
+    int dq_col0;     // and dQ columns
+    int q_off;       // and first query column of S^T / dP^T
+    __device__ __forceinline__ explicit BwdConsumerThread(int wg)
+        : cw(wg - 1), lane(threadIdx.x & 31), warp((threadIdx.x >> 5) & 3), g(lane >> 2), t4(lane & 3),
+          key_wg(Tile::kSplitD ? 0 : cw), key_local(key_wg * 64 + warp * 16 + g),
+          kv_col0(Tile::kSplitD ? cw * Tile::kKvCols : 0), dq_col0(kBlockM == 64 ? cw * Tile::kDqCols : 0),
+          q_off(Tile::kSplitSdP ? cw * kQCols : 0) {}
+};
+
+// A score modifier's derivative per accumulator element (kHasScoreMod); nothing without a modifier.
+template <int kN, bool kHasScoreMod>
+struct BwdScoreDerivatives { float v[kN]; };
+template <int kN>
+struct BwdScoreDerivatives<kN, false> {};
+
+// Mask: the mask / score-modifier policy (common/mask.cuh); every mask question of the step goes to it.
+template <typename Tag, class Tile, bool kIsCausal, class Mask = CausalMask<Tile::kBlockM, Tile::kBlockN, kIsCausal>>
+struct BwdMainloop {
+    static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kStages = Tile::kStages;
+    static constexpr int kPad = Tile::kHeadDimPad;
+    static constexpr int kKvCols = Tile::kKvCols, kKvPiece = Tile::kKvPiece;
+    static constexpr int kDqCols = Tile::kDqCols, kDqPiece = Tile::kDqPiece;
+    static constexpr bool kSplitSdP = Tile::kSplitSdP;
+    static constexpr int kQCols = BwdConsumerThread<Tile>::kQCols;
+    // lse2 / delta of this thread's query columns read while S^T / dP^T run, not after the wait, where
+    // their shared-memory latency sat at the head of the P^T / dS^T chain. Not causal (slower there) nor
+    // with 128-row query steps (64 registers of them spill).
+    static constexpr bool kStatsEarly = kQCols <= 64 && !kIsCausal;
+    // dV, then dQ, then dK, as three wgmma groups, so that the dQ slice is written to shared memory while
+    // dK runs (the tensor cores were idle while it was, after a wait for all three). Not split-D: no
+    // registers for it (and the slices wait for the ring stage there).
+    static constexpr bool kDqEarly = !Tile::kDqInRing && !kSplitSdP && kPad <= 192;
+
+    using KvAcc = float[kKvCols / 2];       // dK or dV of a warpgroup: 64 keys x kKvCols
+    using SdpAcc = float[kQCols / 2];       // S^T or dP^T: 64 keys x kQCols queries
+    using DqAcc = float[kDqCols / 2];       // the dQ slice
+    using Frags = u32[kQCols / 16][4];      // P^T or dS^T as wgmma A fragments, one per k16 step
+    using StatRow = float2[kQCols / 8];     // lse2 or delta of this thread's query columns
+
+    const BwdParams& p;
+    const BwdSmem<Tile>& smem;
+    const BwdConsumerThread<Tile>& thr;
+    int n_block, n0;
+
+    // The helpers that were lambdas of the earlier single function are plain inline functions (not
+    // __forceinline__), so that the compiler simplifies and inlines them as it did the lambdas.
+    __device__ __forceinline__ BwdMainloop(const BwdParams& p_, const BwdSmem<Tile>& smem_,
+                                           const BwdConsumerThread<Tile>& thr_, int n_block_, int n0_)
+        : p(p_), smem(smem_), thr(thr_), n_block(n_block_), n0(n0_) {}
+    // The mask policy, built from the kernel parameters at each question (as the kernel has always read
+    // them: at each use, nothing kept in registers across the loop).
+    __device__ __forceinline__ Mask mask() const { return Mask(p.seqlen_q, p.seqlen_k); }
+
+    // acc = this warpgroup's 64 rows of key_tile (K or V) times query_tile^T (Q or dO), both K-major.
+    __device__ void key_query_product(SdpAcc& acc, u32 key_tile, u32 query_tile) const {
+        wgmma_ss_rows_product<Tag, kQCols, kPad, kBlockN, kBlockM>(acc, key_tile + thr.key_wg * 64 * 128,
+                                                                   query_tile + thr.q_off * 128);
+    }
+    // lse2 / delta of this thread's query columns 8j + 2 t4 (+ 1).
+    __device__ void load_stats(int j, const float* lse2_s, const float* delta_s, StatRow& lse2_v,
+                               StatRow& delta_v) const {
+        lse2_v[j] = *reinterpret_cast<const float2*>(lse2_s + thr.q_off + 8 * j + 2 * thr.t4);
+        delta_v[j] = *reinterpret_cast<const float2*>(delta_s + thr.q_off + 8 * j + 2 * thr.t4);
+    }
+
+    // P^T and dS^T in place of S^T and dP^T. Register 4j + e: key key_local + 8 (e >> 1), query
+    // m0 + q_off + 8j + 2 t4 + (e & 1).
+    __device__ __forceinline__ void probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp, const float* lse2_s,
+                                                 const float* delta_s, StatRow& lse2_v, StatRow& delta_v) const {
+        [[maybe_unused]] BwdScoreDerivatives<kQCols / 2, Mask::kHasScoreMod> score_grad;
+        if constexpr (Mask::kHasScoreMod) {
+            // Before the mask: a modifier may map -inf to a finite score.
+#pragma unroll
+            for (int j = 0; j < kQCols / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1);
+                    const int col = n0 + thr.key_local + 8 * (e >> 1);
+                    const float s = acc_s[4 * j + e];
+                    acc_s[4 * j + e] = mask().modify_score(s, row, col);
+                    score_grad.v[4 * j + e] = mask().score_derivative(s, row, col);
+                }
+        }
+        // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
+        // so that the loop below carries no per-element test.
+        if (mask().needs_mask(m_block, n_block)) {
+#pragma unroll
+            for (int j = 0; j < kQCols / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
+                        acc_s[4 * j + e] = -CUFLASH_INF;
+        }
+#pragma unroll
+        for (int j = 0; j < kQCols / 8; ++j) {
+            if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+            const float2 l2 = lse2_v[j], dl = delta_v[j];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
+                if constexpr (Mask::kHasScoreMod)
+                    acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * score_grad.v[4 * j + e];
+                else
+                    acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
+                acc_s[4 * j + e] = pr;
+            }
+        }
+    }
+
+    // dS -> shared memory, [query][key] K-major for the dQ product (128-byte swizzle): this warpgroup's keys
+    // are 64-column block key_wg. dsa[kk][q] is the 8 x 8 (key, query) block (keys + 8 (q & 1), queries
+    // 16 kk + 8 (q >> 1)); one transposing stmatrix per k16 step stores the four (a single instruction
+    // instead of 32 two-byte stores per thread). Split-D: each warpgroup stores its query half of dS and of
+    // P^T into the common buffers. Causal 128-row query tiles keep two-byte stores: stmatrix, which saves
+    // the non-causal step about 130 instructions a warp, measured slower there (sm90/NOTES.md).
+    __device__ __forceinline__ void store_ds(u32 ds_buf, u32 p_buf, const Frags& pa, const Frags& dsa) const {
+        if constexpr (kBlockM == 64 || !kIsCausal) {
+            const u32 ds_base = ds_buf + thr.key_wg * kBlockM * 128;
+            const int q = thr.lane >> 3, row = thr.lane & 7;             // this lane's block and row
+            const int kchunk = 2 * thr.warp + (q & 1);                   // (key_local % 64) / 8 of block q
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk) {
+                // swizzle128(m, kchunk), written with row = m % 8 (known to be lane & 7: with m % 8 the
+                // SASS changes).
+                const int m = thr.q_off + 16 * kk + 8 * (q >> 1) + row;
+                stmatrix_x4_trans(ds_base + m * 128 + ((kchunk ^ row) << 4), dsa[kk][0], dsa[kk][1], dsa[kk][2],
+                                  dsa[kk][3]);
+                if constexpr (kSplitSdP)
+                    stmatrix_x4_trans(p_buf + m * 128 + ((kchunk ^ row) << 4), pa[kk][0], pa[kk][1], pa[kk][2],
+                                      pa[kk][3]);
+            }
+        } else {
+            char* ds_ptr = smem.raw + (ds_buf + thr.key_wg * kBlockM * 128 - smem_u32(smem.raw));
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int m = 16 * kk + 8 * (r >> 1) + 2 * thr.t4;      // query of the low half
+                    const int kchunk = 2 * thr.warp + (r & 1);              // (key_local % 64) / 8
+                    const u32 w = dsa[kk][r];
+                    // swizzle128(m, kchunk) and swizzle128(m + 1, kchunk), written with & 7 (% 8 changes the SASS).
+                    *reinterpret_cast<u16*>(ds_ptr + m * 128 + ((kchunk ^ (m & 7)) << 4) + thr.g * 2) = static_cast<u16>(w & 0xffff);
+                    *reinterpret_cast<u16*>(ds_ptr + (m + 1) * 128 + ((kchunk ^ ((m + 1) & 7)) << 4) + thr.g * 2) =
+                        static_cast<u16>(w >> 16);
+                }
+        }
+    }
+
+    // acc (dV or dK) += frag^T-side product with b_tile (dO or Q, MN-major: k16 step = 16 query rows). A:
+    // this warpgroup's P^T / dS^T fragments over its query steps; kSplitSdP: then the other half's from
+    // shared memory (other_a), stored [query][key] (an MN-major A: 8-query row groups 1024 bytes apart).
+    // Column c of the B tile: 64-column block c / 64 (kBlockM * 128 bytes apart), byte (c % 64) * 2.
+    __device__ void kv_product(KvAcc& acc, const Frags& frag, u32 b_tile, u32 other_a) const {
+#pragma unroll
+        for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
+            const int col = thr.kv_col0 + pc * kKvPiece;
+            auto& d = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc + pc * (kKvPiece / 2));
+            const u32 b_cols = b_tile + (col / 64) * kBlockM * 128 + (col % 64) * 2;
+            const SmemDesc<> b_desc(b_cols, kBlockM * 128, 1024);
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk)
+                WgmmaRS<Tag, kKvPiece>::template run<true>(d, frag[kk], b_desc.at((thr.q_off + 16 * kk) * 128), 1);
+            if constexpr (kSplitSdP) {
+                const int other = kQCols - thr.q_off;   // the other warpgroup's first query
+                const SmemDesc<> a_desc(other_a, 64 * 128, 1024);
+#pragma unroll
+                for (int kk = 0; kk < kQCols / 16; ++kk) {
+                    const int q = other + 16 * kk;
+                    WgmmaSS<Tag, kKvPiece>::template run<true, true>(d, a_desc.at(q * 128), b_desc.at(q * 128), 1);
+                }
+            }
+        }
+    }
+
+    // dQ[dq_row0 .., dq_col0 .. dq_col0 + kDqCols) = dS K (A = dS K-major from ds_rows, the dS rows of
+    // dq_row0 on; B = K MN-major, k16 = 16 keys).
+    __device__ __forceinline__ void dq_product(DqAcc& acc_dq, u32 ds_rows) const {
+#pragma unroll
+        for (int pc = 0; pc < kDqCols / kDqPiece; ++pc) {
+            const int col = thr.dq_col0 + pc * kDqPiece;
+            auto& dq = *reinterpret_cast<float(*)[kDqPiece / 2]>(acc_dq + pc * (kDqPiece / 2));
+            const SmemDesc<> ds_desc(ds_rows, 16, 1024);
+            const SmemDesc<> k_desc(smem.k + (col / 64) * kBlockN * 128 + (col % 64) * 2, kBlockN * 128, 1024);
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+                WgmmaSS<Tag, kDqPiece>::template run<true>(dq, ds_desc.at((kk / 4) * kBlockM * 128 + (kk % 4) * 32),
+                                                           k_desc.at(kk * 16 * 128), kk > 0);
+        }
+    }
+
+    // Slice -> shared memory (16-byte stores, each warp's 512 bytes contiguous) once the previous one has
+    // been read (ring: once both warpgroups are done with this stage's Q and dO), then over to this
+    // warpgroup's dQ warp.
+    __device__ void stage_dq_slice(const int& i, const int& stage, const DqAcc& acc_dq) const {
+        u32 dq_stage;
+        mbar_wait(smem.bar_dq_empty(thr.cw), BwdDqSlotState(i).empty_phase());   // the previous slice is taken
+        if constexpr (Tile::kDqInRing) {
+            bwd_barrier_sync<Tile>(BwdBarrier::kRingStageRead);
+            dq_stage = (thr.cw == 0 ? smem.q : smem.dout) + stage * Tile::kQBytes;
+        } else {
+            dq_stage = smem.dq_slice(thr.cw);
+        }
+        float* stage_ptr = reinterpret_cast<float*>(smem.generic(dq_stage));
+#pragma unroll
+        for (int j = 0; j < kDqCols / 8; ++j)
+            *reinterpret_cast<float4*>(stage_ptr + 512 * j + 4 * (threadIdx.x & 127)) =
+                make_float4(acc_dq[4 * j], acc_dq[4 * j + 1], acc_dq[4 * j + 2], acc_dq[4 * j + 3]);
+        fence_proxy_async_smem();
+        mbar_arrive(smem.bar_dq_full(thr.cw));
+    }
+
+    // Every step: step i takes query tile steps.query_tile(i) from ring stage PipelineState(i).stage().
+    // Then the accumulated dK and dV go to the epilogue. The accumulators and the loop live here, with
+    // the step's own arrays, so that the compiler sees them as in the kernel's earlier single function
+    // (its SASS is unchanged; with them in the caller, or the step in its own function, it changes).
+    template <class Epilogue, class Steps>
+    __device__ __forceinline__ void run(const Steps& steps, int head_kv, int batch) const {
+        float acc_dk[kKvCols / 2], acc_dv[kKvCols / 2];
+#pragma unroll
+        for (int i = 0; i < kKvCols / 2; ++i) { acc_dk[i] = 0.f; acc_dv[i] = 0.f; }
+
+        if (steps.n_iter > 0) mbar_wait(smem.bar_kv(), 0);
+        if (threadIdx.x == 128) CUFLASH_BWD_TRACE(2, clock64());
+        // The dQ slice's rows (128-row query tiles: 64 per warpgroup). Computed here, not kept in thr:
+        // equal to the K rows' offset there, and the code generated from a copy in thr differs.
+        const int dq_row0 = kBlockM == 64 ? 0 : thr.cw * 64;
+        for (int i = 0; i < steps.n_iter; ++i) {
+            const int m_block = steps.query_tile(i);
+            const int m0 = m_block * kBlockM;
+            const PipelineState<kStages> pipe(i);
+            const int stage = pipe.stage();
+            const u32 phase = pipe.phase();
+            const u32 q_src = smem.q_stage(stage), do_src = smem.dout_stage(stage);
+            // dS (and P^T) double-buffered by step parity (i & 1: PipelineState<2>'s i % 2 changes the SASS).
+            const u32 ds_buf = smem.ds + (i & 1) * Tile::kDsCopies * Tile::kDsBytes;
+            const u32 p_buf = ds_buf + Tile::kDsBytes;   // kSplitSdP: the common P^T
+
+            // S^T = K_c Q^T and dP^T = V_c dO^T (rows: this warpgroup's 64 keys; columns: its kQCols queries).
+            float acc_s[kQCols / 2], acc_dp[kQCols / 2];
+            mbar_wait(smem.bar_q_full(stage), phase);
+            key_query_product(acc_s, smem.k, q_src);
+            mbar_wait(smem.bar_do_full(stage), phase);
+            key_query_product(acc_dp, smem.v, do_src);
+            const float* lse2_s = smem.stat_ptr() + stage * kBlockM;
+            const float* delta_s = smem.stat_ptr() + (kStages + stage) * kBlockM;
+            float2 lse2_v[kQCols / 8], delta_v[kQCols / 8];
+            if constexpr (kStatsEarly) {
+#pragma unroll
+                for (int j = 0; j < kQCols / 8; ++j) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+            }
+            wgmma_wait<0>();
+            fence_operand(acc_s);
+            fence_operand(acc_dp);
+            if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
+
+            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v);
+            // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
+            u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    pa[kk][r] = ElemTraits<Tag>::pack2(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+                    dsa[kk][r] = ElemTraits<Tag>::pack2(acc_dp[8 * kk + 2 * r], acc_dp[8 * kk + 2 * r + 1]);
+                }
+            store_ds(ds_buf, p_buf, pa, dsa);
+            fence_proxy_async_smem();
+
+            // kSplitSdP: the other warpgroup's query half of P^T and dS^T is in shared memory once it passes here.
+            // Passing it also means that the other warpgroup finished step i - 1 (every wgmma waited for), whose
+            // buffers (the other parity) this one overwrites at step i + 1: no race.
+            if constexpr (kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
+
+            // dV += P^T dO, dK += dS^T Q.
+            wgmma_fence();
+            kv_product(acc_dv, pa, do_src, p_buf);
+            if constexpr (!kDqEarly) kv_product(acc_dk, dsa, q_src, ds_buf);
+            wgmma_commit();
+
+            // Every consumer warpgroup's half of dS is in shared memory (kSplitSdP: synchronised before dV / dK).
+            if constexpr (!kSplitSdP) bwd_barrier_sync<Tile>(BwdBarrier::kDsReady);
+
+            // Declared here, not before the loop: the first wgmma ignores its input, but the "+f" operands
+            // would otherwise keep the last step's values live across the loop.
+            float acc_dq[kDqCols / 2];
+            wgmma_fence();
+            dq_product(acc_dq, ds_buf + dq_row0 * 128);
+            wgmma_commit();
+            if constexpr (kDqEarly) {
+                wgmma_fence();
+                kv_product(acc_dk, dsa, q_src, ds_buf);
+                wgmma_commit();
+                wgmma_wait<1>();   // dV and dQ done
+                fence_operand(acc_dv);
+                fence_operand(acc_dq);
+#pragma unroll
+                for (int kk = 0; kk < kQCols / 16; ++kk) fence_operand(pa[kk]);
+                stage_dq_slice(i, stage, acc_dq);
+            }
+            wgmma_wait<0>();
+            fence_operand(acc_dv);
+            fence_operand(acc_dk);
+            fence_operand(acc_dq);
+#pragma unroll
+            for (int kk = 0; kk < kQCols / 16; ++kk) { fence_operand(pa[kk]); fence_operand(dsa[kk]); }
+            if constexpr (!Tile::kDqInRing) mbar_arrive(smem.bar_empty(stage));
+            if constexpr (!kDqEarly) stage_dq_slice(i, stage, acc_dq);   // (kDqEarly: staged above, while dK ran)
+            if (threadIdx.x == 128 && i < 7) CUFLASH_BWD_TRACE(8 + i, clock64());
+        }
+        Epilogue::store(p, smem, thr, acc_dk, acc_dv, n0, head_kv, batch);
+    }
+};
