@@ -182,7 +182,7 @@ def test_gqa_mqa(rng, dtype, hq, hkv, causal, deterministic):
                           (128, False, True), (128, True, True)])
 def test_many_groups(rng, head_dim, causal, deterministic):
     """More (kv head, batch) groups than one L2 section of the Hopper backward's 1-D grid holds
-    (kernels_cu/sm90/bwd.cu: bwd_block; a group is 4 * d * (nq * heads_per_kv + nk) bytes, a section
+    (kernels_cu/sm90/bwd_scheduler.cuh: BwdTileScheduler::block; a group is 4 * d * (nq * heads_per_kv + nk) bytes, a section
     8 MB, 24 MB for the ordered kernel above d=64), so that the grid spans several sections and the
     last one is partial: 70 groups of 208 KB (d=64) or 417 KB (d=128)."""
     check_bwd(rng, "float16", 7, 257, 300, 20, 10, head_dim, causal, deterministic=deterministic,
@@ -192,7 +192,7 @@ def test_many_groups(rng, head_dim, causal, deterministic):
 @pytest.mark.parametrize("head_dim,nq", [(128, 1500), (256, 1000)])
 def test_causal_tail_section(rng, head_dim, nq):
     """Causal: the last (kv head, batch) groups of the Hopper backward's 1-D grid share one wider section
-    (kernels_cu/sm90/bwd.cu: bwd_block, CUFLASH_SM90_BWD_CAUSAL_TAIL_GROUPS = 12 within 48 MB): 19 groups of
+    (kernels_cu/sm90/bwd_scheduler.cuh: BwdTileScheduler::block, kCausalTailGroups = 12 within 48 MB): 19 groups of
     1.5 MB (d=128) or 2 MB (d=256), so sections of 5 + 2 or 4 + 3 groups come before the last 12."""
     check_bwd(rng, "bfloat16", 1, nq, nq, 19, 19, head_dim, True, label="causal_tail_section")
 

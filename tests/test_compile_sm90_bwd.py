@@ -132,7 +132,7 @@ def test_sm90_bwd_backend_selection(monkeypatch):
 
 def test_sm90_bwd_grid_order():
     """Causal and ordered kernels, and the others with 128-row query tiles, take the sectioned 1-D
-    grid (bwd_block reads a grid with gridDim.y == gridDim.z == 1 that way); the rest the (key tile,
+    grid (BwdTileScheduler::block reads a grid with gridDim.y == gridDim.z == 1 that way); the rest the (key tile,
     kv head, batch) grid, and the portable kernels always the 3-D one."""
     def grid(family, causal, nk, block_m=128):
         return launch.bwd_dkdv_grid(KernelConfig(family, "float16", 64, causal, block_m, 128, 12), 4, 8, nk)

@@ -129,7 +129,7 @@ struct BwdMainloop {
     // 16 kk + 8 (q >> 1)); one transposing stmatrix per k16 step stores the four (a single instruction
     // instead of 32 two-byte stores per thread). Split-D: each warpgroup stores its query half of dS and of
     // P^T into the common buffers. Causal 128-row query tiles keep two-byte stores: stmatrix, which saves
-    // the non-causal step about 130 instructions a warp, measured slower there (sm90/NOTES.md).
+    // the non-causal step about 130 instructions a warp, measured slower there (docs/design.md: dS staging).
     __device__ __forceinline__ void store_ds(u32 ds_buf, u32 p_buf, const Frags& pa, const Frags& dsa) const {
         if constexpr (kBlockM == 64 || !kIsCausal) {
             const u32 ds_base = ds_buf + thr.key_wg * kBlockM * 128;

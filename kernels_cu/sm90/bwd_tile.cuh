@@ -34,7 +34,7 @@ struct Sm90BwdTile {
     // never starts inside a 64-column swizzle atom and runs into the next one).
     static constexpr int kKvCols = kSplitD ? kHeadDimPad / 2 : kHeadDimPad;
     static constexpr int kThreads = kNWarps_ * 32;
-    static constexpr int kStages = 2;                        // launch.py mirrors this
+    static constexpr int kStages = 2;
     static constexpr int kQBytes = kBlockM * kHeadDimPad * 2;  // Q or dO tile
     static constexpr int kKVBytes = kBlockN * kHeadDimPad * 2; // K or V tile
     static constexpr int kDsBytes = kBlockM * kBlockN * 2;     // one dS buffer
@@ -65,7 +65,7 @@ struct Sm90BwdTile {
     // 128 * (24 + 2 * 240) <= 384 * 168, and 128 * (24 + 232) == 256 * 128.
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 232 : 240;
-    // Bytes after the 1024-byte aligned base (launch.py mirrors this).
+    // Bytes after the 1024-byte aligned base (the entry points export it with the slack: bwd.cu).
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsCopies * kDsBytes
                                       + kDqStageBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
     static_assert(kBlockM == 64 || kBlockM == 128, "query tile: 64 or 128 rows");
@@ -150,7 +150,7 @@ struct BwdSmem {
     }
 };
 
-// -DCUFLASH_SM90_BWD_TRACE (scripts/bwd_trace.py): per CTA, the SM and clock64 stamps of its phases in
+// -DCUFLASH_SM90_BWD_TRACE (dev/trace.py bwd): per CTA, the SM and clock64 stamps of its phases in
 // dq_semaphore (as u64[16]: 0-7 phases, 8-14 the end of the first 7 steps, 15 the kernel's entry, before
 // the CTA's coordinates are computed); a diagnostic build only. CUFLASH_BWD_TRACE needs the
 // BwdParams `p` in scope.
