@@ -51,31 +51,12 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
     extern __shared__ char smem_raw[];
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     const int num_tiles = order.num_tiles;
-    auto grid_coords = [&](int& m_block, int& head, int& batch) {
-        if constexpr (kIsCausal) {
-            order.template coords<true>(static_cast<int>(blockIdx.x), p.heads_q, m_block, head, batch);
-        } else {
-            m_block = blockIdx.x;
-            head = blockIdx.y;
-            batch = blockIdx.z;
-        }
-    };
     const int lane = threadIdx.x & 31;
     const int warp = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t4 = lane & 3;
     int it = 0, q_count = 0;   // K/V ring iterations and Q tiles consumed so far (the phases)
     int settle_tiles = 1;      // the overlap schedule's kept-max state (below)
     bool kept_failed = false;  // whether a kept step failed in the last query tile
-    // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
-    // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
-    auto release_kv = [&](u32 bar) {
-        if constexpr (kCluster == 1) {
-            mbar_arrive(bar);
-        } else {
-            __syncwarp();   // every lane's reads of the stage (qk_warp) are done
-            if (lane < kCluster) mbar_arrive_cluster(bar, lane);
-        }
-    };
     // Persistent, O through a TMA store: the Q buffer whose store this thread issued and has not yet
     // seen read (-1: none), released to the producer once it has been.
     int o_store_buffer = -1;
@@ -101,7 +82,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
             order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
         } else {
             if (k_tile > 0) break;
-            grid_coords(m_block, head, batch);
+            order.template grid_coords<kIsCausal>(p.heads_q, m_block, head, batch);
         }
         const int n_block_max = Mask(p).n_block_max(m_block);
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
@@ -139,9 +120,9 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
                 const int stage = ring.stage();
                 const u32 parity = ring.phase();
                 mbar_wait(smem.k_full(stage), parity);
-                release_kv(smem.k_empty(stage));
+                FwdMath<Tile, kMode>::template release_kv<kCluster>(lane, smem.k_empty(stage));
                 mbar_wait(smem.v_full(stage), parity);
-                release_kv(smem.v_empty(stage));
+                FwdMath<Tile, kMode>::template release_kv<kCluster>(lane, smem.v_empty(stage));
             }
         }
         if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(smem.q_full(0), 0);

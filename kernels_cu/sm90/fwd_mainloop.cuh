@@ -19,27 +19,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
     constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
-    auto release_kv = [&](u32 bar) {
-        if constexpr (kCluster == 1) {
-            mbar_arrive(bar);
-        } else {
-            __syncwarp();   // every lane's reads of the stage (qk_warp) are done
-            if (lane < kCluster) mbar_arrive_cluster(bar, lane);
-        }
-    };
-    auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] { return Math::s3_of(acc); };
-    auto load_q_frags = [&]() { Math::load_q_frags(qa, sQ, qb, cw, lane, warp); };
-    auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src, int n_block) {
-        Math::template qk_warp<Mask>(acc_s, k_src, n_block, sQ, qb, cw, lane, warp, row0, t4, p);
-    };
-    auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) { Math::issue_qk(acc_s, k_src, qa, sQ, qb, cw); };
-    auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) { Math::issue_pv(acc_o, pa, v_src); };
-    auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
-        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
-    };
-    auto rescale_o = [&](const float (&rescale)[2]) { Math::rescale_o(acc_o, rescale); };
-    auto pack_p = [&](u32 (&pa)[kPSteps][4], const float (&acc_s)[kBlockN / 2]) { Math::pack_p(pa, acc_s); };
-    load_q_frags();
+    Math::load_q_frags(qa, sQ, qb, cw, lane, warp);
     for (int i = 0; i < n_block_max; ++i) {
         const int n_block = n_block_max - 1 - i;
         const PipelineState<kStages> ring(it + i);
@@ -47,20 +27,20 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
         const u32 parity = ring.phase();
         float acc_s[kBlockN / 2];
         mbar_wait(smem.k_full(stage), parity);
-        issue_qk(acc_s, sK + stage * Tile::kKVBytes);
+        Math::issue_qk(acc_s, sK + stage * Tile::kKVBytes, qa, sQ, qb, cw);
         wgmma_wait<0>();
         fence_operand(acc_s);
-        release_kv(smem.k_empty(stage));
-        mask(acc_s, n_block);
+        Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
+        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
         float rescale[2];
-        if (__any_sync(0xffffffff, softmax.step(s3_of(acc_s), scale_log2, rescale))) rescale_o(rescale);
+        if (__any_sync(0xffffffff, softmax.step(Math::s3_of(acc_s), scale_log2, rescale))) Math::rescale_o(acc_o, rescale);
         u32 pa[kPSteps][4];
-        pack_p(pa, acc_s);
+        Math::pack_p(pa, acc_s);
         mbar_wait(smem.v_full(stage), parity);
-        issue_pv(pa, sV + stage * Tile::kKVBytes);
+        Math::issue_pv(acc_o, pa, sV + stage * Tile::kKVBytes);
         wgmma_wait<0>();
         fence_operand(acc_o);
-        release_kv(smem.v_empty(stage));
+        Math::template release_kv<kCluster>(lane, smem.v_empty(stage));
     }
     return softmax;
 }
@@ -79,26 +59,6 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
-    auto release_kv = [&](u32 bar) {
-        if constexpr (kCluster == 1) {
-            mbar_arrive(bar);
-        } else {
-            __syncwarp();   // every lane's reads of the stage (qk_warp) are done
-            if (lane < kCluster) mbar_arrive_cluster(bar, lane);
-        }
-    };
-    auto s3_of = [](float (&acc)[kBlockN / 2]) -> float (&)[1][kBlockN / 8][4] { return Math::s3_of(acc); };
-    auto load_q_frags = [&]() { Math::load_q_frags(qa, sQ, qb, cw, lane, warp); };
-    auto qk_warp = [&](float (&acc_s)[kBlockN / 2], u32 k_src, int n_block) {
-        Math::template qk_warp<Mask>(acc_s, k_src, n_block, sQ, qb, cw, lane, warp, row0, t4, p);
-    };
-    auto issue_qk = [&](float (&acc_s)[kBlockN / 2], u32 k_src) { Math::issue_qk(acc_s, k_src, qa, sQ, qb, cw); };
-    auto issue_pv = [&](const u32 (&pa)[kPSteps][4], u32 v_src) { Math::issue_pv(acc_o, pa, v_src); };
-    auto mask = [&](float (&acc_s)[kBlockN / 2], int n_block) {
-        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
-    };
-    auto rescale_o = [&](const float (&rescale)[2]) { Math::rescale_o(acc_o, rescale); };
-    auto pack_p = [&](u32 (&pa)[kPSteps][4], const float (&acc_s)[kBlockN / 2]) { Math::pack_p(pa, acc_s); };
     // Intra-warpgroup overlap: the softmax of key tile i runs while the
     // tensor cores compute O += P_{i-1} V_{i-1}.
     // 16-bit: a warp whose rows' max has settled takes each key tile's probabilities against the
@@ -142,7 +102,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
     if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
     kept_failed = false;
-    load_q_frags();
+    Math::load_q_frags(qa, sQ, qb, cw, lane, warp);
     {
         float acc_s[kBlockN / 2];
         const PipelineState<kStages> ring(it);
@@ -150,14 +110,14 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         mbar_wait(smem.k_full(stage0), ring.phase());
         CUFLASH_FWD_TRACE(2, clock64());
         CUFLASH_FWD_TRACE(6, n_block_max);
-        issue_qk(acc_s, sK + stage0 * Tile::kKVBytes);
+        Math::issue_qk(acc_s, sK + stage0 * Tile::kKVBytes, qa, sQ, qb, cw);
         wgmma_wait<0>();
         fence_operand(acc_s);
-        release_kv(smem.k_empty(stage0));
-        mask(acc_s, n_block_max - 1);
+        Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
+        Math::template apply_mask<Mask>(acc_s, n_block_max - 1, p, m_block, row0, t4);
         float rescale[2];
-        softmax.step(s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
-        pack_p(pa, acc_s);
+        softmax.step(Math::s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
+        Math::pack_p(pa, acc_s);
     }
     // At head dims 65-128, O's rescale for key tile i is applied at step i + 1 while Q K^T_{i+1} runs,
     // just before O += P_i V_i, rather than between the wait for P_{i-1} V_{i-1} and that issue, where
@@ -173,36 +133,36 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
         float acc_s[kBlockN / 2];
         mbar_wait(smem.k_full(stage), parity);
-        issue_qk(acc_s, sK + stage * Tile::kKVBytes);
-        if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
+        Math::issue_qk(acc_s, sK + stage * Tile::kKVBytes, qa, sQ, qb, cw);
+        if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
         mbar_wait(smem.v_full(prev), prev_parity);
-        issue_pv(pa, sV + prev * Tile::kKVBytes);
+        Math::issue_pv(acc_o, pa, sV + prev * Tile::kKVBytes);
         wgmma_wait<1>();  // S_i is ready (groups complete in order)
         fence_operand(acc_s);
         // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
         // warpgroup (a build with the two states in loops of their own broke that: synccheck).
         const bool full_step = !kKeepMax || settled < settle_tiles;
         // The kept-max state holds K for a possible recompute; the full step frees it at once.
-        if (full_step) release_kv(smem.k_empty(stage));
-        mask(acc_s, n_block);
+        if (full_step) Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
+        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
         float rescale[2] = {1.f, 1.f};
         bool max_changed = false, unset = false;
         if (full_step) {
             // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
             unset = kKeepMax && softmax.has_unset_row();
-            max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale) || unset;
+            max_changed = softmax.step(Math::s3_of(acc_s), scale_log2, rescale) || unset;
         } else if constexpr (kKeepMax) {
             CUFLASH_FWD_COUNT(2);
             float sums[2];
             const bool ok =
-                softmax.template probs_at_running_max<kKeepMaxBoundLog2>(s3_of(acc_s), scale_log2, sums);
+                softmax.template probs_at_running_max<kKeepMaxBoundLog2>(Math::s3_of(acc_s), scale_log2, sums);
             if (__any_sync(0xffffffff, !ok)) {
                 if (__all_sync(0xffffffff, softmax.rebase_possible(sums))) {
-                    max_changed = softmax.rebase(s3_of(acc_s), sums, rescale);
+                    max_changed = softmax.rebase(Math::s3_of(acc_s), sums, rescale);
                     CUFLASH_FWD_COUNT(0);
                 } else {
-                    qk_warp(acc_s, sK + stage * Tile::kKVBytes, n_block);   // masked as the probabilities were
-                    max_changed = softmax.step(s3_of(acc_s), scale_log2, rescale);
+                    Math::template qk_warp<Mask>(acc_s, sK + stage * Tile::kKVBytes, n_block, sQ, qb, cw, lane, warp, row0, t4, p);   // masked as the probabilities were
+                    max_changed = softmax.step(Math::s3_of(acc_s), scale_log2, rescale);
                     CUFLASH_FWD_COUNT(1);
                 }
                 settled = 0;
@@ -211,7 +171,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
             } else {
                 softmax.add_sums(sums);
             }
-            release_kv(smem.k_empty(stage));
+            Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
         }
         // Pin the softmax before the wait: the fences consume its results and the
         // scheduling barrier keeps ptxas from hoisting the wait above them.
@@ -227,21 +187,21 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
             pending_rescale[0] = rescale[0];
             pending_rescale[1] = rescale[1];
         } else if (warp_moved) {
-            rescale_o(rescale);   // this warp's rows only
+            Math::rescale_o(acc_o, rescale);   // this warp's rows only
         }
         if (kKeepMax && full_step)
             settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
-        pack_p(pa, acc_s);
-        release_kv(smem.v_empty(prev));
+        Math::pack_p(pa, acc_s);
+        Math::template release_kv<kCluster>(lane, smem.v_empty(prev));
     }
     const PipelineState<kStages> ring_last(it + n_block_max - 1);
     const int last = ring_last.stage();
-    if (kRescaleUnderQk && rescale_pending) rescale_o(pending_rescale);
+    if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
     mbar_wait(smem.v_full(last), ring_last.phase());
-    issue_pv(pa, sV + last * Tile::kKVBytes);
+    Math::issue_pv(acc_o, pa, sV + last * Tile::kKVBytes);
     wgmma_wait<0>();
     fence_operand(acc_o);
-    release_kv(smem.v_empty(last));
+    Math::template release_kv<kCluster>(lane, smem.v_empty(last));
     CUFLASH_FWD_TRACE(3, clock64());
     return softmax;
 }

@@ -25,6 +25,17 @@ struct FwdMath {
                                      && ((kMode == kModeOverlap && kBlockM == 128 && kPad <= 128)
                                          || (kMode == kModeSimple && kPad <= 64));
 
+    // Frees a K or V ring stage: every thread arrives, or (clusters) one lane of each warp per CTA of the
+    // cluster (the warps of a warpgroup may leave a stage at different times: see qk_warp).
+    template <int kCluster>
+    static __device__ __forceinline__ void release_kv(int lane, u32 bar) {
+        if constexpr (kCluster == 1) {
+            mbar_arrive(bar);
+        } else {
+            __syncwarp();   // every lane's reads of the stage (qk_warp) are done
+            if (lane < kCluster) mbar_arrive_cluster(bar, lane);
+        }
+    }
     static __device__ __forceinline__ float (&s3_of(float (&acc)[kBlockN / 2]))[1][kBlockN / 8][4] {
         return *reinterpret_cast<float(*)[1][kBlockN / 8][4]>(acc);
     }

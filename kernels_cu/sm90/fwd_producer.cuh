@@ -21,15 +21,6 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
     using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     const int num_tiles = order.num_tiles;
-    auto grid_coords = [&](int& m_block, int& head, int& batch) {
-        if constexpr (kIsCausal) {
-            order.template coords<true>(static_cast<int>(blockIdx.x), p.heads_q, m_block, head, batch);
-        } else {
-            m_block = blockIdx.x;
-            head = blockIdx.y;
-            batch = blockIdx.z;
-        }
-    };
     tma_prefetch_desc(&tma_q);
     tma_prefetch_desc(&tma_k);
     tma_prefetch_desc(&tma_v);
@@ -95,7 +86,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
             }
             order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
         } else {
-            grid_coords(m_block, head, batch);
+            order.template grid_coords<kIsCausal>(p.heads_q, m_block, head, batch);
         }
         const int t_cur = t;
         const int head_kv = head / p.heads_per_kv;

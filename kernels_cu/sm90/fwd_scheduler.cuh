@@ -29,6 +29,19 @@ struct PersistentOrder {
         const int sections = (num_hb + group - 1) / group;
         group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
     }
+    // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the persistent
+    // order (longest query tiles first within L2-sized sections of heads), so that the last wave holds short
+    // tiles and the waves in flight share K/V in L2.
+    template <bool kIsCausal>
+    __device__ __forceinline__ void grid_coords(int heads_q, int& m_block, int& head, int& batch) const {
+        if constexpr (kIsCausal) {
+            coords<true>(static_cast<int>(blockIdx.x), heads_q, m_block, head, batch);
+        } else {
+            m_block = blockIdx.x;
+            head = blockIdx.y;
+            batch = blockIdx.z;
+        }
+    }
     template <bool kIsCausal>
     __device__ __forceinline__ void coords(int t, int heads_q, int& m_block, int& head, int& batch) const {
         int hb;
