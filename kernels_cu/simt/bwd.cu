@@ -202,10 +202,17 @@ bwd_dkdv_kernel(const BwdParams p) {
                 for (int j = 0; j < Tile::kTC; ++j) {
                     const int kr = tr + i * Tile::kGR;  // key
                     const int qc = tc + j * Tile::kGC;  // query
-                    float pv = bwd_prob(s[i][j], p.scale_log2, sLse2[qc]);
+                    float sv = s[i][j], grad = 1.f;   // grad: the score modifier's derivative
+                    if constexpr (Mask::kHasScoreMod) {
+                        grad = Mask(p).score_derivative(sv, m0 + qc, n0 + kr);
+                        sv = Mask(p).modify_score(sv, m0 + qc, n0 + kr);
+                    }
+                    float pv = bwd_prob(sv, p.scale_log2, sLse2[qc]);
                     if (mask && !Mask(p).visible(m0 + qc, n0 + kr)) pv = 0.f;
                     sP[kr * kStrideW + qc] = pv;
-                    sdS[kr * kStrideW + qc] = pv * (dp[i][j] - sDelta[qc]);
+                    float ds = pv * (dp[i][j] - sDelta[qc]);
+                    if constexpr (Mask::kHasScoreMod) ds *= grad;
+                    sdS[kr * kStrideW + qc] = ds;
                 }
             __syncthreads();  // P^T, dS^T complete
 
@@ -298,9 +305,16 @@ bwd_dq_kernel(const BwdParams p) {
                 for (int j = 0; j < Tile::kTC; ++j) {
                     const int qr = tr + i * Tile::kGR;
                     const int kc = tc + j * Tile::kGC;
-                    float pv = bwd_prob(s[i][j], p.scale_log2, lse2[i]);
+                    float sv = s[i][j], grad = 1.f;   // grad: the score modifier's derivative
+                    if constexpr (Mask::kHasScoreMod) {
+                        grad = Mask(p).score_derivative(sv, m0 + qr, n0 + kc);
+                        sv = Mask(p).modify_score(sv, m0 + qr, n0 + kc);
+                    }
+                    float pv = bwd_prob(sv, p.scale_log2, lse2[i]);
                     if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
-                    sdS[qr * kStrideW + kc] = pv * (dp[i][j] - delta[i]);
+                    float ds = pv * (dp[i][j] - delta[i]);
+                    if constexpr (Mask::kHasScoreMod) ds *= grad;
+                    sdS[qr * kStrideW + kc] = ds;
                 }
             __syncthreads();  // dS complete
 

@@ -240,14 +240,26 @@ struct BwdDkdvThread {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int kr = row1 + t * 16 + g + h * 8;
-                    float p0 = bwd_prob(acc_s[t][n][2 * h], p.scale_log2, l.x);
-                    float p1 = bwd_prob(acc_s[t][n][2 * h + 1], p.scale_log2, l.y);
+                    float s0 = acc_s[t][n][2 * h], s1 = acc_s[t][n][2 * h + 1];
+                    float grad0 = 1.f, grad1 = 1.f;   // the score modifier's derivatives (where it has one)
+                    if constexpr (Mask::kHasScoreMod) {
+                        grad0 = Mask(p).score_derivative(s0, m0 + qc, n0 + kr);
+                        grad1 = Mask(p).score_derivative(s1, m0 + qc + 1, n0 + kr);
+                        s0 = Mask(p).modify_score(s0, m0 + qc, n0 + kr);
+                        s1 = Mask(p).modify_score(s1, m0 + qc + 1, n0 + kr);
+                    }
+                    float p0 = bwd_prob(s0, p.scale_log2, l.x);
+                    float p1 = bwd_prob(s1, p.scale_log2, l.y);
                     if (mask) {
                         if (!Mask(p).visible(m0 + qc, n0 + kr)) p0 = 0.f;
                         if (!Mask(p).visible(m0 + qc + 1, n0 + kr)) p1 = 0.f;
                     }
-                    const float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
-                    const float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                    float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
+                    float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                    if constexpr (Mask::kHasScoreMod) {
+                        ds0 *= grad0;
+                        ds1 *= grad1;
+                    }
                     *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
                     *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
                 }
@@ -559,12 +571,20 @@ bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int r = 2 * t + (e >> 1);
-                        float pv = bwd_prob(acc_s[t][n][e], p.scale_log2, lse2[r]);
+                        float sv = acc_s[t][n][e], grad = 1.f;   // grad: the score modifier's derivative
+                        if constexpr (Mask::kHasScoreMod) {
+                            const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + n * 8 + 2 * t4 + (e & 1);
+                            grad = Mask(p).score_derivative(sv, row, col);
+                            sv = Mask(p).modify_score(sv, row, col);
+                        }
+                        float pv = bwd_prob(sv, p.scale_log2, lse2[r]);
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
                             const int col = n0 + n * 8 + 2 * t4 + (e & 1);
                             if (!Mask(p).visible(row, col)) pv = 0.f;
                         }
+                        if constexpr (Mask::kHasScoreMod) pv *= grad;   // dS = P dP' * (d modified / d score)
                         acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);
                     }
 
