@@ -12,7 +12,8 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import _checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, options, params, sm90
+from . import (_checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, options, params, sm90,
+               variants)
 from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -144,7 +145,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         q.data.ptr, k.data.ptr, v.data.ptr, written.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(written),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E))
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, *variants.NONE.param_values(nq, nk, scale)))
     grid = launch.fwd_grid(cfg, b, hq, nq)
     prepared = launch.prepare(kern, cfg, grid, p, smem, extra)
     if prepared is None:
@@ -401,7 +402,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
                *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
                *params.element_strides(dk), *params.element_strides(dv),
                b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows, n_semaphores,
-               stats.data.ptr if stats is not None else 0, stat_rows)
+               stats.data.ptr if stats is not None else 0, stat_rows,
+               *variants.NONE.param_values(nq, nk, scale), 0)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr,
                 delta.data.ptr if delta is not None else 0)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)

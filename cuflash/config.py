@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .variants import PLAIN, MaskVariant
+
 # dtype name -> element tag of kernels_cu/common/numeric.cuh (fp32 kernels take `float`).
 DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float", "float8_e4m3fn": "e4m3_tag"}
 
@@ -28,7 +30,9 @@ class Family:
     kernel: str          # template name
     min_cc: int          # lowest compute capability (e.g. 80)
     arch_specific: bool  # needs the "a" target (sm_90a): wgmma, setmaxnreg
-    # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag).
+    # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag, "mask" the
+    # MaskVariant type built from causal and variant: kernels_cu/common/mask.cuh; "causal" a bool, for a
+    # family that takes no variant yet).
     template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "causal")
     direction: str = "aux"        # "fwd" | "bwd" | "aux" (helpers: pre/postprocess, fp8, ring)
     backend: str = "aux"          # "sm80" (mma.sync) | "simt" (float32) | "sm90" (wgmma, TMA) | "aux"
@@ -158,6 +162,7 @@ class KernelConfig:
     block_m: int
     block_n: int
     num_warps: int
+    variant: MaskVariant = PLAIN   # the parts of the pattern beyond causal (cuflash/variants.py)
 
     @property
     def fam(self) -> Family:
@@ -179,7 +184,8 @@ class KernelConfig:
     def template_args(self) -> tuple:
         values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
                   "block_n": self.block_n, "num_warps": self.num_warps,
-                  "causal": "true" if self.causal else "false"}
+                  "causal": "true" if self.causal else "false",
+                  "mask": self.variant.template_arg(self.causal)}
         return tuple(values[name] for name in self.fam.template)
 
     def name_expression(self) -> str:
@@ -194,5 +200,6 @@ class KernelConfig:
         return f"&{self.fam.kernel}_smem_bytes<{', '.join(str(a) for a in self.template_args())}>"
 
     def key(self) -> str:
-        return (f"{self.family}:{self.dtype}:d{self.head_dim}:{'causal' if self.causal else 'full'}:"
+        variant = f":{self.variant.tag()}" if not self.variant.plain else ""
+        return (f"{self.family}:{self.dtype}:d{self.head_dim}:{'causal' if self.causal else 'full'}{variant}:"
                 f"m{self.block_m}n{self.block_n}w{self.num_warps}")

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from . import _checks, call_cache, capture, heuristics, launch, options, params, tile_counters, tma
+from . import _checks, call_cache, capture, heuristics, launch, options, params, tile_counters, tma, variants
 from .config import KernelConfig
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -229,5 +229,6 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         q.data.ptr, k.data.ptr, vt.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,
         *params.element_strides(out),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * 1.4426950408889634))
+        b, nq, nk, hq, hq // hkv, d, scale, scale * 1.4426950408889634,
+        *variants.NONE.param_values(nq, nk, scale)))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra + tuple(descales))

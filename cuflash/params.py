@@ -24,11 +24,17 @@ def _strides(prefix: str) -> list[tuple[str, type]]:
     return [(f"{prefix}_batch_stride", _I64), (f"{prefix}_row_stride", _I64), (f"{prefix}_head_stride", _I64)]
 
 
+# The mask policy's run-time values (kernels_cu/common/mask.cuh), the same at the end of both structs.
+_MASK_FIELDS = [("mask_diag", _I32), ("window_left", _I32), ("window_right", _I32), ("attention_chunk", _I32),
+                ("key_offset", _I32), ("alibi_batch_stride", _I32), ("softcap_in", _F32), ("softcap_out", _F32),
+                ("alibi_scale", _F32), ("alibi_slopes", _P), ("sinks", _P)]
+
 FWD_PARAMS = _struct(
     [("q", _P), ("k", _P), ("v", _P), ("o", _P), ("lse", _P)]
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads_q", _I32),
        ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
+    + _MASK_FIELDS
 )
 
 BWD_PARAMS = _struct(
@@ -40,6 +46,7 @@ BWD_PARAMS = _struct(
        ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32),
        ("dq_accum_rows", _I32), ("dq_accum_cols", _I32), ("dq_zero_rows", _I32),
        ("dq_semaphores", _I32), ("stats", _P), ("stat_rows", _I32)]
+    + _MASK_FIELDS + [("dlse", _P)]
 )
 
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS}

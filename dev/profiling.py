@@ -291,7 +291,7 @@ def _host_steps(q, k, v, out) -> None:
     lag behind them)."""
     import cupy
 
-    from cuflash import _checks, api, call_cache, launch, params, sm90
+    from cuflash import _checks, api, call_cache, launch, params, sm90, variants
 
     key = call_cache.fwd_key(q, k, v, out, False, None, False)
     call = api._fwd_calls[key]
@@ -304,7 +304,7 @@ def _host_steps(q, k, v, out) -> None:
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),
         *params.element_strides(k), *params.element_strides(v), *params.element_strides(out),
-        1, 128, 128, 8, 1, 64, 0.125, 0.18))
+        1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125)))
     grid = launch.fwd_grid(cfg2, 1, 8, 128)
     steps = {
         "check_qkv_cached": lambda: _checks.check_qkv_cached(q, k, v, api.HEAD_DIMS),
@@ -315,7 +315,7 @@ def _host_steps(q, k, v, out) -> None:
         "pack_bytes + strides": lambda: params.pack_bytes(params.FWD_PARAMS, (
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),
             *params.element_strides(k), *params.element_strides(v), *params.element_strides(out),
-            1, 128, 128, 8, 1, 64, 0.125, 0.18)),
+            1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125))),
         "launch.launch": lambda: launch.launch(kern2, cfg2, grid, p, smem2, extra),
         "cupy.empty(q.shape)": lambda: cupy.empty(q.shape, dtype=q.dtype),
     }

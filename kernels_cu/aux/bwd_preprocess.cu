@@ -1,4 +1,4 @@
-// Backward preprocess: delta = rowsum(dout * out) in float32, one value per (batch, head, query row)
+// Backward preprocess: delta = rowsum(dout * out) - dlse in float32, one value per (batch, head, query row)
 // (sm90: into the stats rows beside lse2, BwdParams.stats, and not into delta), and zero the float32
 // dq_accum (atomic dQ mode; the sm90 tile modes only where no key tile writes: BwdParams.dq_zero_rows)
 // and the tile modes' dq_semaphore.
@@ -41,6 +41,8 @@ bwd_preprocess_kernel(const BwdParams p) {
     for (int off = 1; off < kThreadsPerRow; off <<= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
 
     const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+    // A gradient of lse adds dlse[i] * P[i, j] to dS[i, j]: the same as taking it off delta.
+    if (valid && p.dlse != nullptr) acc -= p.dlse[row_index];
     if (valid && sub == 0 && p.delta != nullptr) p.delta[row_index] = acc;   // null: the sm90 kernel reads stats
     if (p.stats != nullptr && row < p.stat_rows && sub == 0) {
         float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows;

@@ -194,4 +194,23 @@ struct OnlineSoftmax {
             lse[r] = empty ? -CUFLASH_INF : (row_max[r] + __log2f(sum)) * CUFLASH_LN2;
         }
     }
+    // The same with a sink: a logit (log2 domain, sink_log2 in common/mask.cuh) that joins each row's
+    // denominator without a value. Taken against max(row max, sink) so that neither term overflows; a row
+    // with no visible key gets output 0 and lse = the sink.
+    __device__ __forceinline__ void finalize_with_sink(float (&inv_sum)[kRows], float (&lse)[kRows], float sink2) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_sum(row_sum[r]);
+            const float mx = fmaxf(row_max[r], sink2);
+            const float keys = sum > 0.f ? sum * exp2f(row_max[r] - mx) : 0.f;
+            const float total = keys + exp2f(sink2 - mx);
+            inv_sum[r] = sum > 0.f ? exp2f(row_max[r] - mx) * fast_rcp(total) : 0.f;
+            lse[r] = (mx + __log2f(total)) * CUFLASH_LN2;
+        }
+    }
+    template <bool kSink>
+    __device__ __forceinline__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows], float sink2) {
+        if constexpr (kSink) finalize_with_sink(inv_sum, lse, sink2);
+        else finalize(inv_sum, lse);
+    }
 };

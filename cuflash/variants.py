@@ -1,0 +1,146 @@
+"""The attention variants on the host: their arguments checked once, the kernels' MaskVariant, and the
+mask policy's run-time parameters (kernels_cu/common/mask.cuh).
+
+A call's variant arguments (``window_size``, ``attention_chunk``, ``softcap``, ``alibi_slopes``, ``sinks``)
+become one :class:`Variants`; its :attr:`Variants.kernel` (a :class:`MaskVariant`: which parts are on) is
+part of the kernel's configuration and cache key, and :meth:`Variants.param_values` fills the fields that
+FwdParams and BwdParams end with (params._MASK_FIELDS).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MaskVariant:
+    """Which parts of the attention pattern a kernel is built with (the C++ ``MaskVariant``'s flags but
+    causal, which KernelConfig carries): each part that is off is not in the kernel's code."""
+
+    local: bool = False     # a sliding window and / or chunked attention (run-time bounds)
+    softcap: bool = False   # s -> softcap * tanh(s / softcap)
+    alibi: bool = False     # s -> s - slope * |i + seqlen_k - seqlen_q - j|
+    sink: bool = False      # a learned logit per head in each row's softmax denominator
+
+    def template_arg(self, causal: bool) -> str:
+        """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink>``."""
+        flags = (causal, self.local, self.softcap, self.alibi, self.sink)
+        return "MaskVariant<" + ", ".join("true" if f else "false" for f in flags) + ">"
+
+    @property
+    def plain(self) -> bool:
+        return not (self.local or self.softcap or self.alibi or self.sink)
+
+    def tag(self) -> str:
+        """A short name for cache keys and kernel names ("" when plain)."""
+        return "".join(name for name, on in (("L", self.local), ("S", self.softcap), ("A", self.alibi),
+                                             ("K", self.sink)) if on)
+
+    @property
+    def has_score_mod(self) -> bool:
+        return self.softcap or self.alibi
+
+
+PLAIN = MaskVariant()
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_window(window_size: Any) -> Tuple[int, int]:
+    """``window_size`` as ``(left, right)`` ints >= -1 (-1: unbounded); TypeError / ValueError otherwise."""
+    if window_size is None:
+        return (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
+    left = _check_int("window_size[0]", window_size[0])
+    right = _check_int("window_size[1]", window_size[1])
+    for name, v in (("window_size[0]", left), ("window_size[1]", right)):
+        if v < -1:
+            raise ValueError(f"{name} must be >= -1 (-1: unbounded), got {v}")
+    return left, right
+
+
+def check_chunk(attention_chunk: Any) -> int:
+    chunk = _check_int("attention_chunk", 0 if attention_chunk is None else attention_chunk)
+    if chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0: off), got {chunk}")
+    return chunk
+
+
+def check_softcap(softcap: Any) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a float >= 0 (0: off), got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    if value and not np.isfinite(np.float32(1.0 / value)):
+        raise ValueError(f"softcap {softcap!r} is too small for float32")
+    return value
+
+
+@dataclass(frozen=True)
+class Variants:
+    """A call's variant arguments after their checks."""
+
+    window_left: int = -1     # -1: unbounded
+    window_right: int = -1
+    attention_chunk: int = 0
+    softcap: float = 0.0
+    causal: bool = False
+    alibi_slopes: Any = None  # float32 device array, (heads_q,) or (batch, heads_q)
+    sinks: Any = None         # float32 device array (heads_q,)
+
+    @property
+    def local(self) -> bool:
+        """Whether a window or chunks bound the keys a row sees (beyond causal)."""
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal) or self.attention_chunk > 0
+
+    @property
+    def kernel(self) -> MaskVariant:
+        return MaskVariant(local=self.local, softcap=self.softcap > 0, alibi=self.alibi_slopes is not None,
+                           sink=self.sinks is not None)
+
+    @property
+    def plain(self) -> bool:
+        return self.kernel.plain
+
+    def cache_key(self) -> tuple:
+        """What a call cache keys on besides the arrays (the arrays' addresses where there are any)."""
+        if self.plain:
+            return ()
+        return (self.window_left, self.window_right, self.attention_chunk, self.softcap,
+                _address(self.alibi_slopes), _address(self.sinks))
+
+    def param_values(self, seqlen_q: int, seqlen_k: int, softmax_scale: float, diag: Optional[int] = None,
+                     key_offset: int = 0) -> tuple:
+        """The values of params._MASK_FIELDS, in order. ``diag``: query row i's diagonal key position is
+        i + diag (default seqlen_k - seqlen_q; ring attention passes the shards' offsets); ``key_offset``: the
+        absolute position of key 0 (chunks are counted from absolute 0)."""
+        if diag is None:
+            diag = seqlen_k - seqlen_q
+        # Unbounded: a distance no row reaches, small enough that pos +- it stays an int32.
+        unbounded = seqlen_q + seqlen_k + abs(diag) + 1
+        left = unbounded if self.window_left < 0 else min(self.window_left, unbounded)
+        right = 0 if self.causal else (unbounded if self.window_right < 0 else min(self.window_right, unbounded))
+        softcap_in = softmax_scale / self.softcap if self.softcap else 0.0
+        softcap_out = self.softcap / softmax_scale if self.softcap else 0.0
+        slopes = self.alibi_slopes
+        alibi_stride = 0 if slopes is None or slopes.ndim == 1 else slopes.shape[1]
+        return (diag, left, right, self.attention_chunk, key_offset, alibi_stride, softcap_in, softcap_out,
+                1.0 / softmax_scale, _address(slopes), _address(self.sinks))
+
+
+def _address(x) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+NONE = Variants()
