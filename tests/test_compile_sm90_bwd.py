@@ -85,7 +85,7 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     assert ops["REDG"] == 1, f"{cfg.key()}: {ops['REDG']} REDG"
     assert ops["ATOMG"] == int(not ordered), f"{cfg.key()}: {ops['ATOMG']} ATOMG"
     # dS (split-D: and its P^T half) goes to shared memory by stmatrix, one per 16 query rows of the step;
-    # causal 128-row tiles keep two-byte stores, which measured faster there (kernels_cu/sm90/NOTES.md).
+    # causal 128-row tiles keep two-byte stores, which measured faster there (docs/design.md: dS staging).
     stsm = 0 if cfg.block_m == 128 and cfg.causal else cfg.block_m // 16
     assert ops["STSM"] == stsm, f"{cfg.key()}: {ops['STSM']} STSM, expected {stsm}"
     assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
