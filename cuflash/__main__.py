@@ -170,24 +170,31 @@ def benchmark(shapes, repeats: int, backward: bool = True, warmup: int = 5) -> l
 
 
 def benchmark_fp8(shapes, repeats: int) -> list[dict]:
-    """fp8 forward rows {shape, pass "fwd fp8", cuflash, sdpa_flash, sdpa_cudnn}: cuflash on e4m3
-    inputs (bf16 output, the V^T pass included) beside SDPA on the bf16 inputs they came from,
-    timed sample by sample in turn."""
+    """fp8 forward rows {shape, pass "fwd fp8", cuflash, cudnn_fp8, sdpa_flash_bf16, sdpa_cudnn_bf16}: cuflash on
+    e4m3 inputs (bf16 output, the V^T pass included) beside cuDNN's fp8 forward on the same inputs (where
+    cudnn-frontend is installed: bench.cudnn_fp8_fn) and SDPA's bf16 forward on the bf16 inputs they came
+    from, timed sample by sample in turn."""
     import cupy
 
     from . import forward_fp8
     from ._checks import BFLOAT16
-    from .bench import fp8_inputs, fp8_label, tflops, time_interleaved
+    from .bench import cudnn_fp8_fn, fp8_inputs, fp8_label, tflops, time_interleaved
 
+    cudnn_fp8 = cudnn_fp8_fn()
     results = []
     for shape in shapes:
         q8, k8, v8, dq, dk, dv = fp8_inputs(shape)
         out = cupy.empty(q8.shape, dtype=BFLOAT16)
         fns = {"cuflash": lambda: forward_fp8(q8, k8, v8, dq, dk, dv, causal=shape.causal, out=out)}
+        if cudnn_fp8 is not None:
+            try:
+                fns["cudnn_fp8"] = cudnn_fp8(q8, k8, v8, dq, dk, dv, shape.causal)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run a shape leaves its cell empty
+                print(f"cuDNN fp8 attention ({fp8_label(shape)}): {type(e).__name__}: {e}", file=sys.stderr)
         for backend in ("flash", "cudnn"):
             fn = _torch_fns(shape, backend, backward=False).get("fwd")
             if fn is not None:
-                fns[f"sdpa_{backend}"] = fn
+                fns[f"sdpa_{backend}_bf16"] = fn
         row = {"shape": fp8_label(shape), "pass": "fwd fp8"}
         row.update({impl: tflops(shape.fwd_flops(), ms) for impl, ms in time_interleaved(fns, repeats=repeats).items()})
         results.append(row)
@@ -203,36 +210,60 @@ def _fmt(x) -> str:
 # Columns of the standard table; fa4 only when some row has it (FlashAttention-4 imported).
 TABLE_COLUMNS = ("cuflash", "cupy", "sdpa_flash", "sdpa_cudnn", "fa4")
 RATIO_PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")
+# The fp8 rows' own table: cuDNN's fp8 forward where cudnn-frontend runs, and the peers' bf16 forward, named
+# as such so that no ratio reads as one against an fp8 kernel that it is not.
+FP8_TABLE_COLUMNS = ("cuflash", "cudnn_fp8", "sdpa_flash_bf16", "sdpa_cudnn_bf16")
+FP8_RATIO_PEERS = ("cudnn_fp8", "sdpa_flash_bf16", "sdpa_cudnn_bf16")
+FP8_TITLE = ("fp8 forward (e4m3 in; cuflash bf16 out): cudnn_fp8 is cuDNN's fp8 forward (e4m3 out; cudnn-frontend), "
+             "the *_bf16 columns the peers' bf16 forward on the inputs before quantisation")
 
 
 peer_label = bench.peer_label
 
 
+def _tables(results: list[dict]):
+    """(rows, columns, ratio peers, title) of each table: the standard rows, then the fp8 rows."""
+    std = [r for r in results if r["pass"] != "fwd fp8"]
+    fp8 = [r for r in results if r["pass"] == "fwd fp8"]
+    for rows, columns, peers, title in ((std, TABLE_COLUMNS, RATIO_PEERS, None),
+                                        (fp8, FP8_TABLE_COLUMNS, FP8_RATIO_PEERS, FP8_TITLE)):
+        if rows:
+            cols = [c for c in columns if any(c in r for r in rows)]
+            yield rows, cols, [c for c in peers if c in cols], title
+
+
 def print_table(results: list[dict]) -> None:
-    cols = [c for c in TABLE_COLUMNS if any(c in r for r in results)]
-    head = f"{'shape':<44}{'pass':<9}" + "".join(f"{c:>12}" for c in cols)
-    ratios = [c for c in RATIO_PEERS if c in cols]
-    head += "".join(f"{'x ' + peer_label(c):>10}" for c in ratios)
     print("TFLOP/s (median of repeats); ratios are cuflash / peer")
-    print(head)
-    for r in results:
-        line = f"{r['shape']:<44}{r['pass']:<9}" + "".join(f"{_fmt(r.get(c)):>12}" for c in cols)
-        for c in ratios:
-            peer = r.get(c)
-            line += f"{(r['cuflash'] / peer if peer else float('nan')):>10.2f}"
-        print(line)
+    for i, (rows, cols, ratios, title) in enumerate(_tables(results)):
+        if title:
+            print(("\n" if i else "") + title)
+        width = max([12] + [len(c) + 2 for c in cols])
+        rwidth = max([10] + [len(peer_label(c)) + 4 for c in ratios])
+        head = f"{'shape':<44}{'pass':<9}" + "".join(f"{c:>{width}}" for c in cols)
+        head += "".join(f"{'x ' + peer_label(c):>{rwidth}}" for c in ratios)
+        print(head)
+        for r in rows:
+            line = f"{r['shape']:<44}{r['pass']:<9}" + "".join(f"{_fmt(r.get(c)):>{width}}" for c in cols)
+            for c in ratios:
+                peer = r.get(c)
+                line += f"{(r['cuflash'] / peer if peer else float('nan')):>{rwidth}.2f}"
+            print(line)
 
 
 def markdown_table(results: list[dict]) -> str:
-    """The results as a Markdown table (for BENCHMARKS.md)."""
-    cols = [c for c in TABLE_COLUMNS if any(c in r for r in results)]
-    ratios = [c for c in RATIO_PEERS if c in cols]
-    lines = ["| shape | pass | " + " | ".join(cols) + "".join(f" | cuflash / {peer_label(c)}" for c in ratios) + " |",
-             "|" + " --- |" * (2 + len(cols) + len(ratios))]
-    for r in results:
-        cells = [r["shape"], r["pass"]] + [_fmt(r.get(c)).strip() for c in cols]
-        cells += [f"{r['cuflash'] / r[c]:.2f}" if r.get(c) else "-" for c in ratios]
-        lines.append("| " + " | ".join(cells) + " |")
+    """The results as Markdown tables (for BENCHMARKS.md): the standard rows, then the fp8 rows."""
+    lines = []
+    for rows, cols, ratios, title in _tables(results):
+        if lines:
+            lines.append("")
+        if title:
+            lines += [title, ""]
+        lines += ["| shape | pass | " + " | ".join(cols) + "".join(f" | cuflash / {peer_label(c)}" for c in ratios)
+                  + " |", "|" + " --- |" * (2 + len(cols) + len(ratios))]
+        for r in rows:
+            cells = [r["shape"], r["pass"]] + [_fmt(r.get(c)).strip() for c in cols]
+            cells += [f"{r['cuflash'] / r[c]:.2f}" if r.get(c) else "-" for c in ratios]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -248,14 +248,22 @@ def check_no_overlap(outputs, inputs) -> None:
     kernels read the inputs while they write the outputs, so an overlap gives wrong results or races.
     ``outputs`` and ``inputs`` are ``(name, array or None)`` pairs; None and non-arrays are skipped.
     Decided from the arrays' metadata (``_overlap.shares_memory``); not cached, since it depends on
-    the addresses, which every call may change."""
-    cupy = _cupy()
-    given = [(n, x, extent(x)) for n, x in outputs if isinstance(x, cupy.ndarray)]
+    the addresses, which every call may change. Each array's byte extent is computed once and the pairs
+    compared inline; only pairs whose extents intersect (views of one buffer) reach NumPy's solver."""
+    ndarray = _cupy().ndarray
+    given = [(n, x, extent(x)) for n, x in outputs if isinstance(x, ndarray)]
     if not given:
         return
-    read = [(n, x, extent(x), "reading") for n, x in inputs if isinstance(x, cupy.ndarray)]
+    read = [(n, x, extent(x)) for n, x in inputs if isinstance(x, ndarray)]
     for i, (name, buf, e) in enumerate(given):
-        for other, x, ex, doing in read + [(n, x, ex_, "writing") for n, x, ex_ in given[:i]]:
-            if shares_memory(buf, x, e, ex):
-                raise ValueError(f"{name} overlaps {other} in memory: the kernels would write {name} while "
-                                 f"{doing} {other}; pass a separate buffer")
+        if e is None:
+            continue
+        dev, lo, hi = e
+        for others, doing in ((read, "reading"), (given[:i], "writing")):
+            for other, x, ex in others:
+                # Separate buffers (the usual case) are told apart here, without a call.
+                if ex is None or ex[0] != dev or ex[2] <= lo or hi <= ex[1]:
+                    continue
+                if shares_memory(buf, x, e, ex):
+                    raise ValueError(f"{name} overlaps {other} in memory: the kernels would write {name} while "
+                                     f"{doing} {other}; pass a separate buffer")

@@ -352,6 +352,77 @@ def fa4_status() -> str:
         return "FlashAttention-4 (version unknown)"
 
 
+def cudnn_fp8_fn():
+    """A builder ``(q8, k8, v8, descale_q, descale_k, descale_v, causal) -> zero-argument call`` running cuDNN's
+    fp8 attention forward (cudnn-frontend's graph API, ``sdpa_fp8``; ``pip install nvidia-cudnn-frontend``) on
+    cuflash's e4m3 inputs (uint8 CuPy arrays, (B, N, H, D); descales as ``quantize_fp8`` returns them), on
+    CuPy's current stream; None where cudnn-frontend does not import. On Hopper cuDNN writes an e4m3 output
+    (cuflash's is bf16) and takes P at scale 1. Not yet run on a GPU: a failure to build raises, and the
+    fp8 table then leaves the column out for that row."""
+    try:
+        import cudnn
+    except Exception:  # noqa: BLE001 - cudnn-frontend is optional
+        return None
+
+    def build(q8, k8, v8, descale_q, descale_k, descale_v, causal: bool):
+        import cupy
+
+        handle = cudnn.create_handle()
+        cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
+        e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
+                              handle=handle)
+
+        def bhnd(x):   # a (B, N, H, D) array as cuDNN's (B, H, N, D) dims and element strides
+            b, n, h, d = x.shape
+            st = [s // x.itemsize for s in x.strides]
+            return [b, h, n, d], [st[0], st[2], st[1], st[3]]
+
+        def fp8_tensor(name, x):
+            dim, stride = bhnd(x)
+            return graph.tensor(name=name, dim=dim, stride=stride, data_type=e4m3)
+
+        def scalar(name):
+            return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+
+        tq, tk, tv = fp8_tensor("q", q8), fp8_tensor("k", k8), fp8_tensor("v", v8)
+        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        scales = {n: scalar(n) for n in names}
+        kwargs = dict(q=tq, k=tk, v=tv, **scales, attn_scale=1.0 / float(np.sqrt(q8.shape[-1])),
+                      use_causal_mask=causal, name="sdpa_fp8")
+        try:
+            o, _, amax_s, amax_o = graph.sdpa_fp8(**kwargs, generate_stats=False)
+        except TypeError:   # releases before generate_stats took is_inference
+            o, _, amax_s, amax_o = graph.sdpa_fp8(**kwargs, is_inference=True)
+        out = cupy.empty(q8.shape, dtype=np.uint8)
+        dim, stride = bhnd(out)
+        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(e4m3)
+        amax = {}
+        for name, t in (("amax_s", amax_s), ("amax_o", amax_o)):
+            amax[name] = cupy.zeros(1, dtype=np.float32)
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        one = cupy.ones(1, dtype=np.float32)
+        values = {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v,
+                  "descale_s": one, "scale_s": one, "scale_o": one}
+        values = {n: (v if isinstance(v, cupy.ndarray) else cupy.full(1, v, dtype=np.float32))
+                  for n, v in values.items()}
+        pack = {tq: q8, tk: k8, tv: v8, o: out, amax_s: amax["amax_s"], amax_o: amax["amax_o"]}
+        pack.update({scales[n]: values[n] for n in names})
+        workspace = cupy.empty(max(1, graph.get_workspace_size()), dtype=np.uint8)
+        keep = (pack, workspace, handle)   # alive as long as the call
+
+        def run():
+            graph.execute(keep[0], keep[1], handle=keep[2])
+        return run
+
+    return build
+
+
 def peer_impls() -> dict:
     """name -> (fn, sdpa_layout) for every peer that runs here: ``sdpa_flash`` and ``sdpa_cudnn``
     take ``(B, H, N, D)`` tensors (sdpa_layout True), ``fa4`` ``(B, N, H, D)``; each fn is
@@ -368,8 +439,9 @@ def peer_impls() -> dict:
 
 
 def peer_label(column: str) -> str:
-    """"sdpa_cudnn" -> "cudnn", "fa4" -> "fa4": a peer's name in the tables' ratio headers."""
-    return column[5:] if column.startswith("sdpa_") else column
+    """"sdpa_cudnn" -> "cudnn", "fa4" -> "fa4", "sdpa_cudnn_bf16" -> "cudnn bf16": a peer's name in the tables'
+    ratio headers."""
+    return (column[5:] if column.startswith("sdpa_") else column).replace("_", " ")
 
 
 PASSES = ("fwd", "bwd", "fwd+bwd")

@@ -78,9 +78,9 @@ def target(config: KernelConfig, cc: int) -> str:
 
 
 def compile_options(config: KernelConfig, cc: str) -> tuple[str, ...]:
-    """NVRTC options for one kernel family on compute capability ``cc`` ("80", "90a", ...)."""
-    return (arch_option(cc), "-std=c++17", "-DCUFLASH_SOURCE_" + config.family,
-            "-DCUFLASH_ARCH=" + re.sub(r"\D", "", cc))
+    """NVRTC options for one kernel family on compute capability ``cc`` ("80", "90a", ...). The kernel,
+    its template arguments included, is chosen by its name expression, so no define names it."""
+    return (arch_option(cc), "-std=c++17")
 
 
 def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True,

@@ -5,7 +5,7 @@ Head dims that are not tuned use the tiles of the next larger tuned head dim
 
 The tables were tuned on an H100 (B=4 H=16 N=4096 unless said otherwise). The comments say why each
 table is as it is; the measurements behind them are in BENCHMARKS.md and, per decision, in the git
-history of this file (the comments before commit 7ff08ba quote the TFLOP/s of every alternative).
+history of this file (its comments before commit 7ff08ba quote the figures of every alternative).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
 # ptxas from hoisting the P V wait above the softmax) wins wherever its registers allow. Persistent
 # kernels lead at head dims <= 128 at every length, once their consumers read the tile index through a
 # lane-0 broadcast (from shared memory, ptxas kept every wgmma descriptor in ordinary registers: an R2UR
-# per wgmma; kernels_cu/sm90/NOTES.md); at D=192 / 256 one CTA per tile stays ahead. Causal D <= 64
+# per wgmma; docs/design.md, "Invariants a change must keep"); at D=192 / 256 one CTA per tile stays ahead. Causal D <= 64
 # takes the simple schedule with 192-row tiles: the overlap schedule needs 128-row tiles under the mask
 # there (3 x 160 consumer registers spill) and is slower with them.
 _SM90_FWD = {
@@ -93,8 +93,8 @@ def fwd_cluster_ok(dtype: str, head_dim: int, causal: bool) -> bool:
 
 
 # Long sequences (both at least this many tokens): the tuned table's overlap schedules run in clusters of
-# two where fwd_cluster_ok (a few percent faster at N=32768 and more, e.g. D=128 fp16 707 -> 736 TFLOP/s);
-# below, level or slower: there all CTAs do not stream the same K / V at once, so the multicast saves little.
+# two where fwd_cluster_ok (a few percent faster at N=32768 and more; BENCHMARKS.md, "History"); below,
+# level or slower: there all CTAs do not stream the same K / V at once, so the multicast saves little.
 SM90_FWD_CLUSTER_SEQLEN = 32768
 
 
@@ -318,9 +318,8 @@ _SIMT_BWD = {
 _SM90_BWD = {32: (128, 128, 12), 64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12),
              192: (64, 64, 12), 256: (64, 64, 12)}
 # The sm90 backward's dQ slices reach global memory through shared memory and one bulk reduce per slice
-# into a tiled dq_accum (the deterministic mode: the same, in a fixed order). That replaced red.global.add
-# per element pair (the atomic mode, deleted): 9-33 % faster (a dQ-mode A/B, now dev/ab.py run bwd with
-# @CUFLASH_SM90_BWD_DQ variants); the ordered mode is still 1.2-1.7x the portable deterministic kernels.
+# into a tiled dq_accum (the deterministic mode: the same, in a fixed order), which replaced the slower
+# red.global.add per element pair (the atomic mode, deleted; docs/experiments.md).
 
 # CUFLASH_BWD_BACKEND values that select the sm90 backward.
 SM90_BWD_BACKENDS = ("sm90",)

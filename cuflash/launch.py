@@ -42,13 +42,9 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
     return ((seqlen_q + c.block_m - 1) // c.block_m, heads_q, batch)
 
 
-# sm90 backward, not causal, not ordered: 128-row query tiles (head dims <= 64) take the sectioned 1-D
-# grid. H100, backward TFLOP/s, same run (2026-11-23): 3-D grid / 1-D grid in 8 MB sections: D=64 fp16
-# N=4096 400 / 444, B=16 N=1024 298 / 303 (1-D in 24 MB sections: 0.643 -> 0.578 ms at N=1024 but
-# 1.723 -> 1.750 ms at N=4096). The 64-row tiles (D=96..128) are level or slower on it (D=128 N=4096
-# 543 / 541, D=256 379 / 372; in 24 MB sections D=128 N=1024 0.889 / 0.951 ms): they keep the 3-D grid.
-# The one-warpgroup short-sequence tiles (num_warps 8) take the 1-D grid: B=16 N=1024 D=64 272 / 312,
-# B=32 N=512 213 / 232, B=4 N=4096 357 / 393 (2026-11-23, ninth session).
+# sm90 backward, not causal, not ordered: the 128-row query tiles (head dims <= 64) and the one-warpgroup
+# short-sequence tiles (num_warps 8) take the sectioned 1-D grid, whose L2 reuse of Q and dO makes them faster;
+# the 64-row tiles (D=96..256) are level or slower on it and keep the 3-D grid (BENCHMARKS.md, "History").
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
     """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
     sm90 kernels, and the others with 128-row query tiles or one consumer warpgroup, take a 1-D grid

@@ -21,7 +21,6 @@ CUFLASH_SM90_FP8_PERSISTENT               sm90_fp8_persistent (None)  "1" / "0" 
                                                                       persistent kernel on / off
 CUFLASH_SM90_BWD_SHORT                    sm90_bwd_short (None)       "1" / "0" force the Hopper backward's
                                                                       short-sequence tile on / off
-CUFLASH_SM90_BWD_DQ                       sm90_bwd_dq ("tile")        "tile" only (the atomic mode was deleted)
 CUFLASH_SM80_BWD_VARIANT                  sm80_bwd_variant (2)        1: the portable dK/dV kernel version 1
                                                                       where version 2 would apply
 CUFLASH_SM80_FWD_TILES                    sm80_fwd_tiles (None)       "block_m,block_n,num_warps": a tile
@@ -34,9 +33,6 @@ CUFLASH_SM80_BWD_DKDV_TILES               sm80_bwd_dkdv_tiles (None)
 CUFLASH_SM80_BWD_DQ_TILES                 sm80_bwd_dq_tiles (None)
 CUFLASH_NVRTC_DEFINES                     nvrtc_defines (())          extra NVRTC options, space-separated (e.g.
                                                                       "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS")
-CUFLASH_SM90_BWD_ZERO_DQ_ACCUM            sm90_bwd_zero_dq_accum      "1": the preprocess zeroes all of the
-                                          (False)                     Hopper backward's dQ sums (for kernels
-                                                                      built with the first-slice store off)
 CUFLASH_LAUNCH                            launch ("packed")           "cupy": launch through CuPy's RawKernel
                                                                       call instead of the packed-argument path
 CUFLASH_FA4_PATH                          fa4_path (())               where the benchmarks find FlashAttention-4
@@ -62,7 +58,6 @@ FWD_BACKENDS = ("auto", "sm80", "sm90", "sm90_overlap", "sm90_simple_p", "sm90_o
                 "sm90_overlap_x2_p")
 BWD_BACKENDS = ("auto", "sm80", "sm90")
 CLUSTER_MODES = ("auto", "0", "1")
-SM90_BWD_DQ_MODES = ("tile",)
 SM80_BWD_VARIANTS = (1, 2)
 LAUNCH_PATHS = ("packed", "cupy")
 
@@ -73,7 +68,6 @@ ENV = {
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
-    "sm90_bwd_dq": "CUFLASH_SM90_BWD_DQ",
     "sm80_bwd_variant": "CUFLASH_SM80_BWD_VARIANT",
     "sm80_fwd_tiles": "CUFLASH_SM80_FWD_TILES",
     "simt_fwd_tiles": "CUFLASH_SIMT_FWD_TILES",
@@ -84,7 +78,6 @@ ENV = {
     "sm80_bwd_dkdv_tiles": "CUFLASH_SM80_BWD_DKDV_TILES",
     "sm80_bwd_dq_tiles": "CUFLASH_SM80_BWD_DQ_TILES",
     "nvrtc_defines": "CUFLASH_NVRTC_DEFINES",
-    "sm90_bwd_zero_dq_accum": "CUFLASH_SM90_BWD_ZERO_DQ_ACCUM",
     "launch": "CUFLASH_LAUNCH",
     "fa4_path": "CUFLASH_FA4_PATH",
 }
@@ -132,7 +125,6 @@ class Options:
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
-    sm90_bwd_dq: str = "tile"
     sm80_bwd_variant: int = 2
     sm80_fwd_tiles: Optional[Tiles] = None
     simt_fwd_tiles: Optional[Tiles] = None
@@ -143,7 +135,6 @@ class Options:
     sm80_bwd_dkdv_tiles: Optional[Tiles] = None
     sm80_bwd_dq_tiles: Optional[Tiles] = None
     nvrtc_defines: Tuple[str, ...] = ()
-    sm90_bwd_zero_dq_accum: bool = False
     launch: str = "packed"
     fa4_path: Tuple[str, ...] = ()
     # Set when published (``_intern``): equal settings share one object and one token.
@@ -155,13 +146,11 @@ class Options:
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
-        _check_choice("sm90_bwd_dq", self.sm90_bwd_dq, SM90_BWD_DQ_MODES)
         _check_choice("sm80_bwd_variant", self.sm80_bwd_variant, SM80_BWD_VARIANTS)
         for name in ("sm80_fwd_tiles", "simt_fwd_tiles", "sm90_fwd_tiles", "sm90_fp8_tiles", "sm90_bwd_tiles",
                      "simt_bwd_tiles", "sm80_bwd_dkdv_tiles", "sm80_bwd_dq_tiles"):
             _check_tiles(name, getattr(self, name))
         _check_strings("nvrtc_defines", self.nvrtc_defines)
-        _check_flag("sm90_bwd_zero_dq_accum", self.sm90_bwd_zero_dq_accum, optional=False)
         _check_choice("launch", self.launch, LAUNCH_PATHS)
         _check_strings("fa4_path", self.fa4_path)
 
@@ -182,7 +171,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "sm90_bwd_zero_dq_accum"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

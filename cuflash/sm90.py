@@ -1,6 +1,8 @@
 """Host side of the Hopper (sm90) kernel families: tensor maps and fallbacks."""
 from __future__ import annotations
 
+import functools
+
 from . import heuristics, options, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
@@ -79,11 +81,42 @@ def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     return _maps((q, k, v, dout), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n, cfg.block_m))
 
 
+# Tests and dev tools set this to True for the negative control of the first-slice stores: a build that
+# adds every slice (-DCUFLASH_SM90_BWD_FIRST_STORE=0 or -DCUFLASH_SM90_BWD_CLAIM_FIRST=0) run with a
+# preprocess that still zeroes only what a store would not cover, which tests/test_bwd.py's
+# test_workspace_poisoned must then catch.
+_NEGATIVE_CONTROL_SKIP_ZEROING = False
+
+
+def _defines(nvrtc_defines: tuple) -> dict:
+    """NAME -> value ("1" where none is given) of the ``-D`` options among ``nvrtc_defines``."""
+    out, tokens = {}, iter(nvrtc_defines)
+    for t in tokens:
+        if t == "-D":
+            t = "-D" + next(tokens, "")
+        if t.startswith("-D") and len(t) > 2:
+            name, _, value = t[2:].partition("=")
+            out[name] = value or "1"
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _first_slice_stores(nvrtc_defines: tuple) -> tuple:
+    """(ordered mode stores its first slice, unordered mode claims it) in a build with these defines, as
+    kernels_cu/sm90/bwd_scheduler.cuh sets its switches (the trace build cannot claim)."""
+    d = _defines(nvrtc_defines)
+    ordered = d.get("CUFLASH_SM90_BWD_FIRST_STORE", "1") != "0"
+    claim = d.get("CUFLASH_SM90_BWD_CLAIM_FIRST", "0" if "CUFLASH_SM90_BWD_TRACE" in d else "1") != "0"
+    return ordered, claim
+
+
 def bwd_first_slice_stored(cfg: KernelConfig, opts: options.Options | None = None) -> bool:
     """Whether the sm90 tile-dQ backward kernel ``cfg`` stores the first slice that reaches each query tile of
     its float32 dQ sums instead of adding it (kernels_cu/sm90/bwd.cu: the ordered mode stores its first
     contribution, the unordered one claims it), so that the preprocess zeroes only the query tiles no key
-    tile writes. Options.sm90_bwd_zero_dq_accum ($CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1) says no, as a kernel built with
-    -DCUFLASH_SM90_BWD_CLAIM_FIRST=0 or -DCUFLASH_SM90_BWD_FIRST_STORE=0 needs (A/B timing of those builds);
-    without it those builds are negative controls for tests/test_bwd.py's test_workspace_poisoned."""
-    return not (opts or options.current()).sm90_bwd_zero_dq_accum
+    tile writes. Builds whose Options.nvrtc_defines turn that off (-DCUFLASH_SM90_BWD_FIRST_STORE=0,
+    -DCUFLASH_SM90_BWD_CLAIM_FIRST=0, the trace build) get every sum zeroed."""
+    if _NEGATIVE_CONTROL_SKIP_ZEROING:
+        return True
+    ordered, claim = _first_slice_stores((opts or options.current()).nvrtc_defines)
+    return ordered if cfg.fam.dq_mode == "ordered" else claim

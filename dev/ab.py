@@ -7,7 +7,7 @@
 ``run``: one process; PASS is fwd, bwd, fwd+bwd or fp8 (forward_fp8 on the inputs quantised per tensor,
 bf16 shapes). Each VARIANT is a string of tokens (dev/_common.py): NVRTC defines (``-DNAME=V``),
 environment variables for that variant only (``@CUFLASH_FWD_BACKEND=sm80``, ``@CUFLASH_SM90_FWD_TILES=128,176,12``,
-``@CUFLASH_SM90_BWD_DQ=tile``), another tree's kernel sources (``src=/tmp/old/kernels_cu``), ``det``
+``@CUFLASH_SM90_BWD_SHORT=0``), another tree's kernel sources (``src=/tmp/old/kernels_cu``), ``det``
 (deterministic backward), or a peer (``cudnn``, ``flash``, ``fa4``); "" is the default build. The variants
 run in alternating rounds (clock drift falls on all alike); each line gives, per shape and input distribution
 (cuflash/distributions.py), the median TFLOP/s of each variant over the rounds (``--ms``: milliseconds too).

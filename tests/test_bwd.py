@@ -140,6 +140,28 @@ def test_workspace_poisoned(rng, monkeypatch, head_dim, causal, nq, nk, determin
     check_bwd(rng, "bfloat16", 2, nq, nk, 4, 2, head_dim, causal, deterministic=deterministic, label="poisoned")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_workspace_poisoned_negative_control(rng, monkeypatch, deterministic):
+    """The control of test_workspace_poisoned on Hopper: a build that adds every dQ slice
+    (-DCUFLASH_SM90_BWD_FIRST_STORE=0 -DCUFLASH_SM90_BWD_CLAIM_FIRST=0) gets every sum zeroed and passes;
+    the same build with the zeroing cut to what a stored first slice would cover
+    (sm90._NEGATIVE_CONTROL_SKIP_ZEROING) leaves NaN in dQ, which the poisoned check must catch."""
+    import cupy
+    from cuflash import api, options, sm90
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the first-slice stores are the Hopper backward's")
+    monkeypatch.setattr(api, "_POISON_WORKSPACE", True)
+    options.set(bwd_backend="sm90", nvrtc_defines=("-DCUFLASH_SM90_BWD_FIRST_STORE=0",
+                                                   "-DCUFLASH_SM90_BWD_CLAIM_FIRST=0"))
+    args = (rng, "bfloat16", 2, 257, 257, 4, 2, 64, False)
+    check_bwd(*args, deterministic=deterministic, label="poisoned-control-zeroed")
+    monkeypatch.setattr(sm90, "_NEGATIVE_CONTROL_SKIP_ZEROING", True)
+    with pytest.raises(AssertionError, match="dq"):
+        check_bwd(*args, deterministic=deterministic, label="poisoned-control")
+
+
 @requires_cublas
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True), (256, False)])
 def test_many_ctas_in_flight(rng, head_dim, causal):

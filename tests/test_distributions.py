@@ -189,6 +189,31 @@ def test_standard_table_fa4_column():
     assert markdown_table(rows).splitlines()[2].endswith("| 0.90 |")
 
 
+def test_fp8_rows_get_their_own_labelled_table():
+    """The fp8 rows print below the standard ones, in a table whose columns say which peer ran in bf16
+    and which (cuDNN through cudnn-frontend) in fp8, so that no ratio reads as one against cuDNN's fp8."""
+    fp8 = [{"shape": "B=4 H=16 N=4096 D=128 fp8", "pass": "fwd fp8", "cuflash": 870.0, "cudnn_fp8": 900.0,
+            "sdpa_flash_bf16": 360.0, "sdpa_cudnn_bf16": 670.0},
+           {"shape": "B=4 H=16 N=4096 D=64 fp8", "pass": "fwd fp8", "cuflash": 600.0, "sdpa_flash_bf16": 300.0,
+            "sdpa_cudnn_bf16": 480.0}]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        print_table(_std_rows() + fp8)
+    lines = buf.getvalue().splitlines()
+    assert lines[1].split()[:6] == ["shape", "pass", "cuflash", "cupy", "sdpa_flash", "sdpa_cudnn"]
+    title = lines.index(next(x for x in lines if x.startswith("fp8 forward")))
+    assert "cudnn_fp8" not in lines[1] and "cuDNN's fp8 forward" in lines[title]
+    assert lines[title + 1].split()[2:] == ["cuflash", "cudnn_fp8", "sdpa_flash_bf16", "sdpa_cudnn_bf16", "x", "cudnn",
+                                            "fp8", "x", "flash", "bf16", "x", "cudnn", "bf16"]
+    assert lines[title + 2].split()[-3:] == ["0.97", "2.42", "1.30"]
+    assert lines[title + 3].split()[-3] == "nan"   # no cuDNN fp8 for that row
+    md = markdown_table(_std_rows() + fp8).splitlines()
+    assert md[0].startswith("| shape | pass | cuflash | cupy |")
+    head = next(x for x in md if x.startswith("| shape") and "cudnn_fp8" in x)
+    assert head.endswith("| cuflash / cudnn fp8 | cuflash / flash bf16 | cuflash / cudnn bf16 |")
+    assert md[-1].endswith("| - | 2.00 | 1.25 |")
+
+
 def test_benchmark_dists_rows(monkeypatch, capsys):
     """The table's loop with stand-ins for the inputs, the kernels, the peers and the clock."""
     from cuflash import dist_table, distributions

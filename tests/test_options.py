@@ -15,21 +15,43 @@ def test_defaults_and_environment_parsing():
     assert options.from_environ({}) == Options()
     env = {"CUFLASH_FWD_BACKEND": " SM80 ", "CUFLASH_SM90_FWD_TILES": "128,64,12", "CUFLASH_SM90_BWD_SHORT": "0",
            "CUFLASH_NVRTC_DEFINES": "-DA=1  -DB", "CUFLASH_SM80_BWD_VARIANT": "1", "CUFLASH_LAUNCH": "cupy",
-           "CUFLASH_SM90_FP8_PERSISTENT": "1", "CUFLASH_SM90_BWD_ZERO_DQ_ACCUM": "1", "CUFLASH_BWD_BACKEND": ""}
+           "CUFLASH_SM90_FP8_PERSISTENT": "1", "CUFLASH_BWD_BACKEND": ""}
     opts = options.from_environ(env)
     assert opts == Options(fwd_backend="sm80", sm90_fwd_tiles=(128, 64, 12), sm90_bwd_short=False,
                            nvrtc_defines=("-DA=1", "-DB"), sm80_bwd_variant=1, launch="cupy",
-                           sm90_fp8_persistent=True, sm90_bwd_zero_dq_accum=True)
+                           sm90_fp8_persistent=True)
 
 
 @pytest.mark.parametrize("var,value", [("CUFLASH_FWD_BACKEND", "sm90_pingpong"), ("CUFLASH_FWD_BACKEND", "sm90_simple"),
                                        ("CUFLASH_BWD_BACKEND", "sm100"), ("CUFLASH_SM90_FWD_CLUSTER", "yes"),
-                                       ("CUFLASH_SM90_BWD_DQ", "atomic"), ("CUFLASH_SM90_BWD_SHORT", "true"),
+                                       ("CUFLASH_SM90_BWD_SHORT", "true"),
                                        ("CUFLASH_SM90_FWD_TILES", "128,64"), ("CUFLASH_SM80_FWD_TILES", "a,b,c"),
                                        ("CUFLASH_SM80_BWD_VARIANT", "3"), ("CUFLASH_LAUNCH", "driver")])
 def test_bad_environment_values_name_the_variable(var, value):
     with pytest.raises(ValueError, match=var):
         options.from_environ({var: value})
+
+
+def test_first_slice_stores_follow_the_build():
+    """The Hopper backward's preprocess zeroes every dQ sum exactly when the build's defines turn the
+    first-slice stores off (kernels_cu/sm90/bwd_scheduler.cuh), with no option of its own."""
+    from cuflash import sm90
+    from cuflash.config import KernelConfig
+
+    ordered = [c for c in heuristics.all_sm90_bwd_configs() if c.fam.dq_mode == "ordered"][0]
+    tile = [c for c in heuristics.all_sm90_bwd_configs() if c.fam.dq_mode == "tile"][0]
+    assert isinstance(ordered, KernelConfig)
+    cases = {(): (True, True), ("-DA=1",): (True, True),
+             ("-DCUFLASH_SM90_BWD_FIRST_STORE=0",): (False, True),
+             ("-D", "CUFLASH_SM90_BWD_FIRST_STORE=0"): (False, True),
+             ("-DCUFLASH_SM90_BWD_CLAIM_FIRST=0",): (True, False),
+             ("-DCUFLASH_SM90_BWD_TRACE",): (True, False),
+             ("-DCUFLASH_SM90_BWD_TRACE", "-DCUFLASH_SM90_BWD_CLAIM_FIRST=1"): (True, True),
+             ("-DCUFLASH_SM90_BWD_FIRST_STORE=1",): (True, True)}
+    for defines, (stored_ordered, stored_tile) in cases.items():
+        opts = Options(nvrtc_defines=defines)
+        assert sm90.bwd_first_slice_stored(ordered, opts) is stored_ordered, defines
+        assert sm90.bwd_first_slice_stored(tile, opts) is stored_tile, defines
 
 
 def test_bad_fields():

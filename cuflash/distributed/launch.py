@@ -24,7 +24,8 @@ def gpu_count() -> int:
 
 def _rank_main(fn, rank: int, world: int, unique_id, args, results, time_waits: bool) -> None:
     try:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast stays off (notes/multi-gpu.md)
+        # NVLink multicast (NVLS) off: the ring only sends point to point, and some hosts cannot set it up.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         import cupy
 
         from .transport import NcclRing

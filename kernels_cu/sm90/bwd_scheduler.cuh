@@ -3,8 +3,8 @@
 #pragma once
 #include "bwd_tile.cuh"
 
-// The diagnostic negative controls of the first-slice stores (cuflash/sm90.py: bwd_first_slice_stored;
-// with either at 0 the preprocess must zero the dQ sums, $CUFLASH_SM90_BWD_ZERO_DQ_ACCUM=1).
+// The diagnostic negative controls of the first-slice stores (with either at 0 the preprocess zeroes the dQ
+// sums: cuflash/sm90.py, bwd_first_slice_stored, reads these defines).
 // CUFLASH_SM90_BWD_FIRST_STORE: the ordered mode stores each query tile's first slice (order 0) instead of
 // adding it, so that the preprocess need not zero those sums; 0 adds it too.
 #ifndef CUFLASH_SM90_BWD_FIRST_STORE
