@@ -44,6 +44,7 @@ def check_array(name: str, x, *, ndim: int = 4, aligned: bool = True) -> None:
                          f"got shape {tuple(x.shape)}")
     if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    check_strides_nonnegative(name, x)
     if x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {x.itemsize} bytes), "
                          f"got strides {x.strides}")
@@ -98,7 +99,58 @@ def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
     if hq % hkv:
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    check_limits(b, nq, nk, hq, hkv)
     return b, nq, nk, hq, hkv, d
+
+
+# The kernels' limits (every family, forward and backward, fp8 and the ring's steps):
+# - batch and heads are the y and z dimensions of the 3-D grids (launch.py: fwd_grid, bwd_row_grid,
+#   bwd_dkdv_grid; the pre/post-processing kernels and fp8's V^T pass always), which CUDA caps at 65535.
+# - seqlen_q, seqlen_k, batch and heads are int32 fields (kernels_cu/common/params.cuh). Row and key
+#   indices and the causal bounds are int arithmetic on them: (m_block + 1) * block_m - 1 + seqlen_k - seqlen_q
+#   (block_range.cuh) reaches seqlen_q + seqlen_k plus a tile before the subtraction, hence the bound on
+#   the sum with a margin of the largest tile. Element offsets are 64-bit (batch, row and head strides
+#   are i64 fields and every pointer offset is formed in i64), so strides have no limit of their own.
+# - Tile counts are int / unsigned: the sm90 forward's tiles (query tiles x heads_q x batch, plus the grid
+#   for the persistent counter), the sm90 backward's dQ semaphores (2 per query tile and head, the int32
+#   field dq_semaphores) and its 1-D grids (key tiles x heads_kv x batch, grid x <= 2^31 - 1); counted
+#   with the smallest tile of any family (16 rows), so no tile override can pass them. These need more
+#   memory than a GPU has today (2^34 query rows); checked all the same.
+GRID_YZ_MAX = 65535
+INT32_MAX = 2**31 - 1
+SEQLEN_MARGIN = 1024                 # >= 2 x the largest tile (block_m, block_n <= 256) of any family
+MIN_TILE = 16
+TILE_COUNT_MAX = INT32_MAX - 65536   # room for the persistent kernels' grid (one CTA per SM, clusters)
+
+
+def check_limits(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int) -> None:
+    """ValueError naming the argument and the limit when a shape passes what the kernels index (above)."""
+    if batch > GRID_YZ_MAX:
+        raise ValueError(f"batch must be <= {GRID_YZ_MAX} (the kernels' grid y/z limit), got {batch}; "
+                         f"split the batch into calls of at most {GRID_YZ_MAX}")
+    if heads_q > GRID_YZ_MAX:
+        raise ValueError(f"heads_q must be <= {GRID_YZ_MAX} (the kernels' grid y/z limit), got {heads_q}")
+    if seqlen_q + seqlen_k > INT32_MAX - SEQLEN_MARGIN:
+        raise ValueError(f"seqlen_q + seqlen_k must be <= {INT32_MAX - SEQLEN_MARGIN} (2^31 - 1 less "
+                         f"{SEQLEN_MARGIN}: the kernels index rows in int32), got {seqlen_q} + {seqlen_k}")
+    query_tiles = 2 * batch * heads_q * -(-seqlen_q // MIN_TILE)
+    if query_tiles > TILE_COUNT_MAX:
+        raise ValueError(f"batch * heads_q * seqlen_q = {batch * heads_q * seqlen_q} is past the kernels' int32 "
+                         f"tile counts (2 * batch * heads_q * ceil(seqlen_q / {MIN_TILE}) must be <= "
+                         f"{TILE_COUNT_MAX}); split the batch")
+    key_tiles = batch * heads_kv * -(-seqlen_k // MIN_TILE)
+    if key_tiles > TILE_COUNT_MAX:
+        raise ValueError(f"batch * heads_kv * seqlen_k = {batch * heads_kv * seqlen_k} is past the kernels' int32 "
+                         f"tile counts (batch * heads_kv * ceil(seqlen_k / {MIN_TILE}) must be <= "
+                         f"{TILE_COUNT_MAX}); split the batch")
+
+
+def check_strides_nonnegative(name: str, x) -> None:
+    """Views with a negative stride (``x[:, ::-1]``) are refused: the kernels and the overlap checks
+    take each dimension to run forward from the pointer."""
+    if any(s < 0 for s in x.strides):
+        raise ValueError(f"{name} has a negative stride (strides {x.strides}): pass a view with non-negative "
+                         f"strides or a copy (cupy.ascontiguousarray({name}))")
 
 
 # Signatures of (q, k, v) already validated -> their dims: a training or serving loop calls with the

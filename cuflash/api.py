@@ -201,7 +201,10 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
             float8_e4m3fn) and JAX arrays are read in place, as in :func:`forward`.
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, the same; heads_q % heads_kv == 0.
         descale_q, descale_k, descale_v: the per-tensor scales: float32 CuPy arrays of one element
-            (as :func:`quantize_fp8` returns; read on the device) or positive floats.
+            (as :func:`quantize_fp8` returns; read on the device) or positive floats (ValueError for
+            one that is 0, subnormal or inf as float32). An array's value is not checked, since reading
+            it would synchronise with the device: a NaN, negative or zero descale gives NaN or wrong
+            output, not an error.
         causal, softmax_scale, return_lse: as in :func:`forward` (the scale applies to the
             dequantised scores).
         out: optional bfloat16 output buffer shaped like ``q``, sharing no memory with the inputs.

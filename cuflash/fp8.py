@@ -44,6 +44,7 @@ def _check_fp8_array(name: str, x) -> None:
                         f"got {x.dtype}")
     if x.ndim != 4:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
+    _checks.check_strides_nonnegative(name, x)
     if x.size and x.shape[-1] > 1 and x.strides[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
 
@@ -66,8 +67,9 @@ def check_fp8_qkv(q, k, v):
 
 
 def check_descale(name: str, x, device_id: int) -> None:
-    """A descale is a positive finite float or a float32 CuPy array of one element on ``device_id``
-    (reads metadata only: no device access)."""
+    """A descale is a positive finite float, normal and finite as float32, or a float32 CuPy array of
+    one element on ``device_id`` (reads metadata only: no device access, so an array's value, NaN,
+    negative or 0, is not checked)."""
     cupy = _checks._cupy()
     if isinstance(x, cupy.ndarray):
         if x.dtype != np.float32 or x.size != 1:
@@ -81,6 +83,23 @@ def check_descale(name: str, x, device_id: int) -> None:
                         f"got {type(x).__name__}")
     if not (np.isfinite(float(x)) and float(x) > 0):
         raise ValueError(f"{name} must be positive and finite, got {x}")
+    _check_float32_descale(name, x)
+
+
+# The kernels read a descale as float32 and are compiled with -ftz=true: a subnormal float32 is 0 there.
+_DESCALE_MIN = float(np.finfo(np.float32).tiny)
+
+
+def _check_float32_descale(name: str, x) -> None:
+    """A float descale that becomes 0 (or subnormal, which -ftz flushes to 0) or inf as float32 is refused."""
+    with np.errstate(over="ignore", under="ignore"):
+        f32 = np.float32(float(x))
+    if not np.isfinite(f32):
+        raise ValueError(f"{name} = {x} overflows float32 (max {float(np.finfo(np.float32).max):.4g}): the kernels "
+                         f"read descales as float32")
+    if float(f32) < _DESCALE_MIN:
+        raise ValueError(f"{name} = {x} is below float32's smallest normal value ({_DESCALE_MIN:.4g}): the kernels "
+                         f"read descales as float32 and flush subnormals to 0")
 
 
 def descale_array(name: str, x, device_id: int):

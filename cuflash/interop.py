@@ -17,13 +17,23 @@ its results go back to the framework of the inputs. Rules:
   from the graph's private pool. Results are torch tensors; a buffer passed as ``out=`` (or
   ``dq=``...) is returned as the very tensor given. Inputs are read through ``detach()``: cuflash's
   own functions are not differentiable in torch, ``cuflash.torch`` is.
-- JAX: results are JAX arrays; JAX arrays are immutable, so they are refused as output buffers.
+- PyTorch output buffers (``out=``, ``dq=``...) are written behind autograd's back, so their version
+  counter is bumped after the call (``torch.autograd.graph.increment_version``): a buffer that autograd
+  saved for a backward then raises there, as after any in-place write. A buffer that requires grad is
+  refused while grad mode is on (torch refuses in-place writes into leaves that require grad).
+- JAX: results are JAX arrays; JAX arrays are immutable, so they are refused as output buffers. The
+  inputs are read on CuPy's current stream after JAX's pending work on them (the DLPack stream handshake:
+  ``__dlpack__(stream=...)`` makes that stream wait for the arrays), and they are kept alive until the
+  kernels reading them have finished (an event recorded after the call), so that JAX cannot free and
+  reuse their memory while the kernels still read it. The same holds for other DLPack producers.
 - Other DLPack producers on CUDA: results stay CuPy arrays (there is no general way back).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -74,10 +84,13 @@ def call(fn: Callable, arrays: dict, *, buffers: tuple = (), **options: Any):
         if name in given and not framework.writable:
             raise TypeError(f"{name}: {framework.label} arrays are immutable and cannot be written into; "
                             f"leave {name} unset and use the returned array")
+    written = [given[name] for name in buffers if name in given]
+    framework.check_buffers(written, [name for name in buffers if name in given])
     first = next(iter(given.values()))
     with framework.running(framework.device_id(first)):
         views = {name: (framework.to_cupy(name, x) if x is not None else None) for name, x in arrays.items()}
         result = fn(**views, **options)
+        framework.after_call(views, written)
         originals = {id(views[name]): x for name, x in given.items()}
         if isinstance(result, tuple):
             return tuple(_back(framework, r, originals) for r in result)
@@ -121,6 +134,14 @@ class _Framework:
 
         return cupy.cuda.Device(device_id)
 
+    def check_buffers(self, buffers: list, names: list) -> None:
+        """Output buffers this framework cannot have written behind its back (metadata only)."""
+
+    def after_call(self, views: dict, written: list) -> None:
+        """After the kernels are queued: the views of memory this framework owns (and may free or reuse
+        once they are gone) are kept alive until the current stream has passed this point."""
+        keep_until_done([v for v in views.values() if v is not None])
+
 
 class _CuPy(_Framework):
     name = label = "cupy"
@@ -130,6 +151,9 @@ class _CuPy(_Framework):
 
     def to_cupy(self, name: str, x):
         return x
+
+    def after_call(self, views: dict, written: list) -> None:
+        pass
 
 
 class _Torch(_Framework):
@@ -166,6 +190,28 @@ class _Torch(_Framework):
     def running(self, device_id: int):
         return _on_torch_stream(device_id)
 
+    def check_buffers(self, buffers: list, names: list) -> None:
+        torch = sys.modules["torch"]
+        if not torch.is_grad_enabled():
+            return
+        for name, t in zip(names, buffers):
+            if t.requires_grad:
+                raise TypeError(f"{name} requires grad: cuflash writes it outside autograd, which cannot record "
+                                f"that; pass a buffer that does not require grad (or write under torch.no_grad()), "
+                                f"or use cuflash.torch.flash_attn_func for a differentiable call")
+
+    def after_call(self, views: dict, written: list) -> None:
+        # torch's allocator orders the reuse of these tensors' memory on torch's current stream, on which the
+        # call ran: nothing to keep alive. The written buffers' version counters are bumped.
+        if written:
+            bump = getattr(getattr(sys.modules["torch"].autograd, "graph", None), "increment_version", None)
+            for t in written:
+                if not t.is_inference():   # inference tensors have no version counter
+                    if bump is not None:
+                        bump(t)
+                    else:   # torch < 2.1
+                        sys.modules["torch"]._C._increment_version(t)
+
 
 class _Jax(_Framework):
     name, label = "jax", "JAX"
@@ -173,6 +219,23 @@ class _Jax(_Framework):
 
     def device_id(self, x) -> int:
         return next(iter(x.devices())).id
+
+    def to_cupy(self, name: str, x):
+        """A CuPy view read on CuPy's current stream once JAX's work on ``x`` is done: the stream is handed
+        to ``__dlpack__`` (the DLPack handshake: JAX makes it wait for the array's definition event). Where
+        this JAX takes no stream, the host waits for the array instead."""
+        import cupy
+
+        stream = _dlpack_stream_argument(cupy.cuda.get_current_stream())
+        try:
+            capsule = x.__dlpack__(stream=stream)
+        except TypeError:   # no stream argument here: wait on the host
+            x.block_until_ready()
+            return super().to_cupy(name, x)
+        try:
+            return cupy.from_dlpack(capsule)
+        except (BufferError, TypeError, ValueError) as e:
+            raise TypeError(f"{name}: CuPy cannot read this {self.label} array through DLPack ({e})") from e
 
     def from_cupy(self, a):
         import jax.dlpack
@@ -237,6 +300,49 @@ def _common_framework(given: dict) -> _Framework:
                             f"every array of one call from one framework (torch.from_dlpack / cupy.from_dlpack "
                             f"convert without a copy)")
     return first
+
+
+# ---------------------------------------------------------------------------
+# Memory of other frameworks kept alive until the kernels reading it are done
+
+
+def _dlpack_stream_argument(stream) -> int:
+    """The ``stream`` argument of ``__dlpack__`` for a CuPy stream: its pointer (2 for the per-thread
+    default stream), or the DLPack spec's 1 for the legacy default stream (0 is not allowed for CUDA)."""
+    return stream.ptr or 1
+
+
+# (event, objects) in the order recorded: the objects are dropped once the event has completed.
+_kept_alive: collections.deque = collections.deque()
+_kept_lock = threading.Lock()
+
+
+def keep_until_done(objects: list) -> None:
+    """Keeps ``objects`` referenced until the work queued so far on CuPy's current stream has finished
+    (an event recorded now); entries whose event completed are dropped here, oldest first. No host wait."""
+    import cupy
+
+    if not objects:
+        return
+    from .capture import stream_is_capturing
+
+    stream = cupy.cuda.get_current_stream()
+    if stream_is_capturing(stream.ptr):   # a graph rereads them on every replay: kept for good
+        from . import capture
+
+        capture.keep_if_capturing(*objects)
+        return
+    event = stream.record()
+    with _kept_lock:
+        while _kept_alive and _kept_alive[0][0].done:
+            _kept_alive.popleft()
+        _kept_alive.append((event, objects))
+
+
+def kept_alive_count() -> int:
+    """How many calls' inputs are still held (tests)."""
+    with _kept_lock:
+        return len(_kept_alive)
 
 
 # ---------------------------------------------------------------------------

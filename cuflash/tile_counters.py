@@ -14,12 +14,18 @@ graph exec run one after another (cudaGraphLaunch orders them), so no other laun
 Cost per launch: one capture query, one event record and, amortised, one event query (no allocation
 once the pool has as many slots as launches in flight). The pool grows by blocks that are zeroed on a
 setup stream (capture.setup_stream) and synchronized before use; a few slots are kept in reserve so
-that a capture, where growing would need cudaMalloc, rarely has to.
+that a capture, where growing needs cudaMalloc and a synchronize, rarely has to. When it has to (a
+graph with more persistent launches than the reserve), this thread's capture mode is switched to
+relaxed around the growth (cuThreadExchangeStreamCaptureMode, as PyTorch's allocator does), which a
+global or thread-local capture requires for cudaMalloc and synchronizing another stream; neither call
+is captured. Where that fails, the launch raises a RuntimeError that says to call ``reserve`` before
+capturing. ``reserve(n)`` makes sure ``n`` slots are free ahead of a capture.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import threading
 
 SLOT_BYTES = 32        # two int32 counters, each slot in its own 32-byte L2 sector
@@ -54,6 +60,20 @@ class CudaCalls:
     def done(self, event: int) -> bool:
         return self._runtime.eventQuery(event) == 0   # cudaSuccess; cudaErrorNotReady while the work runs
 
+    @contextlib.contextmanager
+    def relaxed_capture_mode(self):
+        """This thread's stream capture mode set to relaxed for the block, then put back: a capture in
+        global or thread-local mode forbids the calls that growing the pool makes (cudaMalloc, event
+        queries, synchronizing the setup stream), relaxed allows them (they are not stream work, so
+        nothing of them lands in the graph)."""
+        exchange = _capture_mode_exchange()
+        mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_RELAXED)
+        _check_cu(exchange(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
+        try:
+            yield
+        finally:
+            _check_cu(exchange(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
+
     def zeroed_block(self, device_id: int, nbytes: int):
         """Device memory of ``nbytes`` zero bytes, kept by the caller for good: allocated from CuPy's
         pool (which frees cached blocks and retries when the device is full) and zeroed on the setup
@@ -69,6 +89,26 @@ class CudaCalls:
             runtime.memsetAsync(mem.ptr, 0, nbytes, stream.ptr)
             stream.synchronize()
         return mem
+
+
+_CU_STREAM_CAPTURE_MODE_RELAXED = 2   # CUstreamCaptureMode
+_exchange_fn = None
+
+
+def _capture_mode_exchange():
+    """The driver's cuThreadExchangeStreamCaptureMode (CuPy does not bind it), loaded once."""
+    global _exchange_fn
+    if _exchange_fn is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        _exchange_fn = fn
+    return _exchange_fn
+
+
+def _check_cu(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed (CUresult {result})")
 
 
 class TileCounterPool:
@@ -91,12 +131,9 @@ class TileCounterPool:
         capturing = self._cuda.is_capturing(stream_ptr)
         with self._lock:
             if capturing:
-                # From the reserve: no event query or allocation inside a capture while a slot is left
-                # (a global-mode capture forbids cudaMalloc).
+                # From the reserve: no event query or allocation inside a capture while a slot is left.
                 if not self._free:
-                    self._reclaim()
-                    if not self._free:
-                        self._grow()
+                    self._grow_while_capturing()
             elif len(self._free) <= RESERVE_SLOTS:
                 self._reclaim()
                 if len(self._free) <= RESERVE_SLOTS:
@@ -137,6 +174,28 @@ class TileCounterPool:
                 self._spare_events.append(event)
             else:
                 self._in_flight.append((event, address))
+
+    def _grow_while_capturing(self) -> None:
+        """The reserve is spent inside a capture: reclaim and grow in relaxed capture mode (see above)."""
+        try:
+            with self._cuda.relaxed_capture_mode():
+                self._reclaim()
+                if not self._free:
+                    self._grow()
+        except Exception as e:
+            raise RuntimeError(
+                f"cuflash could not add tile-counter slots for a persistent kernel launched during a CUDA graph "
+                f"capture ({type(e).__name__}: {e}); all {self.slots} slots were in use ({self.captured} held by "
+                f"captured graphs). Call cuflash.tile_counters.reserve(n, device_id={self.device_id}) before capturing a graph of "
+                f"more than that many persistent launches, or capture in relaxed mode") from e
+
+    def reserve(self, n: int) -> None:
+        """At least ``n`` free slots, added now (outside any capture)."""
+        with self._lock:
+            if len(self._free) < n:
+                self._reclaim()
+            while len(self._free) < n:
+                self._grow()
 
     def _grow(self) -> None:
         block = self._cuda.zeroed_block(self.device_id, BLOCK_SLOTS * SLOT_BYTES)
@@ -179,6 +238,19 @@ def for_device(device_id: int):
         with _pools_lock:
             pool = _pools.setdefault(device_id, TileCounterPool(device_id))
     return pool
+
+
+def reserve(n: int, device_id: int | None = None) -> None:
+    """Makes sure ``n`` tile-counter slots are free on ``device_id`` (default: the current device),
+    allocating now: call it before capturing a CUDA graph with more persistent forward launches than
+    the pool keeps in reserve, where growing the pool would otherwise happen during the capture."""
+    if device_id is None:
+        import cupy
+
+        device_id = cupy.cuda.Device().id
+    pool = for_device(device_id)
+    if isinstance(pool, TileCounterPool):
+        pool.reserve(n)
 
 
 @contextlib.contextmanager

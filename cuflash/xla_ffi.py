@@ -297,6 +297,47 @@ def _error(frame: CallFrame, message: str, code: int) -> Optional[int]:
     return create(ctypes.byref(args))
 
 
+# The error of last resort: when building the handler's own error fails (a message that cannot be made,
+# memory, an API table without Error_Create at that moment), a handler must still not return NULL, which
+# XLA reads as success with the outputs unwritten. Everything it needs is made ahead: the arguments (with
+# a static message; XLA copies it) here, and each API table's Error_Create before the handler's body runs.
+_FALLBACK_MESSAGE = (b"cuflash: the custom call failed, and reporting its error failed too "
+                     b"(see stderr); its outputs were not written")
+_fallback_args = ErrorCreateArgs(_struct_size(ErrorCreateArgs, "errc"), None, _FALLBACK_MESSAGE, ERROR_INTERNAL)
+_fallback_creates: dict = {}   # API table address -> its Error_Create, as a ctypes function
+
+
+def _prepare_fallback(api_address: int) -> None:
+    """Resolves the API table's Error_Create once, before a handler's body runs on it."""
+    if api_address and api_address not in _fallback_creates:
+        _fallback_creates[api_address] = _ErrorCreate(_api_function(Api.from_address(api_address), "Error_Create"))
+
+
+def _fallback_error(frame_ptr) -> Optional[int]:
+    """The error of last resort for this frame (pre-built arguments, a pre-resolved Error_Create); when
+    there is none to make, the process is aborted rather than report success with unwritten outputs."""
+    try:
+        create = _fallback_creates.get(frame_ptr.contents.api)
+        if create is not None:
+            error = create(ctypes.byref(_fallback_args))
+            if error:
+                return error
+    except BaseException:   # noqa: BLE001 - nothing may escape to XLA
+        pass
+    _abort()
+    return None
+
+
+def _abort() -> None:
+    """Writes one line to stderr and aborts: the only answer left that is not a false success."""
+    import os
+
+    try:
+        os.write(2, b"cuflash: an XLA custom call failed and no XLA_FFI_Error could be made: aborting\n")
+    finally:
+        os.abort()
+
+
 def make_handler(body: Callable[[Call], None], version: tuple = (API_MAJOR, API_MINOR)):
     """A C function pointer (``XLA_FFI_Handler*``) that runs ``body(call)`` on each execute-stage call.
 
@@ -306,22 +347,43 @@ def make_handler(body: Callable[[Call], None], version: tuple = (API_MAJOR, API_
     """
 
     def entry(frame_ptr):
-        frame = frame_ptr.contents
         try:
+            frame = frame_ptr.contents
             ext = frame.extension_start
             if ext and ext.contents.type == EXTENSION_METADATA:
                 _write_metadata(ctypes.cast(ext, POINTER(MetadataExtension)).contents, version)
                 return None
+            _prepare_fallback(frame.api)
             if frame.stage != STAGE_EXECUTE:
                 raise FfiError(f"cuflash handlers run at the execute stage only, called at stage {frame.stage}")
             body(decode(frame))
             return None
-        except FfiError as e:
-            return _error(frame, str(e), e.code)
         except BaseException as e:   # an escaped exception would read as success (ctypes returns NULL)
-            return _error(frame, f"{type(e).__name__}: {e}", ERROR_UNKNOWN)
+            return _report(frame_ptr, e)
 
     return HandlerFunction(entry)
+
+
+def _report(frame_ptr, e: BaseException) -> Optional[int]:
+    """The XLA_FFI_Error for ``e``, or the error of last resort if making it fails; never raises."""
+    try:
+        frame = frame_ptr.contents
+        if isinstance(e, FfiError):
+            error = _error(frame, str(e), e.code)
+        else:
+            error = _error(frame, f"{type(e).__name__}: {e}", ERROR_UNKNOWN)
+        if error:
+            return error
+        raise FfiError("the call frame has no API table to make an error with", ERROR_INTERNAL)
+    except BaseException as failure:   # noqa: BLE001
+        try:
+            import sys
+            import traceback
+
+            traceback.print_exception(type(failure), failure, failure.__traceback__, file=sys.stderr)
+        except BaseException:   # noqa: BLE001
+            pass
+        return _fallback_error(frame_ptr)
 
 
 def capsule(handler) -> object:

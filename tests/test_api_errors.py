@@ -3,6 +3,8 @@ machine without a GPU gets the TypeError / ValueError a GPU machine gets. The Cu
 metadata over memory that is never allocated (conftest.fake_cupy_array)."""
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -289,3 +291,100 @@ def test_forward_fp8_options_and_out():
         _forward_fp8(out=arr(QKV, np.float16))
     with pytest.raises(ValueError, match="out must have shape"):
         _forward_fp8(out=arr((1, 4, 2, 32), ml_dtypes.bfloat16))
+
+
+# ---- The kernels' limits (cuflash/_checks.py: check_limits), before any allocation ----
+
+def _broadcast(shape, dtype=np.float16):
+    """A fake array of any size: stride 0 on every dimension but the head dim (inputs may be broadcasts)."""
+    return arr(shape, dtype, strides=(0, 0, 0, np.dtype(dtype).itemsize))
+
+
+@pytest.mark.parametrize("axis", ["batch", "heads_q"])
+def test_grid_yz_limit(axis):
+    """batch and heads are grid y / z: 65535 reaches the device, 65536 is a ValueError naming the limit."""
+    def shapes(n):
+        return ((n, 4, 1, 64), (n, 4, 1, 64)) if axis == "batch" else ((1, 4, n, 64), (1, 4, 1, 64))
+
+    q_shape, kv_shape = shapes(65535)
+    with pytest.raises(AssertionError, match="device was touched"):
+        cuflash.forward(_broadcast(q_shape), _broadcast(kv_shape), _broadcast(kv_shape))
+    q_shape, kv_shape = shapes(65536)
+    q, k = _broadcast(q_shape), _broadcast(kv_shape)
+    with pytest.raises(ValueError, match=f"{axis} must be <= 65535 .*grid y/z limit.*got 65536"):
+        cuflash.forward(q, k, k)
+    lse = arr((q_shape[0], q_shape[2], 4), np.float32)
+    with pytest.raises(ValueError, match=f"{axis} must be <= 65535"):
+        cuflash.backward(q, q, k, k, q, lse)
+    q8, k8 = _broadcast(q_shape, np.uint8), _broadcast(kv_shape, np.uint8)
+    with pytest.raises(ValueError, match=f"{axis} must be <= 65535"):
+        cuflash.forward_fp8(q8, k8, k8, 1.0, 1.0, 1.0)
+
+
+def test_seqlen_int32_limit():
+    limit = _checks.INT32_MAX - _checks.SEQLEN_MARGIN
+    nq = 1 << 20
+    q = _broadcast((1, nq, 1, 64))
+    k = _broadcast((1, limit - nq, 1, 64))
+    with pytest.raises(AssertionError, match="device was touched"):
+        cuflash.forward(q, k, k)
+    k = _broadcast((1, limit - nq + 1, 1, 64))
+    with pytest.raises(ValueError, match=r"seqlen_q \+ seqlen_k must be <= 2147482623 .*int32"):
+        cuflash.forward(q, k, k)
+    with pytest.raises(ValueError, match=r"seqlen_q \+ seqlen_k must be <="):
+        cuflash.backward(q, q, k, k, q, arr((1, 1, nq), np.float32))
+
+
+def test_tile_count_limits():
+    with pytest.raises(ValueError, match=r"batch \* heads_q \* seqlen_q = .* int32 tile counts"):
+        q = _broadcast((65535, 1, 65535, 64))
+        cuflash.forward(q, q, q)
+    with pytest.raises(ValueError, match=r"batch \* heads_kv \* seqlen_k = .* int32 tile counts"):
+        cuflash.forward(_broadcast((65535, 0, 65535, 64)), _broadcast((65535, 16, 65535, 64)),
+                        _broadcast((65535, 16, 65535, 64)))
+
+
+def test_check_limits_boundaries():
+    """The tile counts on both sides of their limit (2^31 - 1 - 65536)."""
+    _checks.check_limits(65535, 16, 0, 16383, 1)          # 2 * 65535 * 16383 query tiles of 16
+    with pytest.raises(ValueError, match="heads_q .*tile counts"):
+        _checks.check_limits(65535, 16, 0, 16384, 1)
+    _checks.check_limits(65535, 0, 16, 32767, 32767)      # 65535 * 32767 key tiles
+    with pytest.raises(ValueError, match="heads_kv .*tile counts"):
+        _checks.check_limits(65535, 0, 16, 32768, 32768)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "out"])
+def test_negative_strides_are_refused(name):
+    args = {"q": arr(QKV), "k": arr(QKV), "v": arr(QKV), "out": None}
+    args[name] = arr(QKV)[:, ::-1]
+    with pytest.raises(ValueError, match=f"{name} has a negative stride"):
+        cuflash.forward(**args)
+
+
+@pytest.mark.parametrize("name", ["dout", "q", "out", "dq", "dk"])
+def test_negative_strides_are_refused_by_backward(name):
+    args = {n: arr(QKV) for n in ("dout", "q", "k", "v", "out")}
+    args["lse"] = arr((1, 2, 4), np.float32)
+    args[name] = arr(QKV)[:, :, ::-1]   # dq, dk: output buffers
+    with pytest.raises(ValueError, match=f"{name} has a negative stride"):
+        cuflash.backward(**args)
+
+
+def test_negative_strides_are_refused_by_fp8():
+    with pytest.raises(ValueError, match="k has a negative stride"):
+        _forward_fp8(k=_fp8()[:, ::-1])
+
+
+@pytest.mark.parametrize("bad,match", [(1e-39, "below float32's smallest normal"), (1e-50, "below float32's"),
+                                       (1e39, "overflows float32")])
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_forward_fp8_float_descales_as_float32(i, bad, match):
+    name = ("descale_q", "descale_k", "descale_v")[i]
+    d = [1.0, 1.0, 1.0]
+    d[i] = bad
+    with pytest.raises(ValueError, match=f"{name} = {re.escape(str(bad))} .*{match}"):
+        _forward_fp8(descales=d)
+    d[i] = float(np.finfo(np.float32).tiny)   # the smallest normal float32 passes the descale checks
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        _forward_fp8(descales=d, causal="no")

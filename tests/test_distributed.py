@@ -66,12 +66,95 @@ def test_zigzag_shard_round_trip(world):
 
 def test_zigzag_shard_errors():
     x = np.zeros((1, 10, 1, 8))
-    with pytest.raises(ValueError, match="divisible by 2 \\* world = 4"):
-        plan.zigzag_shard(x, 2, 0)
     with pytest.raises(ValueError, match="rank must be in"):
         plan.zigzag_shard(x, 1, 1)
     with pytest.raises(ValueError, match="one array per rank"):
         plan.zigzag_unshard([])
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (1, 2), (5, 4), (13, 3), (7, 1), (12, 2)])
+def test_zigzag_shard_pads_and_unshard_drops_the_padding(n, world):
+    x = np.random.default_rng(0).standard_normal((2, n, 3, 4))
+    padded = plan.padded_length(n, world)
+    shards = [plan.zigzag_shard(x, world, r) for r in range(world)]
+    assert all(s.shape == (2, padded // world, 3, 4) for s in shards)
+    whole = np.concatenate([x, np.zeros((2, padded - n, 3, 4))], axis=1)
+    np.testing.assert_array_equal(plan.zigzag_unshard(shards), whole)
+    np.testing.assert_array_equal(plan.zigzag_unshard(shards, seqlen=n), x)
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (1, 2), (5, 4), (13, 3), (23, 4), (2, 3)])
+def test_padding_is_a_suffix_of_every_rank(n, world):
+    local = plan.padded_length(n, world) // world
+    for r in range(world):
+        pos = np.array(plan.chunk_positions(r, world, local))
+        valid = plan.valid_rows(r, world, local, n)
+        assert (pos[:valid] < n).all() and (pos[valid:] >= n).all()
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (1, 2), (5, 4), (13, 3), (23, 4), (2, 3), (17, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_steps_cover_the_mask_once(n, world, causal):
+    """With padding: every pair of real tokens the mask keeps is computed once, and no pair with a padded one."""
+    local = plan.padded_length(n, world) // world
+    pos = [np.array(plan.chunk_positions(r, world, local)) for r in range(world)]
+    seen = np.zeros((n, n), dtype=np.int64)
+    for rank in range(world):
+        for s in range(world):
+            src = (rank - s) % world
+            blk = plan.step_block(rank, src, world, local, causal, seqlen=n)
+            if blk is None:
+                continue
+            qp, kp = pos[rank][blk.q_rows], pos[src][blk.k_rows]
+            assert (qp < n).all() and (kp < n).all(), "a step reaches padded rows"
+            visible = np.ones((len(qp), len(kp)), dtype=bool)
+            if blk.causal:
+                assert len(qp) == len(kp)
+                visible = np.tril(visible)
+            seen[np.ix_(qp, kp)] += visible
+    want = np.tril(np.ones((n, n), dtype=np.int64)) if causal else np.ones((n, n), dtype=np.int64)
+    np.testing.assert_array_equal(seen, want)
+
+
+def test_check_padded():
+    assert plan.check_padded(None, 2, 6) is None
+    assert plan.check_padded(12, 2, 6) is None   # no padding
+    assert plan.check_padded(10, 2, 6) == 10
+    with pytest.raises(ValueError, match=r"seqlen must be in \[1, world \* local_seqlen = 12\]"):
+        plan.check_padded(13, 2, 6)
+    with pytest.raises(ValueError, match="even local seqlen"):
+        plan.check_padded(9, 2, 5)
+    with pytest.raises(TypeError, match="seqlen must be an int"):
+        plan.check_padded(10.0, 2, 6)
+
+
+def test_ring_fingerprints_and_disagreement():
+    from cuflash.distributed import transport
+
+    a = ("forward", (1, 8, 2, 64), (1, 8, 2, 64), "float16", True, 0.125, None)
+    b = ("forward", (1, 6, 2, 64), (1, 6, 2, 64), "float16", True, 0.125, None)
+    fa, fb = transport.fingerprint(a), transport.fingerprint(b)
+    assert fa == transport.fingerprint(tuple(a)) and fa != fb
+    assert transport.disagreement([fa, fa, fa], 1, a) is None
+    for rank in range(3):   # every rank gets the error, naming the others
+        message = transport.disagreement([fa, fb, fa], rank, a if rank != 1 else b)
+        assert message is not None and "disagree" in message and "hang" in message
+
+
+def test_communicator_rank_and_size_are_checked():
+    from cuflash.distributed import transport
+
+    class Comm:
+        def rank_id(self):
+            return 1
+
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="the communicator is rank 1 of 2, but NcclRing was given rank 0 of 2"):
+        transport.NcclRing(Comm(), 0, 2)
+    with pytest.raises(ValueError, match="rank 1 of 2, but NcclRing was given rank 1 of 4"):
+        transport.NcclRing(Comm(), 1, 4)
 
 
 def _schedule(kinds):
@@ -212,6 +295,49 @@ def test_schedules_on_the_cpu(world, causal):
         np.testing.assert_allclose(got, refs[i], rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.usefixtures("numpy_ring")
+@pytest.mark.parametrize("n,world", [(10, 2), (1, 2), (5, 4), (13, 3), (7, 1), (22, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_schedules_on_the_cpu(n, world, causal):
+    """A sequence that does not cut into 2 * world chunks: padded by zigzag_shard, the padding left out by
+    the schedules (seqlen=n): the unpadded results equal the float64 reference, padded rows are 0 / -inf."""
+    from cuflash.distributed import ring
+    from cuflash.reference import attention_reference, attention_reference_backward
+
+    rng = np.random.default_rng(n * 7 + world + causal)
+    scale = 0.3
+    q, dout = rng.standard_normal((2, n, 4, 8)), rng.standard_normal((2, n, 4, 8))
+    k, v = rng.standard_normal((2, n, 2, 8)), rng.standard_normal((2, n, 2, 8))
+    qs, ks, vs, dos = ([plan.zigzag_shard(x, world, r) for r in range(world)] for x in (q, k, v, dout))
+    fwd = run_local([ring.forward_schedule(qs[r], ks[r], vs[r], r, world, causal=causal, softmax_scale=scale,
+                                           seqlen=n) for r in range(world)], copy=_numpy_copy)
+    outs, lses = [o for o, _ in fwd], [l_ for _, l_ in fwd]
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    np.testing.assert_allclose(plan.zigzag_unshard(outs, seqlen=n), ref_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.zigzag_unshard(lses, axis=2, seqlen=n), ref_lse, rtol=1e-5, atol=1e-5)
+    padded_out = plan.zigzag_unshard(outs)[:, n:]
+    assert (padded_out == 0).all() and np.isneginf(plan.zigzag_unshard(lses, axis=2)[:, :, n:]).all()
+    bwd = run_local([ring.backward_schedule(dos[r], qs[r], ks[r], vs[r], outs[r], lses[r], r, world, causal=causal,
+                                            softmax_scale=scale, deterministic=False, seqlen=n) for r in range(world)],
+                    copy=_numpy_copy)
+    refs = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        whole = plan.zigzag_unshard([g[i] for g in bwd])
+        np.testing.assert_allclose(whole[:, :n], refs[i], rtol=1e-4, atol=1e-4, err_msg=name)
+        assert (whole[:, n:] == 0).all(), f"{name}: padded rows not 0"
+
+
+@pytest.mark.usefixtures("device_forbidden")
+def test_padded_argument_errors_before_the_device():
+    import cuflash.distributed as cfd
+
+    q = arr((1, 8, 2, 64))
+    with pytest.raises(ValueError, match=r"seqlen must be in \[1, world \* local_seqlen = 16\]"):
+        cfd.local_ring_forward([q, q], [q, q], [q, q], seqlen=17)
+    with pytest.raises(TypeError, match="seqlen must be an int"):
+        cfd.local_ring_forward([q, q], [q, q], [q, q], seqlen="15")
+
+
 def test_ring_helpers_compile():
     """The merge / accumulate / convert kernels build for sm_80 and sm_90 without spills."""
     pytest.importorskip("cupy")
@@ -308,6 +434,33 @@ def test_local_ring_deterministic_backward_is_bitwise_repeatable(rng):
             assert bool(cupy.all(x.view(np.uint16) == y.view(np.uint16)))
 
 
+@requires_gpu
+@pytest.mark.usefixtures("poison_ring_buffers")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,world", [(77, 2), (5, 4), (301, 3), (131, 1)])
+def test_local_ring_padded(rng, n, world, causal):
+    """Sequences that do not cut into 2 * world chunks, padded inside: forward and backward against float64."""
+    import cupy
+    import cuflash.distributed as cfd
+    from cuflash.reference import attention_reference, attention_reference_backward, rel_err
+
+    q, dout = randn(rng, (2, n, 4, 64), "float16"), randn(rng, (2, n, 4, 64), "float16")
+    k, v = randn(rng, (2, n, 2, 64), "float16"), randn(rng, (2, n, 2, 64), "float16")
+    qs, ks, vs, dos = (_shards(x, world) for x in (q, k, v, dout))
+    outs, lses = cfd.local_ring_forward(qs, ks, vs, causal=causal, return_lse=True, seqlen=n)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+    out = cfd.zigzag_unshard(outs)
+    assert rel_err(out[:, :n], ref_o) <= FWD_TOL["float16"]
+    assert bool((out[:, n:] == 0).all())
+    assert_lse_matches(cfd.zigzag_unshard(lses, axis=2, seqlen=n), ref_lse, (2, 4, n))
+    grads = cfd.local_ring_backward(dos, qs, ks, vs, outs, lses, causal=causal, seqlen=n)
+    refs = attention_reference_backward(dout, q, k, v, causal=causal)
+    for name, shards, ref in zip(("dq", "dk", "dv"), grads, refs):
+        got = cfd.zigzag_unshard(shards)
+        assert rel_err(got[:, :n], ref) <= BWD_TOL["float16"], name
+        assert bool(cupy.all(got[:, n:] == 0)), name
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The NCCL ring, one process per GPU
 
@@ -350,3 +503,72 @@ def test_missing_nccl_says_what_to_install(monkeypatch):
     monkeypatch.setattr(nccl, "available", False)
     with pytest.raises(RuntimeError, match="nvidia-nccl-cu12.*distributed-cuda12"):
         transport.NcclRing.from_unique_id(None, 0, 1)
+
+
+def _disagreeing_rank(group):
+    """Rank 1 calls with another local length: every rank must raise the agreement error, none hang."""
+    import cupy
+
+    import cuflash.distributed as cfd
+
+    n = 64 if group.rank == 0 else 32
+    q = cupy.ones((1, n, 2, 64), dtype=np.float16)
+    try:
+        cfd.ring_forward(q, q, q, group, causal=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@requires_gpus
+def test_nccl_ranks_that_disagree_raise_on_every_rank():
+    from cuflash.distributed.launch import run_ranks
+
+    messages = run_ranks(_disagreeing_rank, 2, timeout_s=120)
+    assert all(m is not None and "disagree" in m for m in messages), messages
+
+
+def _padded_rank(group, n: int, causal: bool):
+    """The ring on a padded sequence of n tokens, then close() through the context manager."""
+    import cupy
+
+    import cuflash.distributed as cfd
+
+    rs = cupy.random.RandomState(5)
+    q, k, v, dout = (rs.standard_normal((1, n, 2, 64), dtype=np.float32).astype(np.float16) for _ in range(4))
+    with group:
+        shard = [cfd.zigzag_shard(x, group.world, group.rank) for x in (q, k, v, dout)]
+        out, lse = cfd.ring_forward(*shard[:3], group, causal=causal, return_lse=True, seqlen=n)
+        out2 = cfd.ring_forward(*shard[:3], group, causal=causal, seqlen=n)   # agreed: no second check
+        dq, dk, dv = cfd.ring_backward(shard[3], *shard[:3], out, lse, group, causal=causal, seqlen=n)
+        assert bool(cupy.array_equal(out, out2))
+    try:
+        cfd.ring_forward(*shard[:3], group, causal=causal, seqlen=n)
+        closed = False
+    except RuntimeError:
+        closed = True
+    return {"out": out.get(), "lse": lse.get(), "dq": dq.get(), "dk": dk.get(), "dv": dv.get(), "closed": closed}
+
+
+@requires_gpus
+@pytest.mark.parametrize("causal", [False, True])
+def test_nccl_ring_pads_inside_and_closes(causal):
+    import cupy
+
+    import cuflash
+    from cuflash.distributed.launch import run_ranks
+    from cuflash.reference import rel_err
+
+    n = 1001   # not a multiple of 2 * world
+    results = run_ranks(_padded_rank, 2, (n, causal), timeout_s=240)
+    assert all(r["closed"] for r in results)
+    rs = cupy.random.RandomState(5)
+    q, k, v, dout = (rs.standard_normal((1, n, 2, 64), dtype=np.float32).astype(np.float16) for _ in range(4))
+    out, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True)
+    grads = cuflash.backward(dout, q, k, v, out, lse, causal=causal)
+    got = {name: plan.zigzag_unshard([cupy.asarray(r[name]) for r in results], axis=2 if name == "lse" else 1,
+                                     seqlen=n) for name in ("out", "lse", "dq", "dk", "dv")}
+    assert rel_err(got["out"], out) <= 2 * FWD_TOL["float16"]
+    assert float(cupy.abs(got["lse"] - lse).max()) <= 1e-3
+    for name, ref in zip(("dq", "dk", "dv"), grads):
+        assert rel_err(got[name], ref) <= 2 * BWD_TOL["float16"], name

@@ -317,3 +317,77 @@ def test_jax_arrays():
     assert isinstance(out, jax.Array) and out.shape == q.shape and out.dtype == q.dtype
     ref = cuflash.forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=True)
     assert np.array_equal(np.asarray(out), cupy.asnumpy(ref))
+
+
+# ---- Output buffers and autograd, JAX ordering and lifetimes ----
+
+def test_torch_out_buffer_bumps_its_version_counter():
+    """A buffer written through DLPack is an in-place write autograd must know of: a tensor saved for a
+    backward and then written as out= makes that backward raise, as any in-place write would."""
+    torch = _torch_cuda()
+    q, k, v = _torch_qkv(torch, "float16")
+    out = torch.zeros_like(q)
+    before = out._version
+    cuflash.forward(q, k, v, out=out)
+    assert out._version > before
+    w = torch.ones_like(q, requires_grad=True)
+    saved = torch.zeros_like(q)          # saved by the product for w's gradient
+    loss = (w * saved).sum()
+    cuflash.forward(q, k, v, out=saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    lse = cuflash.forward(q, k, v, return_lse=True)[1]
+    versions = [x._version for x in (dq, dk, dv)]
+    cuflash.backward(torch.ones_like(q), q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    assert all(x._version > b for x, b in zip((dq, dk, dv), versions))
+
+
+def test_torch_out_buffer_that_requires_grad_is_refused():
+    torch = _torch_cuda()
+    q, k, v = _torch_qkv(torch, "float16")
+    leaf = torch.zeros_like(q, requires_grad=True)
+    with pytest.raises(TypeError, match="out requires grad: cuflash writes it outside autograd"):
+        cuflash.forward(q, k, v, out=leaf)
+    with pytest.raises(TypeError, match="out requires grad"):
+        cuflash.forward(q, k, v, out=leaf * 1)   # a non-leaf: its write would not be in the graph either
+    with torch.no_grad():   # as torch allows an in-place write into a leaf there
+        assert cuflash.forward(q, k, v, out=leaf) is leaf
+    assert torch.equal(leaf.detach(), cuflash.forward(q, k, v))
+
+
+def _jax_gpu():
+    jax = pytest.importorskip("jax")
+    if GPU_SKIP_REASON is not None or not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs JAX on a GPU")
+    return jax
+
+
+def test_jax_inputs_are_ordered_after_jax_work_and_kept_alive():
+    """q comes out of a long JAX computation still running when cuflash is called: the DLPack handshake makes
+    CuPy's stream wait for it. The inputs, dropped right after the call, stay referenced until the kernels
+    have finished (interop.keep_until_done), then go."""
+    jax = _jax_gpu()
+    import cupy
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(1)
+    a = jax.random.normal(key, (4096, 4096), dtype=jnp.float32)
+    k, v = (jax.random.normal(kk, (2, 256, 4, 64), dtype=jnp.float16) for kk in jax.random.split(key, 2))
+
+    def slow_q(a):
+        for _ in range(8):
+            a = jnp.tanh(a @ a * 1e-3)
+        return a[:2048].reshape(2, 256, 4, 256)[..., :64].astype(jnp.float16)
+
+    q_ready = jax.block_until_ready(jax.jit(slow_q)(a))
+    expected = np.asarray(cuflash.forward(q_ready, k, v))
+    for _ in range(3):
+        q = jax.jit(slow_q)(a)   # dispatched, not finished
+        out = cuflash.forward(q, k, v)
+        assert interop.kept_alive_count() >= 1   # this call's inputs, until its kernels finish
+        del q
+        np.testing.assert_array_equal(np.asarray(out), expected)
+    cupy.cuda.Device().synchronize()
+    cuflash.forward(q_ready, k, v)   # drops the entries whose kernels finished
+    assert interop.kept_alive_count() <= 1

@@ -4,6 +4,7 @@ slot may go to a launch while another kernel that was given it has not finished,
 never comes back. The launch path (launch.py) writes each launch's slot into its own arguments."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 import threading
@@ -20,8 +21,14 @@ class _Block:
         self.ptr = ptr
 
 
+class CaptureViolation(RuntimeError):
+    """What CUDA answers (cudaErrorStreamCaptureUnsupported) to a call that a global-mode capture forbids."""
+
+
 class FakeCuda:
-    """Events are ids whose completion the test decides; streams are ints; capture is per stream."""
+    """Events are ids whose completion the test decides; streams are ints; capture is per stream, in
+    global mode: while any stream captures, a thread not switched to relaxed mode may not allocate or
+    query events (cudaMalloc, cudaEventQuery, synchronizing the setup stream), as CUDA forbids."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -31,6 +38,23 @@ class FakeCuda:
         self.next_block = 1 << 20
         self.blocks = 0
         self.last = threading.local()        # .event: the event this thread recorded last
+        self.mode = threading.local()        # .relaxed: this thread's capture mode is relaxed
+        self.relaxed_ok = True               # False: switching the mode fails (an old driver, say)
+
+    def _unsafe_call(self, what: str) -> None:
+        if self.capturing and not getattr(self.mode, "relaxed", False):
+            raise CaptureViolation(f"{what} during a global-mode capture")
+
+    @contextlib.contextmanager
+    def relaxed_capture_mode(self):
+        if not self.relaxed_ok:
+            raise RuntimeError("cuThreadExchangeStreamCaptureMode failed")
+        before = getattr(self.mode, "relaxed", False)
+        self.mode.relaxed = True
+        try:
+            yield
+        finally:
+            self.mode.relaxed = before
 
     def is_capturing(self, stream_ptr):
         return stream_ptr in self.capturing
@@ -48,10 +72,12 @@ class FakeCuda:
         self.last.event = event
 
     def done(self, event):
+        self._unsafe_call("cudaEventQuery")
         with self.lock:
             return event in self.finished
 
     def zeroed_block(self, device_id, nbytes):
+        self._unsafe_call("cudaMalloc")
         with self.lock:
             self.blocks += 1
             ptr, self.next_block = self.next_block, self.next_block + nbytes + 4096
@@ -170,6 +196,38 @@ def test_a_capture_with_no_free_slot_grows_the_pool():
     assert len(set(slots)) == len(slots) and cuda.blocks == 2
 
 
+def test_growth_during_a_global_capture_switches_to_relaxed_mode():
+    """The reserve spent inside a global-mode capture: the pool grows with this thread in relaxed mode
+    (the fake raises otherwise), and the mode is put back after."""
+    pool, cuda, tr = _pool()
+    tr.finish(*tr.launch(stream=9))
+    cuda.capturing.add(9)
+    slots = [tr.launch(stream=9)[0] for _ in range(3 * BLOCK_SLOTS)]
+    assert len(set(slots)) == len(slots) and cuda.blocks == 3   # the first, reclaimed, then two more
+    assert not getattr(cuda.mode, "relaxed", False)
+    with pytest.raises(CaptureViolation):   # the fake does forbid it outside relaxed mode
+        cuda.zeroed_block(0, 64)
+
+
+def test_growth_that_cannot_happen_during_a_capture_says_to_reserve():
+    pool, cuda, tr = _pool()
+    cuda.relaxed_ok = False
+    cuda.capturing.add(4)
+    with pytest.raises(RuntimeError, match=r"during a CUDA graph capture.*tile_counters.reserve\(n, device_id=0\)"):
+        pool.acquire(4)
+
+
+def test_reserve_ahead_of_a_capture():
+    """reserve(n) outside the capture: n captured launches then take no allocation and no event query."""
+    pool, cuda, tr = _pool()
+    pool.reserve(200)
+    blocks = cuda.blocks
+    cuda.relaxed_ok = False   # any growth during the capture would raise
+    cuda.capturing.add(5)
+    slots = [tr.launch(stream=5)[0] for _ in range(200)]
+    assert len(set(slots)) == 200 and cuda.blocks == blocks
+
+
 def test_unused_slot_comes_back_at_once():
     pool, cuda, tr = _pool()
     ticket = pool.acquire(1)
@@ -275,3 +333,49 @@ def test_launch_writes_each_launch_slot(monkeypatch, via):
         t.join()
     assert not errors, errors[:3]
     assert len(seen) == 1200 and len(set(seen)) > 4
+
+
+def test_growth_inside_a_real_global_mode_capture():
+    """On the GPU: the pool's free slots set aside, three persistent forwards captured in a graph in global
+    mode (which forbids cudaMalloc and synchronizing): the pool grows during the capture without breaking
+    it, and the replayed graph writes what the eager call gives."""
+    from conftest import GPU_SKIP_REASON, randn
+
+    if GPU_SKIP_REASON is not None:
+        pytest.skip(f"needs an NVIDIA GPU: {GPU_SKIP_REASON}")
+    import cupy
+    import numpy as np
+
+    import cuflash
+    from cuflash import api, heuristics
+
+    rng = np.random.default_rng(7)
+    q, k, v = (randn(rng, (1, 1024, 4, 64), "float16") for _ in range(3))
+    expected = cuflash.forward(q, k, v)   # compiles, and makes the pool if the kernel is persistent
+    dev = q.data.device_id
+    cfg = api._fwd_plan(q.dtype, 64, False, dev, heuristics.fwd_short(1024, 1024), heuristics.fwd_long(1024, 1024))[1]
+    if not cfg.fam.persistent:
+        pytest.skip(f"the forward here ({cfg.family}) is not a persistent kernel (those run on Hopper)")
+    pool = tile_counters.for_device(dev)
+    cupy.cuda.Device().synchronize()
+    with pool._lock:
+        saved, pool._free[:] = list(pool._free), []   # the reserve spent: the capture has to grow the pool
+    slots = pool.slots
+    outs = [cupy.full(q.shape, np.nan, dtype=q.dtype) for _ in range(3)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
+            try:
+                for o in outs:
+                    cuflash.forward(q, k, v, out=o)
+            finally:
+                graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    finally:
+        with pool._lock:
+            pool._free.extend(saved)
+    assert pool.slots > slots and pool.captured >= 3
+    for o in outs:
+        assert bool(cupy.array_equal(o, expected))

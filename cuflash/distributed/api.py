@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from .. import _checks, api as single
 from . import ring
+from .plan import check_padded
 from .transport import NcclRing, run_local
 
 
@@ -36,7 +37,7 @@ def _check_group(group, q) -> None:
 
 
 def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 return_lse: bool = False):
+                 return_lse: bool = False, seqlen: Optional[int] = None):
     """Attention of this rank's queries against the whole sequence, the keys and values passed around
     the ring with NCCL while each step computes.
 
@@ -49,6 +50,13 @@ def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scal
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         return_lse: also return the log-sum-exp, float32 ``(batch, heads_q, local_seqlen)`` (the
             backward needs it).
+        seqlen: the sequence's real length when :func:`zigzag_shard` padded it (a length that does not
+            cut into ``2 * world`` chunks); the padding is left out of every step (no key attends it),
+            and its rows of the results are 0 (lse -inf). Default: ``world * local_seqlen``, no padding.
+
+    Every rank must call with the same shapes, dtype and options: the first call with a new combination
+    compares them across the ranks (one all-gather, one host wait) and raises ValueError on every rank
+    if they differ, rather than hang in mismatched transfers.
 
     Returns:
         ``out`` shaped like q, or ``(out, lse)``.
@@ -56,18 +64,21 @@ def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scal
     causal, scale = _check_local(q, k, v, causal, softmax_scale)
     return_lse = _checks.check_flag("return_lse", return_lse)
     _check_group(group, q)
+    seqlen = check_padded(seqlen, group.world, q.shape[1])
+    group.agree(("forward", q.shape, k.shape, str(q.dtype), causal, scale, seqlen))
     out, lse = group.run(ring.forward_schedule(q, k, v, group.rank, group.world, causal=causal,
-                                               softmax_scale=scale))
+                                               softmax_scale=scale, seqlen=seqlen))
     return (out, lse) if return_lse else out
 
 
 def ring_backward(dout, q, k, v, out, lse, group: NcclRing, *, causal: bool = False,
-                  softmax_scale: Optional[float] = None, deterministic: bool = False):
+                  softmax_scale: Optional[float] = None, deterministic: bool = False, seqlen: Optional[int] = None):
     """Gradients of :func:`ring_forward` for this rank's shard: ``(dq, dk, dv)`` shaped like q, k, v.
 
     The dK / dV sums travel the ring one step behind the keys and reach their owner after the last
     step. ``out`` and ``lse`` are this rank's results of :func:`ring_forward`; ``deterministic`` makes
-    every kernel's sums bitwise reproducible (the ring adds the parts in a fixed order anyway).
+    every kernel's sums bitwise reproducible (the ring adds the parts in a fixed order anyway);
+    ``seqlen`` as given to the forward (padded rows get 0).
     """
     causal, scale = _check_local(q, k, v, causal, softmax_scale)
     _checks.check_like_cached("dout", dout, "q", q)
@@ -75,8 +86,10 @@ def ring_backward(dout, q, k, v, out, lse, group: NcclRing, *, causal: bool = Fa
     _checks.check_lse_cached(lse, (q.shape[0], q.shape[2], q.shape[1]), q.data.device_id)
     deterministic = _checks.check_flag("deterministic", deterministic)
     _check_group(group, q)
+    seqlen = check_padded(seqlen, group.world, q.shape[1])
+    group.agree(("backward", q.shape, k.shape, str(q.dtype), causal, scale, deterministic, seqlen))
     return group.run(ring.backward_schedule(dout, q, k, v, out, lse, group.rank, group.world, causal=causal,
-                                            softmax_scale=scale, deterministic=deterministic))
+                                            softmax_scale=scale, deterministic=deterministic, seqlen=seqlen))
 
 
 def _check_shards(name: str, shards, world: Optional[int]) -> int:
@@ -88,8 +101,8 @@ def _check_shards(name: str, shards, world: Optional[int]) -> int:
 
 
 def local_ring_forward(q: Sequence, k: Sequence, v: Sequence, *, causal: bool = False,
-                       softmax_scale: Optional[float] = None,
-                       return_lse: bool = False) -> Union[List, Tuple[List, List]]:
+                       softmax_scale: Optional[float] = None, return_lse: bool = False,
+                       seqlen: Optional[int] = None) -> Union[List, Tuple[List, List]]:
     """The ring forward of every rank in this process, on the current GPU, the sends as device copies:
     checks a sharding (and the ring) without several GPUs. ``q``, ``k``, ``v``: lists of the ranks'
     shards, as :func:`ring_forward` takes them. Returns the list of outputs (and of lses)."""
@@ -103,15 +116,16 @@ def local_ring_forward(q: Sequence, k: Sequence, v: Sequence, *, causal: bool = 
             raise ValueError(f"every rank's shard must have the same shape: rank 0 q {tuple(q[0].shape)} "
                              f"k {tuple(k[0].shape)}, rank {r} q {tuple(q[r].shape)} k {tuple(k[r].shape)}")
     return_lse = _checks.check_flag("return_lse", return_lse)
-    results = run_local([ring.forward_schedule(q[r], k[r], v[r], r, world, causal=causal, softmax_scale=scale)
-                         for r in range(world)])
+    seqlen = check_padded(seqlen, world, q[0].shape[1])
+    results = run_local([ring.forward_schedule(q[r], k[r], v[r], r, world, causal=causal, softmax_scale=scale,
+                                               seqlen=seqlen) for r in range(world)])
     outs, lses = [o for o, _ in results], [l_ for _, l_ in results]
     return (outs, lses) if return_lse else outs
 
 
 def local_ring_backward(dout: Sequence, q: Sequence, k: Sequence, v: Sequence, out: Sequence, lse: Sequence, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
-                        deterministic: bool = False) -> Tuple[List, List, List]:
+                        deterministic: bool = False, seqlen: Optional[int] = None) -> Tuple[List, List, List]:
     """The ring backward of every rank in this process (see :func:`local_ring_forward`). Returns the
     lists of dq, dk and dv shards."""
     world = _check_shards("q", q, None)
@@ -127,7 +141,8 @@ def local_ring_backward(dout: Sequence, q: Sequence, k: Sequence, v: Sequence, o
         _checks.check_like_cached("out", out[r], "q", q[r])
         _checks.check_lse_cached(lse[r], (q[r].shape[0], q[r].shape[2], q[r].shape[1]), q[r].data.device_id)
     deterministic = _checks.check_flag("deterministic", deterministic)
+    seqlen = check_padded(seqlen, world, q[0].shape[1])
     results = run_local([ring.backward_schedule(dout[r], q[r], k[r], v[r], out[r], lse[r], r, world, causal=causal,
-                                                softmax_scale=scale, deterministic=deterministic)
+                                                softmax_scale=scale, deterministic=deterministic, seqlen=seqlen)
                          for r in range(world)])
     return [x[0] for x in results], [x[1] for x in results], [x[2] for x in results]

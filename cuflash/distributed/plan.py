@@ -5,6 +5,13 @@ A sequence of ``seqlen`` tokens is cut into ``2 * world`` equal chunks; rank ``r
 early chunk, which sees few keys, and one late chunk, which sees many. In ring step ``s`` rank ``r``
 computes its queries against the keys and values of rank ``(r - s) % world``. Without a mask any split
 works; the zig-zag one is used for both, so that one sharding serves both.
+
+A sequence that does not cut into ``2 * world`` equal chunks is padded at its end (``zigzag_shard`` pads
+with zeros) and the ring is told the real length (``seqlen=``). The padding is a suffix of the global
+sequence, so on every rank it is a suffix of the local rows (a late chunk, or an early one and then its
+late one, past ``seqlen``): ``valid_rows`` counts the rows before it, and ``step_block`` cuts every
+step's query and key rows to those, so padded keys are never attended and padded queries never
+computed, with no mask in the kernels. Padded rows of the results are 0 (lse -inf).
 """
 from __future__ import annotations
 
@@ -33,10 +40,24 @@ class StepBlock:
         return slice(self.k_start, self.k_stop)
 
 
-def step_block(rank: int, source: int, world: int, local_seqlen: int, causal: bool) -> Optional[StepBlock]:
+def step_block(rank: int, source: int, world: int, local_seqlen: int, causal: bool,
+               seqlen: Optional[int] = None) -> Optional[StepBlock]:
     """The work of ``rank`` against the keys of ``source`` (zig-zag shards of ``local_seqlen`` rows each),
-    or None where every pair is masked (never, with the zig-zag split)."""
-    n = local_seqlen
+    or None where every pair is masked (never, with the zig-zag split and no padding). ``seqlen``: the
+    real length of a padded sequence; the rows past it are cut from both sides (``valid_rows``)."""
+    blk = _step_block(rank, source, local_seqlen, causal)
+    if seqlen is None or seqlen >= world * local_seqlen:
+        return blk
+    q_valid = valid_rows(rank, world, local_seqlen, seqlen)
+    k_valid = valid_rows(source, world, local_seqlen, seqlen)
+    q_stop, k_stop = min(blk.q_stop, q_valid), min(blk.k_stop, k_valid)
+    if q_stop <= blk.q_start or k_stop <= blk.k_start:
+        return None
+    # The causal block (source == rank) keeps equal lengths: both sides are cut at the same row.
+    return StepBlock(blk.q_start, q_stop, blk.k_start, k_stop, blk.causal)
+
+
+def _step_block(rank: int, source: int, n: int, causal: bool) -> StepBlock:
     if not causal:
         return StepBlock(0, n, 0, n, False)
     half = n // 2
@@ -46,6 +67,33 @@ def step_block(rank: int, source: int, world: int, local_seqlen: int, causal: bo
         return StepBlock(0, n, 0, half, False)
     # source > rank: only the local late chunk comes after the source's chunks, and after both of them
     return StepBlock(half, n, 0, n, False)
+
+
+def valid_rows(rank: int, world: int, local_seqlen: int, seqlen: int) -> int:
+    """How many local rows of ``rank`` hold tokens of a sequence of ``seqlen`` (the rest, a suffix of the
+    local rows, is padding)."""
+    half = local_seqlen // 2
+    early = min(max(seqlen - rank * half, 0), half)
+    late = min(max(seqlen - (2 * world - 1 - rank) * half, 0), half)
+    return early + late
+
+
+def check_padded(seqlen: Optional[int], world: int, local_seqlen: int) -> Optional[int]:
+    """``seqlen`` (the real length of a padded zig-zag sequence) checked against the shards, or None when
+    there is no padding; ValueError naming what does not fit."""
+    if seqlen is None:
+        return None
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
+        raise TypeError(f"seqlen must be an int or None, got {type(seqlen).__name__}")
+    whole = world * local_seqlen
+    if seqlen == whole:
+        return None
+    if local_seqlen % 2:
+        raise ValueError(f"a padded sequence (seqlen={seqlen} < world * local_seqlen = {whole}) needs zig-zag "
+                         f"shards of an even local seqlen, got {local_seqlen}")
+    if not 0 < seqlen < whole:
+        raise ValueError(f"seqlen must be in [1, world * local_seqlen = {whole}], got {seqlen}")
+    return seqlen
 
 
 def chunk_positions(rank: int, world: int, local_seqlen: int) -> list[int]:
@@ -66,24 +114,40 @@ def check_split(seqlen: int, world: int) -> int:
     return seqlen // world
 
 
+def padded_length(seqlen: int, world: int) -> int:
+    """``seqlen`` rounded up to a multiple of ``2 * world`` (the zig-zag split's chunks)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    return -(-seqlen // (2 * world)) * 2 * world
+
+
 def zigzag_shard(x, world: int, rank: int, *, axis: int = 1):
     """The rows of ``x`` (a CuPy or NumPy array, the sequence along ``axis``) that ``rank`` holds:
-    chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world``, concatenated (a new array)."""
+    chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world``, concatenated (a new array). A length
+    that does not cut into ``2 * world`` chunks is padded with zeros at the end first (pass the real
+    length as ``seqlen=`` to the ring, and to :func:`zigzag_unshard`)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, world={world}), got {rank}")
     n = x.shape[axis]
-    check_split(n, world)
-    c = n // (2 * world)
+    padded = padded_length(n, world)
+    c = padded // (2 * world)
     index = [slice(None)] * x.ndim
     parts = []
     for chunk in (rank, 2 * world - 1 - rank):
-        index[axis] = slice(chunk * c, (chunk + 1) * c)
-        parts.append(x[tuple(index)])
+        index[axis] = slice(min(chunk * c, n), min((chunk + 1) * c, n))
+        part = x[tuple(index)]
+        short = c - part.shape[axis]
+        if short:
+            pad_shape = list(x.shape)
+            pad_shape[axis] = short
+            part = _xp(x).concatenate([part, _xp(x).zeros(pad_shape, dtype=x.dtype)], axis=axis)
+        parts.append(part)
     return _xp(x).concatenate(parts, axis=axis)
 
 
-def zigzag_unshard(shards: Sequence, *, axis: int = 1):
-    """The whole sequence back from the shards of every rank, in rank order (inverse of :func:`zigzag_shard`)."""
+def zigzag_unshard(shards: Sequence, *, axis: int = 1, seqlen: Optional[int] = None):
+    """The whole sequence back from the shards of every rank, in rank order (inverse of :func:`zigzag_shard`);
+    ``seqlen``: the real length of a padded sequence, whose padding is dropped."""
     world = len(shards)
     if world == 0:
         raise ValueError("shards must hold one array per rank, got none")
@@ -99,7 +163,11 @@ def zigzag_unshard(shards: Sequence, *, axis: int = 1):
         chunks[r] = s[tuple(index)]
         index[axis] = slice(c, n)
         chunks[2 * world - 1 - r] = s[tuple(index)]
-    return _xp(shards[0]).concatenate(chunks, axis=axis)
+    whole = _xp(shards[0]).concatenate(chunks, axis=axis)
+    if seqlen is not None and seqlen < whole.shape[axis]:
+        index[axis] = slice(0, seqlen)
+        whole = whole[tuple(index)]
+    return whole
 
 
 def _xp(x):

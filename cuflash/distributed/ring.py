@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .. import api
 from . import partials
-from .plan import step_block
+from .plan import step_block, valid_rows
 from .transport import Exchange, Wait
 
 
@@ -62,24 +62,49 @@ class _Visiting:
         self.current, self._incoming = self._incoming, None
 
 
-def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_scale: float):
-    """Yields exchanges and waits; returns ``(out, lse)`` of this rank's queries against every rank's
-    keys: out like ``q``, lse float32 ``(batch, heads_q, local_seqlen)``. Arguments already checked."""
+def _valid(rank: int, world: int, n: int, seqlen) -> int:
+    """This rank's rows before the padding (all of them without ``seqlen``)."""
+    return n if seqlen is None else valid_rows(rank, world, n, seqlen)
+
+
+def _single_padded_forward(q, k, v, valid: int, causal: bool, softmax_scale: float):
+    """world == 1 with padding: the rows before it, zeros and lse -inf after."""
     import numpy as np
 
+    out = _xp().zeros(q.shape, q.dtype)
+    lse = _xp().full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, dtype=np.float32)
+    if valid:
+        rows = slice(0, valid)
+        _, part_lse = api.forward(q[:, rows], k[:, rows], v[:, rows], causal=causal, softmax_scale=softmax_scale,
+                                  return_lse=True, out=out[:, rows])
+        lse[:, :, rows] = part_lse
+    return out, lse
+
+
+def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_scale: float, seqlen=None):
+    """Yields exchanges and waits; returns ``(out, lse)`` of this rank's queries against every rank's
+    keys: out like ``q``, lse float32 ``(batch, heads_q, local_seqlen)``. ``seqlen``: the real length of a
+    padded sequence (plan.py); padded rows get 0 and lse -inf. Arguments already checked."""
+    import numpy as np
+
+    b, n, hq, d = q.shape
+    valid = _valid(rank, world, n, seqlen)
     if world == 1:   # no ring: the single-GPU call, without the float32 sums
+        if valid < n:
+            return _single_padded_forward(q, k, v, valid, causal, softmax_scale)
         return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
         yield   # a generator all the same
     k, v = _contiguous(k), _contiguous(v)
-    b, n, hq, d = q.shape
     out_acc = _empty((b, n, hq, d), np.float32)
+    if valid < n:
+        out_acc[:, valid:] = 0   # no step writes the padded rows
     lse_acc = _xp().full((b, hq, n), -np.inf, dtype=np.float32)
     part = _empty(q.shape, q.dtype)
     visiting = _Visiting(k, v, world)
     for s in range(world):
         exchange = visiting.pass_on(s)
         handle = (yield exchange) if exchange else None
-        blk = step_block(rank, (rank - s) % world, world, n, causal)
+        blk = step_block(rank, (rank - s) % world, world, n, causal, seqlen)
         if blk is not None:
             kc, vc = visiting.current
             _, part_lse = api.forward(q[:, blk.q_rows], kc[:, blk.k_rows], vc[:, blk.k_rows], causal=blk.causal,
@@ -91,40 +116,59 @@ def forward_schedule(q, k, v, rank: int, world: int, *, causal: bool, softmax_sc
     return partials.convert(out_acc, q.dtype), lse_acc
 
 
+def _single_padded_backward(dout, q, k, v, out, lse, valid: int, causal: bool, softmax_scale: float,
+                            deterministic: bool):
+    """world == 1 with padding: the gradients of the rows before it, zeros after."""
+    dq, dk, dv = (_xp().zeros(x.shape, x.dtype) for x in (q, k, v))
+    if valid:
+        r = slice(0, valid)
+        api.backward(dout[:, r], q[:, r], k[:, r], v[:, r], out[:, r], _contiguous(lse[:, :, r]), causal=causal,
+                     softmax_scale=softmax_scale, deterministic=deterministic, dq=dq[:, r], dk=dk[:, r], dv=dv[:, r])
+    return dq, dk, dv
+
+
 def backward_schedule(dout, q, k, v, out, lse, rank: int, world: int, *, causal: bool, softmax_scale: float,
-                      deterministic: bool):
+                      deterministic: bool, seqlen=None):
     """Yields exchanges and waits; returns ``(dq, dk, dv)`` of this rank's shards (the dK / dV of its own
-    keys, summed over every rank's queries). Arguments already checked."""
+    keys, summed over every rank's queries). ``seqlen``: as for the forward; padded rows get 0.
+    Arguments already checked."""
     import numpy as np
 
+    b, n, hq, d = q.shape
+    valid = _valid(rank, world, n, seqlen)
     if world == 1:
+        if valid < n:
+            return _single_padded_backward(dout, q, k, v, out, lse, valid, causal, softmax_scale, deterministic)
         return api.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                             deterministic=deterministic)
         yield
     k, v = _contiguous(k), _contiguous(v)
     lse = _contiguous(lse)
-    b, n, hq, d = q.shape
-    half_lse = None   # the late chunk's log-sum-exp, contiguous, for the steps that see only it
+    step_lses = {}   # (first, last) query row -> that part of the log-sum-exp, contiguous
     dq_acc = _empty(q.shape, np.float32)
     dq_part = _empty(q.shape, q.dtype)
     dk_part, dv_part = _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
     visiting = _Visiting(k, v, world)
     # The travelling float32 dK / dV sums: one is added to while the other is in flight.
     sums = [(_empty(k.shape, np.float32), _empty(v.shape, np.float32)) for _ in range(2)]
+    if valid < n:   # no step writes the padded rows: zero here, and in the sums of this rank's own keys
+        dq_acc[:, valid:] = 0
+        for x in sums[0]:
+            x[:, valid:] = 0
     sums_here, sums_handle = 0, None
     for s in range(world):
         exchange = visiting.pass_on(s)
         handle = (yield exchange) if exchange else None
-        blk = step_block(rank, (rank - s) % world, world, n, causal)
+        blk = step_block(rank, (rank - s) % world, world, n, causal, seqlen)
         if blk is not None:
             kc, vc = visiting.current
             qr, kr = blk.q_rows, blk.k_rows
             if blk.q_start == 0 and blk.q_stop == n:
                 step_lse = lse
             else:
-                if half_lse is None:
-                    half_lse = _contiguous(lse[:, :, qr])
-                step_lse = half_lse
+                step_lse = step_lses.get((blk.q_start, blk.q_stop))
+                if step_lse is None:
+                    step_lse = step_lses[blk.q_start, blk.q_stop] = _contiguous(lse[:, :, qr])
             api.backward(dout[:, qr], q[:, qr], kc[:, kr], vc[:, kr], out[:, qr], step_lse, causal=blk.causal,
                          softmax_scale=softmax_scale, deterministic=deterministic,
                          dq=dq_part[:, qr], dk=dk_part[:, kr], dv=dv_part[:, kr])

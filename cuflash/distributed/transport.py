@@ -9,8 +9,9 @@ on one GPU, in lockstep, with the transfers as device copies (tests, and checkin
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence
 
 
 @dataclass
@@ -44,14 +45,33 @@ def nccl_module():
     return nccl
 
 
+def fingerprint(what: tuple) -> int:
+    """A 64-bit digest of a call's shapes and options (the same on every rank for equal ones)."""
+    return int.from_bytes(hashlib.blake2b(repr(what).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def disagreement(fingerprints, rank: int, what: tuple) -> Optional[str]:
+    """The error message when the ranks' fingerprints (index = rank) differ, else None."""
+    mine = fingerprints[rank]
+    differ = [r for r, f in enumerate(fingerprints) if f != mine]
+    if not differ:
+        return None
+    return (f"the ranks of this ring disagree on the call: rank {rank} calls with {what!r}, ranks {differ} "
+            f"with other shapes, dtype or options; every rank must make the same call (different sizes "
+            f"would be exchanged, and the transfers would hang)")
+
+
 class NcclRing:
     """One rank's place in a ring of ``world`` GPUs, one process each, over an NCCL communicator.
 
     Args:
-        comm: a ``cupy.cuda.nccl.NcclCommunicator`` of ``world`` ranks on the current device.
+        comm: a ``cupy.cuda.nccl.NcclCommunicator`` of ``world`` ranks on the current device (its own
+            rank and size must be ``rank`` and ``world``: ValueError otherwise).
         rank, world: this rank and the ring's size (as given to the communicator).
         time_waits: record CUDA events around each wait, so that :meth:`wait_ms` can tell how long the
             kernels waited for the transfers (costs two events per wait).
+
+    :meth:`close` (or leaving a ``with`` block) destroys the communicator; the ring cannot run after.
     """
 
     def __init__(self, comm, rank: int, world: int, *, time_waits: bool = False):
@@ -60,7 +80,10 @@ class NcclRing:
         if not isinstance(rank, int) or not isinstance(world, int) or not 0 <= rank < world:
             raise ValueError(f"rank and world must be ints with 0 <= rank < world, got rank={rank!r}, "
                              f"world={world!r}")
+        _check_communicator(comm, rank, world)
         self.comm, self.rank, self.world = comm, rank, world
+        self._agreed: set = set()
+        self._closed = False
         self.device_id = cupy.cuda.Device().id
         self.stream = cupy.cuda.Stream(non_blocking=True)   # the transfers' own stream
         self.time_waits = time_waits
@@ -73,11 +96,59 @@ class NcclRing:
         nccl = nccl_module()
         return cls(nccl.NcclCommunicator(world, unique_id, rank), rank, world, **kw)
 
+    def __enter__(self) -> "NcclRing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Destroys the communicator (after the transfers queued on it); later calls raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.stream.synchronize()
+        finally:
+            destroy = getattr(self.comm, "destroy", None)
+            if destroy is not None:
+                destroy()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this NcclRing was closed: its communicator is destroyed")
+
+    def agree(self, what: tuple) -> None:
+        """Checks, the first time this rank makes a call described by ``what`` (shapes, dtype, options),
+        that every rank makes the same: an all-gather of a 64-bit fingerprint, then a host wait. ValueError
+        on every rank if not. (A rank that already checked a call does not check it again: ranks that
+        first agree and later diverge are not caught.)"""
+        self._check_open()
+        if self.world == 1 or what in self._agreed:
+            return
+        import cupy
+        import numpy as np
+        from cupy.cuda import nccl
+
+        with cupy.cuda.Device(self.device_id):
+            send = cupy.asarray(np.array([fingerprint(what)], dtype=np.int64))
+            recv = cupy.empty(self.world, dtype=np.int64)
+            self.comm.allGather(send.data.ptr, recv.data.ptr, 1, nccl.NCCL_INT64, self.stream.ptr)
+            self.stream.synchronize()
+            got = recv.get().tolist()
+        message = disagreement(got, self.rank, what)
+        if message is not None:
+            raise ValueError(message)
+        if len(self._agreed) >= 256:
+            self._agreed.clear()
+        self._agreed.add(what)
+
     def run(self, schedule: Schedule):
         """Runs one rank's schedule; returns what it returns. Nothing is synchronised with the host."""
         import cupy
         from cupy.cuda import nccl
 
+        self._check_open()
         if cupy.cuda.Device().id != self.device_id:
             raise ValueError(f"the ring runs on device {self.device_id} (its communicator's), but the current "
                              f"device is {cupy.cuda.Device().id}")
@@ -94,11 +165,13 @@ class NcclRing:
                 # were the last to read the receive buffers.
                 self.stream.wait_event(compute.record())
                 nccl.groupStart()
-                for buf in request.sends:
-                    self.comm.send(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, nxt, self.stream.ptr)
-                for buf in request.recvs:
-                    self.comm.recv(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, prv, self.stream.ptr)
-                nccl.groupEnd()
+                try:
+                    for buf in request.sends:
+                        self.comm.send(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, nxt, self.stream.ptr)
+                    for buf in request.recvs:
+                        self.comm.recv(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, prv, self.stream.ptr)
+                finally:
+                    nccl.groupEnd()
                 answer = self.stream.record()
             elif isinstance(request, Wait):
                 if self.time_waits:
@@ -124,6 +197,16 @@ class NcclRing:
             total += cupy.cuda.get_elapsed_time(before, after)
         self._wait_events.clear()
         return total
+
+
+def _check_communicator(comm, rank: int, world: int) -> None:
+    """The communicator's own rank and size (where it tells them) are the ones given."""
+    rank_of, size_of = getattr(comm, "rank_id", None), getattr(comm, "size", None)
+    if callable(rank_of) and callable(size_of):
+        comm_rank, comm_size = rank_of(), size_of()
+        if (comm_rank, comm_size) != (rank, world):
+            raise ValueError(f"the communicator is rank {comm_rank} of {comm_size}, but NcclRing was given rank "
+                             f"{rank} of {world}")
 
 
 def _device_copy(src, dst) -> None:
