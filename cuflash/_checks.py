@@ -241,18 +241,19 @@ def check_like(name: str, x, ref_name: str, ref) -> None:
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
 
 
-def check_lse(lse, shape: tuple, device_id: int) -> None:
-    """The forward's log-sum-exp: a float32 CuPy array of shape (batch, heads_q, seqlen_q)."""
+def check_lse(lse, shape: tuple, device_id: int, name: str = "lse") -> None:
+    """The forward's log-sum-exp (or its gradient, ``name`` "dlse"): a float32 CuPy array of shape
+    (batch, heads_q, seqlen_q)."""
     cupy = _cupy()
     if not isinstance(lse, cupy.ndarray):
-        raise TypeError(f"lse must be a cupy.ndarray (float32, shape (batch, heads_q, seqlen_q) = {tuple(shape)}), "
+        raise TypeError(f"{name} must be a cupy.ndarray (float32, shape (batch, heads_q, seqlen_q) = {tuple(shape)}), "
                         f"got {type(lse).__module__}.{type(lse).__name__}")
     if lse.dtype != np.float32:
-        raise TypeError(f"lse must be float32 (as returned by forward(..., return_lse=True)), got {lse.dtype}")
+        raise TypeError(f"{name} must be float32 (as returned by forward(..., return_lse=True)), got {lse.dtype}")
     if tuple(lse.shape) != tuple(shape):
-        raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {tuple(lse.shape)}")
+        raise ValueError(f"{name} must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {tuple(lse.shape)}")
     if lse.device.id != device_id:
-        raise ValueError(f"lse is on device {lse.device.id} but q is on device {device_id}")
+        raise ValueError(f"{name} is on device {lse.device.id} but q is on device {device_id}")
 
 
 _validated_like: dict = {}
@@ -270,13 +271,13 @@ def check_like_cached(name: str, x, ref_name: str, ref) -> None:
     _remember(_validated_like, key, check_like, name, x, ref_name, ref)
 
 
-def check_lse_cached(lse, shape: tuple, device_id: int) -> None:
+def check_lse_cached(lse, shape: tuple, device_id: int, name: str = "lse") -> None:
     """``check_lse`` remembered per signature."""
     cupy = _cupy()
     if type(lse) is not cupy.ndarray:
-        return check_lse(lse, shape, device_id)
-    key = ("lse", lse.shape, lse.dtype, lse.data.device_id, tuple(shape), device_id)
-    _remember(_validated_like, key, check_lse, lse, shape, device_id)
+        return check_lse(lse, shape, device_id, name)
+    key = (name, lse.shape, lse.dtype, lse.data.device_id, tuple(shape), device_id)
+    _remember(_validated_like, key, check_lse, lse, shape, device_id, name)
 
 
 def check_distinct_elements(name: str, x) -> None:

@@ -22,7 +22,9 @@ LOG2E = 1.4426950408889634
 
 
 def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
-            softmax_scale: Optional[float] = None, return_lse: bool = False,
+            softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+            attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
+            sinks: Optional[ndarray] = None, return_lse: bool = False,
             out: Optional[ndarray] = None) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
@@ -35,16 +37,30 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         causal: mask keys after the query, aligned to the bottom-right corner: query i sees
             keys j <= i + seqlen_k - seqlen_q.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        window_size: ``(left, right)``: query i, at key position p = i + seqlen_k - seqlen_q (the
+            bottom-right alignment of causal), sees keys p - left <= j <= p + right; -1 unbounded (as
+            flash-attn). With ``causal=True`` right must be -1 or 0. Key tiles outside the window are
+            never visited: the cost follows the window.
+        attention_chunk: 0 (off), or a chunk length c: query i sees only keys of its own chunk,
+            j // c == p // c (Llama 4's chunked attention with ``causal=True``).
+        softcap: 0 (off), or c > 0: each scaled score s = softmax_scale * q.k becomes c * tanh(s / c).
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)``: adds ``-slope * |p - j|`` to each
+            score (after the softcap, before the masks).
+        sinks: ``(heads_q,)`` float32 or q's dtype: a learned logit per head (not scaled) that joins every
+            row's softmax denominator without a value; the returned lse includes it.
         return_lse: also return the log-sum-exp.
         out: optional output buffer shaped and typed like ``q``, sharing no memory with q, k or v
             (ValueError otherwise).
 
     Returns:
         ``out`` (shaped like q), or ``(out, lse)`` with ``lse`` float32 ``(batch, heads_q, seqlen_q)``,
-        the natural-log log-sum-exp of the scaled scores. A query row that sees no key gets
-        output 0 and lse -inf. seqlen_q == 0 gives empty results; seqlen_k == 0 gives zeros and -inf.
+        the natural-log log-sum-exp of the scaled scores (and the sink). A query row that sees no key gets
+        output 0 and lse -inf (its sink, with sinks). seqlen_q == 0 gives empty results; seqlen_k == 0
+        gives zeros and -inf (the sinks).
     """
-    key = call_cache.fwd_key(q, k, v, out, causal, softmax_scale, return_lse)
+    variant_sig = variants.call_signature(window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    key = None if variant_sig is None else call_cache.fwd_key(q, k, v, out, causal, softmax_scale, return_lse,
+                                                              variant_sig)
     lse = None
     if key is not None:
         call = _fwd_calls.get(key)
@@ -53,9 +69,11 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             if launched:
                 return (out, lse) if return_lse else out
             # Allocated at other addresses than the recorded ones: the checked path, on these arrays.
-    elif interop.needs_conversion(q, k, v, out):   # torch / JAX arrays: as CuPy views, results back
-        return interop.call(forward, {"q": q, "k": k, "v": v, "out": out}, buffers=("out",), causal=causal,
-                            softmax_scale=softmax_scale, return_lse=return_lse)
+    elif interop.needs_conversion(q, k, v, out, alibi_slopes, sinks):   # torch / JAX: CuPy views, results back
+        return interop.call(forward, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes,
+                                      "sinks": sinks}, buffers=("out",), causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, return_lse=return_lse)
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
@@ -63,6 +81,9 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
     dev = q.data.device_id
+    var = variants.NONE if variant_sig == () else variants.from_arguments(
+        window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b, heads_q=hq,
+        device_id=dev, q_dtype=q.dtype)
     if out is not None:
         _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
         # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
@@ -72,16 +93,16 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
 
     def launch_fn(o, l_):
         prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
-                               device_id=dev, opts=opts)
+                               device_id=dev, opts=opts, var=var)
         # Recorded under the options it was planned with (another thread may have changed them since the key).
         if key is not None and prepared is not None and key[call_cache.OPTIONS_TOKEN] == opts.token:
             _fwd_calls.record(key, prepared, o, l_, dev)
 
-    return _run_forward(launch_fn, out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse)
+    return _run_forward(launch_fn, out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse, var.sinks)
 
 
 def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int,
-                 lse=None):
+                 lse=None, sinks=None):
     """Allocates what the caller did not give, handles the empty cases (no query rows: nothing to do;
     no keys: zeros and lse -inf, no kernel) and calls ``launch_fn(out, lse)`` otherwise."""
     import cupy
@@ -95,8 +116,8 @@ def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_
             if out.size:
                 if seqlen_k == 0:
                     out.fill(0)
-                    if lse is not None:
-                        lse.fill(-np.inf)
+                    if lse is not None:   # no key: the lse is the sink's alone
+                        lse[...] = -np.inf if sinks is None else sinks[None, :, None]
                 else:
                     launch_fn(out, lse)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
@@ -113,14 +134,14 @@ _fwd_plans = call_cache.Plans(_fwd_calls)
 
 
 def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, long_seqs: bool = False,
-              opts: Optional[options.Options] = None):
+              opts: Optional[options.Options] = None, variant: variants.MaskVariant = variants.PLAIN):
     opts = opts or options.current()
-    key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs)
+    key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs, variant)
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs,
-                                    opts=opts)
+                                    opts=opts, variant=variant)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit,
                                                lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
@@ -130,13 +151,16 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
 
 
 def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_id: int,
-                opts: Optional[options.Options] = None):
+                opts: Optional[options.Options] = None, var: variants.Variants = variants.NONE,
+                mask_offsets: Optional[Tuple[int, int]] = None):
     """Launches the forward on the current stream; returns the launch as a ``launch.Prepared`` for the
-    call cache, or None where it cannot be replayed as is (O through a stand-in, CuPy's launch path)."""
+    call cache, or None where it cannot be replayed as is (O through a stand-in, CuPy's launch path).
+    ``mask_offsets``: (diag, key_offset) of the mask policy (variants.Variants.param_values), for a step of
+    ring attention."""
     b, nq, nk, hq, hkv, d = dims
     opts = opts or options.current()
     kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk), heuristics.fwd_long(nq, nk),
-                                opts)
+                                opts, var.kernel)
     extra = ()
     written = out   # where the kernel writes O: out, or a compact stand-in copied into it after
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
@@ -145,7 +169,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         q.data.ptr, k.data.ptr, v.data.ptr, written.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(written),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, *variants.NONE.param_values(nq, nk, scale)))
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, *var.param_values(nq, nk, scale, *(mask_offsets or ()))))
     grid = launch.fwd_grid(cfg, b, hq, nq)
     prepared = launch.prepare(kern, cfg, grid, p, smem, extra)
     if prepared is None:
@@ -248,9 +272,11 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
 
 
 def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, lse: ndarray, *,
-             causal: bool = False, softmax_scale: Optional[float] = None, deterministic: bool = False,
+             causal: bool = False, softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+             attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
+             sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
              dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
-             dv: Optional[ndarray] = None) -> Tuple[ndarray, ndarray, ndarray]:
+             dv: Optional[ndarray] = None) -> Tuple[ndarray, ...]:
     """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
 
     FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
@@ -262,7 +288,10 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         out: the forward's output.
         lse: the forward's log-sum-exp, float32 ``(batch, heads_q, seqlen_q)``
             (``forward(..., return_lse=True)``).
-        causal, softmax_scale: as given to the forward.
+        causal, softmax_scale, window_size, attention_chunk, softcap, alibi_slopes, sinks: as given to
+            the forward.
+        dlse: optional gradient of the loss with respect to ``lse``, float32 ``(batch, heads_q, seqlen_q)``
+            (when the forward's lse feeds the loss too).
         deterministic: bitwise reproducible results: on Hopper the key tiles' dQ partial sums
             are added in a fixed order (on an H100 3-9 % slower at head dims <= 128, 11-13 % at
             256: README), elsewhere dQ
@@ -275,13 +304,16 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     gradients come back in that framework, as in :func:`forward`.
 
     Returns:
-        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``. With GQA/MQA, dk and dv of a
+        ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``, and with ``sinks`` ``(dq, dk, dv,
+        dsinks)``, dsinks shaped and typed like sinks (deterministic). With GQA/MQA, dk and dv of a
         KV head are the sums over the query heads that share it.
     """
-    if interop.needs_conversion(dout, q, k, v, out, lse, dq, dk, dv):   # torch / JAX arrays
+    if interop.needs_conversion(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dlse):   # torch / JAX
         return interop.call(backward, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
-                                       "dq": dq, "dk": dk, "dv": dv}, buffers=("dq", "dk", "dv"),
-                            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+                                       "dq": dq, "dk": dk, "dv": dv, "alibi_slopes": alibi_slopes, "sinks": sinks,
+                                       "dlse": dlse}, buffers=("dq", "dk", "dv"),
+                            causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
     _checks.check_like_cached("dout", dout, "q", q)
     _checks.check_like_cached("out", out, "q", q)
@@ -290,22 +322,31 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=b, heads_q=hq, device_id=dev, q_dtype=q.dtype)
+    if dlse is not None:
+        _checks.check_lse_cached(dlse, (b, hq, nq), dev, name="dlse")
     for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if buf is not None:
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     try:
-        return _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
-                                   (b, nq, nk, hq, hkv, d), dev)
+        grads = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
+                                    (b, nq, nk, hq, hkv, d), dev, var, dlse)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise
+    if sinks is None:
+        return grads
+    dsinks = grads[3] if grads[3].dtype == sinks.dtype else grads[3].astype(sinks.dtype)
+    return (*grads[:3], dsinks)
 
 
 def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,
-                        dims, dev: int):
-    """The backward after its checks: allocates what the caller did not give and launches."""
+                        dims, dev: int, var: variants.Variants = variants.NONE, dlse=None):
+    """The backward after its checks: allocates what the caller did not give and launches. Returns
+    ``(dq, dk, dv, dsinks)``, dsinks float32 (heads_q,) or None without sinks."""
     import cupy
 
     b, nq, nk, hq, hkv, d = dims
@@ -313,19 +354,25 @@ def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
         dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+        dsinks = None if var.sinks is None else cupy.zeros(hq, dtype=np.float32)
         if b == 0:
-            return dq, dk, dv
-        if nq == 0 or nk == 0:  # no query sees a key: every gradient is 0
+            return dq, dk, dv, dsinks
+        if nq == 0 or nk == 0:  # no query sees a key: every gradient is 0 but the sinks'
             for x in (dq, dk, dv):
                 if x.size:
                     x.fill(0)
-            return dq, dk, dv
+            if dsinks is not None and nq and dlse is not None:   # P(sink) = 1: d lse / d sink = 1, out = 0
+                dsinks[...] = dlse.astype(np.float32).sum(axis=(0, 2))
+            return dq, dk, dv, dsinks
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
             capture.keep_if_capturing(lse)
-        _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
-                    deterministic=deterministic, dims=dims, device_id=dev)
-    return dq, dk, dv
+        if dlse is not None and not dlse.flags.c_contiguous:
+            dlse = cupy.ascontiguousarray(dlse)
+            capture.keep_if_capturing(dlse)
+        dsinks = _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
+                             deterministic=deterministic, dims=dims, device_id=dev, var=var, dlse=dlse)
+    return dq, dk, dv, dsinks
 
 
 # Tests set this to fill the backward's float32 dQ workspace with NaN before the kernels run, so that
@@ -338,15 +385,16 @@ _bwd_plans = call_cache.Plans()
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int,
-              backend: Optional[str] = None, short: bool = False, opts: Optional[options.Options] = None):
+              backend: Optional[str] = None, short: bool = False, opts: Optional[options.Options] = None,
+              variant: variants.MaskVariant = variants.PLAIN):
     opts = opts or options.current()
     backend = opts.bwd_backend if backend is None else backend
-    key = (dtype, head_dim, causal, deterministic, device_id, opts.token, backend, short)
+    key = (dtype, head_dim, causal, deterministic, device_id, opts.token, backend, short, variant)
     plan = _bwd_plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
         cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend,
-                                      short=short, opts=opts)
+                                      short=short, opts=opts, variant=variant)
         plan = _bwd_plans[key] = tuple(
             None if c is None else (get_kernel(c, device_id, opts.nvrtc_defines), c,
                                     smem_bytes(c, device_id, opts.nvrtc_defines))
@@ -355,13 +403,18 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id
 
 
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
-                dims, device_id: int) -> None:
+                dims, device_id: int, var: variants.Variants = variants.NONE, dlse=None,
+                mask_offsets: Optional[Tuple[int, int]] = None):
+    """Launches the backward's kernels on the current stream; returns dsinks (float32, heads_q) with sinks,
+    else None. ``mask_offsets``: as in _launch_fwd."""
     import cupy
 
     b, nq, nk, hq, hkv, d = dims
     opts = options.current()
+    variant = var.kernel
+    variant = variants.MaskVariant(variant.local, variant.softcap, variant.alibi)   # sinks: no backward code
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
-                                           short=heuristics.bwd_short(nk, causal, opts), opts=opts)
+                                           short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
     kern, cfg, smem = dkdv
     extra = ()
     stat_rows = 0
@@ -371,7 +424,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         stat_rows = -(-nq // cfg.block_m) * cfg.block_m
         if maps is None or b * hq * 2 * stat_rows >= 2**32:
             pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80",
-                                                   opts=opts)
+                                                   opts=opts, variant=variant)
             kern, cfg, smem = dkdv
             stat_rows = 0
         else:
@@ -394,7 +447,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         if sm90.bwd_first_slice_stored(cfg, opts):
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
-            zero_rows = (max(0, nq - nk) // cfg.block_m) * cfg.block_m if causal else 0
+            zero_rows = (variants.first_seen_row(nq, nk, var) // cfg.block_m) * cfg.block_m
     if post is not None:
         dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
         if _POISON_WORKSPACE:
@@ -406,7 +459,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
                *params.element_strides(dk), *params.element_strides(dv),
                b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows, n_semaphores,
                stats.data.ptr if stats is not None else 0, stat_rows,
-               *variants.NONE.param_values(nq, nk, scale), 0)
+               *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr,
                 delta.data.ptr if delta is not None else 0)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
@@ -414,41 +467,54 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))
     pkern, pcfg, psmem = pre
     launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows, stat_rows)), p, psmem)
+    dsinks = None
+    if var.sinks is not None:
+        # d loss / d sink = sum over rows of P(sink) (dlse - delta), with delta = rowsum(dout * out) - dlse as
+        # the preprocess just wrote it (its own array, or the stats rows beside lse2); a fixed-order reduction.
+        rows = delta if stats is None else stats.reshape(b, hq, 2, stat_rows)[:, :, 1, :nq]
+        dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * rows).sum(axis=(0, 2))
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
     capture.keep_if_capturing(delta, dq_accum, semaphores, stats)   # the workspaces of a captured graph's kernels
+    return dsinks
 
 
 class AttentionVJP:
-    """The pullback returned by :func:`vjp`: ``dq, dk, dv = pullback(dout)``.
+    """The pullback returned by :func:`vjp`: ``dq, dk, dv = pullback(dout)`` (with sinks, ``dq, dk, dv,
+    dsinks``).
 
-    Holds only what the backward needs: q, k, v, out and lse (no seqlen^2 buffer).
+    Holds only what the backward needs: q, k, v, out, lse and the variant arguments (no seqlen^2 buffer).
     """
 
-    __slots__ = ("q", "k", "v", "out", "lse", "causal", "softmax_scale", "deterministic")
+    __slots__ = ("q", "k", "v", "out", "lse", "causal", "softmax_scale", "deterministic", "variant_args")
 
-    def __init__(self, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    def __init__(self, q, k, v, out, lse, causal, softmax_scale, deterministic, variant_args=None):
         self.q, self.k, self.v, self.out, self.lse = q, k, v, out, lse
         self.causal, self.softmax_scale, self.deterministic = causal, softmax_scale, deterministic
+        self.variant_args = variant_args or {}
 
-    def __call__(self, dout: ndarray, *, dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
-                 dv: Optional[ndarray] = None) -> Tuple[ndarray, ndarray, ndarray]:
-        """``(dq, dk, dv)`` for the output gradient ``dout`` (shaped and typed like q): :func:`backward`
-        with the forward's arrays and options; ``dq``/``dk``/``dv`` are optional output buffers."""
+    def __call__(self, dout: ndarray, *, dlse: Optional[ndarray] = None, dq: Optional[ndarray] = None,
+                 dk: Optional[ndarray] = None, dv: Optional[ndarray] = None) -> Tuple[ndarray, ...]:
+        """``(dq, dk, dv)`` (and dsinks) for the output gradient ``dout`` (shaped and typed like q) and,
+        optionally, the lse gradient ``dlse``: :func:`backward` with the forward's arrays and options;
+        ``dq``/``dk``/``dv`` are optional output buffers."""
         return backward(dout, self.q, self.k, self.v, self.out, self.lse, causal=self.causal,
-                        softmax_scale=self.softmax_scale, deterministic=self.deterministic,
-                        dq=dq, dk=dk, dv=dv)
+                        softmax_scale=self.softmax_scale, deterministic=self.deterministic, dlse=dlse,
+                        dq=dq, dk=dk, dv=dv, **self.variant_args)
 
 
 def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
-        softmax_scale: Optional[float] = None,
+        softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0,
+        softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None,
         deterministic: bool = False) -> Tuple[ndarray, AttentionVJP]:
-    """Forward pass plus its pullback, in the style of ``jax.vjp``.
+    """Forward pass plus its pullback, in the style of ``jax.vjp``; arguments as :func:`forward`.
 
     ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)``.
     The pullback keeps q, k, v, out and the log-sum-exp alive until it is dropped.
     """
     deterministic = _checks.check_flag("deterministic", deterministic)   # before the forward runs
-    out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, deterministic)
+    variant_args = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **variant_args)
+    return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, deterministic, variant_args)

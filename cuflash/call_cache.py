@@ -32,12 +32,13 @@ def _bind_cupy():
     return _ndarray
 
 
-def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
+def fwd_key(q, k, v, out, causal, softmax_scale, return_lse, variant_sig=()):
     """The key of a forward call, or None for a call the cache does not take (arrays that are not plain
     CuPy arrays, a scale that is not a float or int, flags that are not bools, no usable device).
 
     It holds everything the checks, the plan and the launch read: each array's address, shape, strides
-    and dtype (the address fixes the device), the call's flags, the current stream and device, and the
+    and dtype (the address fixes the device), the call's flags, its variant arguments (variants.call_signature),
+    the current stream and device, and the
     token of the cuflash options in force (Options.token: every setting that picks a kernel, a tile or
     the launch path; tests and tuning runs switch them). An output the call allocates (``out`` None)
     is not in it: the recorded launch holds the address it wrote, and ``replay`` compares.
@@ -66,7 +67,7 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse):
         # only then the device (a try costs nothing on the way through).
         return None
     return (q.data.ptr, q.shape, q.strides, q.dtype, k.data.ptr, k.shape, k.strides, k.dtype,
-            v.data.ptr, v.shape, v.strides, v.dtype, out_sig, causal, softmax_scale, return_lse,
+            v.data.ptr, v.shape, v.strides, v.dtype, out_sig, causal, softmax_scale, return_lse, variant_sig,
             stream, device, _current_options().token)
 
 

@@ -182,6 +182,9 @@ class KernelConfig:
         return 32 * self.num_warps
 
     def template_args(self) -> tuple:
+        if not self.variant.plain and "mask" not in self.fam.template:
+            raise NotImplementedError(f"kernel family {self.family} takes no attention variant yet "
+                                      f"({self.variant.tag()})")
         values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
                   "block_n": self.block_n, "num_warps": self.num_warps,
                   "causal": "true" if self.causal else "false",

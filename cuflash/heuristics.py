@@ -10,6 +10,7 @@ history of this file (its comments before commit 7ff08ba quote the figures of ev
 from __future__ import annotations
 
 from . import options
+from .variants import PLAIN, MaskVariant
 from .config import KernelConfig, find_family
 from .options import Options
 
@@ -187,7 +188,8 @@ def fwd_backend(opts: Options | None = None) -> str:
 
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
-               short: bool = False, long_seqs: bool = False, opts: Options | None = None) -> KernelConfig:
+               short: bool = False, long_seqs: bool = False, opts: Options | None = None,
+               variant: MaskVariant = PLAIN) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``opts`` (default: options.current()) gives the tile overrides and the defaults of ``backend``
@@ -197,40 +199,43 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     anything else pick the portable kernels. ``short``: seqlen_q <= SM90_FWD_SHORT_SEQLEN_Q and
     seqlen_k <= SM90_FWD_SHORT_SEQLEN_K (the tuned table has its own kernels there, _SM90_FWD_SHORT;
     fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
-    the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode).
+    the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode). ``variant``: the
+    parts of the pattern beyond causal (cuflash/variants.py); a window or chunks take the causal tiles
+    (uneven work per query tile, tiles skipped) and no clusters.
     """
     opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
+    skips = causal or variant.local   # the mask policy's kSkipsTiles: the causal table's tiles and kinds
     backend = opts.fwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
         block_m, block_n, warps, kind, kind_causal = _SM90_FWD[bucket]
-        short_tile = _SM90_FWD_SHORT[bucket][causal] if backend == "sm90" and short else None
+        short_tile = _SM90_FWD_SHORT[bucket][skips] if backend == "sm90" and short else None
         if short_tile is not None:
             block_m, block_n, warps, kind = short_tile
             kind_causal = kind
         block_m, block_n, warps = opts.sm90_fwd_tiles or (block_m, block_n, warps)
-        schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if causal else kind]
+        schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if skips else kind]
         if backend != "sm90":
             schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
-            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, causal):
+            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, skips):
                 cluster = 1   # the plain kernel where clusters do not apply
             if schedule == "overlap" and persistent and bucket == 256:
                 persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
-            if schedule == "overlap" and persistent and block_m == 192 and causal:
+            if schedule == "overlap" and persistent and block_m == 192 and (skips or variant.has_score_mod):
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
-        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, causal):
+        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, skips):
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2
         family = sm90_fwd_family(schedule, persistent, cluster)
-        return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps)
+        return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps, variant)
     if dtype == "float32":
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
-        return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps)
-    block_m, block_n, warps = opts.sm80_fwd_tiles or (causal and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
-    return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps)
+        return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant)
+    block_m, block_n, warps = opts.sm80_fwd_tiles or (skips and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
+    return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant)
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
@@ -368,7 +373,8 @@ def bwd_short(seqlen_k: int, causal: bool, opts: Options | None = None) -> bool:
 
 
 def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic: bool = False,
-                backend: str | None = None, short: bool = False, opts: Options | None = None) -> BwdConfigs:
+                backend: str | None = None, short: bool = False, opts: Options | None = None,
+                variant: MaskVariant = PLAIN) -> BwdConfigs:
     """The backward kernels for these inputs on a device of compute capability ``cc``.
 
     ``opts`` (default: options.current()) gives the tile overrides, the dK/dV kernel version and the
@@ -388,19 +394,19 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         bm, bn, w = opts.sm90_bwd_tiles or (short and _SM90_BWD_SHORT.get(bucket)) or _SM90_BWD[bucket]
         family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
         post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
-        return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w), None, post)
+        return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w, variant), None, post)
     if dtype == "float32":
         bm, bn, w = opts.simt_bwd_tiles or _SIMT_BWD[size][bucket]
-        return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w),
-                          KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w), None)
+        return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w, variant),
+                          KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w, variant), None)
     v2 = bwd_variant(cc, bucket, opts) == 2
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
         bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
-        dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w)
+        dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w, variant)
         qm, qn, qw = opts.sm80_bwd_dq_tiles or _SM80_BWD_DQ[size][bucket]
-        return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw), None)
+        return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw, variant), None)
     bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
-    dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w)
+    dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w, variant)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 

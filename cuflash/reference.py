@@ -61,67 +61,59 @@ def _options(causal, softmax_scale, head_dim: int) -> tuple[bool, float]:
     return check_flag("causal", causal), check_scale(softmax_scale, head_dim)
 
 
-def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """(seqlen_q, seqlen_k) bool: key j visible from query i."""
-    if not causal:
-        return np.ones((seqlen_q, seqlen_k), dtype=bool)
-    i = np.arange(seqlen_q)[:, None]
-    j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1), attention_chunk: int = 0,
+                 xp=np, rows=None) -> np.ndarray:
+    """(seqlen_q, seqlen_k) bool: key j visible from query i (``rows``: only those query rows).
+
+    Query i sits at key position p = i + seqlen_k - seqlen_q (bottom-right alignment); it sees keys
+    p - left <= j <= p + right (-1: unbounded; causal: right = 0) and, with ``attention_chunk`` c > 0, only
+    keys of its own chunk: j // c == p // c."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = (xp.arange(seqlen_q) if rows is None else xp.asarray(rows))[:, None]
+    j = xp.arange(seqlen_k)[None, :]
+    pos = i + (seqlen_k - seqlen_q)
+    ok = xp.ones((i.shape[0], seqlen_k), dtype=bool)
+    if right >= 0:
+        ok &= j <= pos + right
+    if left >= 0:
+        ok &= j >= pos - left
+    if attention_chunk:
+        ok &= (j // attention_chunk) == (pos // attention_chunk)   # floor division: negative positions too
+    return ok
 
 
-def _probs(q, k, mask, scale):
-    """P (seqlen_q, seqlen_k) and lse (seqlen_q,) for one (batch, head)."""
-    s = (q @ k.T) * scale
-    s = np.where(mask, s, -np.inf)
-    row_max = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf)
-    safe_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(s - safe_max)
-    total = e.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
-        lse = np.where(total[:, 0] > 0, np.log(np.where(total[:, 0] > 0, total[:, 0], 1.0)) + safe_max[:, 0],
-                       -np.inf)
-    return p, lse
+def _variant_args(causal, softmax_scale, head_dim: int, window_size, attention_chunk, softcap):
+    from . import variants
+
+    causal, scale = _options(causal, softmax_scale, head_dim)
+    return (causal, scale, variants.check_window(window_size), variants.check_chunk(attention_chunk),
+            variants.check_softcap(softcap))
 
 
-def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
-    """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> out (B, Nq, Hq, D), lse (B, Hq, Nq)."""
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                        window_size=None, attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None,
+                        sinks=None):
+    """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> ``(out, lse)``: out (B, Nq, Hq, D), lse
+    (B, Hq, Nq). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
+    becomes softcap * tanh(s / softcap), then s - slope * |i + Nk - Nq - j| (ALiBi; slopes (Hq,) or (B, Hq)),
+    then the window / chunk / causal masks; a sink (Hq,) joins each row's denominator (lse includes it)."""
     q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
-    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
-    causal, scale = _options(causal, softmax_scale, d)
-    group = hq // hkv
-    mask = visible_mask(nq, nk, causal)
-    out = np.zeros((b, nq, hq, d))
-    lse = np.zeros((b, hq, nq))
-    for bi in range(b):
-        for h in range(hq):
-            p, lse[bi, h] = _probs(q[bi, :, h], k[bi, :, h // group], mask, scale)
-            out[bi, :, h] = p @ v[bi, :, h // group]
-    return out, lse
+    return _reference_by_chunks(np, q, k, v, None, causal, softmax_scale, q.shape[1] or 1, window_size,
+                                attention_chunk, softcap, alibi_slopes, sinks)
 
 
-def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None):
-    """Float64 gradients (dq, dk, dv) of attention, shaped like q, k, v; GQA heads summed."""
+def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                                 window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
+                                 alibi_slopes=None, sinks=None, dlse=None):
+    """Float64 gradients ``(dq, dk, dv)`` of attention, shaped like q, k, v (GQA heads summed), and with
+    ``sinks`` ``(dq, dk, dv, dsinks)``; ``dlse`` (B, Hq, Nq): the gradient of lse too. Variants as in
+    :func:`attention_reference`."""
     dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
-    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
-    causal, scale = _options(causal, softmax_scale, d)
-    group = hq // hkv
-    mask = visible_mask(nq, nk, causal)
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    for bi in range(b):
-        for h in range(hq):
-            kh, vh, do = k[bi, :, h // group], v[bi, :, h // group], dout[bi, :, h]
-            p, _ = _probs(q[bi, :, h], kh, mask, scale)
-            dv[bi, :, h // group] += p.T @ do
-            dp = do @ vh.T
-            delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dout * out)
-            ds = p * (dp - delta)
-            dq[bi, :, h] = scale * ds @ kh
-            dk[bi, :, h // group] += scale * ds.T @ q[bi, :, h]
-    return dq, dk, dv
+    res = _reference_by_chunks(np, q, k, v, dout, causal, softmax_scale, q.shape[1] or 1, window_size,
+                               attention_chunk, softcap, alibi_slopes, sinks, dlse)
+    return res[2:]
 
 
 def rel_err(x, ref) -> float:
@@ -146,30 +138,43 @@ def _chunk_rows(seqlen_k: int, chunk_rows: int | None) -> int:
 
 
 def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, softmax_scale: float | None = None,
-                                chunk_rows: int | None = None):
+                                chunk_rows: int | None = None, window_size=None, attention_chunk: int = 0,
+                                softcap: float = 0.0, alibi_slopes=None, sinks=None, dlse=None):
     """Float64 attention (and, given ``dout``, its gradients) on the GPU, a chunk of query rows at a time,
     so that long sequences never hold the whole score matrix.
 
     Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine) and the
-    conventions are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``, or
-    ``(out, lse, dq, dk, dv)`` with ``dout``; rows that see no key give 0, lse -inf and zero gradients.
-    ``chunk_rows``: query rows per chunk (default: about 2^26 scores a chunk). Its products are CuPy's
-    matmuls: cuBLAS must be installed (the bench extras).
+    conventions (variants included) are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``,
+    or ``(out, lse, dq, dk, dv)`` with ``dout`` (and ``dsinks`` last with ``sinks``); rows that see no key
+    give 0, lse -inf (or their sink) and zero gradients. ``chunk_rows``: query rows per chunk (default: about
+    2^26 scores a chunk). Its products are CuPy's matmuls: cuBLAS must be installed (the bench extras).
     """
     import cupy
 
-    return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows)
+    return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows, window_size,
+                                attention_chunk, softcap, alibi_slopes, sinks, dlse)
 
 
-def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
-    """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy in the CPU tests)."""
+def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, window_size=None,
+                         attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, dlse=None):
+    """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy for the CPU references)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x is not None or name != "dout":
             _check_real_array(x, name)
     b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
-    causal, scale = _options(causal, softmax_scale, d)
+    causal, scale, window, chunk, cap = _variant_args(causal, softmax_scale, d, window_size, attention_chunk,
+                                                      softcap)
     if dout is not None and tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    slopes = None if alibi_slopes is None else _host_f64(alibi_slopes, "alibi_slopes")
+    if slopes is not None:
+        if slopes.shape not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi_slopes must have shape ({hq},) or ({b}, {hq}), got {slopes.shape}")
+        slopes = np.broadcast_to(slopes, (b, hq))
+    sink = None if sinks is None else _host_f64(sinks, "sinks")
+    if sink is not None and sink.shape != (hq,):
+        raise ValueError(f"sinks must have shape ({hq},), got {sink.shape}")
+    dlse_h = None if dlse is None else xp.asarray(dlse, xp.float64)
     if xp is not np:   # after the argument checks: a bad argument says so with or without cuBLAS
         from .bench import cublas_missing
 
@@ -181,6 +186,7 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
     out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
                                        xp.zeros((b, nk, hkv, d), f64))
+    dsinks = np.zeros(hq) if (grads is not None and sink is not None) else None
     keys = xp.arange(nk)[None, :]
     for bi in range(b):
         for h in range(hq):
@@ -189,23 +195,49 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
             for r0 in range(0, nq, rows):
                 r1 = min(nq, r0 + rows)
                 s = (qh[r0:r1] @ kh.T) * scale
-                if causal:
-                    s = xp.where(keys <= xp.arange(r0, r1)[:, None] + (nk - nq), s, -xp.inf)
+                grad_mod = None
+                if cap:
+                    t = xp.tanh(s / cap)
+                    s = cap * t
+                    grad_mod = 1.0 - t * t
+                if slopes is not None:
+                    pos = xp.arange(r0, r1)[:, None] + (nk - nq)
+                    s = s - float(slopes[bi, h]) * xp.abs(pos - keys)
+                vis = visible_mask(nq, nk, causal, window, chunk, xp=xp, rows=xp.arange(r0, r1))
+                s = xp.where(vis, s, -xp.inf)
                 m = s.max(axis=1, keepdims=True) if nk else xp.full((r1 - r0, 1), -xp.inf, f64)
-                m = xp.where(xp.isfinite(m), m, 0.0)   # rows that see no key: every p is 0
+                if sink is not None:
+                    m = xp.maximum(m, float(sink[h]))
+                m = xp.where(xp.isfinite(m), m, 0.0)   # rows that see no key (and no sink): every p is 0
                 p = xp.exp(s - m)
                 total = p.sum(axis=1, keepdims=True)
+                if sink is not None:
+                    total = total + xp.exp(float(sink[h]) - m)
                 seen = total > 0
                 p /= xp.where(seen, total, 1.0)
                 o = p @ vh
                 out[bi, r0:r1, h] = o
-                lse[bi, h, r0:r1] = xp.where(seen, xp.log(xp.where(seen, total, 1.0)) + m, -xp.inf)[:, 0]
+                row_lse = xp.where(seen, xp.log(xp.where(seen, total, 1.0)) + m, -xp.inf)[:, 0]
+                lse[bi, h, r0:r1] = row_lse
                 if grads is not None:
                     dq, dk, dv = grads
                     do = xp.asarray(dout[bi, r0:r1, h], f64)
                     dv[bi, :, h // group] += p.T @ do
-                    ds = p * (do @ vh.T - (do * o).sum(axis=1, keepdims=True))
+                    delta = (do * o).sum(axis=1, keepdims=True)
+                    if dlse_h is not None:
+                        delta = delta - dlse_h[bi, h, r0:r1][:, None]
+                    ds = p * (do @ vh.T - delta)
+                    if sink is not None:   # d lse / d sink = P(sink); d out / d sink = -P(sink) out
+                        p_sink = xp.exp(float(sink[h]) - row_lse)
+                        dsinks[h] -= float((p_sink * delta[:, 0]).sum())
+                    if grad_mod is not None:
+                        ds = ds * grad_mod
                     dq[bi, r0:r1, h] = scale * (ds @ kh)
                     dk[bi, :, h // group] += scale * (ds.T @ qh[r0:r1])
-    return (out, lse) if grads is None else (out, lse, *grads)
+    if grads is None:
+        return out, lse
+    return (out, lse, *grads) + ((dsinks,) if dsinks is not None else ())
 
+
+def _host_f64(x, name: str) -> np.ndarray:
+    return _as_f64(x, name)

@@ -144,3 +144,87 @@ def _address(x) -> int:
 
 
 NONE = Variants()
+
+
+DEFAULT_WINDOW = (-1, -1)
+
+
+def call_signature(window_size, attention_chunk, softcap, alibi_slopes, sinks) -> Optional[tuple]:
+    """What a call cache keys on for the variant arguments: () when every one is off, a tuple when the
+    arguments are plain values and float32 CuPy arrays used in place, None when the call should take the
+    checked path (anything else: it converts, or it raises)."""
+    if (alibi_slopes is None and sinks is None and not attention_chunk and not softcap
+            and (window_size is None or window_size == DEFAULT_WINDOW)):
+        if type(attention_chunk) is not int or type(softcap) not in (int, float):
+            return None
+        return ()
+    if type(window_size) is not tuple or len(window_size) != 2 or any(type(w) is not int for w in window_size):
+        return None
+    if type(attention_chunk) is not int or type(softcap) not in (int, float):
+        return None
+    arrays = []
+    for x in (alibi_slopes, sinks):
+        if x is None:
+            arrays.append(None)
+            continue
+        if type(x).__module__.split(".")[0] != "cupy" or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return None
+        arrays.append((x.data.ptr, x.shape, x.strides))
+    return (window_size, attention_chunk, softcap, *arrays)
+
+
+def from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, *, causal: bool, batch: int,
+                   heads_q: int, device_id: Optional[int], q_dtype=None) -> Variants:
+    """The checked variant arguments of a call (TypeError / ValueError naming the argument otherwise).
+    ``alibi_slopes`` (float32, (heads_q,) or (batch, heads_q)) and ``sinks`` ((heads_q,), float32 or q's
+    dtype) must be CuPy arrays on ``device_id``; sinks in another dtype and non-contiguous arrays are
+    copied to contiguous float32 (``device_id`` None: the checks without a device, copies skipped)."""
+    left, right = check_window(window_size)
+    chunk = check_chunk(attention_chunk)
+    cap = check_softcap(softcap)
+    slopes = _check_device_array("alibi_slopes", alibi_slopes, ((heads_q,), (batch, heads_q)),
+                                 (np.dtype(np.float32),), device_id)
+    sink_dtypes = (np.dtype(np.float32),) + ((np.dtype(q_dtype),) if q_dtype is not None else ())
+    sinks_ = _check_device_array("sinks", sinks, ((heads_q,),), sink_dtypes, device_id)
+    if causal and right > 0:
+        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True (causal hides every key after the "
+                         f"diagonal), got {right}")
+    return Variants(left, right, chunk, cap, bool(causal), slopes, sinks_)
+
+
+def _check_device_array(name: str, x, shapes: tuple, dtypes: tuple, device_id: Optional[int]):
+    if x is None:
+        return None
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array (or a CUDA array of the framework of q), "
+                        f"got {type(x).__name__}")
+    if tuple(x.shape) not in shapes:
+        want = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+    if np.dtype(x.dtype) not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if device_id is not None and x.data.device_id != device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device_id}")
+    if device_id is not None and (x.dtype != np.float32 or not x.flags.c_contiguous):
+        from . import capture
+
+        with cupy.cuda.Device(device_id):
+            x = cupy.ascontiguousarray(x, dtype=np.float32)
+        capture.keep_if_capturing(x)
+    return x
+
+
+def first_seen_row(seqlen_q: int, seqlen_k: int, var: Variants) -> int:
+    """The first query row that sees a key (rows before it see none: output 0, zero gradients), with the
+    bottom-right alignment; every row from it on sees one."""
+    diag = seqlen_k - seqlen_q
+    first = 0
+    if var.causal:
+        first = max(first, -diag)
+    if var.window_right >= 0 and not var.causal:
+        first = max(first, -diag - var.window_right)
+    if var.attention_chunk:
+        first = max(first, -diag)
+    return min(first, seqlen_q)
