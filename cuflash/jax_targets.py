@@ -83,50 +83,78 @@ def _device_array(buf: BufferView, shape: tuple, device: int):
     return cupy.ndarray(shape, dtype=xla_ffi.numpy_dtype(buf.dtype), memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:
+def _variant_kwargs(call: Call, extras: list) -> dict:
+    """The variant arguments of ``cuflash.forward`` / ``backward`` from the call's attributes and its optional
+    operands (alibi slopes, then sinks, as the attributes has_alibi / has_sinks say)."""
+    a = call.attrs
+    extras = list(extras)
+    slopes = extras.pop(0) if a.get("has_alibi") else None
+    sinks = extras.pop(0) if a.get("has_sinks") else None
+    return dict(window_size=(int(a.get("window_left", -1)), int(a.get("window_right", -1))),
+                attention_chunk=int(a.get("attention_chunk", 0)), softcap=float(a.get("softcap", 0.0)),
+                alibi_slopes=slopes, sinks=sinks)
+
+
+def _n_extras(call: Call) -> int:
+    return int(bool(call.attrs.get("has_alibi"))) + int(bool(call.attrs.get("has_sinks")))
+
+
+def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float, window_size=(-1, -1),
+                  attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None) -> None:
     """``cuflash.forward`` writing both ``out`` and ``lse`` into given buffers.
 
     ``forward`` takes ``out=`` but allocates lse itself; this reaches its checked path
     (``api._run_forward`` / ``api._launch_fwd``) so that lse is written into XLA's buffer rather than
     copied there. A public ``lse=`` argument of ``forward`` would replace it.
     """
-    from . import _checks, api
+    from . import _checks, api, variants
 
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, api.HEAD_DIMS)
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.data.device_id
     _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
     _checks.check_lse_cached(lse, (b, hq, nq), dev)
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b,
+                                  heads_q=hq, device_id=dev, q_dtype=q.dtype)
 
     def launch(o, l_):
-        api._launch_fwd(q, k, v, o, l_, causal=causal, scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev)
+        api._launch_fwd(q, k, v, o, l_, causal=causal, scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev,
+                        var=var)
 
-    api._run_forward(launch, out, q.shape, q.dtype, (b, hq, nq), nk, True, dev, lse)
+    api._run_forward(launch, out, q.shape, q.dtype, (b, hq, nq), nk, True, dev, lse, var.sinks)
 
 
 def cuda_forward(call: Call) -> None:
-    """(q, k, v) -> (out, lse) with cuflash's forward kernels on XLA's stream."""
+    """(q, k, v[, alibi_slopes][, sinks]) -> (out, lse) with cuflash's forward kernels on XLA's stream."""
     shapes = _shapes(call)
     with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
-        q, k, v, out, lse = (_device_array(b, s, dev) for b, s in zip((*call.args, *call.rets), shapes))
+        arrays = [_device_array(b, s, dev) for b, s in zip((*call.args, *call.rets), shapes)]
+        q, k, v = arrays[:3]
+        out, lse = arrays[-2:]
         _log(FORWARD, call, stream)
         _forward_into(q, k, v, out, lse, causal=bool(call.attrs["causal"]),
-                      softmax_scale=float(call.attrs["softmax_scale"]))
+                      softmax_scale=float(call.attrs["softmax_scale"]), **_variant_kwargs(call, arrays[3:-2]))
 
 
 def cuda_backward(call: Call) -> None:
-    """(dout, q, k, v, out, lse) -> (dq, dk, dv) with cuflash's backward kernels on XLA's stream. Its
-    float32 workspaces (O(batch * heads * seqlen * head_dim)) come from CuPy's memory pool on that stream."""
+    """(dout, q, k, v, out, lse[, alibi_slopes][, sinks]) -> (dq, dk, dv[, dsinks]) with cuflash's backward
+    kernels on XLA's stream. Its float32 workspaces (O(batch * heads * seqlen * head_dim)) come from CuPy's
+    memory pool on that stream."""
     from .api import backward
 
     shapes = _shapes(call)
     with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
-        dout, q, k, v, out, lse, dq, dk, dv = (_device_array(b, s, dev)
-                                               for b, s in zip((*call.args, *call.rets), shapes))
+        arrays = [_device_array(b, s, dev) for b, s in zip((*call.args, *call.rets), shapes)]
+        dout, q, k, v, out, lse = arrays[:6]
+        n_extra = _n_extras(call)
+        kwargs = _variant_kwargs(call, arrays[6:6 + n_extra])
+        dq, dk, dv = arrays[6 + n_extra:9 + n_extra]
         _log(BACKWARD, call, stream)
-        backward(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
-                 softmax_scale=float(call.attrs["softmax_scale"]),
-                 deterministic=bool(call.attrs["deterministic"]), dq=dq, dk=dk, dv=dv)
+        grads = backward(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                         softmax_scale=float(call.attrs["softmax_scale"]),
+                         deterministic=bool(call.attrs["deterministic"]), dq=dq, dk=dk, dv=dv, **kwargs)
+        if kwargs["sinks"] is not None:
+            arrays[-1][...] = grads[3]
 
 
 # ---------------------------------------------------------------------------
@@ -140,27 +168,34 @@ def _host_array(buf: BufferView, shape: tuple) -> np.ndarray:
 
 
 def host_forward(call: Call) -> None:
-    """(q, k, v) -> (out, lse) by ``cuflash.attention_reference`` (float64, rounded to the output dtype)."""
+    """(q, k, v[, slopes][, sinks]) -> (out, lse) by ``cuflash.attention_reference`` (float64, rounded to the
+    output dtype)."""
     from .reference import attention_reference
 
-    q, k, v, out, lse = (_host_array(b, s) for b, s in zip((*call.args, *call.rets), _shapes(call)))
+    arrays = [_host_array(b, s) for b, s in zip((*call.args, *call.rets), _shapes(call))]
+    q, k, v = arrays[:3]
+    out, lse = arrays[-2:]
     _log(FORWARD, call, 0)
     o, l_ = attention_reference(q, k, v, causal=bool(call.attrs["causal"]),
-                                softmax_scale=float(call.attrs["softmax_scale"]))
+                                softmax_scale=float(call.attrs["softmax_scale"]), **_variant_kwargs(call, arrays[3:-2]))
     out[...] = o.astype(out.dtype)
     lse[...] = l_.astype(np.float32)
 
 
 def host_backward(call: Call) -> None:
-    """(dout, q, k, v, out, lse) -> (dq, dk, dv) by ``cuflash.attention_reference_backward`` (which
-    recomputes the probabilities: out and lse are not read)."""
+    """(dout, q, k, v, out, lse[, slopes][, sinks]) -> (dq, dk, dv[, dsinks]) by
+    ``cuflash.attention_reference_backward`` (which recomputes the probabilities: out and lse are not read)."""
     from .reference import attention_reference_backward
 
-    dout, q, k, v, _, _, dq, dk, dv = (_host_array(b, s) for b, s in zip((*call.args, *call.rets), _shapes(call)))
+    arrays = [_host_array(b, s) for b, s in zip((*call.args, *call.rets), _shapes(call))]
+    dout, q, k, v = arrays[:4]
+    n_extra = _n_extras(call)
+    kwargs = _variant_kwargs(call, arrays[6:6 + n_extra])
+    rets = arrays[6 + n_extra:]
     _log(BACKWARD, call, 0)
     grads = attention_reference_backward(dout, q, k, v, causal=bool(call.attrs["causal"]),
-                                         softmax_scale=float(call.attrs["softmax_scale"]))
-    for buf, g in zip((dq, dk, dv), grads):
+                                         softmax_scale=float(call.attrs["softmax_scale"]), **kwargs)
+    for buf, g in zip(rets, grads):
         buf[...] = g.astype(buf.dtype)
 
 

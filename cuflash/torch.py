@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks, api
+from . import _checks, api, variants
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):   # pragma: no cover
     raise ImportError(f"cuflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), found {torch.__version__}")
@@ -27,9 +27,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
-                    causal: bool = False, deterministic: bool = False,
-                    return_lse: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Exact attention in flash-attn's layout, differentiable with respect to q, k and v.
+                    causal: bool = False, window_size: Tuple[Optional[int], Optional[int]] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_lse: bool = False, *, attention_chunk: int = 0, sinks: Optional[Tensor] = None,
+                    learnable_sink: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Exact attention in flash-attn's layout, differentiable with respect to q, k, v, the sinks and lse.
 
     Args:
         q: ``(batch, seqlen_q, heads_q, head_dim)`` CUDA tensor, float16, bfloat16 or float32;
@@ -40,8 +42,14 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         dropout_p: must be 0.0 (no dropout in cuflash's kernels).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
+        window_size: ``(left, right)`` as flash-attn (-1, or None as FA4 writes it: unbounded).
+        softcap: 0 (off) or c > 0: scores become c * tanh(s / c).
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (not differentiated).
         deterministic: bitwise reproducible backward (a few percent slower).
-        return_lse: also return the log-sum-exp (not differentiable).
+        return_lse: also return the log-sum-exp (differentiable).
+        attention_chunk: 0 (off) or a chunk length (Llama 4).
+        sinks / learnable_sink: ``(heads_q,)`` a learned logit per head (FA4 names it learnable_sink);
+            differentiable.
 
     Returns:
         ``out`` ``(batch, seqlen_q, heads_q, head_dim)`` (contiguous, q's dtype), or ``(out, lse)``
@@ -50,16 +58,29 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     Raises:
         TypeError: not torch tensors, not on a CUDA device, or an unsupported or mixed dtype; flags
             that are not bools.
-        ValueError: ``dropout_p != 0``, shapes that do not agree, an unsupported head_dim.
+        ValueError: ``dropout_p != 0``, shapes that do not agree, an unsupported head_dim, bad variant
+            values (cuflash.forward's checks).
     """
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0: cuflash has no dropout, got {dropout_p}")
+    if sinks is not None and learnable_sink is not None:
+        raise ValueError("give sinks or learnable_sink (the same argument), not both")
+    sinks = learnable_sink if sinks is None else sinks
     head_dim = _check_inputs(q, k, v)
     scale = _checks.check_scale(softmax_scale, head_dim)
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
     return_lse = _checks.check_flag("return_lse", return_lse)
-    out, lse = attention_forward(q, k, v, scale, causal, deterministic)
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        window_size = tuple(-1 if w is None else w for w in window_size)
+    left, right = variants.check_window(window_size)
+    chunk = variants.check_chunk(attention_chunk)
+    cap = variants.check_softcap(softcap)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.device != q.device):
+            raise TypeError(f"{name} must be a torch.Tensor on {q.device}, got {type(x).__name__}"
+                            + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
+    out, lse = attention_forward(q, k, v, scale, causal, left, right, chunk, cap, alibi_slopes, sinks, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -109,47 +130,67 @@ def _kernel_ready(x: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                      deterministic: bool) -> Tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
+                      window_right: int, attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
+                      sinks: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor]:
     """``(out, lse)``: out ``(B, Nq, Hq, D)`` like q (contiguous), lse float32 ``(B, Hq, Nq)``."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     out = q.new_empty(q.shape)
-    return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
+    return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                       attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=_detached(alibi_slopes),
+                       sinks=_detached(sinks), return_lse=True, out=out)
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, softmax_scale, causal, deterministic):
+def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, attention_chunk, softcap,
+                            alibi_slopes, sinks, deterministic):
     b, nq, hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       softmax_scale: float, causal: bool, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` shaped and typed like q, k, v (contiguous)."""
+                       dlse: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+                       window_right: int, attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
+                       sinks: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)`` shaped and typed like q, k, v (contiguous) and sinks (empty without)."""
     dout, q, k, v, out = (_kernel_ready(x) for x in (dout, q, k, v, out))
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    return api.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                        deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    grads = api.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                         window_size=(window_left, window_right), attention_chunk=attention_chunk, softcap=softcap,
+                         alibi_slopes=_detached(alibi_slopes), sinks=_detached(sinks),
+                         dlse=None if dlse is None else dlse.contiguous(), deterministic=deterministic,
+                         dq=dq, dk=dk, dv=dv)
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,))
+    return grads[0], grads[1], grads[2], dsinks
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right,
+                             attention_chunk, softcap, alibi_slopes, sinks, deterministic):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.detach()
+
+
+_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "attention_chunk", "softcap")
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, *options, alibi_slopes, sinks, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+    ctx.options, ctx.deterministic = tuple(options), deterministic
 
 
 def _attention_vjp(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, dlse, *ctx.options, alibi_slopes, sinks,
+                                            ctx.deterministic)
+    return (dq, dk, dv) + (None,) * len(_OPTIONS) + (None, dsinks if sinks is not None else None, None)
 
 
 attention_forward.register_autograd(_attention_vjp, setup_context=_save_for_backward)

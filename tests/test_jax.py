@@ -206,7 +206,7 @@ def test_cuda_forward_writes_lse_into_xlas_buffer(monkeypatch):
 
     seen = {}
 
-    def run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k, return_lse, device_id, lse=None):
+    def run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k, return_lse, device_id, lse=None, sinks=None):
         seen.update(launch_fn=launch_fn, out=out, lse=lse, return_lse=return_lse, lse_shape=lse_shape)
 
     monkeypatch.setattr(api, "_run_forward", run_forward)

@@ -21,10 +21,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 def test_op_schemas():
     assert str(torch.ops.cuflash.attention_forward.default._schema) == (
         "cuflash::attention_forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-        "bool deterministic) -> (Tensor, Tensor)")
+        "SymInt window_left, SymInt window_right, SymInt attention_chunk, float softcap, Tensor? alibi_slopes, "
+        "Tensor? sinks, bool deterministic) -> (Tensor, Tensor)")
     assert str(torch.ops.cuflash.attention_backward.default._schema) == (
         "cuflash::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float softmax_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)")
+        "Tensor? dlse, float softmax_scale, bool causal, SymInt window_left, SymInt window_right, "
+        "SymInt attention_chunk, float softcap, Tensor? alibi_slopes, Tensor? sinks, bool deterministic) "
+        "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
@@ -43,10 +46,10 @@ def _meta(shape, dtype, requires_grad=False):
 def test_fake_shapes_and_autograd_on_meta(dtype, b, nq, nk, hq, hkv, d):
     q = _meta((b, nq, hq, d), dtype, True)
     k, v = _meta((b, nk, hkv, d), dtype, True), _meta((b, nk, hkv, d), dtype, True)
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, 0.5, True, False)
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, 0.5, True, -1, -1, 0, 0.0, None, None, False)
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
-    assert out.requires_grad and not lse.requires_grad   # lse is not differentiable
+    assert out.requires_grad and lse.requires_grad   # lse is differentiable (FA4's test_flash_attn_lse_grad)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     for g, x in ((dq, q), (dk, k), (dv, v)):
         assert g.shape == x.shape and g.dtype == x.dtype and g.device.type == "meta"
@@ -55,8 +58,9 @@ def test_fake_shapes_and_autograd_on_meta(dtype, b, nq, nk, hq, hkv, d):
 def test_backward_fake_shapes():
     q, k = _meta((2, 9, 4, 128), torch.bfloat16), _meta((2, 3, 2, 128), torch.bfloat16)
     lse = _meta((2, 4, 9), torch.float32)
-    dq, dk, dv = torch.ops.cuflash.attention_backward(q, q, k, k, q, lse, 0.1, False, True)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    dq, dk, dv, dsinks = torch.ops.cuflash.attention_backward(q, q, k, k, q, lse, None, 0.1, False, -1, -1, 0, 0.0,
+                                                              None, None, True)
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, k.shape, (0,))
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
 
@@ -101,7 +105,7 @@ def test_compile_fullgraph_traces_one_op():
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function" and "cuflash" in str(n.target)]
     assert ops == [torch.ops.cuflash.attention_forward.default]
     (node,) = [n for n in gm.graph.nodes if n.target == torch.ops.cuflash.attention_forward.default]
-    assert node.args[3:] == (0.125, True, False)
+    assert node.args[3:] == (0.125, True, -1, -1, 0, 0.0, None, None, False)
 
 
 def test_compile_joint_graph_holds_the_backward_op():
@@ -121,7 +125,7 @@ def test_compile_joint_graph_holds_the_backward_op():
         return compile_fn
 
     def loss(q, k, v):
-        out, _ = torch.ops.cuflash.attention_forward(q, k, v, 0.125, True, False)
+        out, _ = torch.ops.cuflash.attention_forward(q, k, v, 0.125, True, -1, -1, 0, 0.0, None, None, False)
         return (out.float() ** 2).sum()
 
     q = _meta((2, 5, 4, 64), torch.float16, True)
@@ -153,7 +157,7 @@ def test_cpu_tensors_reaching_the_op_are_refused():
     """Called directly (not through flash_attn_func), the op's CuPy conversion refuses them."""
     q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
     with pytest.raises(TypeError, match=r"q must be a cupy.ndarray or a CUDA array.*q\.cuda\(\)"):
-        torch.ops.cuflash.attention_forward(q, q, q, 0.125, False, False)
+        torch.ops.cuflash.attention_forward(q, q, q, 0.125, False, -1, -1, 0, 0.0, None, None, False)
 
 
 def test_non_tensors_are_refused():
@@ -359,9 +363,11 @@ def test_opcheck():
     _need_cuda()
     q, k, v, dout = _inputs("float16", 2, 33, 47, 4, 2, 64)
     # deterministic: opcheck compares runs (eager, AOT) of the forward and of the gradients
-    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, 0.125, True, True))
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, 0.125, True, True)
-    args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.125, True, True)
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default,
+                          (q, k, v, 0.125, True, -1, -1, 0, 0.0, None, None, True))
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, 0.125, True, -1, -1, 0, 0.0, None, None, True)
+    args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, 0.125, True, -1, -1, 0, 0.0,
+            None, None, True)
     torch.library.opcheck(torch.ops.cuflash.attention_backward.default, args)
 
 
