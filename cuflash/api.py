@@ -25,7 +25,8 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
             attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
             sinks: Optional[ndarray] = None, return_lse: bool = False,
-            out: Optional[ndarray] = None) -> Union[ndarray, Tuple[ndarray, ndarray]]:
+            out: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None
+            ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
     Args:
@@ -58,7 +59,11 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         output 0 and lse -inf (its sink, with sinks). seqlen_q == 0 gives empty results; seqlen_k == 0
         gives zeros and -inf (the sinks).
     """
+    # _mask_offsets (internal: ring attention's steps, cuflash/distributed/ring.py): the mask policy's
+    # (diag, key_offset) for q and k that are views of a longer sequence.
     variant_sig = variants.call_signature(window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    if _mask_offsets is not None:
+        variant_sig = None
     key = None if variant_sig is None else call_cache.fwd_key(q, k, v, out, causal, softmax_scale, return_lse,
                                                               variant_sig)
     lse = None
@@ -93,7 +98,7 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
 
     def launch_fn(o, l_):
         prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
-                               device_id=dev, opts=opts, var=var)
+                               device_id=dev, opts=opts, var=var, mask_offsets=_mask_offsets)
         # Recorded under the options it was planned with (another thread may have changed them since the key).
         if key is not None and prepared is not None and key[call_cache.OPTIONS_TOKEN] == opts.token:
             _fwd_calls.record(key, prepared, o, l_, dev)
@@ -276,7 +281,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
              attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
              sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
              dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
-             dv: Optional[ndarray] = None) -> Tuple[ndarray, ...]:
+             dv: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None) -> Tuple[ndarray, ...]:
     """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
 
     FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
@@ -333,7 +338,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     try:
         grads = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
-                                    (b, nq, nk, hq, hkv, d), dev, var, dlse)
+                                    (b, nq, nk, hq, hkv, d), dev, var, dlse, _mask_offsets)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise
@@ -344,7 +349,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
 
 
 def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,
-                        dims, dev: int, var: variants.Variants = variants.NONE, dlse=None):
+                        dims, dev: int, var: variants.Variants = variants.NONE, dlse=None, mask_offsets=None):
     """The backward after its checks: allocates what the caller did not give and launches. Returns
     ``(dq, dk, dv, dsinks)``, dsinks float32 (heads_q,) or None without sinks."""
     import cupy
@@ -371,7 +376,8 @@ def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale
             dlse = cupy.ascontiguousarray(dlse)
             capture.keep_if_capturing(dlse)
         dsinks = _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
-                             deterministic=deterministic, dims=dims, device_id=dev, var=var, dlse=dlse)
+                             deterministic=deterministic, dims=dims, device_id=dev, var=var, dlse=dlse,
+                             mask_offsets=mask_offsets)
     return dq, dk, dv, dsinks
 
 
@@ -447,7 +453,9 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         if sm90.bwd_first_slice_stored(cfg, opts):
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
-            zero_rows = (variants.first_seen_row(nq, nk, var) // cfg.block_m) * cfg.block_m
+            # (With a ring step's offsets the rows that see no key need not lead: zero every row.)
+            zero_rows = accum_rows if mask_offsets is not None else \
+                (variants.first_seen_row(nq, nk, var) // cfg.block_m) * cfg.block_m
     if post is not None:
         dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
         if _POISON_WORKSPACE:

@@ -237,8 +237,10 @@ class _NumpyKernels:
         rows = slice(row0, row0 + part_lse.shape[2])
         la, lp = lse_acc[:, :, rows], part_lse
         lse = np.logaddexp(la, lp)
-        wa = np.where(np.isneginf(la), 0.0, np.exp(la - lse)).transpose(0, 2, 1)[..., None]
-        wp = np.exp(lp - lse).transpose(0, 2, 1)[..., None]
+        with np.errstate(invalid="ignore"):   # both -inf: the where's other branch
+            wa = np.where(np.isneginf(la), 0.0, np.exp(la - lse)).transpose(0, 2, 1)[..., None]
+            # As the kernel: a row whose sums are still empty takes the part as it is (0 if it saw no key either).
+            wp = np.where(np.isneginf(la), 1.0, np.exp(lp - lse)).transpose(0, 2, 1)[..., None]
         acc = np.where(wa == 0, 0.0, out_acc[:, rows])
         out_acc[:, rows] = wa * acc + wp * part[:, rows]
         lse_acc[:, :, rows] = lse
@@ -251,6 +253,90 @@ class _NumpyKernels:
     @staticmethod
     def convert(x, dtype):
         return x.astype(dtype)
+
+
+def _block_scores(q, k, h, bi, group, scale, causal, window_size, attention_chunk, softcap, alibi_slopes,
+                  mask_offsets):
+    """Scores (after softcap and ALiBi) and the visibility mask of one (batch, head) of a block whose rows and
+    keys are views of a longer sequence (the mask policy's (diag, key_offset)), in float64."""
+    nq, nk = q.shape[1], k.shape[1]
+    diag, key_offset = mask_offsets if mask_offsets is not None else (nk - nq, 0)
+    s = q[bi, :, h] @ k[bi, :, h // group].T * scale
+    grad = np.ones_like(s)
+    if softcap:
+        tt = np.tanh(s / softcap)
+        s, grad = softcap * tt, 1 - tt * tt
+    pos = np.arange(nq)[:, None] + diag + key_offset
+    j = np.arange(nk)[None, :] + key_offset
+    if alibi_slopes is not None:
+        slope = alibi_slopes[h] if alibi_slopes.ndim == 1 else alibi_slopes[bi, h]
+        s = s - float(slope) * np.abs(pos - j)
+    left, right = window_size
+    vis = np.ones((nq, nk), bool)
+    if causal:
+        vis &= j <= pos
+    if right >= 0:
+        vis &= j <= pos + right
+    if left >= 0:
+        vis &= j >= pos - left
+    if attention_chunk:
+        vis &= (j // attention_chunk) == (pos // attention_chunk)
+    return s, grad, vis
+
+
+class _NumpyVariantKernels(_NumpyKernels):
+    """The stand-ins with the variants and the mask policy's offsets (what the ring's positional steps pass)."""
+
+    @staticmethod
+    def forward(q, k, v, *, causal, softmax_scale, return_lse, out=None, window_size=(-1, -1), attention_chunk=0,
+                softcap=0.0, alibi_slopes=None, sinks=None, _mask_offsets=None):
+        assert sinks is None, "the ring joins the sinks itself, once"
+        b, nq, hq, d = q.shape
+        group = hq // k.shape[2]
+        o, lse = np.zeros(q.shape), np.full((b, hq, nq), -np.inf)
+        for bi in range(b):
+            for h in range(hq):
+                s, _, vis = _block_scores(q, k, h, bi, group, softmax_scale, causal, window_size, attention_chunk,
+                                          softcap, alibi_slopes, _mask_offsets)
+                s = np.where(vis, s, -np.inf)
+                m = s.max(axis=1, keepdims=True)
+                m = np.where(np.isfinite(m), m, 0.0)
+                e = np.exp(s - m)
+                tot = e.sum(axis=1, keepdims=True)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    o[bi, :, h] = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0) @ v[bi, :, h // group]
+                    lse[bi, h] = np.where(tot[:, 0] > 0, np.log(np.where(tot[:, 0] > 0, tot[:, 0], 1)) + m[:, 0],
+                                          -np.inf)
+        if out is None:
+            out = np.empty(q.shape, q.dtype)
+        out[...] = o
+        return out, lse.astype(np.float32)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, dq=None, dk=None, dv=None,
+                 window_size=(-1, -1), attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, dlse=None,
+                 _mask_offsets=None):
+        assert sinks is None
+        dq, dk, dv = (np.empty(x.shape, x.dtype) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+        b, nq, hq, d = q.shape
+        group = hq // k.shape[2]
+        dk[...] = 0
+        dv[...] = 0
+        for bi in range(b):
+            for h in range(hq):
+                kh, vh, do = k[bi, :, h // group], v[bi, :, h // group], dout[bi, :, h]
+                s, grad, vis = _block_scores(q, k, h, bi, group, softmax_scale, causal, window_size, attention_chunk,
+                                             softcap, alibi_slopes, _mask_offsets)
+                with np.errstate(invalid="ignore"):
+                    p = np.where(vis, np.exp(s - lse[bi, h][:, None]), 0.0)
+                delta = (do * out[bi, :, h]).sum(axis=1, keepdims=True)
+                if dlse is not None:
+                    delta = delta - dlse[bi, h][:, None]
+                dv[bi, :, h // group] += p.T @ do
+                ds = p * (do @ vh.T - delta) * grad
+                dq[bi, :, h] = softmax_scale * ds @ kh
+                dk[bi, :, h // group] += softmax_scale * ds.T @ q[bi, :, h]
+        return dq, dk, dv
 
 
 @pytest.fixture
@@ -572,3 +658,68 @@ def test_nccl_ring_pads_inside_and_closes(causal):
     assert float(cupy.abs(got["lse"] - lse).max()) <= 1e-3
     for name, ref in zip(("dq", "dk", "dv"), grads):
         assert rel_err(got[name], ref) <= 2 * BWD_TOL["float16"], name
+
+
+RING_VARIANTS = {
+    "window_causal": dict(causal=True, window_size=(7, 0)),
+    "window_both": dict(window_size=(5, 3)),
+    "chunk_causal": dict(causal=True, attention_chunk=8),
+    "chunk_window": dict(causal=True, attention_chunk=10, window_size=(4, 0)),
+    "alibi": dict(alibi_slopes=np.array([0.3, 0.1, 0.05, 0.2])),
+    "alibi_causal_softcap": dict(causal=True, softcap=1.5, alibi_slopes=np.array([0.3, 0.1, 0.05, 0.2])),
+    "sinks_window": dict(causal=True, window_size=(6, 0), sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+    "softcap": dict(softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(RING_VARIANTS))
+def test_variant_schedules_on_the_cpu(monkeypatch, world, name):
+    """The ring with the variants over global positions (positional blocks with the mask policy's offsets, the
+    sinks joined once, dsinks summed over the ranks, dlse), NumPy for the kernels, against the float64
+    reference on the whole sequence."""
+    from cuflash import variants
+    from cuflash.distributed import ring
+    from cuflash.reference import attention_reference, attention_reference_backward
+
+    monkeypatch.setattr(ring, "_xp", lambda: np)
+    monkeypatch.setattr(ring, "api", _NumpyVariantKernels)
+    monkeypatch.setattr(ring, "partials", _NumpyKernels)
+    kwargs = RING_VARIANTS[name]
+    causal = kwargs.get("causal", False)
+    rng = np.random.default_rng(world)
+    n, scale = 2 * world * 6, 0.4
+    q, dout = rng.standard_normal((2, n, 4, 8)), rng.standard_normal((2, n, 4, 8))
+    k, v = rng.standard_normal((2, n, 2, 8)), rng.standard_normal((2, n, 2, 8))
+    dlse = rng.standard_normal((2, 4, n))
+    var = variants.Variants(*kwargs.get("window_size", (-1, -1)), kwargs.get("attention_chunk", 0),
+                            kwargs.get("softcap", 0.0), causal, kwargs.get("alibi_slopes"), kwargs.get("sinks"))
+    qs, ks, vs, dos = ([plan.zigzag_shard(x, world, r) for r in range(world)] for x in (q, k, v, dout))
+    dlses = [plan.zigzag_shard(dlse, world, r, axis=2) for r in range(world)]
+    fwd = run_local([ring.forward_schedule(qs[r], ks[r], vs[r], r, world, causal=causal, softmax_scale=scale, var=var)
+                     for r in range(world)], copy=_numpy_copy)
+    outs, lses = [o for o, _ in fwd], [l_ for _, l_ in fwd]
+    ref_kwargs = {key: val for key, val in kwargs.items()}
+    ref_o, ref_lse = attention_reference(q, k, v, softmax_scale=scale, **ref_kwargs)
+    np.testing.assert_allclose(plan.zigzag_unshard(outs), ref_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.zigzag_unshard(lses, axis=2), ref_lse, rtol=1e-5, atol=1e-5)
+    bwd = run_local([ring.backward_schedule(dos[r], qs[r], ks[r], vs[r], outs[r], lses[r], r, world, causal=causal,
+                                            softmax_scale=scale, deterministic=False, var=var, dlse=dlses[r])
+                     for r in range(world)], copy=_numpy_copy)
+    refs = attention_reference_backward(dout, q, k, v, softmax_scale=scale, dlse=dlse, **ref_kwargs)
+    for i, gname in enumerate(("dq", "dk", "dv")):
+        got = plan.zigzag_unshard([g[i] for g in bwd])
+        np.testing.assert_allclose(got, refs[i], rtol=1e-4, atol=1e-4, err_msg=gname)
+    if "sinks" in kwargs:
+        np.testing.assert_allclose(sum(g[3] for g in bwd), refs[3], rtol=1e-4, atol=1e-4, err_msg="dsinks")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_window_visits_only_the_steps_it_reaches(world):
+    """With a window shorter than a chunk, a rank's queries meet only the key chunks next to theirs."""
+    n = 2 * world * 32
+    local = n // world
+    for rank in range(world):
+        steps = sum(bool(plan.variant_blocks(rank, (rank - s) % world, world, local, (True, 16, 0, 0)))
+                    for s in range(world))
+        assert steps <= 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Union
 
-from .. import _checks, api as single
+from .. import _checks, api as single, variants
 from . import ring
 from .plan import check_padded
 from .transport import NcclRing, run_local
@@ -28,6 +28,35 @@ def _check_local(q, k, v, causal, softmax_scale):
     return causal, scale
 
 
+_VARIANT_DOC = """window_size, attention_chunk, softcap, alibi_slopes, sinks: as :func:`cuflash.forward`, over the
+            global positions of the whole sequence (a window visits only the ring steps and chunks it reaches;
+            the sinks join each row's softmax once)."""
+
+
+def _check_variants(kwargs: dict, causal: bool, q, dlse=None, lse_shape=None):
+    """The variant arguments of a ring call, checked against this rank's shard (variants.Variants)."""
+    b, _, hq, _ = q.shape
+    var = variants.from_arguments(kwargs.get("window_size", (-1, -1)), kwargs.get("attention_chunk", 0),
+                                  kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), kwargs.get("sinks"),
+                                  causal=causal, batch=b, heads_q=hq, device_id=q.data.device_id, q_dtype=q.dtype)
+    if dlse is not None:
+        _checks.check_lse_cached(dlse, lse_shape, q.data.device_id, name="dlse")
+    return var
+
+
+def _variant_fingerprint(var) -> tuple:
+    return (var.window_left, var.window_right, var.attention_chunk, var.softcap, var.alibi_slopes is not None,
+            var.sinks is not None)
+
+
+def _with_dsinks(grads, sinks):
+    """The ring's gradients with dsinks in the sinks' dtype (as given)."""
+    if sinks is None or len(grads) < 4:
+        return tuple(grads)
+    d = grads[3]
+    return (*grads[:3], d if d.dtype == sinks.dtype else d.astype(sinks.dtype))
+
+
 def _check_group(group, q) -> None:
     if not isinstance(group, NcclRing):
         raise TypeError(f"group must be a cuflash.distributed.NcclRing, got {type(group).__name__}")
@@ -37,7 +66,7 @@ def _check_group(group, q) -> None:
 
 
 def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 return_lse: bool = False, seqlen: Optional[int] = None):
+                 return_lse: bool = False, seqlen: Optional[int] = None, **variant_args):
     """Attention of this rank's queries against the whole sequence, the keys and values passed around
     the ring with NCCL while each step computes.
 
@@ -53,6 +82,7 @@ def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scal
         seqlen: the sequence's real length when :func:`zigzag_shard` padded it (a length that does not
             cut into ``2 * world`` chunks); the padding is left out of every step (no key attends it),
             and its rows of the results are 0 (lse -inf). Default: ``world * local_seqlen``, no padding.
+        """ + _VARIANT_DOC + """
 
     Every rank must call with the same shapes, dtype and options: the first call with a new combination
     compares them across the ranks (one all-gather, one host wait) and raises ValueError on every rank
@@ -63,17 +93,32 @@ def ring_forward(q, k, v, group: NcclRing, *, causal: bool = False, softmax_scal
     """
     causal, scale = _check_local(q, k, v, causal, softmax_scale)
     return_lse = _checks.check_flag("return_lse", return_lse)
+    var = _check_variants(_variant_kwargs(variant_args), causal, q)
     _check_group(group, q)
     seqlen = check_padded(seqlen, group.world, q.shape[1])
-    group.agree(("forward", q.shape, k.shape, str(q.dtype), causal, scale, seqlen))
+    group.agree(("forward", q.shape, k.shape, str(q.dtype), causal, scale, seqlen, _variant_fingerprint(var)))
     out, lse = group.run(ring.forward_schedule(q, k, v, group.rank, group.world, causal=causal,
-                                               softmax_scale=scale, seqlen=seqlen))
+                                               softmax_scale=scale, seqlen=seqlen, var=var))
     return (out, lse) if return_lse else out
 
 
+_VARIANT_NAMES = ("window_size", "attention_chunk", "softcap", "alibi_slopes", "sinks")
+
+
+def _variant_kwargs(kwargs: dict) -> dict:
+    unknown = set(kwargs) - set(_VARIANT_NAMES)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
+    return kwargs
+
+
 def ring_backward(dout, q, k, v, out, lse, group: NcclRing, *, causal: bool = False,
-                  softmax_scale: Optional[float] = None, deterministic: bool = False, seqlen: Optional[int] = None):
-    """Gradients of :func:`ring_forward` for this rank's shard: ``(dq, dk, dv)`` shaped like q, k, v.
+                  softmax_scale: Optional[float] = None, deterministic: bool = False, seqlen: Optional[int] = None,
+                  dlse=None, **variant_args):
+    """Gradients of :func:`ring_forward` for this rank's shard: ``(dq, dk, dv)`` shaped like q, k, v, and
+    with ``sinks`` this rank's part of ``dsinks`` (sum it over the ranks, as any replicated parameter's
+    gradient). ``dlse``: the gradient of this rank's lse, or None; the variant arguments as given to the
+    forward.
 
     The dK / dV sums travel the ring one step behind the keys and reach their owner after the last
     step. ``out`` and ``lse`` are this rank's results of :func:`ring_forward`; ``deterministic`` makes
@@ -85,11 +130,15 @@ def ring_backward(dout, q, k, v, out, lse, group: NcclRing, *, causal: bool = Fa
     _checks.check_like_cached("out", out, "q", q)
     _checks.check_lse_cached(lse, (q.shape[0], q.shape[2], q.shape[1]), q.data.device_id)
     deterministic = _checks.check_flag("deterministic", deterministic)
+    var = _check_variants(_variant_kwargs(variant_args), causal, q, dlse, (q.shape[0], q.shape[2], q.shape[1]))
     _check_group(group, q)
     seqlen = check_padded(seqlen, group.world, q.shape[1])
-    group.agree(("backward", q.shape, k.shape, str(q.dtype), causal, scale, deterministic, seqlen))
-    return group.run(ring.backward_schedule(dout, q, k, v, out, lse, group.rank, group.world, causal=causal,
-                                            softmax_scale=scale, deterministic=deterministic, seqlen=seqlen))
+    group.agree(("backward", q.shape, k.shape, str(q.dtype), causal, scale, deterministic, seqlen,
+                 _variant_fingerprint(var), dlse is not None))
+    grads = group.run(ring.backward_schedule(dout, q, k, v, out, lse, group.rank, group.world, causal=causal,
+                                             softmax_scale=scale, deterministic=deterministic, seqlen=seqlen,
+                                             var=var, dlse=dlse))
+    return _with_dsinks(grads, variant_args.get("sinks"))
 
 
 def _check_shards(name: str, shards, world: Optional[int]) -> int:
@@ -102,7 +151,7 @@ def _check_shards(name: str, shards, world: Optional[int]) -> int:
 
 def local_ring_forward(q: Sequence, k: Sequence, v: Sequence, *, causal: bool = False,
                        softmax_scale: Optional[float] = None, return_lse: bool = False,
-                       seqlen: Optional[int] = None) -> Union[List, Tuple[List, List]]:
+                       seqlen: Optional[int] = None, **variant_args) -> Union[List, Tuple[List, List]]:
     """The ring forward of every rank in this process, on the current GPU, the sends as device copies:
     checks a sharding (and the ring) without several GPUs. ``q``, ``k``, ``v``: lists of the ranks'
     shards, as :func:`ring_forward` takes them. Returns the list of outputs (and of lses)."""
@@ -117,17 +166,19 @@ def local_ring_forward(q: Sequence, k: Sequence, v: Sequence, *, causal: bool = 
                              f"k {tuple(k[0].shape)}, rank {r} q {tuple(q[r].shape)} k {tuple(k[r].shape)}")
     return_lse = _checks.check_flag("return_lse", return_lse)
     seqlen = check_padded(seqlen, world, q[0].shape[1])
+    var = _check_variants(_variant_kwargs(variant_args), causal, q[0])
     results = run_local([ring.forward_schedule(q[r], k[r], v[r], r, world, causal=causal, softmax_scale=scale,
-                                               seqlen=seqlen) for r in range(world)])
+                                               seqlen=seqlen, var=var) for r in range(world)])
     outs, lses = [o for o, _ in results], [l_ for _, l_ in results]
     return (outs, lses) if return_lse else outs
 
 
 def local_ring_backward(dout: Sequence, q: Sequence, k: Sequence, v: Sequence, out: Sequence, lse: Sequence, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
-                        deterministic: bool = False, seqlen: Optional[int] = None) -> Tuple[List, List, List]:
+                        deterministic: bool = False, seqlen: Optional[int] = None, dlse: Optional[Sequence] = None,
+                        **variant_args) -> Tuple[List, ...]:
     """The ring backward of every rank in this process (see :func:`local_ring_forward`). Returns the
-    lists of dq, dk and dv shards."""
+    lists of dq, dk and dv shards (and, with sinks, of each rank's dsinks part)."""
     world = _check_shards("q", q, None)
     for name, x in (("dout", dout), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_shards(name, x, world)
@@ -142,7 +193,12 @@ def local_ring_backward(dout: Sequence, q: Sequence, k: Sequence, v: Sequence, o
         _checks.check_lse_cached(lse[r], (q[r].shape[0], q[r].shape[2], q[r].shape[1]), q[r].data.device_id)
     deterministic = _checks.check_flag("deterministic", deterministic)
     seqlen = check_padded(seqlen, world, q[0].shape[1])
+    var = _check_variants(_variant_kwargs(variant_args), causal, q[0])
+    if dlse is not None:
+        _check_shards("dlse", dlse, world)
     results = run_local([ring.backward_schedule(dout[r], q[r], k[r], v[r], out[r], lse[r], r, world, causal=causal,
-                                                softmax_scale=scale, deterministic=deterministic, seqlen=seqlen)
+                                                softmax_scale=scale, deterministic=deterministic, seqlen=seqlen,
+                                                var=var, dlse=None if dlse is None else dlse[r])
                          for r in range(world)])
-    return [x[0] for x in results], [x[1] for x in results], [x[2] for x in results]
+    results = [_with_dsinks(x, variant_args.get("sinks")) for x in results]
+    return tuple([x[i] for x in results] for i in range(len(results[0])))

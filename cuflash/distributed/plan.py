@@ -23,13 +23,23 @@ from typing import Optional, Sequence
 class StepBlock:
     """The part of one ring step that is not masked out: local query rows ``q_start:q_stop`` against
     the source rank's key rows ``k_start:k_stop``, with the causal mask (both sides the same length:
-    the step that meets the rank's own keys) or without one."""
+    the step that meets the rank's own keys) or without one. A block of a positional variant (window,
+    chunks, ALiBi: ``variant_blocks``) holds contiguous global positions on both sides, ``q_pos`` and
+    ``k_pos`` being those of its first query and key row (-1: not positional)."""
 
     q_start: int
     q_stop: int
     k_start: int
     k_stop: int
     causal: bool
+    q_pos: int = -1
+    k_pos: int = -1
+
+    @property
+    def mask_offsets(self) -> tuple:
+        """(diag, key_offset) of the mask policy (variants.Variants.param_values): query row i of the block
+        sits at key position i + diag of the block's keys, whose first is at absolute key_offset."""
+        return (self.q_pos - self.k_pos, self.k_pos)
 
     @property
     def q_rows(self) -> slice:
@@ -67,6 +77,41 @@ def _step_block(rank: int, source: int, n: int, causal: bool) -> StepBlock:
         return StepBlock(0, n, 0, half, False)
     # source > rank: only the local late chunk comes after the source's chunks, and after both of them
     return StepBlock(half, n, 0, n, False)
+
+
+def segments(rank: int, world: int, local_seqlen: int, seqlen: Optional[int] = None) -> list:
+    """The runs of contiguous global positions among ``rank``'s local rows: ``(local_start, local_stop,
+    global_start)`` for its early and its late chunk, cut before the padding."""
+    half = local_seqlen // 2
+    valid = local_seqlen if seqlen is None else valid_rows(rank, world, local_seqlen, seqlen)
+    out = []
+    for start, stop, pos in ((0, half, rank * half), (half, local_seqlen, (2 * world - 1 - rank) * half)):
+        stop = min(stop, valid)
+        if stop > start:
+            out.append((start, stop, pos))
+    return out
+
+
+def variant_blocks(rank: int, source: int, world: int, local_seqlen: int, pattern: tuple,
+                   seqlen: Optional[int] = None) -> list:
+    """The blocks of one ring step under a positional pattern ``(causal, left, right, chunk)`` (window bounds
+    -1 unbounded; chunk 0 none): each pair of a local query chunk and a source key chunk in which some query
+    sees some key, with their global positions. A window visits only the steps and chunks it reaches."""
+    import numpy as np
+
+    causal, left, right, chunk = pattern
+    blocks = []
+    for q0, q1, qp in segments(rank, world, local_seqlen, seqlen):
+        p = np.arange(qp, qp + q1 - q0, dtype=np.int64)
+        hi = p if causal else (p + right if right >= 0 else np.full_like(p, 1 << 62))
+        lo = p - left if left >= 0 else np.full_like(p, -(1 << 62))
+        if chunk:
+            start = (p // chunk) * chunk
+            lo, hi = np.maximum(lo, start), np.minimum(hi, start + chunk - 1)
+        for k0, k1, kp in segments(source, world, local_seqlen, seqlen):
+            if np.any(np.maximum(lo, kp) <= np.minimum(hi, kp + k1 - k0 - 1)):
+                blocks.append(StepBlock(q0, q1, k0, k1, False, qp, kp))
+    return blocks
 
 
 def valid_rows(rank: int, world: int, local_seqlen: int, seqlen: int) -> int:
