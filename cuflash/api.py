@@ -343,7 +343,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         device_check.reraise_explained(e)
         raise
     if sinks is None:
-        return grads
+        return grads[:3]
     dsinks = grads[3] if grads[3].dtype == sinks.dtype else grads[3].astype(sinks.dtype)
     return (*grads[:3], dsinks)
 
