@@ -8,6 +8,7 @@ import pytest
 from cuflash.bench import STANDARD_SHAPES, Shape
 
 _ROWS: list[dict] = []
+_VARIANT_ROWS: list = []   # bench_variants.CaseResult of benchmarks/bench_variants.py
 
 # (shape, input distribution) cases: the standard shapes on normal inputs, and a few shapes on the
 # distributions whose scores are large (cuflash.distributions), to keep the run short.
@@ -78,7 +79,18 @@ def record():
     return add
 
 
+@pytest.fixture
+def record_variant():
+    """record_variant(case_result) -> adds a bench_variants.CaseResult to the variant table at the end."""
+    return _VARIANT_ROWS.append
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _VARIANT_ROWS:
+        from cuflash.bench_variants import format_table
+
+        terminalreporter.write_sep("=", "attention variants (cuflash/bench_variants.py)")
+        terminalreporter.write_line(format_table(_VARIANT_ROWS))
     if not _ROWS:
         return
     from cuflash.__main__ import print_table

@@ -279,6 +279,18 @@ def _parse_dist_names(text: str) -> list[str]:
     return names
 
 
+def _parse_variant_rows(text: str) -> tuple:
+    """"window8k,alibi" -> ("window8k", "alibi"); unknown names are an argparse error."""
+    from .bench_variants import rows_by_name
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    try:
+        rows_by_name(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     ap.add_argument("--shape", action="append", type=_parse_shape,
@@ -296,7 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of the standard table, the score-distribution table: each shape x input "
                          "distribution (normal, outlier8, outlier12, sharp, sink; space- or comma-separated; "
                          "all of them when none are named), forward and forward+backward of cuflash beside "
-                         "SDPA cuDNN, SDPA FlashAttention-2 and FlashAttention-4 on the same inputs")
+                         "SDPA cuDNN, SDPA FlashAttention-2 and FlashAttention-4 on the same inputs; with "
+                         "--variants: the input distributions of the variant table")
+    ap.add_argument("--variants", action="store_true",
+                    help="instead of the standard table, the attention-variant table (cuflash/bench_variants.py: "
+                         "window, chunk, softcap, ALiBi, sinks beside plain cuflash, FlashAttention-4 and cuDNN; "
+                         "default distributions normal, outlier12, sink; --quick: two rows on normal inputs)")
+    ap.add_argument("--rows", type=_parse_variant_rows, metavar="NAME[,NAME...]",
+                    help="with --variants: only these rows (window8k, window16k, softcap-causal, softcap, alibi, "
+                         "gpt-oss, gpt-oss-gqa, chunk)")
     return ap
 
 
@@ -304,10 +324,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line; ``dists`` becomes None (no --dists) or a tuple of distribution names."""
     from .distributions import DISTRIBUTIONS
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.dists is not None:
         named = [x for group in args.dists for x in group]
         args.dists = tuple(dict.fromkeys(named)) or DISTRIBUTIONS
+    if args.rows is not None and not args.variants:
+        parser.error("--rows applies to --variants only")
+    if args.variants:   # rows and distributions of the variant table (bench_variants)
+        from . import bench_variants as bv
+
+        if args.shape:
+            parser.error("--shape does not apply to --variants: name rows with --rows")
+        if args.rows is None:
+            args.rows = bv.QUICK_ROWS if args.quick else bv.ROW_NAMES
+        if args.dists is None:
+            args.dists = bv.QUICK_DISTS if args.quick else bv.DEFAULT_DISTS
     return args
 
 
@@ -316,11 +348,39 @@ def table_shapes(args: argparse.Namespace) -> list:
     distribution table's shapes with --dists and the standard table's without."""
     from .bench import DIST_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
 
+    if getattr(args, "variants", False):
+        from .bench_variants import rows_by_name
+
+        return list(dict.fromkeys(r.shape for r in rows_by_name(args.rows)))
     if args.shape:
         return list(args.shape)
     if args.quick:
         return list(QUICK_SHAPES)
     return list(DIST_SHAPES if args.dists is not None else STANDARD_SHAPES)
+
+
+def _run_variants(args: argparse.Namespace, device: str, cc: int) -> int:
+    """The variant table (bench_variants): printed, optionally as Markdown and JSON; 1 if cuflash failed a call
+    or a peer's output differs from cuflash's (bench_variants.failures), else 0."""
+    from . import bench_variants as bv
+
+    rows = bv.rows_by_name(args.rows)
+    print(f"variant table: {', '.join(args.rows)} x {', '.join(args.dists)}; {args.warmup} warm-ups, "
+          f"{args.repeats} interleaved repeats; FA4 {'found' if bv.fa4_adapter() else 'not importable'}, "
+          f"cudnn-frontend {'found' if bv.cudnn_adapter() else 'not importable'}")
+    results = bv.benchmark_variants(rows, args.dists, repeats=args.repeats, warmup=args.warmup,
+                                    backward=not args.forward_only)
+    print(bv.format_table(results))
+    if args.markdown:
+        print(bv.markdown_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "cc": cc, "version": __version__, "rows": list(args.rows),
+                       "dists": list(args.dists), "results": [r.to_json() for r in results]}, f, indent=1)
+    bad = bv.failures(results)
+    for line in bad:
+        print(f"FAILED {line}")
+    return 1 if bad else 0
 
 
 def device_ready(stderr=None) -> bool:
@@ -388,6 +448,21 @@ def main(argv=None) -> int:
     t0 = time.time()
     dispatch.precompile(sorted(needed, key=lambda c: c.key()), dev.id, _progress)
     print(f"  {len(needed)} kernels ready in {time.time() - t0:.1f} s (CuPy's kernel cache keeps them)")
+    if args.variants:   # the variants' kernels: one that does not build fails its rows, not the run
+        from .bench_variants import kernel_configs, rows_by_name
+
+        extra = [c for c in kernel_configs(cc, rows_by_name(args.rows)) if c not in needed]
+        t0, bad = time.time(), []
+        for i, cfg in enumerate(extra):
+            _progress(i, len(extra), cfg)
+            try:
+                dispatch.get_kernel(cfg, dev.id)
+            except Exception as e:  # noqa: BLE001 - said below, and the rows that need it fail loudly
+                bad.append(f"{cfg.key()}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        _progress(len(extra), len(extra), None)
+        print(f"  {len(extra) - len(bad)} of {len(extra)} variant kernels ready in {time.time() - t0:.1f} s")
+        for line in bad:
+            print(f"  FAILED to build {line}")
 
     print("self-check against the float64 reference:")
     ok = True
@@ -400,6 +475,8 @@ def main(argv=None) -> int:
         return 1
     if args.no_bench:
         return 0
+    if args.variants:
+        return _run_variants(args, name, cc)
     if args.dists is not None:
         from .dist_table import benchmark_dists, format_dist_table, markdown_dist_table
 

@@ -19,7 +19,13 @@
 #              locks the clock at base (cycles comparable across inputs and kernels; default: none)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if $FA4_SITE
 #              exists, installed first from .fa4b if that was carried), extra ARGS to python -m cuflash
-#   all : every phase but fa4setup, ncu, fp8 and dists in one go (GPU tests on the default and the forced
+#   variants [ARGS...] : the attention-variant table (python -m cuflash --variants --markdown: issue #41's rows,
+#              cuflash/bench_variants.py) beside plain cuflash, SDPA cuDNN (plain call), FlashAttention-4 (if
+#              $FA4_SITE exists, installed first from .fa4b if that was carried: fa4setup's two calls) and cuDNN
+#              through cudnn-frontend (its wheel carried in .cudnnfe/: bash dev/cudnnfe_wheel.sh here first; installed
+#              into $CUDNNFE_SITE). Extra ARGS to python -m cuflash, e.g. --rows window8k,window16k,alibi --dists normal
+#              (FA4 compiles each row's kernels on first use: split the eight rows over two calls)
+#   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
 # scratch files in ${TMPDIR:-/tmp}.
@@ -50,6 +56,20 @@ fa4_setup() {  # the note's steps 2 and 3, whichever the carried folders allow
 fa4_env() {  # the DSL's own cutlass package must come before the site itself
   if [ -d $FA4_SITE ]; then export CUFLASH_FA4_PATH=$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$FA4_SITE; fi
 }
+CUDNNFE_SITE=${CUDNNFE_SITE:-/tmp/cudnnfe-site}
+cudnnfe_env() {  # cudnn-frontend (the Python package "cudnn") from the wheel carried in .cudnnfe/, on PYTHONPATH
+  if [ ! -d $CUDNNFE_SITE ] && ls .cudnnfe/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $CUDNNFE_SITE .cudnnfe/nvidia_cudnn_frontend-*.whl \
+      || { echo "cudnn-frontend: install from .cudnnfe/ failed"; return 1; }
+  fi
+  if [ -d $CUDNNFE_SITE ]; then
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$CUDNNFE_SITE
+    python3 -c "import cudnn; print('cudnn-frontend', cudnn.__version__, 'cuDNN', cudnn.backend_version())" \
+      || echo "cudnn-frontend: installed in $CUDNNFE_SITE but does not import (the cudnn column will say n/a)"
+  else
+    echo "cudnn-frontend: not installed (carry .cudnnfe/ from bash dev/cudnnfe_wheel.sh): the cudnn column will say n/a"
+  fi
+}
 
 case $phase in
   fa4setup|ncu) ;;  # nothing of cuflash's to compile (ncu: the script compiles what it runs)
@@ -58,6 +78,7 @@ case $phase in
   ring) python3 $HERE/precompile.py fwd bwd ring | tail -1 ;;
   jax) python3 $HERE/precompile.py fwd bwd | tail -1 ;;
   fuzz) ;;  # the fuzz compiles the kernels its cases take, on every core (a full precompile takes longer)
+  variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -71,6 +92,14 @@ case $phase in
     # on an H100 with FA4, so run it in two calls of six shapes each (--shape B,H,N,D,dtype[,causal] ...)
     python3 -m cuflash --dists --markdown --json "$OUT/dists.json" --repeats 15 --warmup 3 "$@" 2>&1 \
       | tee "$OUT/dists.log" | tail -n 130 || status=1
+    ;;
+  variants)
+    if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
+    fa4_env
+    cudnnfe_env || status=1
+    # exit status 1 if cuflash failed a call or a peer's output differs from cuflash's (the FAILED lines at the end)
+    python3 -m cuflash --variants --markdown --json "$OUT/variants.json" --repeats 20 --warmup 3 "$@" 2>&1 \
+      | tee "$OUT/variants.log" | tail -n 160 || status=1
     ;;
   tests)
     [ -f .fa4a/cu13part00 ] && fa4_setup

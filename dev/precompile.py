@@ -1,7 +1,7 @@
 """Fill CuPy's on-disk kernel cache in parallel, so that a test or benchmark run finds its kernels
 compiled (dev/device_run.sh runs it before each phase).
 
-    python3 dev/precompile.py [fwd] [bwd] [fp8] [small] [ring] [sched] [fwdall] [-j N] [-D DEFINE ...]
+    python3 dev/precompile.py [fwd] [bwd] [fp8] [small] [ring] [sched] [fwdall] [variants] [-j N] [-D DEFINE ...]
 
 Groups (default: fwd bwd), for the device's compute capability:
   fwd     every forward the dispatcher picks (and, on Hopper, the Hopper kernels)
@@ -11,6 +11,7 @@ Groups (default: fwd bwd), for the device's compute capability:
   ring    ring attention's merge helpers (cuflash.distributed)
   sched   the forced Hopper forward schedules that ``dev/profiling.py sanitize sched`` runs
   fwdall  every forced Hopper forward schedule (tests/test_fwd_sm90.py)
+  variants the kernels of the variant table's rows, variant and plain (cuflash/bench_variants.py)
 ``-D`` defines go into $CUFLASH_NVRTC_DEFINES of the compiling processes (a traced or A/B build).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCHED_SHAPES, precompile_parallel  # noqa: E402
 
-GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall")
+GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants")
 
 
 def configs(which, cc: int) -> list:
@@ -54,6 +55,10 @@ def configs(which, cc: int) -> list:
     if "fwdall" in which and cc == 90:
         for b in heuristics.SM90_FWD_BACKENDS:
             out += heuristics.all_sm90_fwd_configs(b)
+    if "variants" in which:
+        from cuflash.bench_variants import kernel_configs
+
+        out += kernel_configs(cc)
     return list({c.key(): c for c in out}.values())
 
 
