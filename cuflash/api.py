@@ -216,7 +216,9 @@ def quantize_fp8(x: ndarray) -> Tuple[ndarray, ndarray]:
 
 def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, float],
                 descale_k: Union[ndarray, float], descale_v: Union[ndarray, float], *, causal: bool = False,
-                softmax_scale: Optional[float] = None, return_lse: bool = False,
+                softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
+                sinks: Optional[ndarray] = None, return_lse: bool = False,
                 out: Optional[ndarray] = None) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Attention over fp8 (e4m3) inputs on Hopper (compute capability 9.0), bfloat16 output.
 
@@ -236,6 +238,8 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
             output, not an error.
         causal, softmax_scale, return_lse: as in :func:`forward` (the scale applies to the
             dequantised scores).
+        window_size, attention_chunk, softcap, alibi_slopes, sinks: as in :func:`forward` (on the
+            dequantised scores).
         out: optional bfloat16 output buffer shaped like ``q``, sharing no memory with the inputs.
 
     Returns:
@@ -249,13 +253,17 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
         descales = {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v}
         arrays = {name: x for name, x in descales.items() if hasattr(x, "__dlpack__")}   # not the floats
         numbers = {name: x for name, x in descales.items() if name not in arrays}
-        return interop.call(forward_fp8, {"q": q, "k": k, "v": v, "out": out, **arrays}, buffers=("out",),
-                            **numbers, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+        return interop.call(forward_fp8, {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes,
+                                          "sinks": sinks, **arrays}, buffers=("out",),
+                            **numbers, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                            window_size=window_size, attention_chunk=attention_chunk, softcap=softcap)
     b, nq, nk, hq, hkv, d = fp8.check_fp8_qkv(q, k, v)
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
     dev = q.device.id
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=b, heads_q=hq, device_id=dev)
     named = (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v))
     for name, x in named:   # all of them before a float descale goes to the device
         fp8.check_descale(name, x, dev)
@@ -268,8 +276,9 @@ def forward_fp8(q: ndarray, k: ndarray, v: ndarray, descale_q: Union[ndarray, fl
         device_check.reraise_explained(e)
         raise
     return _run_forward(lambda o, lse: fp8.launch_forward(q, k, v, o, lse, descales, causal=bool(causal),
-                                                         scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev),
-                        out, q.shape, _checks.BFLOAT16, (b, hq, nq), nk, return_lse, dev)
+                                                         scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev,
+                                                         var=var),
+                        out, q.shape, _checks.BFLOAT16, (b, hq, nq), nk, return_lse, dev, sinks=var.sinks)
 
 
 # ---------------------------------------------------------------------------

@@ -213,26 +213,28 @@ def transpose_v(v, seqlen_k_pad: int):
 _plans = call_cache.Plans()
 
 
-def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False):
+def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False,
+          variant: variants.MaskVariant = variants.PLAIN):
     opts = options.current()
-    key = (head_dim, causal, device_id, short, opts.token)
+    key = (head_dim, causal, device_id, short, opts.token, variant)
     plan = _plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id)
         if cc != 90:
             raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
                                f"{cc / 10:.1f}")
-        cfg = heuristics.fp8_fwd_config(head_dim, causal, short, opts)
+        cfg = heuristics.fp8_fwd_config(head_dim, causal, short, opts, variant)
         plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
                               smem_bytes(cfg, device_id, opts.nvrtc_defines))
     return plan
 
 
-def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, dims, device_id: int) -> None:
+def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, dims, device_id: int,
+                   var: variants.Variants = variants.NONE) -> None:
     """Transposes V and launches the fp8 forward kernel (arguments already checked)."""
     b, nq, nk, hq, hkv, d = dims
     short = heuristics.fwd_short(nq, nk)
-    kern, cfg, smem = _plan(d, causal, device_id, short)
+    kern, cfg, smem = _plan(d, causal, device_id, short, var.kernel)
     nk_pad = -(-nk // 32) * 32
     vt = transpose_v(v, nk_pad)
     rows = v_rows(d)
@@ -249,5 +251,5 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,
         *params.element_strides(out),
         b, nq, nk, hq, hq // hkv, d, scale, scale * 1.4426950408889634,
-        *variants.NONE.param_values(nq, nk, scale)))
+        *var.param_values(nq, nk, scale)))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra + tuple(descales))

@@ -138,21 +138,23 @@ _SM90_FWD_FP8_SHORT = {
 }
 
 
-def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False, opts: Options | None = None) -> KernelConfig:
+def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False, opts: Options | None = None,
+                   variant: MaskVariant = PLAIN) -> KernelConfig:
     """The fp8 forward kernel (Hopper only) for this head dim; ``short`` as in fwd_config. Tuning runs
     may force the tiles (Options.sm90_fp8_tiles) and whether the kernel is persistent
     (Options.sm90_fp8_persistent); ``opts`` defaults to options.current()."""
     opts = opts or options.current()
     bucket = head_dim_bucket(head_dim)
     block_m, block_n, warps, persistent, persistent_causal = _SM90_FWD_FP8[bucket]
-    persistent = persistent_causal if causal else persistent
-    short_tile = _SM90_FWD_FP8_SHORT[bucket][causal] if short else None
+    skips = causal or variant.local   # the causal tiles where key tiles are skipped
+    persistent = persistent_causal if skips else persistent
+    short_tile = _SM90_FWD_FP8_SHORT[bucket][skips] if short else None
     if short_tile is not None:
         (block_m, block_n, warps), persistent = short_tile, True
     block_m, block_n, warps = opts.sm90_fp8_tiles or (block_m, block_n, warps)
     persistent = persistent if opts.sm90_fp8_persistent is None else opts.sm90_fp8_persistent
     family = sm90_fwd_family("overlap", persistent, fp8=True)
-    return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps)
+    return KernelConfig(family, "float8_e4m3fn", head_dim, causal, block_m, block_n, warps, variant)
 
 
 def all_fp8_fwd_configs() -> list[KernelConfig]:

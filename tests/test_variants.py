@@ -187,3 +187,25 @@ def test_window_visits_only_its_tiles():
     r0 = first - 400   # the sub-problem's rows r0.. and keys r0 - left..: the same windows, bottom-right aligned
     ref, _ = attention_reference(q[:, r0:], k[:, r0 - left:], v[:, r0 - left:], causal=True, window_size=(left, 0))
     assert_close_on_every_row("out", o[:, first:], cupy.asarray(ref[:, 400:]), "bfloat16", FWD_TOL)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma2", "alibi_causal_b", "chunk_causal", "window"])
+def test_variant_fp8_forward(rng, name):
+    """The fp8 forward (Hopper) with the variants, against float64 attention of the dequantised inputs."""
+    import cupy
+    import cuflash
+    from conftest import LSE_RTOL_FP8
+    from cuflash.reference import attention_reference
+    from test_fp8 import FP8_TOL, _rand_fp8
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the fp8 forward needs compute capability 9.0")
+    b, nq, nk, hq, hkv, d = SHAPES["kv_longer"]
+    q8, dq, qf = _rand_fp8(rng, (b, nq, hq, d))
+    k8, dk, kf = _rand_fp8(rng, (b, nk, hkv, d))
+    v8, dv, vf = _rand_fp8(rng, (b, nk, hkv, d))
+    kwargs = _arguments(rng, name, b, hq, "bfloat16")
+    o, lse = cuflash.forward_fp8(q8, k8, v8, dq, dk, dv, return_lse=True, **kwargs)
+    ref_o, ref_lse = attention_reference(qf, kf, vf, **_host(kwargs))
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), "fp8", {"fp8": FP8_TOL})
+    assert_lse_matches(lse, ref_lse, (b, hq, nq), rtol=LSE_RTOL_FP8)
