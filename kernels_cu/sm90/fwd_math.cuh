@@ -148,12 +148,25 @@ struct FwdMath {
         }
         if (Mask(p).needs_mask(m_block, n_block)) {
             const int n0 = n_block * kBlockN;
+            if constexpr (Mask::kLocal) {   // a window's bounds once per row (MaskPolicy::row_keys)
+                int lo[2], hi[2];
 #pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j)
+                for (int h = 0; h < 2; ++h) Mask(p).row_keys(row0 + 8 * h, lo[h], hi[h]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
-                        acc_s[4 * j + e] = -CUFLASH_INF;
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n0 + 8 * j + 2 * t4 + (e & 1);
+                        if (col < lo[e >> 1] || col > hi[e >> 1]) acc_s[4 * j + e] = -CUFLASH_INF;
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
         }
     }
     static __device__ __forceinline__ void rescale_o(float (&acc_o)[kPadV / 2], const float (&rescale)[2]) {
