@@ -74,8 +74,8 @@ class Family:
 
 def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, cluster: int = 1,
               fp8: bool = False) -> Family:
-    return Family(name, "sm90/fwd.cu", kernel, 90, True, direction="fwd", backend="sm90", schedule=schedule,
-                  persistent=persistent, cluster=cluster, fp8=fp8)
+    return Family(name, "sm90/fwd.cu", kernel, 90, True, ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask"),
+                  direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8)
 
 
 def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:

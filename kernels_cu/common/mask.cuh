@@ -176,6 +176,18 @@ struct MaskPolicy {
                    || key_lo((m_block + 1) * kBlockM - 1) > n_block * kBlockN;
         }
     }
+    // The keys a row sees, [lo, hi] (none when hi < lo): visible(row, col) is lo <= col <= hi. For a kernel
+    // that tests a row's elements one by one, so that the bounds (a division each, with chunks) are computed
+    // once per row: per element, each in its own branch, the compiler does not merge them.
+    __device__ __forceinline__ void row_keys(int row, int& lo, int& hi) const {
+        if constexpr (!kLocal) {
+            lo = 0;
+            hi = kCausal ? min(seqlen_k - 1, row + seqlen_k - seqlen_q) : seqlen_k - 1;
+        } else {
+            lo = key_lo(row);
+            hi = min(seqlen_k - 1, key_hi(row));
+        }
+    }
     __device__ __forceinline__ bool visible(int row, int col) const {
         if constexpr (!kLocal) {
             return key_visible<kCausal>(row, col, seqlen_q, seqlen_k);

@@ -36,14 +36,14 @@
 
 // The consumer warpgroups' tile loop (64 query rows each): take a tile (persistent: the index the producer
 // published with its Q), run the schedule's key loop over it, store O and lse.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode, bool kPersistent,
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kMode, bool kPersistent,
           int kCluster, int kQBuffers>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
                                              const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>, kQBuffers>& smem,
                                              volatile int* tile_slot, const PersistentOrder& order, const int cw,
                                              int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using OutTag = typename ElemTraits<Tag>::OutTag;
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
@@ -79,12 +79,14 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
             // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
             const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
             if (t >= num_tiles) break;
-            order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
+            order.template coords<Mask::kUnevenWork>(t, p.heads_q, m_block, head, batch);
         } else {
             if (k_tile > 0) break;
-            order.template grid_coords<kIsCausal>(p.heads_q, m_block, head, batch);
+            order.template grid_coords<Mask::kUnevenWork>(p.heads_q, m_block, head, batch);
         }
-        const int n_block_max = Mask(p).n_block_max(m_block);
+        // The key tiles this query tile visits (the producer loads the same ones in the same order).
+        const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
+        const int n_tiles = key_tiles.count();
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
 
         float acc_o[kPadV / 2];
@@ -103,10 +105,12 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
 
         // Q as wgmma A fragments, where the schedule keeps it in registers (FwdMath::kQInRegs).
         u32 qa[FwdMath<Tile, kMode>::kQInRegs ? kPad / 16 : 1][4];
-        // fp8: the q and k descales scale S; the v descale scales O in the epilogue.
-        float scale_log2 = p.scale_log2, o_scale = 1.f;
+        // fp8: the q and k descales scale S (with a score modifier: before it, FwdMath::apply_mask); the v
+        // descale scales O in the epilogue.
+        float scale_log2 = p.scale_log2, o_scale = 1.f, s_descale = 1.f;
         if constexpr (Tile::kFp8) {
-            scale_log2 *= *descale.q * *descale.k;
+            if constexpr (Mask::kHasScoreMod) s_descale = *descale.q * *descale.k;
+            else scale_log2 *= *descale.q * *descale.k;
             o_scale = *descale.v;
         }
 
@@ -115,7 +119,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
         // stage, releases it) but runs no GEMM, leaving the tensor cores to the others.
         const bool idle = m_block * kBlockM + cw * 64 >= p.seqlen_q;
         if (idle) {
-            for (int i = 0; i < n_block_max; ++i) {
+            for (int i = 0; i < n_tiles; ++i) {
                 const PipelineState<kStages> ring(it + i);
                 const int stage = ring.stage();
                 const u32 parity = ring.phase();
@@ -125,27 +129,28 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
                 FwdMath<Tile, kMode>::template release_kv<kCluster>(lane, smem.v_empty(stage));
             }
         }
-        if (!kPersistent && n_block_max > 0 && !idle) mbar_wait(smem.q_full(0), 0);
-        if (n_block_max > 0 && !idle && kMode != kModeOverlap) {
+        if (!kPersistent && n_tiles > 0 && !idle) mbar_wait(smem.q_full(0), 0);
+        if (n_tiles > 0 && !idle && kMode != kModeOverlap) {
             softmax = fwd_mainloop_simple<Tile, Mask, kMode, kCluster, kQBuffers>(
-                p, smem, it, n_block_max, scale_log2, acc_o, softmax, qa, qb, cw, lane, warp, t4, m_block, row0);
+                p, smem, it, key_tiles, scale_log2, acc_o, softmax, qa, qb, cw, lane, warp, t4, m_block, head, batch, row0);
         }
-        if (n_block_max > 0 && !idle && kMode == kModeOverlap) {
+        if (n_tiles > 0 && !idle && kMode == kModeOverlap) {
             softmax = fwd_mainloop_overlap<Tile, Mask, kMode, kCluster, kQBuffers, kPersistent>(
-                p, smem, it, n_block_max, scale_log2, acc_o, softmax, qa, settle_tiles, kept_failed, qb, cw, lane, warp, t4,
-                m_block, row0, k_tile, tile_counter);
+                p, smem, it, key_tiles, scale_log2, s_descale, acc_o, softmax, qa, settle_tiles, kept_failed, qb, cw, lane,
+                warp, t4, m_block, head, batch, row0, k_tile, tile_counter);
         }
 
         constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);   // as fwd_epilogue's
         // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
         // the producer may load the next Q into it (persistent).
         if (kPersistent && !kStageO) mbar_arrive(smem.q_empty(qb));
-        it += n_block_max > 0 ? n_block_max : 0;
+        it += n_tiles > 0 ? n_tiles : 0;
         ++q_count;
 
-        // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse.
+        // Epilogue: normalise and store O (rows past seqlen_q and padded columns skipped) and lse (with a sink:
+        // its logit in each row's denominator; a row that saw no key gets O = 0 and lse = the sink).
         float inv_sum[2], lse[2];
-        softmax.finalize(inv_sum, lse);
+        softmax.template finalize<Mask::kHasSink>(inv_sum, lse, sink_log2<Variant>(p, head));
         inv_sum[0] *= o_scale;
         inv_sum[1] *= o_scale;
         fwd_epilogue<Tile, kQBuffers, kPersistent>(p, smem, tma_o, acc_o, inv_sum, lse, m_block, head, batch, qb, cw, idle,
@@ -154,12 +159,12 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
     }
 }
 
-// kCluster: 1, or 2 for clusters of two CTAs on adjacent query tiles of one (head, batch), not causal
-// (the two tiles then visit the same key tiles), 16-bit, an even number of 64-column blocks (head dims
+// kCluster: 1, or 2 for clusters of two CTAs on adjacent query tiles of one (head, batch), under a policy
+// that skips no key tiles (the two tiles then visit the same key tiles), 16-bit, an even number of 64-column blocks (head dims
 // 65..128, 193..256). Each CTA loads every other column block of each K and V tile and multicasts it to
 // both, which halves the tiles' L2 -> SM traffic; a ring stage is refilled once the consumers of both
 // CTAs have freed it. The grid counts query tiles in whole clusters (launch.py: fwd_grid).
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kMode,
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kMode,
           bool kPersistent = false, int kCluster = 1>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
@@ -168,8 +173,10 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
     constexpr int kPadV = Tile::kHeadDimV;
-    static_assert(kCluster == 1 || (!kIsCausal && !Tile::kFp8 && Tile::kColBlocks % kCluster == 0),
-                  "clusters: not causal, 16-bit, whole column blocks per CTA");
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
+    // The CTAs of a cluster load each K / V tile together, so their query tiles must visit the same key tiles.
+    static_assert(kCluster == 1 || (!Mask::kSkipsTiles && !Tile::kFp8 && Tile::kColBlocks % kCluster == 0),
+                  "clusters: a policy that skips no key tiles, 16-bit, whole column blocks per CTA");
     // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
     // threads, 128 at 512): producer + consumers must stay within it or setmaxnreg.inc waits
     // forever. The persistent producer (tile loop) needs more than 24: 40 + 2 * 232 = 3 * 168.
@@ -219,13 +226,13 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         // Producer warpgroup.
         setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x == 0) {
-            fwd_producer<Tile, kQBuffers, kIsCausal, kMode, kPersistent, kCluster>(p, tma_q, tma_k, tma_v, tile_counter, smem,
-                                                                                   tile_slot, order);
+            fwd_producer<Tile, Mask, kQBuffers, kMode, kPersistent, kCluster>(p, tma_q, tma_k, tma_v, tile_counter, smem,
+                                                                              tile_slot, order);
         }
     } else {
         // Consumer warpgroups: 64 query rows each.
         setmaxnreg_inc<kConsumerRegs>();
-        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kMode, kPersistent, kCluster, kQBuffers>(
+        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers>(
             p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
     }
     if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
@@ -249,25 +256,25 @@ __host__ __device__ constexpr int fwd_smem_bytes() {
     return 1024 + kQBuffers * Tile::kQBytes + 2 * Tile::kStages * Tile::kKVBytes
            + 8 * (2 * kQBuffers + 1 + 4 * Tile::kStages);
 }
-#define CUFLASH_SM90_FWD_SMEM(name, persistent)                                                                \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+#define CUFLASH_SM90_FWD_SMEM(name, persistent)                                                                 \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
     __device__ const int name##_smem_bytes = fwd_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, persistent>();
-#define CUFLASH_SM90_FWD_KERNEL(name, mode, cluster, attrs)                                                    \
-    CUFLASH_SM90_FWD_SMEM(name, false)                                                                         \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+#define CUFLASH_SM90_FWD_KERNEL(name, mode, cluster, attrs)                                                     \
+    CUFLASH_SM90_FWD_SMEM(name, false)                                                                          \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
     __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1) attrs                                 \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v) {                                                               \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, false, cluster>(p, tma_q, tma_k,    \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, false, cluster>(p, tma_q, tma_k,      \
                                                                                             tma_v);             \
     }
-#define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode, cluster, attrs)                                         \
-    CUFLASH_SM90_FWD_SMEM(name, true)                                                                          \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+#define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode, cluster, attrs)                                          \
+    CUFLASH_SM90_FWD_SMEM(name, true)                                                                           \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
     __global__ void __launch_bounds__(kNWarps * 32, 1) attrs                                                    \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o, int* tile_counter) {     \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode, true, cluster>(                     \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, true, cluster>(                       \
             p, tma_q, tma_k, tma_v, tile_counter, {}, &tma_o);                                                  \
     }
 CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap, 1, )
@@ -284,20 +291,20 @@ CUFLASH_SM90_FWD_SMEM(fwd_fp8_persistent_kernel, true)
 
 // fp8 (Tag = e4m3_tag) with the overlap schedule: tma_vt maps V^T (cuflash/fp8.py); descale_q, _k, _v
 // point to the float32 per-tensor scales. One CTA per tile, or persistent.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_fp8_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
                const __grid_constant__ TmaDesc tma_vt, const float* descale_q, const float* descale_k,
                const float* descale_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap>(
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kModeOverlap>(
         p, tma_q, tma_k, tma_vt, nullptr, Fp8Descale{descale_q, descale_k, descale_v});
 }
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_fp8_persistent_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q,
                           const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_vt,
                           int* tile_counter, const float* descale_q, const float* descale_k,
                           const float* descale_v) {
-    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, kModeOverlap, true>(
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kModeOverlap, true>(
         p, tma_q, tma_k, tma_vt, tile_counter, Fp8Descale{descale_q, descale_k, descale_v});
 }

@@ -6,22 +6,25 @@
 #include "pipeline.cuh"
 #include "fwd_tile.cuh"
 #include "fwd_math.cuh"
+#include "fwd_scheduler.cuh"
 
-// The simple schedule's key loop: per key tile, S, the softmax and P V, each waited for.
+// The simple schedule's key loop: per key tile, S, the softmax and P V, each waited for. `key_tiles`: the key
+// tiles of query tile m_block (at least one); `it`: the K/V ring iterations before them.
 template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, class Softmax>
 __device__ __forceinline__ Softmax fwd_mainloop_simple(
-    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const int n_block_max, const float scale_log2,
-    float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
+    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const FwdKeyTiles<Mask> key_tiles,
+    const float scale_log2, float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
     u32 (&qa)[FwdMath<Tile, kMode>::kQInRegs ? Tile::kHeadDimPad / 16 : 1][4], const int qb, const int cw, const int lane,
-    const int warp, const int t4, const int m_block, const int row0) {
+    const int warp, const int t4, const int m_block, const int head, const int batch, const int row0) {
     using Math = FwdMath<Tile, kMode>;
     using Tag = typename Tile::Tag;
     constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     Math::load_q_frags(qa, sQ, qb, cw, lane, warp);
-    for (int i = 0; i < n_block_max; ++i) {
-        const int n_block = n_block_max - 1 - i;
+    const int n_tiles = key_tiles.count();
+    for (int i = 0; i < n_tiles; ++i) {
+        const int n_block = key_tiles.tile(i);
         const PipelineState<kStages> ring(it + i);
         const int stage = ring.stage();
         const u32 parity = ring.phase();
@@ -31,7 +34,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
-        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
+        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head);
         float rescale[2];
         if (__any_sync(0xffffffff, softmax.step(Math::s3_of(acc_s), scale_log2, rescale))) Math::rescale_o(acc_o, rescale);
         u32 pa[kPSteps][4];
@@ -46,14 +49,15 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
 }
 
 // The overlap schedule's key loop: Q K^T of key tile i and O += P_{i-1} V_{i-1} issued back to back, the
-// softmax of tile i while P V computes. `it`: the K/V ring iterations before this tile.
+// softmax of tile i while P V computes. `key_tiles`: the key tiles of query tile m_block (at least one); `it`:
+// the K/V ring iterations before them. s_descale: fp8 with a score modifier (FwdMath::apply_mask).
 template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, bool kPersistent, class Softmax>
 __device__ __forceinline__ Softmax fwd_mainloop_overlap(
-    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const int n_block_max, const float scale_log2,
-    float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
+    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const FwdKeyTiles<Mask> key_tiles,
+    const float scale_log2, const float s_descale, float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
     u32 (&qa)[FwdMath<Tile, kMode>::kQInRegs ? Tile::kHeadDimPad / 16 : 1][4], int& settle_tiles, bool& kept_failed,
-    const int qb, const int cw, const int lane, const int warp, const int t4, const int m_block, const int row0,
-    const int k_tile, int* tile_counter) {
+    const int qb, const int cw, const int lane, const int warp, const int t4, const int m_block, const int head,
+    const int batch, const int row0, const int k_tile, int* tile_counter) {
     using Math = FwdMath<Tile, kMode>;
     using Tag = typename Tile::Tag;
     constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
@@ -102,19 +106,20 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     constexpr int kNeverSettles = 0x7fffffff;   // a settle count that `settled` cannot reach
     if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
     kept_failed = false;
+    const int n_tiles = key_tiles.count();
     Math::load_q_frags(qa, sQ, qb, cw, lane, warp);
-    {
+    {   // the first key tile: its softmax alone (no P V before it)
         float acc_s[kBlockN / 2];
         const PipelineState<kStages> ring(it);
         const int stage0 = ring.stage();
         mbar_wait(smem.k_full(stage0), ring.phase());
         CUFLASH_FWD_TRACE(2, clock64());
-        CUFLASH_FWD_TRACE(6, n_block_max);
+        CUFLASH_FWD_TRACE(6, n_tiles);
         Math::issue_qk(acc_s, sK + stage0 * Tile::kKVBytes, qa, sQ, qb, cw);
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
-        Math::template apply_mask<Mask>(acc_s, n_block_max - 1, p, m_block, row0, t4);
+        Math::template apply_mask<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4, batch, head, s_descale);
         float rescale[2];
         softmax.step(Math::s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
         Math::pack_p(pa, acc_s);
@@ -126,8 +131,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     constexpr bool kRescaleUnderQk = !Tile::kFp8 && Tile::kHeadDimPad == 128;
     float pending_rescale[2] = {1.f, 1.f};
     bool rescale_pending = false;   // warp-uniform
-    for (int i = 1; i < n_block_max; ++i) {
-        const int n_block = n_block_max - 1 - i;
+    for (int i = 1; i < n_tiles; ++i) {
+        const int n_block = key_tiles.tile(i);
         const PipelineState<kStages> ring(it + i), ring_prev(it + i - 1);
         const int stage = ring.stage(), prev = ring_prev.stage();
         const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
@@ -144,11 +149,13 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         const bool full_step = !kKeepMax || settled < settle_tiles;
         // The kept-max state holds K for a possible recompute; the full step frees it at once.
         if (full_step) Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
-        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4);
+        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head, s_descale);
         float rescale[2] = {1.f, 1.f};
         bool max_changed = false, unset = false;
         if (full_step) {
-            // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled.
+            // A row with no max yet counts as moved (its factor is 0 on an O of 0): not settled, so that the
+            // kept max (probabilities against a max of -inf) is never tried while a row has none, as when a
+            // window's first key tiles hide every key of some rows.
             unset = kKeepMax && softmax.has_unset_row();
             max_changed = softmax.step(Math::s3_of(acc_s), scale_log2, rescale) || unset;
         } else if constexpr (kKeepMax) {
@@ -161,7 +168,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
                     max_changed = softmax.rebase(Math::s3_of(acc_s), sums, rescale);
                     CUFLASH_FWD_COUNT(0);
                 } else {
-                    Math::template qk_warp<Mask>(acc_s, sK + stage * Tile::kKVBytes, n_block, sQ, qb, cw, lane, warp, row0, t4, p);   // masked as the probabilities were
+                    Math::template qk_warp<Mask>(acc_s, sK + stage * Tile::kKVBytes, n_block, sQ, qb, cw, lane, warp, row0,
+                                                 t4, p, batch, head);   // masked as the probabilities were
                     max_changed = softmax.step(Math::s3_of(acc_s), scale_log2, rescale);
                     CUFLASH_FWD_COUNT(1);
                 }
@@ -194,7 +202,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         Math::pack_p(pa, acc_s);
         Math::template release_kv<kCluster>(lane, smem.v_empty(prev));
     }
-    const PipelineState<kStages> ring_last(it + n_block_max - 1);
+    const PipelineState<kStages> ring_last(it + n_tiles - 1);
     const int last = ring_last.stage();
     if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
     mbar_wait(smem.v_full(last), ring_last.phase());

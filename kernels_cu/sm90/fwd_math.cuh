@@ -61,7 +61,8 @@ struct FwdMath {
     // step at head dim 64, in every form tried; what would remove it: docs/design.md, open directions.
     template <class Mask>
     static __device__ __forceinline__ void qk_warp(float (&acc_s)[kBlockN / 2], u32 k_src, int n_block, u32 sQ, int qb,
-                                                   int cw, int lane, int warp, int row0, int t4, const FwdParams& p) {
+                                                   int cw, int lane, int warp, int row0, int t4, const FwdParams& p,
+                                                   int batch, int head) {
         if constexpr (!Tile::kFp8) {
 #pragma unroll 1
             for (int j = 0; j < kBlockN / 8; ++j) {   // key block of 8
@@ -78,7 +79,8 @@ struct FwdMath {
                 if constexpr (Mask::kHasScoreMod) {   // the scores the probabilities came from
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        c[e] = Mask(p).modify_score(c[e], row0 + 8 * (e >> 1), n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+                        c[e] = Mask(p, batch, head).modify_score(c[e], row0 + 8 * (e >> 1),
+                                                                 n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
                 }
                 // acc_s holds the probabilities against the lower running max: where one is 0 (masked, or
                 // underflowed), it is 0 against the new max too, so S there becomes -inf (the mask's
@@ -127,26 +129,44 @@ struct FwdMath {
         wgmma_commit();
     }
     // The mask policy on one S tile: its score modifier on every element (where it has one), then -inf
-    // where a tile that needs the mask hides a key.
+    // where a tile that needs the mask hides a key. batch and head: ALiBi's slope. s_descale (fp8 with a
+    // modifier): the product of the q and k descales, so that the modifier sees q.k rather than its
+    // quantised form (the caller's scale then leaves the descales out).
     template <class Mask>
     static __device__ __forceinline__ void apply_mask(float (&acc_s)[kBlockN / 2], int n_block, const FwdParams& p,
-                                                      int m_block, int row0, int t4) {
+                                                      int m_block, int row0, int t4, int batch, int head,
+                                                      float s_descale = 1.f) {
         if constexpr (Mask::kHasScoreMod) {
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[4 * j + e] = Mask(p).modify_score(acc_s[4 * j + e], row0 + 8 * (e >> 1),
-                                                            n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+                for (int e = 0; e < 4; ++e) {
+                    const float s = Tile::kFp8 ? acc_s[4 * j + e] * s_descale : acc_s[4 * j + e];
+                    acc_s[4 * j + e] = Mask(p, batch, head).modify_score(s, row0 + 8 * (e >> 1),
+                                                                         n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
+                }
         }
         if (Mask(p).needs_mask(m_block, n_block)) {
             const int n0 = n_block * kBlockN;
+            if constexpr (Mask::kLocal) {   // a window's bounds once per row (MaskPolicy::row_keys)
+                int lo[2], hi[2];
 #pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j)
+                for (int h = 0; h < 2; ++h) Mask(p).row_keys(row0 + 8 * h, lo[h], hi[h]);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
-                        acc_s[4 * j + e] = -CUFLASH_INF;
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n0 + 8 * j + 2 * t4 + (e & 1);
+                        if (col < lo[e >> 1] || col > hi[e >> 1]) acc_s[4 * j + e] = -CUFLASH_INF;
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!Mask(p).visible(row0 + 8 * (e >> 1), n0 + 8 * j + 2 * t4 + (e & 1)))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
         }
     }
     static __device__ __forceinline__ void rescale_o(float (&acc_o)[kPadV / 2], const float (&rescale)[2]) {

@@ -9,16 +9,15 @@
 
 // The producer: one thread of warpgroup 0 issues every TMA load of the CTA. Per tile: Q into a Q buffer
 // (persistent: handed to the consumers with the tile's index through the buffer's tile slot), then K and V of
-// each key tile the mask leaves visible, from last to first, into the kStages-deep ring; each load completes on
-// a "full" mbarrier and waits for the stage's "empty" one.
-template <class Tile, int kQBuffers, bool kIsCausal, int kMode, bool kPersistent, int kCluster>
+// each key tile the mask policy visits (FwdKeyTiles: the consumers walk the same ones in the same order) into
+// the kStages-deep ring; each load completes on a "full" mbarrier and waits for the stage's "empty" one.
+template <class Tile, class Mask, int kQBuffers, int kMode, bool kPersistent, int kCluster>
 __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                              const TmaDesc& tma_v, int* tile_counter,
                                              const FwdSmem<Tile, kQBuffers>& smem, volatile int* tile_slot,
                                              const PersistentOrder& order) {
     constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPadV = Tile::kHeadDimV;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
     const int num_tiles = order.num_tiles;
     tma_prefetch_desc(&tma_q);
@@ -84,13 +83,14 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
                 }
                 break;
             }
-            order.template coords<kIsCausal>(t, p.heads_q, m_block, head, batch);
+            order.template coords<Mask::kUnevenWork>(t, p.heads_q, m_block, head, batch);
         } else {
-            order.template grid_coords<kIsCausal>(p.heads_q, m_block, head, batch);
+            order.template grid_coords<Mask::kUnevenWork>(p.heads_q, m_block, head, batch);
         }
         const int t_cur = t;
         const int head_kv = head / p.heads_per_kv;
-        const int n_block_max = Mask(p).n_block_max(m_block);
+        const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
+        const int n_tiles = key_tiles.count();
         auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
             mbar_wait(smem.q_empty(qb), q_phase ^ 1);
             tile_slot[qb] = t_cur;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
             if constexpr (kCluster > 1) t += static_cast<int>(gridDim.x);
             else t = atomicAdd(tile_counter, 1) + static_cast<int>(gridDim.x);
         };
-        if (n_block_max <= 0) {
+        if (n_tiles <= 0) {
             if (!kPersistent) break;
             flush_v();
             publish();
@@ -122,8 +122,8 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
                             cb * Tile::kBlockCols, m_block * kBlockM, head, batch);
         };
         if (!kPersistent) load_q();
-        for (int i = 0; i < n_block_max; ++i, ++it) {
-            const int n_block = n_block_max - 1 - i;
+        for (int i = 0; i < n_tiles; ++i, ++it) {
+            const int n_block = key_tiles.tile(i);
             const PipelineState<kStages> ring(it);
             const int stage = ring.stage();
             const u32 parity = ring.phase();

@@ -4,17 +4,19 @@
 #include "../common/params.cuh"
 
 // Persistent tile order (kPersistent): tiles t = 0 .. num_m * heads_q * batch - 1, handed out
-// dynamically (CTA c starts with tile c, then takes the next one from a global counter). Without
-// the mask, query tiles of one (head, batch) are adjacent (they share K/V in L2). With it, the
-// (head, batch) pairs go in equal sections whose K/V fit in L2, and inside a section the longest
-// query tiles (most key tiles) come first, so that the short ones fill the tail.
+// dynamically (CTA c starts with tile c, then takes the next one from a global counter). Where every
+// query tile has the same work, query tiles of one (head, batch) are adjacent (they share K/V in L2). Where
+// the mask policy makes it uneven (MaskPolicy::kUnevenWork: causal, windows), the (head, batch) pairs go in
+// equal sections whose K/V fit in L2, and inside a section the longest query tiles (most key tiles) come
+// first, so that the short ones fill the tail.
 constexpr int kSectionMB = 32;   // L2 budget of one causal section of (head, batch) pairs, in MB
 // At most 32 (head, batch) pairs a section: the first wave of a section runs the longest query tile of
 // every pair in it, each loading its pair's K / V from DRAM for the first time, and with short sequences
 // a 32 MB section held 128 pairs or more (a burst that the CTAs of that wave all waited on).
 constexpr int kSectionPairs = 32;
-// Clusters of `cluster` CTAs (not causal): query tiles counted in whole clusters (the padding tiles have
-// no rows: their CTAs only load their share of K / V), so that a cluster's tiles share a (head, batch).
+// Clusters of `cluster` CTAs (a policy that skips no key tiles): query tiles counted in whole clusters (the
+// padding tiles have no rows: their CTAs only load their share of K / V), so that a cluster's tiles share a
+// (head, batch).
 struct PersistentOrder {
     int num_m, num_hb, num_tiles, group;
     __device__ __forceinline__ PersistentOrder(const FwdParams& p, int block_m, int kv_bytes_per_row, int cluster = 1) {
@@ -29,12 +31,12 @@ struct PersistentOrder {
         const int sections = (num_hb + group - 1) / group;
         group = (num_hb + sections - 1) / sections;   // equal sections: no short one at the end
     }
-    // One CTA per tile: (query tile, head, batch) from a 3-D grid; causal: a 1-D grid walked in the persistent
-    // order (longest query tiles first within L2-sized sections of heads), so that the last wave holds short
-    // tiles and the waves in flight share K/V in L2.
-    template <bool kIsCausal>
+    // One CTA per tile: (query tile, head, batch) from a 3-D grid; uneven work: a 1-D grid walked in the
+    // persistent order (longest query tiles first within L2-sized sections of heads), so that the last wave
+    // holds short tiles and the waves in flight share K/V in L2.
+    template <bool kUnevenWork>
     __device__ __forceinline__ void grid_coords(int heads_q, int& m_block, int& head, int& batch) const {
-        if constexpr (kIsCausal) {
+        if constexpr (kUnevenWork) {
             coords<true>(static_cast<int>(blockIdx.x), heads_q, m_block, head, batch);
         } else {
             m_block = blockIdx.x;
@@ -42,10 +44,10 @@ struct PersistentOrder {
             batch = blockIdx.z;
         }
     }
-    template <bool kIsCausal>
+    template <bool kUnevenWork>
     __device__ __forceinline__ void coords(int t, int heads_q, int& m_block, int& head, int& batch) const {
         int hb;
-        if (!kIsCausal) {
+        if (!kUnevenWork) {
             m_block = t % num_m;
             hb = t / num_m;
         } else {
@@ -60,4 +62,19 @@ struct PersistentOrder {
         head = hb % heads_q;
         batch = hb / heads_q;
     }
+};
+
+// The key tiles query tile m_block visits, in the order the producer loads them and the consumers take them:
+// [n_block_min, n_block_max) from the last down (masked tiles at the diagonal first). The producer, the
+// consumers' key loops and the idle warpgroups all walk count() tiles through tile(i), the one place that
+// knows the range (a block-sparse policy would give a list here), and the K/V ring advances by count().
+template <class Mask>
+struct FwdKeyTiles {
+    int n_block_min, n_block_max;
+    __device__ __forceinline__ FwdKeyTiles(const Mask& mask, int m_block)
+        : n_block_min(mask.n_block_min(m_block)), n_block_max(mask.n_block_max(m_block)) {}
+    // Tiles visited (none when <= 0).
+    __device__ __forceinline__ int count() const { return n_block_max - n_block_min; }
+    // The i-th key tile visited (0 <= i < count()).
+    __device__ __forceinline__ int tile(int i) const { return n_block_max - 1 - i; }
 };
