@@ -178,6 +178,12 @@ class KernelConfig:
         return self.fam.cluster
 
     @property
+    def uneven(self) -> bool:
+        """The mask policy's kUnevenWork / kSkipsTiles (common/mask.cuh): causal or a window / chunks, which
+        the kernels' tile orders (and so the launch grids) follow."""
+        return self.causal or self.variant.local
+
+    @property
     def threads(self) -> int:
         return 32 * self.num_warps
 

@@ -151,6 +151,8 @@ def fp8_fwd_config(head_dim: int, causal: bool, short: bool = False, opts: Optio
     short_tile = _SM90_FWD_FP8_SHORT[bucket][skips] if short else None
     if short_tile is not None:
         (block_m, block_n, warps), persistent = short_tile, True
+    if block_m == 192 and not variant.plain:
+        block_m, warps = 128, 12   # as fwd_config: no registers for a variant's work at three consumer warpgroups
     block_m, block_n, warps = opts.sm90_fp8_tiles or (block_m, block_n, warps)
     persistent = persistent if opts.sm90_fp8_persistent is None else opts.sm90_fp8_persistent
     family = sm90_fwd_family("overlap", persistent, fp8=True)
@@ -231,6 +233,11 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2
+        if block_m == 192 and not variant.plain and not opts.sm90_fwd_tiles:
+            # Three consumer warpgroups at 160 registers have none to spare for a variant's per-element work
+            # (window bounds, score modifiers, the sink spill there): two warpgroups of 128 rows instead.
+            block_m, warps = 128, 12
+            schedule, persistent = "overlap", True
         family = sm90_fwd_family(schedule, persistent, cluster)
         return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps, variant)
     if dtype == "float32":

@@ -26,13 +26,14 @@ def sm_count() -> int:
 
 def fwd_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
     """One CTA per (query tile, head, batch); persistent families: one per SM, at
-    most one per tile (the kernel walks the tiles itself); the other causal sm90 families: a 1-D
+    most one per tile (the kernel walks the tiles itself); the other sm90 families with uneven work per
+    tile (causal, windows: KernelConfig.uneven): a 1-D
     grid of all tiles, walked longest first (kernels_cu/sm90/fwd.cu: grid_coords). Clusters (``c.cluster``
     CTAs on adjacent query tiles): query tiles counted in whole clusters, the grid a multiple of it."""
     tiles = -(-((seqlen_q + c.block_m - 1) // c.block_m) // c.cluster) * c.cluster
     if c.fam.persistent:
         return (max(c.cluster, min(tiles * heads_q * batch, sm_count()) // c.cluster * c.cluster), 1, 1)
-    if c.causal and c.fam.sm90_fwd:
+    if c.uneven and c.fam.sm90_fwd:
         return (tiles * heads_q * batch, 1, 1)
     return (tiles, heads_q, batch)
 
