@@ -209,6 +209,25 @@ def test_growth_during_a_global_capture_switches_to_relaxed_mode():
         cuda.zeroed_block(0, 64)
 
 
+def test_a_capture_reclaims_finished_launches_before_growing():
+    """The free list empty inside a capture: the slots of finished launches still in flight for the pool
+    come back first (in relaxed mode), and the pool grows only once none has finished."""
+    pool, cuda, tr = _pool()
+    for _ in range(5):
+        tr.finish(*tr.launch(stream=9))   # finished, but reclaimed only when the free list runs low
+    assert pool.in_flight() == 5
+    pool._free.clear()
+    cuda.capturing.add(9)
+    slots = [tr.launch(stream=9)[0] for _ in range(3)]
+    # The first launch reclaimed all five at once (up to RECLAIM_SCAN), the next two took from them.
+    assert cuda.blocks == 1 and pool.slots == BLOCK_SLOTS and pool.in_flight() == 0 and len(pool._free) == 2
+    pool._free.clear()
+    pool._in_flight.clear()   # nothing left to reclaim: the capture has to grow
+    slots += [tr.launch(stream=9)[0] for _ in range(3)]
+    assert cuda.blocks == 2 and pool.slots == 2 * BLOCK_SLOTS and len(pool._free) == BLOCK_SLOTS - 3
+    assert len(set(slots)) == 6 and pool.captured == 6
+
+
 def test_growth_that_cannot_happen_during_a_capture_says_to_reserve():
     pool, cuda, tr = _pool()
     cuda.relaxed_ok = False
@@ -336,9 +355,10 @@ def test_launch_writes_each_launch_slot(monkeypatch, via):
 
 
 def test_growth_inside_a_real_global_mode_capture():
-    """On the GPU: the pool's free slots set aside, three persistent forwards captured in a graph in global
-    mode (which forbids cudaMalloc and synchronizing): the pool grows during the capture without breaking
-    it, and the replayed graph writes what the eager call gives."""
+    """On the GPU: every slot of the pool set aside (free, and finished but not yet reclaimed), three
+    persistent forwards captured in a graph in global mode (which forbids cudaMalloc and synchronizing):
+    the pool grows by one block during the capture without breaking it, the captured launches hold slots
+    of that block, and the replayed graph writes what the eager call gives."""
     from conftest import GPU_SKIP_REASON, randn
 
     if GPU_SKIP_REASON is not None:
@@ -358,9 +378,15 @@ def test_growth_inside_a_real_global_mode_capture():
         pytest.skip(f"the forward here ({cfg.family}) is not a persistent kernel (those run on Hopper)")
     pool = tile_counters.for_device(dev)
     cupy.cuda.Device().synchronize()
+    # Every slot set aside: the free ones, and those of launches that have finished but are still in flight
+    # for the pool (the eager call above, earlier tests' launches), which a capture with no free slot
+    # reclaims before it grows (test_a_capture_reclaims_finished_launches_before_growing). With only the
+    # free list emptied the capture needs no new block.
     with pool._lock:
-        saved, pool._free[:] = list(pool._free), []   # the reserve spent: the capture has to grow the pool
-    slots = pool.slots
+        saved_free, pool._free[:] = list(pool._free), []
+        saved_in_flight = list(pool._in_flight)
+        pool._in_flight.clear()
+        slots, captured = pool.slots, pool.captured
     outs = [cupy.full(q.shape, np.nan, dtype=q.dtype) for _ in range(3)]
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
@@ -375,7 +401,11 @@ def test_growth_inside_a_real_global_mode_capture():
         stream.synchronize()
     finally:
         with pool._lock:
-            pool._free.extend(saved)
-    assert pool.slots > slots and pool.captured >= 3
+            free_after, in_flight_after = len(pool._free), len(pool._in_flight)
+            pool._free.extend(saved_free)
+            pool._in_flight.extend(saved_in_flight)
+    # One block added during the capture, and the three captured launches took their slots from it.
+    assert (pool.slots - slots, pool.captured - captured) == (BLOCK_SLOTS, 3)
+    assert (free_after, in_flight_after) == (BLOCK_SLOTS - 3, 0)
     for o in outs:
         assert bool(cupy.array_equal(o, expected))
