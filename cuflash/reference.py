@@ -154,29 +154,36 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
     conventions are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``, or
     ``(out, lse, dq, dk, dv)`` with ``dout``; rows that see no key give 0, lse -inf and zero gradients.
     ``chunk_rows``: query rows per chunk (default: about 2^26 scores a chunk). Its products are CuPy's
-    matmuls: cuBLAS must be installed (the bench extras).
+    matmuls where cuBLAS is installed (the bench extras); without it the same chunks are computed with
+    NumPy on the host (slower, the same results), so that no check needs cuBLAS.
     """
     import cupy
 
-    return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows)
+    from .bench import cublas_missing
+
+    _check_chunked_args(q, k, v, dout, causal, softmax_scale, chunk_rows)   # before any copy to the host
+    if cublas_missing() is None:
+        return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows)
+    host = [None if x is None else cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x for x in (q, k, v, dout)]
+    return tuple(cupy.asarray(x) for x in _reference_by_chunks(np, *host, causal, softmax_scale, chunk_rows))
 
 
-def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
-    """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy in the CPU tests)."""
+def _check_chunked_args(q, k, v, dout, causal, softmax_scale, chunk_rows):
+    """attention_reference_chunked's argument checks: ((b, nq, nk, hq, hkv, d), causal, scale, rows a chunk)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x is not None or name != "dout":
             _check_real_array(x, name)
-    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
-    causal, scale = _options(causal, softmax_scale, d)
+    dims = _check_dims(q, k, v)
+    causal, scale = _options(causal, softmax_scale, dims[-1])
     if dout is not None and tuple(dout.shape) != tuple(q.shape):
         raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
-    if xp is not np:   # after the argument checks: a bad argument says so with or without cuBLAS
-        from .bench import cublas_missing
+    return dims, causal, scale, _chunk_rows(dims[2], chunk_rows)
 
-        missing = cublas_missing()
-        if missing:
-            raise RuntimeError(f"attention_reference_chunked: {missing}")
-    rows = _chunk_rows(nk, chunk_rows)
+
+def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows):
+    """attention_reference_chunked with the array module ``xp`` (CuPy, or NumPy on the host)."""
+    (b, nq, nk, hq, hkv, d), causal, scale, rows = _check_chunked_args(q, k, v, dout, causal, softmax_scale,
+                                                                       chunk_rows)
     f64, group = xp.float64, hq // hkv
     out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
