@@ -41,6 +41,10 @@ CUFLASH_LAUNCH                            launch ("packed")           "cupy": la
                                                                       call instead of the packed-argument path
 CUFLASH_FA4_PATH                          fa4_path (())               where the benchmarks find FlashAttention-4
                                                                       (paths separated by os.pathsep)
+CUFLASH_KERNEL_DIR                        kernel_dir (None)           compile the kernels from this copy of
+                                                                      kernels_cu/ (dev/fault_injection.py's
+                                                                      patched trees); part of the kernel cache
+                                                                      key
 ========================================  ==========================  ==========================================
 
 An empty variable counts as unset. A value outside the allowed ones raises ValueError naming the variable.
@@ -87,6 +91,7 @@ ENV = {
     "sm90_bwd_zero_dq_accum": "CUFLASH_SM90_BWD_ZERO_DQ_ACCUM",
     "launch": "CUFLASH_LAUNCH",
     "fa4_path": "CUFLASH_FA4_PATH",
+    "kernel_dir": "CUFLASH_KERNEL_DIR",
 }
 
 
@@ -146,6 +151,7 @@ class Options:
     sm90_bwd_zero_dq_accum: bool = False
     launch: str = "packed"
     fa4_path: Tuple[str, ...] = ()
+    kernel_dir: Optional[str] = None
     # Set when published (``_intern``): equal settings share one object and one token.
     token: int = field(default=0, init=False, compare=False, repr=False)
 
@@ -164,6 +170,8 @@ class Options:
         _check_flag("sm90_bwd_zero_dq_accum", self.sm90_bwd_zero_dq_accum, optional=False)
         _check_choice("launch", self.launch, LAUNCH_PATHS)
         _check_strings("fa4_path", self.fa4_path)
+        if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
+            raise TypeError(f"{_name('kernel_dir')} must be None or a path (str); got {self.kernel_dir!r}")
 
 
 def parse_tiles(field_name: str, text: str) -> Tiles:
@@ -194,6 +202,8 @@ def _parse(field_name: str, text: str):
         return tuple(text.split())
     if field_name == "fa4_path":
         return tuple(p for p in text.split(os.pathsep) if p)
+    if field_name == "kernel_dir":
+        return text   # a path: case kept
     return text.lower()
 
 
