@@ -297,16 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmark shape B,H,N,D,dtype[,causal] (repeatable); default: the standard table "
                          "(with --dists: bench.DIST_SHAPES)")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=30,
+                    help="timed calls of each implementation, interleaved; the table gives their median "
+                         "(default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls of each implementation first (default 5)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-bench", action="store_true", help="self-check only")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     ap.add_argument("--forward-only", action="store_true", help="skip the backward and forward+backward rows")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward rows (Hopper only)")
+    from .distributions import DISTRIBUTIONS
+
     ap.add_argument("--dists", nargs="*", type=_parse_dist_names, metavar="NAME",
                     help="instead of the standard table, the score-distribution table: each shape x input "
-                         "distribution (normal, outlier8, outlier12, sharp, sink; space- or comma-separated; "
+                         f"distribution ({', '.join(DISTRIBUTIONS)}; space- or comma-separated; "
                          "all of them when none are named), forward and forward+backward of cuflash beside "
                          "SDPA cuDNN, SDPA FlashAttention-2 and FlashAttention-4 on the same inputs; with "
                          "--variants: the input distributions of the variant table")

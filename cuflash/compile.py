@@ -18,9 +18,22 @@ from .config import KernelConfig
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_dir() -> Path:
-    """Directory holding the ``.cu`` / ``.cuh`` sources.
+    """Directory holding the ``.cu`` / ``.cuh`` sources: Options.kernel_dir ($CUFLASH_KERNEL_DIR) where set,
+    else the package's own (``package_kernel_dir``)."""
+    given = options.current().kernel_dir
+    if given is None:
+        return package_kernel_dir()
+    path = Path(given).resolve()
+    if not (path / "common" / "numeric.cuh").is_file():
+        raise FileNotFoundError(f"CUFLASH_KERNEL_DIR (Options.kernel_dir) = {given!r} is not a copy of kernels_cu/ "
+                                f"(no common/numeric.cuh there)")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def package_kernel_dir() -> Path:
+    """The package's own ``.cu`` / ``.cuh`` sources.
 
     An installed wheel carries them as the package ``cuflash.kernels_cu``; a
     source checkout (or an editable install) has them beside the package.
@@ -60,10 +73,17 @@ def _inline(path: Path, seen: set[Path]) -> str:
     return "\n".join(out)
 
 
-@functools.lru_cache(maxsize=None)
 def load_source(relpath: str) -> str:
-    """The source of ``kernels_cu/<relpath>`` with its local includes inlined."""
-    return _inline(kernel_dir() / relpath, set()) + "\n"
+    """The source of ``kernels_cu/<relpath>`` (in ``kernel_dir()``) with its local includes inlined."""
+    return _load_source(kernel_dir(), relpath)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_source(root: Path, relpath: str) -> str:
+    return _inline(root / relpath, set()) + "\n"
+
+
+load_source.cache_clear = _load_source.cache_clear   # what tools that swap kernel_dir() call
 
 
 def arch_option(cc: str) -> str:
@@ -172,8 +192,16 @@ def smem_bytes_offline_many(configs, cc: str, defines: tuple[str, ...] = ()) -> 
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def smem_bytes_offline(config: KernelConfig, cc: str, defines: tuple[str, ...] = ()) -> int:
     """Dynamic shared memory of one CTA of ``config`` built for ``cc`` ("80", "90a", ...) with ``defines``,
-    read from its kernel source without a GPU (smem_bytes_offline_many); 0 where the family has none."""
-    return smem_bytes_offline_many([config], cc, tuple(defines))[config]
+    read from its kernel source (in ``kernel_dir()``) without a GPU (smem_bytes_offline_many); 0 where the
+    family has none."""
+    return _smem_bytes_offline(config, cc, tuple(defines), kernel_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_bytes_offline(config: KernelConfig, cc: str, defines: tuple[str, ...], root: Path) -> int:
+    return smem_bytes_offline_many([config], cc, defines)[config]
+
+
+smem_bytes_offline.cache_clear = _smem_bytes_offline.cache_clear

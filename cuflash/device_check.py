@@ -13,9 +13,9 @@ MIN_CC = 80   # the portable kernels are sm_80 code (cp.async, bf16 mma)
 # Oldest driver branch of each CUDA major version (minor-version compatibility: any 12.x runtime
 # runs on an R525 driver, any 13.x on R580).
 MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
-_STILL_WORKS = ("The tests and argument checks still run without a GPU (python -m pytest tests): cuflash "
-                "installs, checks its arguments, runs its float64 reference (cuflash.attention_reference) "
-                "and compiles its kernels.")
+_STILL_WORKS = ("Without a GPU, cuflash still installs, compiles its kernels and runs its argument checks and "
+                "its float64 reference (cuflash.attention_reference); the tests of those run too: install the "
+                "test extra (pip install 'cuflash[cuda12,test]', or [cuda13,test]), then python -m pytest tests.")
 
 
 class DeviceUnavailableError(RuntimeError):

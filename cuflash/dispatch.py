@@ -48,7 +48,7 @@ def smem_bytes(config: KernelConfig, device_id: int | None = None, defines: tupl
     extra = options.current().nvrtc_defines if defines is None else tuple(defines)
     if device_id is None:
         return smem_bytes_offline(config, target(config, max(config.fam.min_cc, 80)), extra)
-    found = _smem.get((config.key(), device_id, extra))
+    found = _smem.get((config.key(), device_id, extra, options.current().kernel_dir))
     if found is not None:
         return found
     return smem_bytes_offline(config, target(config, device_info(device_id)[0]), extra)
@@ -74,9 +74,10 @@ def _module_int(module: "cupy.RawModule", expr: str, device_id: int) -> int:
 def get_kernel(config: KernelConfig, device_id: int, defines: tuple[str, ...] | None = None) -> "cupy.RawKernel":
     """The compiled kernel for ``config`` on ``device_id``, compiled on first use. ``defines``: extra
     NVRTC options (default: Options.nvrtc_defines, e.g. a diagnostic build's
-    "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS"), part of the cache key."""
-    extra = options.current().nvrtc_defines if defines is None else tuple(defines)
-    key = (config.key(), device_id, extra)
+    "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS"), part of the cache key, as is the source tree (Options.kernel_dir)."""
+    opts = options.current()
+    extra = opts.nvrtc_defines if defines is None else tuple(defines)
+    key = (config.key(), device_id, extra, opts.kernel_dir)
     kern = _kernels.get(key)
     if kern is not None:
         return kern

@@ -37,6 +37,10 @@ CUFLASH_LAUNCH                            launch ("packed")           "cupy": la
                                                                       call instead of the packed-argument path
 CUFLASH_FA4_PATH                          fa4_path (())               where the benchmarks find FlashAttention-4
                                                                       (paths separated by os.pathsep)
+CUFLASH_KERNEL_DIR                        kernel_dir (None)           compile the kernels from this copy of
+                                                                      kernels_cu/ (dev/fault_injection.py's
+                                                                      patched trees); part of the kernel cache
+                                                                      key
 ========================================  ==========================  ==========================================
 
 An empty variable counts as unset. A value outside the allowed ones raises ValueError naming the variable.
@@ -80,6 +84,7 @@ ENV = {
     "nvrtc_defines": "CUFLASH_NVRTC_DEFINES",
     "launch": "CUFLASH_LAUNCH",
     "fa4_path": "CUFLASH_FA4_PATH",
+    "kernel_dir": "CUFLASH_KERNEL_DIR",
 }
 
 
@@ -137,6 +142,7 @@ class Options:
     nvrtc_defines: Tuple[str, ...] = ()
     launch: str = "packed"
     fa4_path: Tuple[str, ...] = ()
+    kernel_dir: Optional[str] = None
     # Set when published (``_intern``): equal settings share one object and one token.
     token: int = field(default=0, init=False, compare=False, repr=False)
 
@@ -153,6 +159,8 @@ class Options:
         _check_strings("nvrtc_defines", self.nvrtc_defines)
         _check_choice("launch", self.launch, LAUNCH_PATHS)
         _check_strings("fa4_path", self.fa4_path)
+        if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
+            raise TypeError(f"{_name('kernel_dir')} must be None or a path (str); got {self.kernel_dir!r}")
 
 
 def parse_tiles(field_name: str, text: str) -> Tiles:
@@ -183,6 +191,8 @@ def _parse(field_name: str, text: str):
         return tuple(text.split())
     if field_name == "fa4_path":
         return tuple(p for p in text.split(os.pathsep) if p)
+    if field_name == "kernel_dir":
+        return text   # a path: case kept
     return text.lower()
 
 

@@ -147,12 +147,32 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
     conventions (variants included) are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``,
     or ``(out, lse, dq, dk, dv)`` with ``dout`` (and ``dsinks`` last with ``sinks``); rows that see no key
     give 0, lse -inf (or their sink) and zero gradients. ``chunk_rows``: query rows per chunk (default: about
-    2^26 scores a chunk). Its products are CuPy's matmuls: cuBLAS must be installed (the bench extras).
+    2^26 scores a chunk). Its products are CuPy's matmuls where cuBLAS is installed (the bench extras);
+    without it the same chunks are computed with NumPy on the host (slower, the same results), so that no
+    check needs cuBLAS.
     """
     import cupy
 
-    return _reference_by_chunks(cupy, q, k, v, dout, causal, softmax_scale, chunk_rows, window_size,
-                                attention_chunk, softcap, alibi_slopes, sinks, dlse)
+    from .bench import cublas_missing
+
+    args = (causal, softmax_scale, chunk_rows, window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    if cublas_missing() is None:
+        return _reference_by_chunks(cupy, q, k, v, dout, *args, dlse)
+    _reference_by_chunks(np, *(_meta(x) for x in (q, k, v, dout)), *args)   # the checks, before any copy
+    host = [None if x is None else cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x for x in (q, k, v, dout, dlse)]
+    return tuple(cupy.asarray(x) for x in _reference_by_chunks(np, *host[:4], *args, host[4]))
+
+
+class _Meta:
+    """An array's shape and dtype alone: the references' argument checks run on it without data."""
+
+    def __init__(self, x):
+        self.shape, self.ndim, self.dtype = tuple(x.shape), x.ndim, x.dtype
+
+
+def _meta(x):
+    """A stand-in with x's metadata; anything that is not an array as it is (the checks reject it)."""
+    return _Meta(x) if hasattr(x, "shape") and hasattr(x, "ndim") and hasattr(x, "dtype") else x
 
 
 def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, window_size=None,
@@ -175,13 +195,9 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     if sink is not None and sink.shape != (hq,):
         raise ValueError(f"sinks must have shape ({hq},), got {sink.shape}")
     dlse_h = None if dlse is None else xp.asarray(dlse, xp.float64)
-    if xp is not np:   # after the argument checks: a bad argument says so with or without cuBLAS
-        from .bench import cublas_missing
-
-        missing = cublas_missing()
-        if missing:
-            raise RuntimeError(f"attention_reference_chunked: {missing}")
     rows = _chunk_rows(nk, chunk_rows)
+    if isinstance(q, _Meta):   # the checks alone (attention_reference_chunked without cuBLAS)
+        return None
     f64, group = xp.float64, hq // hkv
     out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),

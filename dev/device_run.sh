@@ -105,11 +105,11 @@ case $phase in
     [ -f .fa4a/cu13part00 ] && fa4_setup
     T="tests/test_distributed.py tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
     T="$T tests/test_torch.py tests/test_interop.py"   # skip where PyTorch is missing
-    python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tee "$OUT/pytest.log" | tail -n 8 || status=1
+    python3 -m pytest -q -p no:cacheprovider --require-gpu $T 2>&1 | tee "$OUT/pytest.log" | tail -n 12 || status=1
     ;;
   tests80)
     echo "== portable kernels forced (CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"
-    CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q -p no:cacheprovider \
+    CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80 python3 -m pytest -q -p no:cacheprovider --require-gpu \
       tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py -k "not float32" 2>&1 | tee "$OUT/pytest-sm80.log" | tail -n 3 || status=1
     ;;
   sanitize)
@@ -141,23 +141,23 @@ case $phase in
     done
     ;;
   fuzz)
-    python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 tests/test_concurrency.py tests/test_fuzz.py \
+    python3 -m pytest -q -p no:cacheprovider --require-gpu -o faulthandler_timeout=240 tests/test_concurrency.py tests/test_fuzz.py \
       2>&1 | tee "$OUT/pytest-fuzz.log" | tail -n 40 || status=1
     ;;
   fp8)
-    python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1
+    python3 -m pytest -q -p no:cacheprovider --require-gpu tests/test_fp8.py 2>&1 | tee "$OUT/pytest-fp8.log" | tail -n 25 || status=1
     python3 $HERE/bench.py fp8 "$@" 2>&1 | tee "$OUT/bench-fp8.md" || status=1
     ;;
   jax)
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
     # a handler that deadlocked would hang the call: tracebacks after 120 s in a test, killed after 480 s
-    timeout 480 python3 -m pytest -q -p no:cacheprovider --maxfail=10 -o faulthandler_timeout=120 tests/test_jax.py 2>&1 \
+    timeout 480 python3 -m pytest -q -p no:cacheprovider --require-gpu --maxfail=10 -o faulthandler_timeout=120 tests/test_jax.py 2>&1 \
       | tee "$OUT/pytest-jax.log" | tail -n 40 || status=1
     ;;
   ring)
     # ring attention: every rank in one process on GPU 0 (tests), then on 2+ GPUs the NCCL ring against one
     # GPU and float64 at N=32k (check) and the speed-up at N=128k (bench; extra ARGS go to it)
-    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_distributed.py 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider --require-gpu -m "not slow" tests/test_distributed.py 2>&1 \
       | tee "$OUT/pytest-ring.log" | tail -n 12 || status=1
     gpus=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())")
     worlds=""

@@ -11,34 +11,72 @@ import pytest
 
 
 def _gpu_reason() -> str | None:
+    """Why the GPU tests cannot run here, in cuflash.device_check's words (as ``python -m cuflash`` and the
+    library's DeviceUnavailableError say it), or None."""
     try:
-        import cupy
+        import cupy  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return f"CuPy is not importable ({e})"
+    from cuflash.device_check import diagnose
+
     try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001
-        return f"no CUDA device ({type(e).__name__}: {e})"
-    if n == 0:
-        return "no CUDA device"
-    return None
+        problem = diagnose()
+    except Exception as e:  # noqa: BLE001 - a broken setup must say so, not crash the collection
+        return f"the CUDA setup could not be read ({type(e).__name__}: {e})"
+    return None if problem is None else f"cuflash cannot run its kernels here: {problem.case}"
 
 
 GPU_SKIP_REASON = _gpu_reason()
+GPU_REASON_PREFIX = "needs an NVIDIA GPU"
 requires_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None,
-                                  reason=f"needs an NVIDIA GPU: {GPU_SKIP_REASON}")
+                                  reason=f"{GPU_REASON_PREFIX}: {GPU_SKIP_REASON}")
 
 
-def _cublas_reason() -> str | None:
-    if GPU_SKIP_REASON is not None:
-        return None   # requires_gpu says why
-    from cuflash.bench import cublas_missing
-
-    return cublas_missing()
+def pytest_addoption(parser) -> None:
+    parser.addoption("--require-gpu", action="store_true",
+                     help="fail (instead of skipping the GPU tests) where no usable GPU is found, and where "
+                          "GPU tests were selected but none ran (dev/device_run.sh passes it)")
 
 
-# The float64 references by chunks of rows (attention_reference_chunked) multiply with cuBLAS.
-requires_cublas = pytest.mark.skipif(_cublas_reason() is not None, reason=f"needs cuBLAS: {_cublas_reason()}")
+def pytest_configure(config) -> None:
+    if config.getoption("--require-gpu") and GPU_SKIP_REASON is not None:
+        raise pytest.UsageError(f"--require-gpu: {GPU_SKIP_REASON}")
+
+
+def _is_gpu_test(item) -> bool:
+    """Whether the test is marked as needing a GPU: a skipif whose reason names one (requires_gpu, and the
+    torch / JAX / multi-GPU variants), whether or not it skips here."""
+    for mark in item.iter_markers("skipif"):
+        reason = str(mark.kwargs.get("reason", ""))
+        if "GPU" in reason or "CUDA" in reason:
+            return True
+    return False
+
+
+_gpu_tests: set = set()
+_gpu_outcomes: Counter = Counter()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    _gpu_tests.update(item.nodeid for item in items if _is_gpu_test(item))
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each marked GPU test's outcome, once (its call; its setup where that failed or skipped)."""
+    if report.nodeid in _gpu_tests and (report.when == "call" or report.outcome != "passed"):
+        if report.when != "teardown":
+            _gpu_outcomes[report.outcome] += 1
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    ran = _gpu_outcomes["passed"] + _gpu_outcomes["failed"]
+    if session.config.getoption("--require-gpu") and _gpu_tests and ran == 0 and exitstatus == 0:
+        session.exitstatus = 1   # GPU tests selected, a GPU found, and not one of them ran
+
+
+# No test needs cuBLAS (the bench extra): cuflash.attention_reference_chunked, the float64 reference of the long
+# sequences, computes on the host with NumPy where cuBLAS is missing.
+
 
 # Relative-norm error bounds against the float64 reference, per dtype.
 FWD_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
@@ -106,11 +144,24 @@ def _errlog(line: str) -> None:
             f.write(line + "\n")
 
 
+def to_host(x) -> np.ndarray:
+    """A CuPy array, a PyTorch tensor, a JAX array or anything NumPy takes, as a NumPy array (same dtype)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):   # torch (NumPy has no bfloat16: widened, exactly)
+        x = x.detach().cpu()
+        return (x.float() if str(x.dtype) == "torch.bfloat16" else x).numpy()
+    if hasattr(x, "get") and hasattr(x, "device"):   # CuPy
+        return x.get()
+    return np.asarray(x)
+
+
 def assert_lse_matches(lse, ref_lse, shape, rtol: float = LSE_RTOL) -> None:
-    """The kernel's lse (CuPy, float32 ``shape``) against the float64 reference (NumPy or CuPy): -inf
-    exactly where the reference is (rows that see no key), else within rtol * max(1, |ref|) per row."""
-    lse_h = lse.get()
-    ref_lse = ref_lse.get() if hasattr(ref_lse, "get") and not isinstance(ref_lse, np.ndarray) else ref_lse
+    """The kernel's lse (CuPy, PyTorch or JAX; float32 ``shape``) against the float64 reference (NumPy,
+    CuPy or PyTorch): -inf exactly where the reference is (rows that see no key), else within
+    rtol * max(1, |ref|) per row."""
+    lse_h = to_host(lse)
+    ref_lse = to_host(ref_lse).astype(np.float64)
     assert lse_h.dtype == np.float32 and lse_h.shape == tuple(shape)
     fin = np.isfinite(ref_lse)
     assert np.array_equal(np.isneginf(lse_h), ~fin), "lse must be -inf exactly for rows that see no key"
@@ -198,9 +249,19 @@ def device_forbidden(monkeypatch):
         monkeypatch.setattr(cupy, name, touched)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Each skip reason once, with its count: on a machine without a GPU over a thousand tests skip
-    for the same reason, which pytest's -rs lists once per test function."""
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """How many of the tests marked as needing a GPU ran, and each skip reason once, with its count: on a
+    machine without a GPU over a thousand tests skip for the same reason, which pytest's -rs lists once
+    per test function."""
+    if _gpu_tests:
+        ran = _gpu_outcomes["passed"] + _gpu_outcomes["failed"]
+        line = (f"GPU tests: {ran} ran ({_gpu_outcomes['passed']} passed, {_gpu_outcomes['failed']} failed), "
+                f"{_gpu_outcomes['skipped']} skipped, of {len(_gpu_tests)} selected")
+        if GPU_SKIP_REASON is not None:
+            line += f" ({GPU_SKIP_REASON})"
+        terminalreporter.write_line(line)
+        if config.getoption("--require-gpu") and ran == 0:
+            terminalreporter.write_line("--require-gpu: no GPU test ran", red=True)
     reports = terminalreporter.stats.get("skipped", [])
     reasons = Counter()
     for rep in reports:

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, poisoned, randn, rel_err_gpu, requires_gpu, requires_cublas
+from conftest import BWD_TOL, poisoned, randn, rel_err_gpu, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -162,7 +162,6 @@ def test_workspace_poisoned_negative_control(rng, monkeypatch, deterministic):
         check_bwd(*args, deterministic=deterministic, label="poisoned-control")
 
 
-@requires_cublas
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True), (256, False)])
 def test_many_ctas_in_flight(rng, head_dim, causal):
     """Several waves of CTAs adding into the same dQ tiles at once: on Hopper the first key tile to reach a
@@ -364,7 +363,6 @@ def test_finite_differences_float32(rng):
             assert err <= 5e-4, f"d{'qkv'[which]} (causal={causal}): finite-difference rel err {err:.3e}"
 
 
-@requires_cublas
 def test_peak_memory_is_linear_at_32k(rng):
     """seqlen 32k: the backward's extra memory is O(seqlen * head_dim), far from seqlen^2."""
     import cupy

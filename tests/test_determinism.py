@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import BWD_TOL, randn, rel_err_gpu, requires_gpu, requires_cublas
+from conftest import BWD_TOL, randn, rel_err_gpu, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -60,7 +60,6 @@ def test_deterministic_is_bitwise_reproducible(rng, dtype, causal, hq, hkv, d):
                     f"across two runs: {same}\n")
 
 
-@requires_cublas
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_many_key_tiles(rng, causal):
     """More key tiles per head than a GPU holds CTAs at once (32768 / 128 = 256): the ordered dQ

@@ -56,6 +56,24 @@ def test_the_module_value_is_kept_beside_the_kernel(fake_dispatch, monkeypatch):
     assert reads == [cfg.smem_expression()]   # once per module, not per call
 
 
+def test_the_kernel_sources_are_part_of_the_key(fake_dispatch, monkeypatch, tmp_path):
+    """A kernel compiled from another copy of kernels_cu/ (Options.kernel_dir) is another module, kept beside
+    the package's own one."""
+    import shutil
+
+    from cuflash import heuristics, options
+    from cuflash.compile import package_kernel_dir
+
+    cfg = heuristics.fwd_config("float16", 128, False, 90)
+    monkeypatch.setattr(fake_dispatch, "_module_int", lambda *a: 1024)
+    own = fake_dispatch.get_kernel(cfg, 0)
+    shutil.copytree(package_kernel_dir(), tmp_path / "kernels_cu")
+    with options.override(kernel_dir=str(tmp_path / "kernels_cu")):
+        other = fake_dispatch.get_kernel(cfg, 0)
+        assert fake_dispatch.get_kernel(cfg, 0) is other
+    assert other is not own and fake_dispatch.get_kernel(cfg, 0) is own and len(_FakeModule.built) == 2
+
+
 def test_aux_kernels_have_no_shared_memory_variable(fake_dispatch, monkeypatch):
     from cuflash import heuristics
 
@@ -123,7 +141,7 @@ def test_the_loaded_module_holds_the_offline_value():
     cfgs += [c for c in heuristics.bwd_configs("float16", 128, False, cc).all() if c is not None]
     for cfg in cfgs:
         kern = dispatch.get_kernel(cfg, dev)
-        assert (cfg.key(), dev, defines) in dispatch._smem, cfg.key()
+        assert (cfg.key(), dev, defines, options.current().kernel_dir) in dispatch._smem, cfg.key()
         value = dispatch.smem_bytes(cfg, dev)
         assert value == smem_bytes_offline(cfg, target(cfg, cc), defines), cfg.key()
         assert (value > 0) == cfg.fam.dynamic_smem, cfg.key()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, FWD_TOL, GPU_SKIP_REASON, assert_lse_matches, randn, requires_gpu, requires_cublas
+from conftest import BWD_TOL, FWD_TOL, GPU_SKIP_REASON, assert_lse_matches, randn, requires_gpu
 from conftest import fake_cupy_array as arr
 
 from cuflash.distributed import plan
@@ -562,7 +562,6 @@ def _gpus() -> int:
 requires_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more GPUs (the NCCL ring)")
 
 
-@requires_cublas
 @requires_gpus
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,13 +1,19 @@
 """Random valid calls against float64 (GPU): at least 1000 configurations a run, drawn from one seed.
 
 Each case draws a dtype, a head dim (8..256 in steps of 8), sequence lengths (1, primes, tile edges, 0 now
-and then, Nq != Nk), a GQA ratio, the mask, a scale near the default, deterministic or not, and for every
-array a layout: contiguous, a slice of a larger buffer along the sequence, the heads, the batch or the
-head dim, stored (batch, heads, seqlen, head_dim) and transposed, a batch broadcast by stride 0 (inputs),
-or a size-1 batch with a stride TMA cannot take (the portable kernels, or the forward's compact stand-in
-for an output). Forward (out, lse) and backward (dq, dk, dv) are checked against the float64 reference
-with the bounds of the other tests; output buffers are slices of NaN-filled buffers, and nothing outside
-the slice may change. Sizes are small, so the run takes about a minute once the kernels are compiled
+and then, Nq != Nk; about one case in 30 a few thousand tokens, and about one in 200 more than 65,536 keys,
+with batch 1 and few heads so that they stay cheap), a GQA ratio, the mask, a scale near the default,
+deterministic or not, and for every array a layout: contiguous, a slice of a larger buffer along the
+sequence, the heads, the batch or the head dim, stored (batch, heads, seqlen, head_dim) and transposed, a
+batch broadcast by stride 0 (inputs), or a size-1 batch with a stride TMA cannot take (the portable kernels,
+or the forward's compact stand-in for an output); where Nq == Nk, now and then q, k and v are slices of one
+packed (batch, seqlen, heads_q + 2 heads_kv, head_dim) buffer (with one K/V head per query head, the
+(batch, seqlen, 3, heads, head_dim) packing), and dq, dk, dv slices of another. The forward is checked
+against the float64 reference on every row (each row's relative error within ROW_TOL_FACTOR times the
+dtype's bound, the whole output within it) and on every lse, the backward (dq, dk, dv) in relative norm,
+with the bounds of the other tests; long cases take the reference by chunks of query rows
+(cuflash.attention_reference_chunked). Output buffers are slices of NaN-filled buffers, and nothing
+outside the slice may change. The run takes a minute or two once the kernels are compiled
 (dev/precompile.py fwd bwd compiles every one of them; otherwise the cases' kernels are compiled first,
 on as many threads as there are cores).
 
@@ -26,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, FWD_TOL, _errlog, assert_lse_matches, dtype_of, requires_gpu
+from conftest import (BWD_TOL, FWD_TOL, ROW_TOL_FACTOR, _errlog, assert_lse_matches, dtype_of, requires_gpu,
+                      row_errors)
 
 pytestmark = pytest.mark.fuzz
 
@@ -36,6 +43,11 @@ INPUT_LAYOUTS = ("contiguous", "seq_slice", "head_slice", "batch_slice", "bhsd",
                  "unit_batch_odd_stride")
 OUTPUT_LAYOUTS = ("contiguous", "seq_slice", "head_slice", "batch_slice", "bhsd", "padded_dim",
                   "unit_batch_odd_stride")
+PACKED = "packed"   # q, k, v (or dq, dk, dv) as slices of one (batch, seqlen, heads_q + 2 heads_kv, head_dim) buffer
+LONG_P, HUGE_P = 1 / 30, 1 / 200   # the odds of a case with a few thousand tokens, and of one past 65,536 keys
+HUGE_KEYS = (65_537, 66_000, 70_001)   # past 2^16 keys: 16-bit counts or grid dimensions would wrap
+# Cases with more scores than this (batch * heads_q * Nq * Nk) take the reference by chunks of query rows.
+CHUNKED_SCORES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -81,9 +93,20 @@ def draw_case(seed: int, index: int) -> Case:
     """Case ``index`` of the sequence of ``seed`` (each drawn from its own generator: one replays alone)."""
     rng = np.random.default_rng([seed, index])
     dtype = str(rng.choice(["float16", "bfloat16", "float32"], p=[0.4, 0.4, 0.2]))
-    batch = int(rng.integers(1, 4))
-    nq = _seqlen(rng)
-    nk = nq if rng.random() < 0.3 else _seqlen(rng)
+    size = rng.random()
+    if size < HUGE_P:   # past 65,536 keys, against a few queries (or as many as the keys, rarely)
+        batch = 1
+        nk = int(rng.choice(HUGE_KEYS))
+        nq = _seqlen(rng) if rng.random() < 0.8 else int(rng.integers(1000, 2500))
+    elif size < HUGE_P + LONG_P:   # a few thousand tokens
+        batch = 1
+        nq = int(rng.integers(1000, 6001))
+        nk = nq if rng.random() < 0.3 else int(rng.integers(1000, 6001))
+    else:
+        batch = int(rng.integers(1, 4))
+        nq = _seqlen(rng)
+        nk = nq if rng.random() < 0.3 else _seqlen(rng)
+    long_case = size < HUGE_P + LONG_P
     d = 8 * int(rng.integers(1, 33))
     scale = None if rng.random() < 0.6 else float(rng.uniform(0.5, 2.0) / math.sqrt(d))
 
@@ -95,10 +118,17 @@ def draw_case(seed: int, index: int) -> Case:
             return "contiguous"
         return name
 
-    layouts = tuple(layout(INPUT_LAYOUTS, False) for _ in range(4)) + tuple(
+    layouts = list(layout(INPUT_LAYOUTS, False) for _ in range(4)) + list(
         layout(OUTPUT_LAYOUTS, True) for _ in range(4))
-    return Case(index, dtype, batch, nq, nk, int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 4])), d,
-                bool(rng.random() < 0.5), scale, bool(rng.random() < 0.5), layouts)
+    if nq == nk and rng.random() < 0.25:   # packed q, k, v; and now and then packed dq, dk, dv
+        layouts[:3] = [PACKED] * 3
+        if rng.random() < 0.5:
+            layouts[5:8] = [PACKED] * 3
+    heads_kv, group = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 4]))
+    if long_case:   # few heads: a long case costs about as much as a thousand short ones otherwise
+        heads_kv, group = 1, int(rng.choice([1, 2]))
+    return Case(index, dtype, batch, nq, nk, heads_kv, group, d, bool(rng.random() < 0.5), scale,
+                bool(rng.random() < 0.5), tuple(layouts))
 
 
 def _view(layout: str, host: np.ndarray, *, fill_nan: bool = False, xp=None):
@@ -135,6 +165,22 @@ def _view(layout: str, host: np.ndarray, *, fill_nan: bool = False, xp=None):
     return base[index], base, outside
 
 
+def _packed(hosts, *, fill_nan: bool = False, xp=None):
+    """q, k, v (or dq, dk, dv) as slices along the heads of one (batch, seqlen, heads_q + 2 heads_kv,
+    head_dim) buffer holding ``hosts``' values (or NaN): the views and the buffer (which they cover)."""
+    if xp is None:
+        import cupy as xp
+    b, n, hq, d = hosts[0].shape
+    hkv = hosts[1].shape[2]
+    base = _nan(xp, (b, n, hq + 2 * hkv, d), hosts[0].dtype)
+    bounds = (0, hq, hq + hkv, hq + 2 * hkv)
+    views = [base[:, :, lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+    if not fill_nan:
+        for view, host in zip(views, hosts):
+            view[...] = xp.asarray(host)
+    return views, base
+
+
 def _nan(xp, shape, dtype):
     x = xp.empty(shape, dtype=dtype)
     x.fill(np.nan)
@@ -168,18 +214,60 @@ def _grad_errors(grads, ref) -> list[float]:
     return [grad_err(x, r, floor) for x, r in zip(grads, ref)]
 
 
+def _row_problems(name: str, x, ref, dtype: str) -> list[str]:
+    """``x`` (CuPy) against the float64 ``ref`` (NumPy or CuPy): the whole array within the dtype's bound in
+    relative norm and every row (over head_dim) within ROW_TOL_FACTOR times it (conftest.row_errors)."""
+    import cupy
+
+    from conftest import rel_err_gpu
+
+    ref = cupy.asarray(ref)
+    err = rel_err_gpu(x, ref)
+    problems = [] if err <= FWD_TOL[dtype] else [f"{name} rel err {err:.3e} > {FWD_TOL[dtype]:.1e}"]
+    rows = row_errors(x, ref)
+    bound = ROW_TOL_FACTOR * FWD_TOL[dtype]
+    bad = int((rows > bound).sum())
+    if bad:
+        worst = cupy.unravel_index(cupy.argmax(rows), rows.shape)
+        problems.append(f"{name}: {bad} rows with rel err > {bound:.1e} (worst {float(rows.max()):.3e} at "
+                        f"(batch, row, head) {tuple(int(i) for i in worst)})")
+    return problems
+
+
+def _references(case: Case, hosts):
+    """(out, lse, dq, dk, dv) in float64 for the case's inputs: NumPy's whole reference for small cases, the
+    reference by chunks of query rows (CuPy arrays) past CHUNKED_SCORES scores."""
+    from cuflash.reference import attention_reference, attention_reference_backward, attention_reference_chunked
+
+    hq_, hk_, hv_, hdo = hosts
+    opts = dict(causal=case.causal, softmax_scale=case.scale)
+    if case.batch * case.heads_q * case.seqlen_q * case.seqlen_k > CHUNKED_SCORES:
+        import cupy
+
+        out, lse, dq, dk, dv = attention_reference_chunked(*(cupy.asarray(x) for x in hosts[:3]),
+                                                           cupy.asarray(hdo), **opts)
+        return out, lse, dq.get(), dk.get(), dv.get()   # the gradients are compared on the host (test_bwd)
+    return (*attention_reference(hq_, hk_, hv_, **opts), *attention_reference_backward(hdo, hq_, hk_, hv_, **opts))
+
+
 def run_case(case: Case, seed: int) -> list[str]:
     """The case's problems (empty when it passes)."""
     import cupy
 
     import cuflash
-    from cuflash.reference import attention_reference, attention_reference_backward, rel_err
 
     rng = np.random.default_rng([seed, case.index, 1])
     hq_, hk_, hv_, hdo = _host_inputs(case, rng)
-    q, k, v, dout = (_view(layout, x)[0] for layout, x in zip(case.layouts[:4], (hq_, hk_, hv_, hdo)))
-    outs = [None if layout is None else _view(layout, np.empty(x.shape, x.dtype), fill_nan=True)
+    if case.layouts[0] == PACKED:
+        (q, k, v), _ = _packed((hq_, hk_, hv_))
+        dout = _view(case.layouts[3], hdo)[0]
+    else:
+        q, k, v, dout = (_view(layout, x)[0] for layout, x in zip(case.layouts[:4], (hq_, hk_, hv_, hdo)))
+    outs = [None if layout is None or layout == PACKED else _view(layout, np.empty(x.shape, x.dtype), fill_nan=True)
             for layout, x in zip(case.layouts[4:], (hq_, hq_, hk_, hv_))]   # out, dq, dk, dv
+    if case.layouts[5] == PACKED:   # the gradients' buffer is covered by their three views: nothing outside
+        views, base = _packed((hq_, hk_, hv_), fill_nan=True)
+        outs[1:] = [(view, base, None) for view in views]
     out_buf = outs[0][0] if outs[0] else None
     grad_bufs = [o[0] if o else None for o in outs[1:]]
     problems = []
@@ -193,15 +281,12 @@ def run_case(case: Case, seed: int) -> list[str]:
     for name, view in zip(("out", "dq", "dk", "dv"), outs):
         if view is not None and not _untouched(view[1], view[2]):
             problems.append(f"{name}: written outside its view")
-    ref_o, ref_lse = attention_reference(hq_, hk_, hv_, causal=case.causal, softmax_scale=case.scale)
-    err = rel_err(o, ref_o)
-    if not err <= FWD_TOL[case.dtype]:
-        problems.append(f"out rel err {err:.3e} > {FWD_TOL[case.dtype]:.1e}")
+    ref_o, ref_lse, *ref_grads = _references(case, (hq_, hk_, hv_, hdo))
+    problems += _row_problems("out", o, ref_o, case.dtype)
     try:
         assert_lse_matches(lse, ref_lse, (case.batch, case.heads_q, case.seqlen_q))
     except AssertionError as e:
         problems.append(f"lse: {e}")
-    ref_grads = attention_reference_backward(hdo, hq_, hk_, hv_, causal=case.causal, softmax_scale=case.scale)
     for name, e in zip(("dq", "dk", "dv"), _grad_errors((dq, dk, dv), ref_grads)):
         if not e <= BWD_TOL[case.dtype]:
             problems.append(f"{name} rel err {e:.3e} > {BWD_TOL[case.dtype]:.1e}")
@@ -266,7 +351,37 @@ def test_cases_replay_from_the_seed():
     assert any(c.seqlen_q != c.seqlen_k for c in cases) and {c.group for c in cases} == {1, 2, 3, 4}
     assert {c.causal for c in cases} == {False, True} and {c.deterministic for c in cases} == {False, True}
     used = {layout for c in cases for layout in c.layouts}
-    assert set(INPUT_LAYOUTS) | set(OUTPUT_LAYOUTS) | {None} == used
+    assert set(INPUT_LAYOUTS) | set(OUTPUT_LAYOUTS) | {PACKED, None} == used
+    packed = [c for c in cases if c.layouts[0] == PACKED]
+    assert all(c.seqlen_q == c.seqlen_k and c.layouts[:3] == (PACKED,) * 3 for c in packed)
+    assert any(c.layouts[5:] == (PACKED,) * 3 for c in packed) and any(c.group == 1 for c in packed)
+    long_cases = [c for c in cases if max(c.seqlen_q, c.seqlen_k) >= 1000]
+    assert any(c.seqlen_k > 65_536 for c in long_cases) and sum(c.seqlen_q >= 1000 for c in long_cases) >= 15
+    # cheap: batch 1 and at most two query heads, so that they add about as much as the short cases
+    assert all(c.batch == 1 and c.heads_q <= 2 for c in long_cases)
+    scores = sum(c.batch * c.heads_q * c.seqlen_q * c.seqlen_k for c in cases)
+    assert scores < 2e10, f"{scores:.2e} scores a run"
+
+
+def test_packed_views():
+    """q, k, v (or dq, dk, dv) packed in one buffer (built here with NumPy): each view holds its values, the
+    three views cover the buffer without overlapping, and their strides are the packed buffer's, which the
+    argument checks and TMA take (CPU)."""
+    from cuflash import _checks, tma
+
+    rng = np.random.default_rng(3)
+    for hq, hkv in ((4, 4), (6, 2)):
+        hosts = [rng.standard_normal((2, 9, h, 32)).astype(np.float16) for h in (hq, hkv, hkv)]
+        views, base = _packed(hosts, xp=np)
+        assert base.shape == (2, 9, hq + 2 * hkv, 32)
+        for view, host in zip(views, hosts):
+            assert view.shape == host.shape and np.array_equal(view, host)
+            assert view.strides == base.strides and np.shares_memory(view, base)
+            _checks.check_distinct_elements("dq", view)
+            assert tma.strides_ok(0, [view.strides[1], view.strides[2], view.strides[0]])
+        assert sum(v.size for v in views) == base.size
+        nan_views, nan_base = _packed(hosts, fill_nan=True, xp=np)
+        assert bool(np.isnan(nan_base.astype(np.float32)).all())
 
 
 @pytest.mark.parametrize("layout", sorted(set(INPUT_LAYOUTS) | set(OUTPUT_LAYOUTS)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import (FWD_TOL, assert_close_on_every_row, assert_lse_matches, poisoned, randn, requires_cublas,
+from conftest import (FWD_TOL, assert_close_on_every_row, assert_lse_matches, poisoned, randn,
                       requires_gpu)
 
 pytestmark = requires_gpu
@@ -45,7 +45,6 @@ def test_long(rng, dtype, causal):
     _check(rng, dtype, 1, 4097, 4097, 1, 1, 128, causal)
 
 
-@requires_cublas
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 256)])
 def test_long_sequences(rng, dtype, head_dim):
     """32k tokens and more (heuristics.fwd_long): on Hopper the tuned table's overlap kernels run in clusters

@@ -3,7 +3,8 @@
 CPU: which arguments take the conversion path, and the TypeErrors (host memory, mixed frameworks,
 immutable output buffers) raised from metadata before the device is touched. GPU: torch tensors
 (and JAX arrays where JAX imports) read in place, results in the caller's framework, bitwise equal
-to the CuPy path on the same memory, on torch's current stream, with torch-allocated memory.
+to the CuPy path on the same memory and within the suite's bounds of the float64 reference (values,
+lse and gradients), on torch's current stream, with torch-allocated memory.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 import cuflash
 from cuflash import interop
-from conftest import GPU_SKIP_REASON, fake_cupy_array as arr
+from conftest import BWD_TOL, FWD_TOL, GPU_SKIP_REASON, assert_lse_matches, fake_cupy_array as arr, to_host
+from cuflash.reference import attention_reference, attention_reference_backward, rel_err
 
 QKV = (1, 4, 2, 64)
 
@@ -185,6 +187,23 @@ def _torch_qkv(torch, dtype, b=2, nq=77, nk=133, hq=4, hkv=2, d=64, requires_gra
                  for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d)))
 
 
+def _against_float64(dtype, q, k, v, causal, out, lse=None, dout=None, grads=None):
+    """A torch / JAX call's results against the float64 reference on the same inputs: out (and lse) within the
+    suite's bounds (FWD_TOL, LSE_RTOL per row), and dq, dk, dv within BWD_TOL where given."""
+    hq, kh, vh = map(to_host, (q, k, v))
+    ref_out, ref_lse = attention_reference(hq, kh, vh, causal=causal)
+    err = rel_err(to_host(out), ref_out)
+    assert err <= FWD_TOL[dtype], f"out rel err {err:.3e} against float64"
+    if lse is not None:
+        b, nq, h, _ = hq.shape
+        assert_lse_matches(lse, ref_lse, (b, h, nq))
+    if grads is not None:
+        refs = attention_reference_backward(to_host(dout), hq, kh, vh, causal=causal)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+            err = rel_err(to_host(g), r)
+            assert err <= BWD_TOL[dtype], f"{name} rel err {err:.3e} against float64"
+
+
 def _cupy_view(x):
     """The CuPy view cuflash reads a torch tensor through (interop's own conversion)."""
     return interop._TORCH.to_cupy("x", x)
@@ -214,6 +233,7 @@ def test_torch_forward_equals_cupy_forward(dtype, causal):
     ref, ref_lse = cuflash.forward(*map(_cupy_view, (q, k, v)), causal=causal, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(out, interop._TORCH.from_cupy(ref)) and torch.equal(lse, interop._TORCH.from_cupy(ref_lse))
+    _against_float64(dtype, q, k, v, causal, out, lse)
 
     given = torch.full_like(q, float("nan"))
     assert cuflash.forward(q, k, v, causal=causal, out=given) is given
@@ -263,7 +283,7 @@ def test_torch_backward_and_vjp_equal_cupy():
     torch = _torch_cuda()
     q, k, v = _torch_qkv(torch, "bfloat16", requires_grad=True)
     dout = torch.randn_like(q)
-    _, pullback = cuflash.vjp(q, k, v, causal=True, deterministic=True)
+    out, pullback = cuflash.vjp(q, k, v, causal=True, deterministic=True)
     dq, dk, dv = pullback(dout)
     assert all(isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
                for x, y in ((dq, q), (dk, k), (dv, v)))
@@ -273,6 +293,8 @@ def test_torch_backward_and_vjp_equal_cupy():
     torch.cuda.synchronize()
     for x, r in zip((dq, dk, dv), ref):
         assert torch.equal(x, interop._TORCH.from_cupy(r))
+    assert isinstance(out, torch.Tensor)
+    _against_float64("bfloat16", q, k, v, True, out, c_lse, dout, (dq, dk, dv))
     bufs = [torch.empty_like(x) for x in (q, k, v)]
     got = pullback(dout, dq=bufs[0], dk=bufs[1], dv=bufs[2])
     assert all(g is b for g, b in zip(got, bufs))
@@ -391,3 +413,10 @@ def test_jax_inputs_are_ordered_after_jax_work_and_kept_alive():
     cupy.cuda.Device().synchronize()
     cuflash.forward(q_ready, k, v)   # drops the entries whose kernels finished
     assert interop.kept_alive_count() <= 1
+    out, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
+    assert isinstance(lse, jax.Array)
+    dout = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype=jnp.float16)
+    grads = cuflash.backward(dout, q, k, v, out, lse, causal=True)
+    assert all(isinstance(g, jax.Array) and g.shape == x.shape and g.dtype == x.dtype
+               for g, x in zip(grads, (q, k, v)))
+    _against_float64("float16", q, k, v, True, out, lse, dout, grads)

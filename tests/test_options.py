@@ -134,3 +134,30 @@ def test_readme_documents_every_variable():
     for var in options.ENV.values():
         assert var in doc, var
         assert var in readme, var
+
+
+def test_kernel_dir_option_selects_the_sources(tmp_path):
+    """CUFLASH_KERNEL_DIR (a path, case kept) points the compiles at another copy of kernels_cu/: load_source
+    reads that copy's text, and the smem and module caches keep the trees apart; a folder that is no copy is
+    refused by name."""
+    import shutil
+
+    from cuflash import compile as cf_compile
+
+    assert options.from_environ({"CUFLASH_KERNEL_DIR": " /Some/Path "}).kernel_dir == "/Some/Path"
+    with pytest.raises(TypeError, match="CUFLASH_KERNEL_DIR"):
+        Options(kernel_dir=Path("/x"))
+    own = cf_compile.kernel_dir()
+    assert own == cf_compile.package_kernel_dir()
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(own, copy)
+    source = "sm80/fwd.cu"
+    (copy / source).write_text((copy / source).read_text() + "\n// patched copy\n")
+    original = cf_compile.load_source(source)
+    with options.override(kernel_dir=str(copy)):
+        assert cf_compile.kernel_dir() == copy.resolve()
+        assert cf_compile.load_source(source).endswith("// patched copy\n")
+    assert cf_compile.load_source(source) == original
+    with options.override(kernel_dir=str(tmp_path)):
+        with pytest.raises(FileNotFoundError, match="CUFLASH_KERNEL_DIR"):
+            cf_compile.load_source(source)
