@@ -12,6 +12,7 @@ Groups (default: fwd bwd), for the device's compute capability:
   sched   the forced Hopper forward schedules that ``dev/profiling.py sanitize sched`` runs
   fwdall  every forced Hopper forward schedule (tests/test_fwd_sm90.py)
   variants the kernels of the variant table's rows, variant and plain (cuflash/bench_variants.py)
+  variant_tests the kernels of tests/test_variants.py's cases
 ``-D`` defines go into $CUFLASH_NVRTC_DEFINES of the compiling processes (a traced or A/B build).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCHED_SHAPES, precompile_parallel  # noqa: E402
 
-GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants")
+GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests")
 
 
 def configs(which, cc: int) -> list:
@@ -59,6 +60,13 @@ def configs(which, cc: int) -> list:
         from cuflash.bench_variants import kernel_configs
 
         out += kernel_configs(cc)
+    if "variant_tests" in which:
+        from _common import add_tests_to_path
+
+        add_tests_to_path()
+        import test_variants
+
+        out += test_variants.kernel_configs(cc)
     return list({c.key(): c for c in out}.values())
 
 

@@ -41,20 +41,49 @@ VARIANTS = {
 SHAPES = {
     "square": (2, 257, 257, 4, 2, 64),
     "kv_longer": (1, 131, 700, 4, 1, 128),   # MQA, bottom-right alignment, dQ key tiles far from 0
-    "q_longer": (2, 300, 97, 2, 2, 96),      # rows that see no key under causal / windows
+    "q_longer": (2, 300, 97, 2, 2, 128),     # rows that see no key under causal / windows
     "one_query": (2, 1, 513, 4, 4, 128),
     "wide": (1, 190, 333, 2, 1, 256),
 }
 
-CASES_AUTO = [(v, s, dt) for i, v in enumerate(VARIANTS) for j, s in enumerate(("square", "kv_longer", "q_longer"))
-              for dt in [("float16", "bfloat16")[(i + j) % 2]]]
+# Head dims and dtypes shared across shapes (64 fp16, 128 bf16), so that each case's kernels serve several.
+CASES_AUTO = [(v, s, "float16" if s == "square" else "bfloat16") for v in VARIANTS
+              for s in ("square", "kv_longer", "q_longer")]
 CASES_AUTO += [("gpt_oss", "one_query", "bfloat16"), ("everything", "wide", "float16"),
-               ("window_causal", "wide", "bfloat16"), ("softcap", "one_query", "float16")]
+               ("window_causal", "wide", "bfloat16"), ("softcap", "one_query", "bfloat16")]
 CASES_PORTABLE = [(v, s, "float16") for v in ("window", "window_causal", "chunk_causal", "softcap", "alibi",
                                              "gpt_oss", "everything", "window_00")
-                  for s in ("square", "kv_longer")] + [("gemma2", "q_longer", "bfloat16")]
-CASES_FP32 = [(v, "q_longer", "float32") for v in ("window", "gpt_oss", "everything", "chunk", "softcap",
+                  for s in ("square", "q_longer")] + [("gemma2", "kv_longer", "bfloat16")]
+CASES_FP32 = [(v, "square", "float32") for v in ("window", "gpt_oss", "everything", "chunk", "softcap",
                                                   "alibi_causal_b")]
+
+
+def kernel_configs(cc: int = 90) -> list:
+    """The KernelConfigs this file's cases run (for dev/precompile.py's variant_tests group)."""
+    from dataclasses import replace
+
+    from cuflash import heuristics, variants
+
+    def one(name, shape_name, dtype, backend=None, deterministic=False):
+        kw = VARIANTS[name]
+        var = variants.Variants(*kw.get("window_size", (-1, -1)), kw.get("attention_chunk", 0), kw.get("softcap", 0.0),
+                                kw.get("causal", False), None if not kw.get("alibi") else True,
+                                True if kw.get("sinks") else None).kernel
+        causal = kw.get("causal", False)
+        b, nq, nk, hq, hkv, d = SHAPES[shape_name]
+        out = [heuristics.fwd_config(dtype, d, causal, cc, backend=backend, short=heuristics.fwd_short(nq, nk),
+                                     long_seqs=heuristics.fwd_long(nq, nk), variant=var)]
+        bwd_var = replace(var, sink=False)
+        out += heuristics.bwd_configs(dtype, d, causal, cc, deterministic, backend=backend,
+                                      short=heuristics.bwd_short(nk, causal), variant=bwd_var).all()
+        return out
+
+    cfgs = [c for case in CASES_AUTO for c in one(*case)]
+    cfgs += [c for case in CASES_PORTABLE for c in one(*case, backend="sm80")]
+    cfgs += [c for case in CASES_FP32 for c in one(*case)]
+    cfgs += [c for name in ("gpt_oss", "window_causal", "everything") for c in one(name, "kv_longer", "bfloat16",
+                                                                                  deterministic=True)]
+    return list({c.key(): c for c in cfgs}.values())
 
 
 def _arguments(rng, name: str, b: int, hq: int, dtype: str) -> dict:
