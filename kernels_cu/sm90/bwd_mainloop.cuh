@@ -24,12 +24,6 @@ struct BwdConsumerThread {
           q_off(Tile::kSplitSdP ? cw * kQCols : 0) {}
 };
 
-// A score modifier's derivative per accumulator element (kHasScoreMod); nothing without a modifier.
-template <int kN, bool kHasScoreMod>
-struct BwdScoreDerivatives { float v[kN]; };
-template <int kN>
-struct BwdScoreDerivatives<kN, false> {};
-
 // Mask: the mask / score-modifier policy (common/mask.cuh); every mask question of the step goes to it, and
 // the tuning choices below ask its traits.
 template <typename Tag, class Tile, class Mask>
@@ -87,43 +81,50 @@ struct BwdMainloop {
     __device__ __forceinline__ void probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp, const float* lse2_s,
                                                  const float* delta_s, StatRow& lse2_v, StatRow& delta_v,
                                                  [[maybe_unused]] int head, [[maybe_unused]] int batch) const {
-        [[maybe_unused]] BwdScoreDerivatives<kQCols / 2, Mask::kHasScoreMod> score_grad;
         if constexpr (Mask::kHasScoreMod) {
+            // One pass per element (modifier, mask, P, dS), so that a score's derivative is live for that
+            // element only: a row of them (kQCols / 2 registers) spills the consumer.
             const Mask mod(p, batch, head);
-            // Before the mask: a modifier may map -inf to a finite score.
+            const bool masked = mask().needs_mask(m_block, n_block);
 #pragma unroll
-            for (int j = 0; j < kQCols / 8; ++j)
+            for (int j = 0; j < kQCols / 8; ++j) {
+                if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+                const float2 l2 = lse2_v[j], dl = delta_v[j];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1);
                     const int col = n0 + thr.key_local + 8 * (e >> 1);
                     const float s = acc_s[4 * j + e];
-                    acc_s[4 * j + e] = mod.modify_score(s, row, col);
-                    score_grad.v[4 * j + e] = mod.score_derivative(s, row, col);
+                    const float ds = (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * mod.score_derivative(s, row, col);
+                    // The modifier before the mask: a modifier may map -inf to a finite score.
+                    float s_mod = mod.modify_score(s, row, col);
+                    if (masked && !mask().visible(row, col)) s_mod = -CUFLASH_INF;
+                    const float pr = bwd_prob(s_mod, p.scale_log2, (e & 1) ? l2.y : l2.x);
+                    acc_dp[4 * j + e] = pr * ds;
+                    acc_s[4 * j + e] = pr;
                 }
-        }
-        // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
-        // so that the loop below carries no per-element test.
-        if (mask().needs_mask(m_block, n_block)) {
+            }
+        } else {
+            // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
+            // so that the loop below carries no per-element test.
+            if (mask().needs_mask(m_block, n_block)) {
 #pragma unroll
-            for (int j = 0; j < kQCols / 8; ++j)
+                for (int j = 0; j < kQCols / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
-                        acc_s[4 * j + e] = -CUFLASH_INF;
-        }
+                    for (int e = 0; e < 4; ++e)
+                        if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
 #pragma unroll
-        for (int j = 0; j < kQCols / 8; ++j) {
-            if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
-            const float2 l2 = lse2_v[j], dl = delta_v[j];
+            for (int j = 0; j < kQCols / 8; ++j) {
+                if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+                const float2 l2 = lse2_v[j], dl = delta_v[j];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
-                if constexpr (Mask::kHasScoreMod)
-                    acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * score_grad.v[4 * j + e];
-                else
+                for (int e = 0; e < 4; ++e) {
+                    const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
                     acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-                acc_s[4 * j + e] = pr;
+                    acc_s[4 * j + e] = pr;
+                }
             }
         }
     }
