@@ -66,6 +66,8 @@ struct BwdDqWriter {
     // waiting on a CTA that waits on this claim. Not the split-D tiles of patterns that skip tiles: the
     // value read ahead spills this 24-register warp at D=192 (causal).
     static constexpr bool kClaimEarly = kClaim && !(Mask::kSkipsTiles && Tile::kDqInRing);
+    // The ordered mode's position computed at the top of the step (run): with a window.
+    static constexpr bool kOrderFirst = Mask::kLocal;
 
     // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after the key tiles
     // before this one, and released when its writes are performed).
@@ -88,6 +90,11 @@ struct BwdDqWriter {
         int tile_next = slice_index(0);
         int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
         for (int i = 0; i < steps.n_iter; ++i) {
+            // Ordered: BwdDqOrder's position among the key tiles [n_block_min, n_block_max) of this query
+            // tile. The first (order 0) stores its slice, so that the preprocess zeroes only the query tiles
+            // that no key tile reaches. kOrderFirst: computed here, while few values are live (a window's
+            // chunks take a division, which spilled this 24-register warp where the order is used).
+            const int order_first = kDqMode == kDqTileOrdered && kOrderFirst ? dq_order(steps.query_tile(i)) : -1;
             const PipelineState<kStages> pipe(i);
             const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? smem.q : smem.dout) + pipe.stage() * Tile::kQBytes
                                                  : smem.dq_slice(cw);
@@ -102,10 +109,7 @@ struct BwdDqWriter {
             if constexpr (Tile::kDqInRing) mbar_arrive(smem.bar_dq_empty(cw));
             const int seen = kClaimEarly && seen_next >= kDqSliceReady ? seen_next
                            : kClaim ? semaphore_acquire_add(sem) : 0;
-            // Ordered: BwdDqOrder's position among the key tiles [n_block_min, n_block_max) of this query
-            // tile. The first (order 0) stores its slice, so that the preprocess zeroes only the query tiles
-            // that no key tile reaches.
-            const int order = kDqMode != kDqTileOrdered ? -1 : dq_order(steps.query_tile(i));
+            const int order = kDqMode != kDqTileOrdered ? -1 : kOrderFirst ? order_first : dq_order(steps.query_tile(i));
             bool first = CUFLASH_SM90_BWD_FIRST_STORE && order == 0;
             if constexpr (kDqMode == kDqTileOrdered) {
                 semaphore_wait(sem, order);
