@@ -29,8 +29,9 @@ struct BwdBlock {
 // (the mask policy's): a slice waits until its semaphore counts its position, and position 0 stores. Patterns
 // that skip tiles (causal, windows) go down from the last of them: key tile n starts its steps at its own
 // first query tile m_block_min(n), which grows with n, so a query tile is reached first by its last key tile
-// and then by the ones below it, one step apart; the others go up from the first (every key tile starts at
-// query tile 0, and at the same time). The scheduler starts the CTAs in the same order (kFromLast), so that
+// and then by the ones below it; the others go up from the first (every key tile starts at query tile 0, and
+// at the same time). Every key tile of that range visits the query tile (the policy's two ranges agree), so
+// each position is taken once. The scheduler starts the CTAs in the same order (kFromLast), so that
 // a CTA only waits on CTAs launched before it.
 template <class Mask>
 struct BwdDqOrder {
