@@ -78,8 +78,13 @@ def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, c
                   direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8)
 
 
-def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:
-    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode)
+def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80,
+         mask: bool = False) -> Family:
+    """A backward family; ``mask``: its kernels take a MaskVariant (the "mask" template argument), not the
+    causal bool."""
+    template = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask" if mask else "causal")
+    return Family(name, source, kernel, min_cc, backend == "sm90", template, direction="bwd", backend=backend,
+                  dq_mode=dq_mode)
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
@@ -124,8 +129,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
     # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
-    _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),
-    _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90),
+    _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90, mask=True),
+    _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90,
+         mask=True),
     # Converts the tiled dq_accum of the two families above (block_m: their query tile).
     _aux("bwd_postprocess_tiled", "aux/bwd_postprocess.cu", "bwd_postprocess_tiled_kernel", 80,
          ("tag", "head_dim", "block_m", "num_warps")),

@@ -47,13 +47,14 @@ def bwd_row_grid(c: KernelConfig, batch: int, heads_q: int, seqlen_q: int) -> tu
 # short-sequence tiles (num_warps 8) take the sectioned 1-D grid, whose L2 reuse of Q and dO makes them faster;
 # the 64-row tiles (D=96..256) are level or slower on it and keep the 3-D grid (BENCHMARKS.md, "History").
 def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
-    """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal and the ordered (deterministic)
-    sm90 kernels, and the others with 128-row query tiles or one consumer warpgroup, take a 1-D grid
-    and walk it key-tile-major
+    """dK/dV kernel: one CTA per (key tile, kv head, batch); the causal or windowed (uneven work per key
+    tile: Mask::kUnevenWork) and the ordered (deterministic) sm90 kernels, and the others with 128-row query
+    tiles or one consumer warpgroup, take a 1-D grid and walk it key-tile-major
     in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
     rank order (kernels_cu/sm90/bwd_scheduler.cuh: BwdTileScheduler::block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.fam.sm90_bwd and (c.causal or c.fam.dq_mode == "ordered" or c.block_m == 128 or c.num_warps == 8):
+    if c.fam.sm90_bwd and (c.causal or c.variant.local or c.fam.dq_mode == "ordered" or c.block_m == 128
+                           or c.num_warps == 8):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from cuflash import dispatch, heuristics, launch, options
 from cuflash.config import KernelConfig
+from cuflash.variants import MaskVariant
 
 import sass_tools as sass
 
@@ -127,7 +128,7 @@ def test_sm90_bwd_backend_selection():
 
 
 def test_sm90_bwd_grid_order():
-    """Causal and ordered kernels, and the others with 128-row query tiles, take the sectioned 1-D
+    """Causal, windowed and ordered kernels, and the others with 128-row query tiles, take the sectioned 1-D
     grid (BwdTileScheduler::block reads a grid with gridDim.y == gridDim.z == 1 that way); the rest the (key tile,
     kv head, batch) grid, and the portable kernels always the 3-D one."""
     def grid(family, causal, nk, block_m=128):
@@ -137,6 +138,11 @@ def test_sm90_bwd_grid_order():
     assert grid("sm90_bwd_dkdv_dqtile", False, 4097) == (33 * 32, 1, 1)
     assert grid("sm90_bwd_dkdv_dqtile", False, 1024, block_m=64) == (8, 8, 4)
     assert grid("sm90_bwd_dkdv_dqtile", True, 4096, block_m=64) == (32 * 32, 1, 1)
+    # A window makes the work per key tile uneven too (Mask::kUnevenWork): the 1-D grid, as causal.
+    local = KernelConfig("sm90_bwd_dkdv_dqtile", "float16", 64, False, 64, 128, 12, variant=MaskVariant(local=True))
+    assert launch.bwd_dkdv_grid(local, 4, 8, 4096) == (32 * 32, 1, 1)
+    softcap = replace(local, variant=MaskVariant(softcap=True))
+    assert launch.bwd_dkdv_grid(softcap, 4, 8, 1024) == (8, 8, 4)
     assert grid("sm90_bwd_dkdv_dqtile_ordered", False, 4096) == (32 * 32, 1, 1)
     assert grid("sm80_bwd_dkdv", False, 512) == (4, 8, 4)
 

@@ -34,8 +34,11 @@
 // each; each computes S^T / dP^T for half of the query rows, stores its P^T and dS^T halves into shared
 // memory, and the dV / dK products take the other half from there (one named barrier per step between
 // them). No shared memory is left for the dQ slices: they go into the Q / dO buffers of the ring stage
-// just consumed. Causal: query tiles before the key tile's first visible row are skipped; odd lengths
-// and head dims come from TMA's zero fill plus masking (P = 0 outside).
+// just consumed. A key tile visits only the query tiles the mask policy gives it ([m_block_min,
+// m_block_max): causal, windows, chunks); odd lengths and head dims come from TMA's zero fill plus masking
+// (P = 0 outside). The kernels take a MaskVariant (common/mask.cuh): the policy is
+// MaskPolicy<kBlockM, kBlockN, Variant>; a score modifier is applied before the mask and its derivative
+// multiplies dS; sinks need no code here (lse includes them).
 #include "bwd_tile.cuh"
 #include "bwd_scheduler.cuh"
 #include "bwd_producer.cuh"
@@ -44,35 +47,36 @@
 #include "bwd_epilogue.cuh"
 
 // A consumer warpgroup: the mainloop over the CTA's steps, then the epilogue.
-template <typename Tag, class Tile, bool kIsCausal, class Mask, class Steps>
+template <typename Tag, class Tile, class Mask, class Steps>
 __device__ __forceinline__ void bwd_consumer(const BwdParams& p, const BwdSmem<Tile>& smem, int n_block, int n0,
                                              int head_kv, int batch, int wg) {
     setmaxnreg_inc<Tile::kConsumerRegs>();
     // The steps again (not the CTA's), from an opaque copy of seqlen_q so that ptxas cannot hoist them
-    // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles).
+    // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles). (Batch and
+    // head 0: the steps ask no score question; the mainloop builds the modifier's policy per step.)
     int seqlen_q_opaque = p.seqlen_q;
     asm volatile("" : "+r"(seqlen_q_opaque));
-    const Steps steps(n_block, Mask(seqlen_q_opaque, p.seqlen_k), seqlen_q_opaque, p.seqlen_k, p.heads_per_kv);
+    const Steps steps(n_block, Mask(p, seqlen_q_opaque, 0, 0), p.seqlen_k, p.heads_per_kv);
     const BwdConsumerThread<Tile> thr(wg);
-    const BwdMainloop<Tag, Tile, kIsCausal, Mask> mainloop(p, smem, thr, n_block, n0);
+    const BwdMainloop<Tag, Tile, Mask> mainloop(p, smem, thr, n_block, n0);
     mainloop.template run<BwdEpilogue<Tag, Tile>>(steps, head_kv, batch);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, int kDqMode,
-          class Mask = CausalMask<kBlockM, kBlockN, kIsCausal>>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDqMode>
 __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, const TmaDesc& tma_do) {
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using Tile = Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kDqMode>;
-    using Scheduler = BwdTileScheduler<kBlockM, kBlockN, kHeadDim, kIsCausal, kDqMode>;
+    using Scheduler = BwdTileScheduler<kBlockM, kBlockN, kHeadDim, Mask, kDqMode>;
     using Steps = BwdSteps<kBlockM, kBlockN, Mask, Scheduler::kRotate>;
-    using DqWriter = BwdDqWriter<Tile, kIsCausal, Mask>;
+    using DqWriter = BwdDqWriter<Tile, Mask>;
 
     extern __shared__ char smem_raw[];
     const BwdSmem<Tile> smem(smem_raw);
     if (threadIdx.x == 0) CUFLASH_BWD_TRACE(15, clock64());   // kernel entry
     const BwdBlock blk = Scheduler::block(p);
     const int n0 = blk.n_block * kBlockN;
-    const Steps steps(blk.n_block, Mask(p.seqlen_q, p.seqlen_k), p.seqlen_q, p.seqlen_k, p.heads_per_kv);
+    const Steps steps(blk.n_block, Mask(p), p.seqlen_k, p.heads_per_kv);
     const int head0 = blk.head_kv * p.heads_per_kv;
     // Broadcast from lane 0 so that ptxas knows the warpgroup index is warp-uniform: shared-memory
     // addresses and wgmma descriptors built from it then stay in uniform registers (no R2UR per wgmma).
@@ -100,18 +104,18 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
             DqWriter::run(p, smem, steps, blk.n_block, blk.batch, head0, warp - 2);
         }
     } else {
-        bwd_consumer<Tag, Tile, kIsCausal, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, blk.batch, wg);
+        bwd_consumer<Tag, Tile, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, blk.batch, wg);
     }
 }
 
 // The entry points (cuflash/config.py names them; their template parameters are the launch's).
 #define CUFLASH_SM90_BWD_KERNEL(name, mode)                                                                  \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>               \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                \
     __global__ void __launch_bounds__(kNWarps * 32,                                                            \
                                       (Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kCtasPerSm))    \
     name(const BwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,      \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_do) {                      \
-        bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, mode>(p, tma_q, tma_k, tma_v, tma_do);   \
+        bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode>(p, tma_q, tma_k, tma_v, tma_do);     \
     }
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_kernel, kDqTile)
 CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
@@ -121,7 +125,7 @@ CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 // it from the compiled module): Sm90BwdTile::kSmemBytes after the base, and 1024 bytes of slack for the
 // base's alignment.
 #define CUFLASH_SM90_BWD_SMEM(name, mode)                                                                    \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>               \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                \
     __device__ const int name##_smem_bytes =                                                                   \
         1024 + Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kSmemBytes;
 CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_kernel, kDqTile)

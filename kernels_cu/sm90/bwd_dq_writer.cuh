@@ -54,7 +54,7 @@ constexpr int kDqSliceReady = 1 << 24;   // above any count of key tiles adding 
 // one buffer: the phases of its dq_full / dq_empty barriers alternate with the step).
 using BwdDqSlotState = PipelineState<1>;
 
-template <class Tile, bool kIsCausal, class Mask>
+template <class Tile, class Mask>
 struct BwdDqWriter {
     static constexpr int kBlockM = Tile::kBlockM, kStages = Tile::kStages, kDqMode = Tile::kDqMode;
     static constexpr int kWarps = Tile::kConsumerWGs;   // warps 2 .. 2 + kWarps of the producer warpgroup
@@ -63,9 +63,11 @@ struct BwdDqWriter {
     // a slice already stored is then added with no atomic at all, and only the others are claimed, after
     // that wait. A claim itself must never go out before the slice is in shared memory: the claimer's
     // consumers could then be held up (through the two warpgroups' common barriers) by its other dQ warp
-    // waiting on a CTA that waits on this claim. Not the causal split-D tiles: the value read ahead spills
-    // this 24-register warp at D=192.
-    static constexpr bool kClaimEarly = kClaim && !(kIsCausal && Tile::kDqInRing);
+    // waiting on a CTA that waits on this claim. Not the split-D tiles of patterns that skip tiles: the
+    // value read ahead spills this 24-register warp at D=192 (causal).
+    static constexpr bool kClaimEarly = kClaim && !(Mask::kSkipsTiles && Tile::kDqInRing);
+    // The ordered mode's position computed at the top of the step (run): with a window.
+    static constexpr bool kOrderFirst = Mask::kLocal;
 
     // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after the key tiles
     // before this one, and released when its writes are performed).
@@ -82,11 +84,17 @@ struct BwdDqWriter {
         // Unordered: if not yet stored a slice is claimed once it is in shared memory, and a stored slice's
         // flag is released as soon as the store is performed, before any wait on another CTA's flag: no
         // wait is circular.
-        // The last key tile that query tile m_block sees (the mask policy's, built from the parameters).
-        auto n_block_max = [&](int m_block) { return Mask(p.seqlen_q, p.seqlen_k).n_block_max(m_block); };
+        // This key tile's position among those reaching query tile m_block (the mask policy's, built from
+        // the parameters).
+        auto dq_order = [&](int m_block) { return BwdDqOrder<Mask>::position(Mask(p), m_block, n_block); };
         int tile_next = slice_index(0);
         int seen_next = kClaimEarly ? semaphore_load_acquire(p.dq_semaphore + tile_next * Tile::kConsumerWGs + cw) : 0;
         for (int i = 0; i < steps.n_iter; ++i) {
+            // Ordered: BwdDqOrder's position among the key tiles [n_block_min, n_block_max) of this query
+            // tile. The first (order 0) stores its slice, so that the preprocess zeroes only the query tiles
+            // that no key tile reaches. kOrderFirst: computed here, while few values are live (a window's
+            // chunks take a division, which spilled this 24-register warp where the order is used).
+            const int order_first = kDqMode == kDqTileOrdered && kOrderFirst ? dq_order(steps.query_tile(i)) : -1;
             const PipelineState<kStages> pipe(i);
             const u32 dq_stage = Tile::kDqInRing ? (cw == 0 ? smem.q : smem.dout) + pipe.stage() * Tile::kQBytes
                                                  : smem.dq_slice(cw);
@@ -101,11 +109,7 @@ struct BwdDqWriter {
             if constexpr (Tile::kDqInRing) mbar_arrive(smem.bar_dq_empty(cw));
             const int seen = kClaimEarly && seen_next >= kDqSliceReady ? seen_next
                            : kClaim ? semaphore_acquire_add(sem) : 0;
-            // Ordered: ascending key tiles, or (causal) down from the last key tile this query tile sees.
-            // The first (order 0) stores its slice, so that the preprocess need not zero dq_accum.
-            const int order = kDqMode != kDqTileOrdered ? -1
-                            : kIsCausal ? n_block_max(steps.query_tile(i)) - 1 - n_block
-                                        : n_block;
+            const int order = kDqMode != kDqTileOrdered ? -1 : kOrderFirst ? order_first : dq_order(steps.query_tile(i));
             bool first = CUFLASH_SM90_BWD_FIRST_STORE && order == 0;
             if constexpr (kDqMode == kDqTileOrdered) {
                 semaphore_wait(sem, order);

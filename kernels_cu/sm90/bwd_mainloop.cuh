@@ -24,14 +24,9 @@ struct BwdConsumerThread {
           q_off(Tile::kSplitSdP ? cw * kQCols : 0) {}
 };
 
-// A score modifier's derivative per accumulator element (kHasScoreMod); nothing without a modifier.
-template <int kN, bool kHasScoreMod>
-struct BwdScoreDerivatives { float v[kN]; };
-template <int kN>
-struct BwdScoreDerivatives<kN, false> {};
-
-// Mask: the mask / score-modifier policy (common/mask.cuh); every mask question of the step goes to it.
-template <typename Tag, class Tile, bool kIsCausal, class Mask = CausalMask<Tile::kBlockM, Tile::kBlockN, kIsCausal>>
+// Mask: the mask / score-modifier policy (common/mask.cuh); every mask question of the step goes to it, and
+// the tuning choices below ask its traits.
+template <typename Tag, class Tile, class Mask>
 struct BwdMainloop {
     static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     static constexpr int kPad = Tile::kHeadDimPad;
@@ -40,9 +35,9 @@ struct BwdMainloop {
     static constexpr bool kSplitSdP = Tile::kSplitSdP;
     static constexpr int kQCols = BwdConsumerThread<Tile>::kQCols;
     // lse2 / delta of this thread's query columns read while S^T / dP^T run, not after the wait, where
-    // their shared-memory latency sat at the head of the P^T / dS^T chain. Not causal (slower there) nor
-    // with 128-row query steps (64 registers of them spill).
-    static constexpr bool kStatsEarly = kQCols <= 64 && !kIsCausal;
+    // their shared-memory latency sat at the head of the P^T / dS^T chain. Not where tiles are skipped
+    // (causal: slower there) nor with 128-row query steps (64 registers of them spill).
+    static constexpr bool kStatsEarly = kQCols <= 64 && !Mask::kSkipsTiles;
     // dV, then dQ, then dK, as three wgmma groups, so that the dQ slice is written to shared memory while
     // dK runs (the tensor cores were idle while it was, after a wait for all three). Not split-D: no
     // registers for it (and the slices wait for the ring stage there).
@@ -65,8 +60,9 @@ struct BwdMainloop {
                                            const BwdConsumerThread<Tile>& thr_, int n_block_, int n0_)
         : p(p_), smem(smem_), thr(thr_), n_block(n_block_), n0(n0_) {}
     // The mask policy, built from the kernel parameters at each question (as the kernel has always read
-    // them: at each use, nothing kept in registers across the loop).
-    __device__ __forceinline__ Mask mask() const { return Mask(p.seqlen_q, p.seqlen_k); }
+    // them: at each use, nothing kept in registers across the loop). The score modifier's is built per step
+    // with the step's query head (probs_and_ds).
+    __device__ __forceinline__ Mask mask() const { return Mask(p); }
 
     // acc = this warpgroup's 64 rows of key_tile (K or V) times query_tile^T (Q or dO), both K-major.
     __device__ void key_query_product(SdpAcc& acc, u32 key_tile, u32 query_tile) const {
@@ -81,45 +77,54 @@ struct BwdMainloop {
     }
 
     // P^T and dS^T in place of S^T and dP^T. Register 4j + e: key key_local + 8 (e >> 1), query
-    // m0 + q_off + 8j + 2 t4 + (e & 1).
+    // m0 + q_off + 8j + 2 t4 + (e & 1). head, batch: the step's (the score modifier's, e.g. ALiBi's slope).
     __device__ __forceinline__ void probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp, const float* lse2_s,
-                                                 const float* delta_s, StatRow& lse2_v, StatRow& delta_v) const {
-        [[maybe_unused]] BwdScoreDerivatives<kQCols / 2, Mask::kHasScoreMod> score_grad;
+                                                 const float* delta_s, StatRow& lse2_v, StatRow& delta_v,
+                                                 [[maybe_unused]] int head, [[maybe_unused]] int batch) const {
         if constexpr (Mask::kHasScoreMod) {
-            // Before the mask: a modifier may map -inf to a finite score.
+            // One pass per element (modifier, mask, P, dS), so that a score's derivative is live for that
+            // element only: a row of them (kQCols / 2 registers) spills the consumer.
+            const Mask mod(p, batch, head);
+            const bool masked = mask().needs_mask(m_block, n_block);
 #pragma unroll
-            for (int j = 0; j < kQCols / 8; ++j)
+            for (int j = 0; j < kQCols / 8; ++j) {
+                if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+                const float2 l2 = lse2_v[j], dl = delta_v[j];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1);
                     const int col = n0 + thr.key_local + 8 * (e >> 1);
                     const float s = acc_s[4 * j + e];
-                    acc_s[4 * j + e] = mask().modify_score(s, row, col);
-                    score_grad.v[4 * j + e] = mask().score_derivative(s, row, col);
+                    const float ds = (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * mod.score_derivative(s, row, col);
+                    // The modifier before the mask: a modifier may map -inf to a finite score.
+                    float s_mod = mod.modify_score(s, row, col);
+                    if (masked && !mask().visible(row, col)) s_mod = -CUFLASH_INF;
+                    const float pr = bwd_prob(s_mod, p.scale_log2, (e & 1) ? l2.y : l2.x);
+                    acc_dp[4 * j + e] = pr * ds;
+                    acc_s[4 * j + e] = pr;
                 }
-        }
-        // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
-        // so that the loop below carries no per-element test.
-        if (mask().needs_mask(m_block, n_block)) {
+            }
+        } else {
+            // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
+            // so that the loop below carries no per-element test.
+            if (mask().needs_mask(m_block, n_block)) {
 #pragma unroll
-            for (int j = 0; j < kQCols / 8; ++j)
+                for (int j = 0; j < kQCols / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
-                        acc_s[4 * j + e] = -CUFLASH_INF;
-        }
+                    for (int e = 0; e < 4; ++e)
+                        if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
+                            acc_s[4 * j + e] = -CUFLASH_INF;
+            }
 #pragma unroll
-        for (int j = 0; j < kQCols / 8; ++j) {
-            if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
-            const float2 l2 = lse2_v[j], dl = delta_v[j];
+            for (int j = 0; j < kQCols / 8; ++j) {
+                if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+                const float2 l2 = lse2_v[j], dl = delta_v[j];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
-                if constexpr (Mask::kHasScoreMod)
-                    acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * score_grad.v[4 * j + e];
-                else
+                for (int e = 0; e < 4; ++e) {
+                    const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
                     acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
-                acc_s[4 * j + e] = pr;
+                    acc_s[4 * j + e] = pr;
+                }
             }
         }
     }
@@ -128,10 +133,11 @@ struct BwdMainloop {
     // are 64-column block key_wg. dsa[kk][q] is the 8 x 8 (key, query) block (keys + 8 (q & 1), queries
     // 16 kk + 8 (q >> 1)); one transposing stmatrix per k16 step stores the four (a single instruction
     // instead of 32 two-byte stores per thread). Split-D: each warpgroup stores its query half of dS and of
-    // P^T into the common buffers. Causal 128-row query tiles keep two-byte stores: stmatrix, which saves
-    // the non-causal step about 130 instructions a warp, measured slower there (docs/design.md: dS staging).
+    // P^T into the common buffers. 128-row query tiles of patterns that skip tiles keep two-byte stores:
+    // stmatrix, which saves the non-causal step about 130 instructions a warp, measured slower causal
+    // (docs/design.md: dS staging).
     __device__ __forceinline__ void store_ds(u32 ds_buf, u32 p_buf, const Frags& pa, const Frags& dsa) const {
-        if constexpr (kBlockM == 64 || !kIsCausal) {
+        if constexpr (kBlockM == 64 || !Mask::kSkipsTiles) {
             const u32 ds_base = ds_buf + thr.key_wg * kBlockM * 128;
             const int q = thr.lane >> 3, row = thr.lane & 7;             // this lane's block and row
             const int kchunk = 2 * thr.warp + (q & 1);                   // (key_local % 64) / 8 of block q
@@ -270,7 +276,9 @@ struct BwdMainloop {
             fence_operand(acc_dp);
             if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
-            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v);
+            // The step's query head: the steps walk the GQA group's heads (BwdSteps).
+            const int head = head_kv * p.heads_per_kv + i / steps.n_m;
+            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch);
             // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
             u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
 #pragma unroll
