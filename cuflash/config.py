@@ -78,8 +78,14 @@ def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, c
                   direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8)
 
 
-def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:
-    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode)
+def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80,
+         template: tuple = Family.template) -> Family:
+    return Family(name, source, kernel, min_cc, backend == "sm90", template, direction="bwd", backend=backend,
+                  dq_mode=dq_mode)
+
+
+# The template of a family whose kernels take a MaskVariant (kernels_cu/common/mask.cuh).
+MASK_TEMPLATE = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask")
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
@@ -87,7 +93,7 @@ def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> F
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="sm80"),
+    Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False, MASK_TEMPLATE, direction="fwd", backend="sm80"),
     Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="simt"),
     # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
     # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
@@ -114,12 +120,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     _aux("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, ("tag", "num_warps")),
     _aux("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, ("tag", "num_warps")),
-    _bwd("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", "sm80", "kernel"),
-    _bwd("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", "sm80", "atomic"),
+    _bwd("sm80_bwd_dkdv", "sm80/bwd.cu", "bwd_dkdv_kernel", "sm80", "kernel", template=MASK_TEMPLATE),
+    _bwd("sm80_bwd_dkdv_dq", "sm80/bwd.cu", "bwd_dkdv_dq_kernel", "sm80", "atomic", template=MASK_TEMPLATE),
     # Version 2 of the dK/dV kernels (Q/dO ring, two barriers per step, 2-D warp grids).
-    _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel"),
-    _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic"),
-    _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None),
+    _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel", template=MASK_TEMPLATE),
+    _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic", template=MASK_TEMPLATE),
+    _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None, template=MASK_TEMPLATE),
     _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
