@@ -94,7 +94,7 @@ def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> F
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False, MASK_TEMPLATE, direction="fwd", backend="sm80"),
-    Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="simt"),
+    Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, MASK_TEMPLATE, direction="fwd", backend="simt"),
     # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
     # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
     _sm90_fwd("sm90_fwd_overlap", "fwd_overlap_kernel", "overlap"),
@@ -126,8 +126,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel", template=MASK_TEMPLATE),
     _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic", template=MASK_TEMPLATE),
     _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None, template=MASK_TEMPLATE),
-    _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
-    _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
+    _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel", template=MASK_TEMPLATE),
+    _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None, template=MASK_TEMPLATE),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
     # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
     _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),
