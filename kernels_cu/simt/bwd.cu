@@ -156,8 +156,9 @@ bwd_dkdv_kernel(const BwdParams p) {
 
     // Step it visits query tile m_begin + it % n_m of query head head0 + it / n_m: the query tiles
     // [m_block_min, m_block_max) that the mask policy says see this key tile, for each head of the GQA group.
-    const int m_begin = Mask(p).m_block_min(n_block);
-    const int m_end = Mask(p).m_block_max(n_block);
+    const Mask mask(p);
+    const int m_begin = mask.m_block_min(n_block);
+    const int m_end = mask.m_block_max(n_block);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * p.heads_per_kv;
     const int head0 = head_kv * p.heads_per_kv;
@@ -308,7 +309,6 @@ bwd_dq_kernel(const BwdParams p) {
             simt_scores<Tile>(s, sQ, sK, tr, tc);
             simt_scores<Tile>(dp, sdO, sV, tr, tc);
             const bool mask = Mask(p).needs_mask(m_block, n_block);
-            const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
 #pragma unroll
             for (int i = 0; i < Tile::kTR; ++i)
 #pragma unroll
@@ -317,6 +317,7 @@ bwd_dq_kernel(const BwdParams p) {
                     const int kc = tc + j * Tile::kGC;
                     float sv = s[i][j], grad = 1.f;   // grad: the score modifier's derivative
                     if constexpr (Mask::kHasScoreMod) {
+                        const Mask mod(p, batch, head);
                         grad = mod.score_derivative(sv, m0 + qr, n0 + kc);
                         sv = mod.modify_score(sv, m0 + qr, n0 + kc);
                     }
