@@ -219,12 +219,11 @@ struct SimtFwd {
 
     // The key tiles this CTA visits are [n_block_min, n_block_max) of the policy, walked from the last down:
     // prologue() returns the last, the loop runs while has_key_tile(). Re-derived where asked, like the
-    // coordinates (nothing held across the loop).
-    // (The first is a constant where the policy never skips leading tiles, so that the bounds fold in the front
-    // end.)
+    // coordinates (nothing held across the loop); the first is the constant 0 where the policy never skips
+    // leading tiles, so that reading the coordinates for it leaves no trace in the code.
     static __device__ __forceinline__ int first_key_tile(const FwdParams& p) {
         if constexpr (Mask::kLocal) return Mask(p).n_block_min(Coords::read().row_base / kBlockM);
-        else return 0;   // the policy's own answer, without reading the coordinates
+        else return 0;
     }
     static __device__ __forceinline__ bool has_key_tile(const FwdParams& p, int n_block) {
         return n_block >= first_key_tile(p);
