@@ -31,9 +31,8 @@ class Family:
     min_cc: int          # lowest compute capability (e.g. 80)
     arch_specific: bool  # needs the "a" target (sm_90a): wgmma, setmaxnreg
     # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag, "mask" the
-    # MaskVariant type built from causal and variant: kernels_cu/common/mask.cuh; "causal" a bool, for a
-    # family that takes no variant yet).
-    template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "causal")
+    # MaskVariant type built from causal and variant: kernels_cu/common/mask.cuh).
+    template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask")
     direction: str = "aux"        # "fwd" | "bwd" | "aux" (helpers: pre/postprocess, fp8, ring)
     backend: str = "aux"          # "sm80" (mma.sync) | "simt" (float32) | "sm90" (wgmma, TMA) | "aux"
     schedule: str | None = None   # sm90 forward consumer schedule: "simple" | "overlap"
@@ -78,13 +77,8 @@ def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, c
                   direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8)
 
 
-def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80,
-         mask: bool = False) -> Family:
-    """A backward family; ``mask``: its kernels take a MaskVariant (the "mask" template argument), not the
-    causal bool."""
-    template = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask" if mask else "causal")
-    return Family(name, source, kernel, min_cc, backend == "sm90", template, direction="bwd", backend=backend,
-                  dq_mode=dq_mode)
+def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:
+    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode)
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
@@ -129,9 +123,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
     # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
-    _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90, mask=True),
-    _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90,
-         mask=True),
+    _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),
+    _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90),
     # Converts the tiled dq_accum of the two families above (block_m: their query tile).
     _aux("bwd_postprocess_tiled", "aux/bwd_postprocess.cu", "bwd_postprocess_tiled_kernel", 80,
          ("tag", "head_dim", "block_m", "num_warps")),
@@ -194,12 +187,8 @@ class KernelConfig:
         return 32 * self.num_warps
 
     def template_args(self) -> tuple:
-        if not self.variant.plain and "mask" not in self.fam.template:
-            raise NotImplementedError(f"kernel family {self.family} takes no attention variant yet "
-                                      f"({self.variant.tag()})")
         values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
                   "block_n": self.block_n, "num_warps": self.num_warps,
-                  "causal": "true" if self.causal else "false",
                   "mask": self.variant.template_arg(self.causal)}
         return tuple(values[name] for name in self.fam.template)
 

@@ -401,6 +401,9 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD:
         bm, bn, w = opts.sm90_bwd_tiles or (short and _SM90_BWD_SHORT.get(bucket)) or _SM90_BWD[bucket]
+        if (bm == 128 and causal and variant.has_score_mod and not variant.local and bucket <= 64
+                and not opts.sm90_bwd_tiles):
+            bm = 64   # a score modifier's per-element work spills 128-row causal query steps there
         family = "sm90_bwd_dkdv_dqtile_ordered" if deterministic else "sm90_bwd_dkdv_dqtile"
         post = KernelConfig("bwd_postprocess_tiled", dtype, bucket, False, bm, 0, BWD_AUX_WARPS)
         return BwdConfigs(pre, KernelConfig(family, dtype, bucket, causal, bm, bn, w, variant), None, post)

@@ -53,7 +53,7 @@ def bwd_dkdv_grid(c: KernelConfig, batch: int, heads_kv: int, seqlen_k: int) -> 
     in L2-sized sections of (kv head, batch) groups: heaviest key tiles first, or the ordered kernel's
     rank order (kernels_cu/sm90/bwd_scheduler.cuh: BwdTileScheduler::block)."""
     n_blocks = (seqlen_k + c.block_n - 1) // c.block_n
-    if c.fam.sm90_bwd and (c.causal or c.variant.local or c.fam.dq_mode == "ordered" or c.block_m == 128
+    if c.fam.sm90_bwd and (c.uneven or c.fam.dq_mode == "ordered" or c.block_m == 128
                            or c.num_warps == 8):
         return (n_blocks * heads_kv * batch, 1, 1)
     return (n_blocks, heads_kv, batch)

@@ -93,11 +93,6 @@ struct MaskPolicy {
     __device__ __forceinline__ explicit MaskPolicy(const Params& p, int batch = 0, int head = 0) {
         init(p, p.seqlen_q, batch, head);
     }
-    // Lengths only, for a plain or causal variant (no run-time values): kernels not yet given a variant.
-    __device__ __forceinline__ MaskPolicy(int seqlen_q_, int seqlen_k_) : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {
-        static_assert(!kLocal && !kHasScoreMod, "a variant with run-time values is built from the kernel's parameters");
-        diag = seqlen_k - seqlen_q;
-    }
     // The same with seqlen_q given (the sm90 backward passes an opaque copy: see bwd.cu).
     template <class Params>
     __device__ __forceinline__ MaskPolicy(const Params& p, int seqlen_q_, int batch, int head) {
@@ -222,7 +217,3 @@ __device__ __forceinline__ float sink_log2(const Params& p, int head) {
     if constexpr (Variant::kSink) return p.sinks[head] * 1.4426950408889634f;
     else return -CUFLASH_INF;
 }
-
-// The causal-or-not policy of a kernel that takes no variant yet (a bool template parameter).
-template <int kBlockM, int kBlockN, bool kIsCausal>
-using CausalMask = MaskPolicy<kBlockM, kBlockN, MaskVariant<kIsCausal, false, false, false, false>>;

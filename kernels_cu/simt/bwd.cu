@@ -10,7 +10,9 @@
 //                    tiles: S = Q K^T, dP = dO V^T, dS -> shared memory,
 //                    dQ += dS K (registers). No atomics.
 // Both are deterministic; both are instantiated per head-dim bucket, the
-// run-time head_dim zero-fills the padding columns.
+// run-time head_dim zero-fills the padding columns. The mask policy (common/mask.cuh,
+// exact math) built from the kernel's MaskVariant gives the tiles each loop visits,
+// the hidden elements and the score modifier.
 //
 // Both kernels do the same two steps on a tile of R "row" vectors (the side
 // that owns the accumulators) against C "column" vectors:
@@ -118,11 +120,11 @@ __device__ __forceinline__ void simt_store_row(float* dst, const float4 (&acc)[T
     }
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32)
 bwd_dkdv_kernel(const BwdParams p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>;  // rows: keys, columns: queries
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -152,8 +154,11 @@ bwd_dkdv_kernel(const BwdParams p) {
     const float* gV = static_cast<const float*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride
                       + n0 * p.v_row_stride;
 
-    const int m_begin = Mask(p).m_block_min(n_block);
-    const int m_end = ceil_div(p.seqlen_q, kBlockM);
+    // Step it visits query tile m_begin + it % n_m of query head head0 + it / n_m: the query tiles
+    // [m_block_min, m_block_max) that the mask policy says see this key tile, for each head of the GQA group.
+    const Mask mask(p);
+    const int m_begin = mask.m_block_min(n_block);
+    const int m_end = mask.m_block_max(n_block);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * p.heads_per_kv;
     const int head0 = head_kv * p.heads_per_kv;
@@ -204,8 +209,9 @@ bwd_dkdv_kernel(const BwdParams p) {
                     const int qc = tc + j * Tile::kGC;  // query
                     float sv = s[i][j], grad = 1.f;   // grad: the score modifier's derivative
                     if constexpr (Mask::kHasScoreMod) {
-                        grad = Mask(p).score_derivative(sv, m0 + qc, n0 + kr);
-                        sv = Mask(p).modify_score(sv, m0 + qc, n0 + kr);
+                        const Mask mod(p, batch, head);
+                        grad = mod.score_derivative(sv, m0 + qc, n0 + kr);
+                        sv = mod.modify_score(sv, m0 + qc, n0 + kr);
                     }
                     float pv = bwd_prob(sv, p.scale_log2, sLse2[qc]);
                     if (mask && !Mask(p).visible(m0 + qc, n0 + kr)) pv = 0.f;
@@ -232,11 +238,11 @@ bwd_dkdv_kernel(const BwdParams p) {
     }
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32)
 bwd_dq_kernel(const BwdParams p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;  // rows: queries, columns: keys
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -251,7 +257,8 @@ bwd_dq_kernel(const BwdParams p) {
     const int tid = threadIdx.x;
     const int tc = tid % Tile::kGC, tr = tid / Tile::kGC;
     const int osub = tid % Tile::kTPR, orow = tid / Tile::kTPR;
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
+    const int m_block = Mask::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const int head_kv = head / p.heads_per_kv;
@@ -281,11 +288,14 @@ bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
     for (int j = 0; j < Tile::kCPT; ++j) acc_dq[j] = make_float4(0.f, 0.f, 0.f, 0.f);
 
+    // The key tiles this query tile visits, [n_block_min, n_block_max). The first is a constant where the policy
+    // never skips leading tiles, so that the loop bounds fold in the front end.
+    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Mask(p).n_block_max(m_block);
-    if (n_block_max > 0) {
+    if (n_block_max > n_block_min) {
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
-        for (int n_block = 0; n_block < n_block_max; ++n_block) {
+        for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
             const int n0 = n_block * kBlockN;
             load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(
                 sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, hd, tid);
@@ -307,8 +317,9 @@ bwd_dq_kernel(const BwdParams p) {
                     const int kc = tc + j * Tile::kGC;
                     float sv = s[i][j], grad = 1.f;   // grad: the score modifier's derivative
                     if constexpr (Mask::kHasScoreMod) {
-                        grad = Mask(p).score_derivative(sv, m0 + qr, n0 + kc);
-                        sv = Mask(p).modify_score(sv, m0 + qr, n0 + kc);
+                        const Mask mod(p, batch, head);
+                        grad = mod.score_derivative(sv, m0 + qr, n0 + kc);
+                        sv = mod.modify_score(sv, m0 + qr, n0 + kc);
                     }
                     float pv = bwd_prob(sv, p.scale_log2, lse2[i]);
                     if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
@@ -331,7 +342,7 @@ bwd_dq_kernel(const BwdParams p) {
 }
 
 // Each kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int bwd_dkdv_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>::kSmemBytesDkdv;
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int bwd_dq_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytesDq;

@@ -5,7 +5,9 @@
 // memory as float rows padded by 4 floats; K and V stream through one buffer
 // each with cp.async, the V load of tile n overlapping S = Q K_n^T and the K
 // load of tile n-1 overlapping O += P V_n (as in sm80/fwd.cu). Key tiles are
-// visited from last to first, so the tiles that need masking come first.
+// visited from last to first, so the tiles that need masking come first. The
+// mask policy (common/mask.cuh, exact math) built from the kernel's MaskVariant
+// gives the key tiles, the hidden elements, the score modifier and the sink.
 //
 // Thread layout: the kThreads threads form a kNY x kNX grid, tx = tid % kNX
 // (fastest), ty = tid / kNX. A row group (the kNX threads of one ty) lies
@@ -139,7 +141,8 @@ __device__ __forceinline__ int3 simt_read_ctaid() {
 // loop and in the epilogue, so that no index or pointer stays live across
 // the main loop: ptxas's occupancy heuristics otherwise like to spill such
 // long-lived, rarely used values.
-template <int kBlockM, int kNX, bool kIsCausal>
+// kHeaviestFirst: query tiles see different numbers of keys, the last the most: launch them first.
+template <int kBlockM, int kNX, bool kHeaviestFirst>
 struct SimtCoords {
     int tx, ty;       // position in the kNY x kNX thread grid
     int row_base;     // first query row of the tile
@@ -151,8 +154,7 @@ struct SimtCoords {
         const int3 cta = simt_read_ctaid();
         c.tx = tid % kNX;
         c.ty = tid / kNX;
-        // Causal tiles near the end of the sequence do the most work: launch them first.
-        c.row_base = (kIsCausal ? static_cast<int>(gridDim.x) - 1 - cta.x : cta.x) * kBlockM;
+        c.row_base = (kHeaviestFirst ? static_cast<int>(gridDim.x) - 1 - cta.x : cta.x) * kBlockM;
         c.head = cta.y;
         c.batch = cta.z;
         return c;
@@ -176,11 +178,11 @@ __device__ __forceinline__ float group_sum(float x) {
 
 // The kernel's parts. Each re-derives the thread's coordinates (Coords::read) rather than holding them:
 // across the key loop only acc_o and the key tile stay in registers.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 struct SimtFwd {
     using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
-    using Coords = SimtCoords<kBlockM, Tile::kNX, kIsCausal>;
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
+    using Coords = SimtCoords<kBlockM, Tile::kNX, Mask::kUnevenWork>;
     static constexpr int kThreads = Tile::kThreads;
     static constexpr int kNX = Tile::kNX;
     static constexpr int kNY = Tile::kNY;
@@ -215,7 +217,23 @@ struct SimtFwd {
                + n0 * row_stride;
     }
 
-    // Statistics initialised; Q and the first K tile on their way. Returns the first (last-visited) key tile.
+    // The key tiles this CTA visits are [n_block_min, n_block_max) of the policy, walked from the last down:
+    // prologue() returns the last, the loop runs while has_key_tile(). Re-derived where asked, like the
+    // coordinates (nothing held across the loop); the first is the constant 0 where the policy never skips
+    // leading tiles, so that reading the coordinates for it leaves no trace in the code.
+    static __device__ __forceinline__ int first_key_tile(const FwdParams& p) {
+        if constexpr (Mask::kLocal) return Mask(p).n_block_min(Coords::read().row_base / kBlockM);
+        else return 0;
+    }
+    static __device__ __forceinline__ bool has_key_tile(const FwdParams& p, int n_block) {
+        return n_block >= first_key_tile(p);
+    }
+    // Whether a tile is left after n_block.
+    static __device__ __forceinline__ bool has_next_key_tile(const FwdParams& p, int n_block) {
+        return n_block > first_key_tile(p);
+    }
+
+    // Statistics initialised; Q and the first K tile on their way. Returns the first-visited (last) key tile.
     static __device__ __forceinline__ int prologue(const FwdParams& p, const Smem& sm) {
         const Coords c = Coords::read();
         const int tid = c.ty * kNX + c.tx;
@@ -225,7 +243,7 @@ struct SimtFwd {
             sm.stat[(2 * i + 1) * kThreads + tid] = 0.f;
         }
         const int n_block = Mask(p).n_block_max(c.row_base / kBlockM) - 1;
-        if (n_block >= 0) {
+        if (has_key_tile(p, n_block)) {
             const float* gQ = static_cast<const float*>(p.q) + c.batch * p.q_batch_stride + c.head * p.q_head_stride
                               + c.row_base * p.q_row_stride;
             simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(sm.q, gQ, p.q_row_stride, p.seqlen_q - c.row_base, tid);
@@ -283,11 +301,12 @@ struct SimtFwd {
         const Coords c = Coords::read();
         const int n0 = n_block * kBlockN;
         if constexpr (Mask::kHasScoreMod) {
+            const Mask mod(p, c.batch, c.head);
 #pragma unroll
             for (int i = 0; i < kRows; ++i)
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k)
-                    acc_s[i][k] = Mask(p).modify_score(acc_s[i][k], c.row_base + c.ty + i * kNY, n0 + c.tx + k * kNX);
+                    acc_s[i][k] = mod.modify_score(acc_s[i][k], c.row_base + c.ty + i * kNY, n0 + c.tx + k * kNX);
         }
         if (Mask(p).needs_mask(c.row_base / kBlockM, n_block)) {
 #pragma unroll
@@ -329,7 +348,7 @@ struct SimtFwd {
         }
         simt_cp_async_wait_all();
         __syncthreads();  // V_n landed and sP written; every thread is done reading K_n
-        if (n_block > 0) {
+        if (has_next_key_tile(p, n_block)) {
             const int n_prev = n0 - kBlockN;
             simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
                 sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_prev), p.k_row_stride,
@@ -374,7 +393,8 @@ struct SimtFwd {
     }
 
     // Normalise and store straight from registers (a row group writes kNX consecutive 16-byte chunks of a
-    // row), and lse.
+    // row), and lse. With a sink, its logit joins the denominator, all taken against max(row max, sink) so that
+    // nothing overflows; a row with no visible key gets output 0 and lse = the sink.
     static __device__ __forceinline__ void epilogue(const FwdParams& p, const Smem& sm,
                                                     const float (&acc_o)[kRows][kOChunks][4]) {
         const Coords c = Coords::read();
@@ -388,7 +408,18 @@ struct SimtFwd {
         for (int i = 0; i < kRows; ++i) {
             const float sum = group_sum<kNX>(sm.stat[(2 * i + 1) * kThreads + tid]);
             const bool empty = !(sum > 0.f);
-            const float inv_sum = empty ? 0.f : 1.f / sum;
+            float inv_sum, lse2;   // lse2: log2 domain of the scaled scores
+            if constexpr (Mask::kHasSink) {
+                const float row_max = sm.stat[(2 * i) * kThreads + tid];
+                const float sink2 = sink_log2<Variant>(p, c.head);
+                const float mx = fmaxf(row_max, sink2);
+                const float keys = empty ? 0.f : exp2f(row_max - mx);
+                const float total = fmaf(sum, keys, exp2f(sink2 - mx));
+                inv_sum = keys / total;
+                lse2 = mx + log2f(total);
+            } else {
+                inv_sum = empty ? 0.f : 1.f / sum;
+            }
             const int row = c.ty + i * kNY;
             if (row < rows_valid) {
                 float* o_row = gO + row * p.o_row_stride;
@@ -400,22 +431,24 @@ struct SimtFwd {
                                         acc_o[i][cc][2] * inv_sum, acc_o[i][cc][3] * inv_sum);
                     }
                 }
-                if (gLse != nullptr && c.tx == 0)
-                    gLse[row] = empty ? -CUFLASH_INF : (sm.stat[(2 * i) * kThreads + tid] + log2f(sum)) * CUFLASH_LN2;
+                if (gLse != nullptr && c.tx == 0) {
+                    if constexpr (Mask::kHasSink) gLse[row] = lse2 * CUFLASH_LN2;
+                    else gLse[row] = empty ? -CUFLASH_INF : (sm.stat[(2 * i) * kThreads + tid] + log2f(sum)) * CUFLASH_LN2;
+                }
             }
         }
     }
 };
 
 // The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemFloats * 4;
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32)
 fwd_kernel(const FwdParams p) {
     static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
-    using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal>;
+    using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>;
     extern __shared__ __align__(16) float smem_f32[];
     const typename Fwd::Smem sm(smem_f32);
     float acc_o[Fwd::kRows][Fwd::kOChunks][4];
@@ -425,7 +458,7 @@ fwd_kernel(const FwdParams p) {
         for (int cc = 0; cc < Fwd::kOChunks; ++cc)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[i][cc][e] = 0.f;
-    for (int n_block = Fwd::prologue(p, sm); n_block >= 0; --n_block) {
+    for (int n_block = Fwd::prologue(p, sm); Fwd::has_key_tile(p, n_block); --n_block) {
         float acc_s[Fwd::kRows][Fwd::kKeys];
         Fwd::scores(p, sm, n_block, acc_s);
         Fwd::softmax(p, sm, n_block, acc_s, acc_o);

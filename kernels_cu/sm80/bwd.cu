@@ -120,9 +120,9 @@ __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u
 
 // One thread of a dK/dV CTA (key tile blockIdx.x, kv head blockIdx.y, batch blockIdx.z):
 // its indices, its warp's slices of the three products, and the steps both versions share.
-template <typename Tag, class Tile, bool kIsCausal>
+template <typename Tag, class Tile, class Variant>
 struct BwdDkdvThread {
-    using Mask = CausalMask<Tile::kBlockM, Tile::kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
+    using Mask = MaskPolicy<Tile::kBlockM, Tile::kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
     static constexpr int kPad = Tile::kHeadDimPad, kThreads = Tile::kThreads;
     static constexpr int kStride = Tile::kStride, kStrideP = Tile::kStrideP;
@@ -135,8 +135,9 @@ struct BwdDkdvThread {
     int n_block, head_kv, batch, n0, keys_valid, hd;
     const u16 *gK, *gV;      // this CTA's key tile
     const u16 *gQb, *gdOb;   // Q, dO of this batch
-    // Step it = 0 .. n_iter - 1 visits query tile m_block_of(it) of query head head_of(it):
-    // the n_m tiles from m_begin of each head of the GQA group from head0.
+    // Step it = 0 .. n_iter - 1 visits query tile m_block_of(it) of query head head_of(it): the n_m tiles
+    // [m_begin, m_begin + n_m) of each head of the GQA group from head0, those the mask policy says see this
+    // key tile ([m_block_min, m_block_max)). The range lives here and in m_block_of only.
     int m_begin, n_m, n_iter, head0;
     int row1, col1;   // key row, query column of this warp's S^T slice
     int row2, col2;   // key row, head-dim column of this warp's dK/dV slice
@@ -159,7 +160,7 @@ struct BwdDkdvThread {
         gQb = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
         gdOb = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride;
         m_begin = Mask(p).m_block_min(n_block);
-        const int m_end = ceil_div(p.seqlen_q, kBlockM);
+        const int m_end = Mask(p).m_block_max(n_block);
         n_m = m_end > m_begin ? m_end - m_begin : 0;
         n_iter = n_m * p.heads_per_kv;
         head0 = head_kv * p.heads_per_kv;
@@ -218,12 +219,14 @@ struct BwdDkdvThread {
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T * (dP^T - delta), masked, to sP / sdS
     // (16-bit, [key][query]). Element (t, n, e) of the accumulators: key row1 + t*16 + g + (e>>1)*8,
     // query col1 + n*8 + 2*t4 + (e&1). kStatPairs: lse2 / delta pairs read as one float2 each.
+    // head: the query head (the score modifier's ALiBi slope).
     template <bool kStatPairs>
     __device__ __forceinline__ void store_p_ds(const float (&acc_s)[kMT1][kNT1][4], const float (&acc_dp)[kMT1][kNT1][4],
-                                               const float* sLse2, const float* sDelta, int m_block,
+                                               const float* sLse2, const float* sDelta, int head, int m_block,
                                                u16* sP, u16* sdS) const {
         const int m0 = m_block * kBlockM;
         const bool mask = Mask(p).needs_mask(m_block, n_block);
+        const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
 #pragma unroll
         for (int n = 0; n < kNT1; ++n) {
             const int qc = col1 + n * 8 + 2 * t4;
@@ -243,10 +246,10 @@ struct BwdDkdvThread {
                     float s0 = acc_s[t][n][2 * h], s1 = acc_s[t][n][2 * h + 1];
                     float grad0 = 1.f, grad1 = 1.f;   // the score modifier's derivatives (where it has one)
                     if constexpr (Mask::kHasScoreMod) {
-                        grad0 = Mask(p).score_derivative(s0, m0 + qc, n0 + kr);
-                        grad1 = Mask(p).score_derivative(s1, m0 + qc + 1, n0 + kr);
-                        s0 = Mask(p).modify_score(s0, m0 + qc, n0 + kr);
-                        s1 = Mask(p).modify_score(s1, m0 + qc + 1, n0 + kr);
+                        grad0 = mod.score_derivative(s0, m0 + qc, n0 + kr);
+                        grad1 = mod.score_derivative(s1, m0 + qc + 1, n0 + kr);
+                        s0 = mod.modify_score(s0, m0 + qc, n0 + kr);
+                        s1 = mod.modify_score(s1, m0 + qc + 1, n0 + kr);
                     }
                     float p0 = bwd_prob(s0, p.scale_log2, l.x);
                     float p1 = bwd_prob(s1, p.scale_log2, l.y);
@@ -354,7 +357,7 @@ struct BwdDkdvTile
     static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
 };
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, bool kAtomicDq>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     using Tile = BwdDkdvTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr int kStride = Tile::kStride;
@@ -370,7 +373,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     float* sLse2 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);
     float* sDelta = sLse2 + kBlockM;
 
-    const BwdDkdvThread<Tag, Tile, kIsCausal> th(p);
+    const BwdDkdvThread<Tag, Tile, Variant> th(p);
 
     float acc_dk[Tile::kMTiles2][Tile::kNTiles2][4], acc_dv[Tile::kMTiles2][Tile::kNTiles2][4];
     zero_acc(acc_dk);
@@ -405,7 +408,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
             zero_acc(acc_dp);
             th.template key_query_product<kBwdKkUnroll>(acc_dp, sV, sdO);  // dP^T = V dO^T
 
-            th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
+            th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, head, m_block, sP, sdS);
             __syncthreads();  // P^T, dS^T complete; every warp is done with sLse2/sDelta
 
             th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
@@ -430,16 +433,16 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     th.store_dkdv(acc_dk, acc_dv, sK, sV);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv_kernel(const BwdParams p) {
-    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p);
+    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(p);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv_dq_kernel(const BwdParams p) {
-    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p);
+    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(p);
 }
 
 // ---------------------------------------------------------------------------
@@ -468,11 +471,11 @@ struct BwdDqTile {
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dq_kernel(const BwdParams p) {
     using Tile = BwdDqTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
     constexpr int kMTiles = Tile::kMTiles;
     constexpr int kStride = Tile::kStride;
@@ -490,7 +493,8 @@ bwd_dq_kernel(const BwdParams p) {
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int t4 = lane & 3;
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
+    const int m_block = Mask::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const int head_kv = head / p.heads_per_kv;
@@ -535,14 +539,17 @@ bwd_dq_kernel(const BwdParams p) {
             acc, sQdO, warp_row0, sKV, 0, lane);
     };
 
+    // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
+    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end.
+    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Mask(p).n_block_max(m_block);
-    if (n_block_max > 0) {
+    if (n_block_max > n_block_min) {
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
         load_key_tile(sV, gV, p.v_row_stride, (n_block_max - 1) * kBlockN);
         cp_async_commit();
 
-        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
             const int n0 = n_block * kBlockN;
             cp_async_wait<0>();
             __syncthreads();  // Q, dO, V_n landed; every warp is done reading K_{n+1}
@@ -554,7 +561,7 @@ bwd_dq_kernel(const BwdParams p) {
 
             cp_async_wait<0>();
             __syncthreads();  // K_n landed; every warp is done reading V_n
-            if (n_block > 0) {
+            if (n_block > n_block_min) {
                 load_key_tile(sV, gV, p.v_row_stride, n0 - kBlockN);
                 cp_async_commit();
             }
@@ -564,6 +571,7 @@ bwd_dq_kernel(const BwdParams p) {
 
             // dS = P * (dP - delta), in place in acc_s.
             const bool mask = Mask(p).needs_mask(m_block, n_block);
+            const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
 #pragma unroll
             for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -575,8 +583,8 @@ bwd_dq_kernel(const BwdParams p) {
                         if constexpr (Mask::kHasScoreMod) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
                             const int col = n0 + n * 8 + 2 * t4 + (e & 1);
-                            grad = Mask(p).score_derivative(sv, row, col);
-                            sv = Mask(p).modify_score(sv, row, col);
+                            grad = mod.score_derivative(sv, row, col);
+                            sv = mod.modify_score(sv, row, col);
                         }
                         float pv = bwd_prob(sv, p.scale_log2, lse2[r]);
                         if (mask) {
@@ -609,7 +617,7 @@ bwd_dq_kernel(const BwdParams p) {
     }
 
     // Epilogue: dQ * softmax_scale, staged through sQ for 16-byte stores.
-    __syncthreads();  // every warp is done with sQ, sK (n_block_max == 0 is uniform)
+    __syncthreads();  // every warp is done with sQ, sK (an empty key range is uniform)
 #pragma unroll
     for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -681,7 +689,7 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 #endif
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal, bool kAtomicDq>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, bool kAtomicDq>
 __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     using Tile = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr int kStride = Tile::kStride;
@@ -697,7 +705,7 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     u16* sdS = sP + kBlockN * kStrideP;   // dS^T [key][query]
     float* sStat0 = reinterpret_cast<float*>(sdS + kBlockN * kStrideP);  // stage s: lse2, delta at + s * 2 * kBlockM
 
-    const BwdDkdvThread<Tag, Tile, kIsCausal> th(p);
+    const BwdDkdvThread<Tag, Tile, Variant> th(p);
 
     float acc_dk[Tile::kMTiles2][Tile::kNTiles2][4], acc_dv[Tile::kMTiles2][Tile::kNTiles2][4];
     zero_acc(acc_dk);
@@ -743,7 +751,7 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
             th.template key_query_product<kSUnroll>(acc_s, sK, sQ);   // S^T = K Q^T
             th.template key_query_product<kSUnroll>(acc_dp, sV, sdO); // dP^T = V dO^T
 
-            th.template store_p_ds<true>(acc_s, acc_dp, sLse2, sDelta, m_block, sP, sdS);
+            th.template store_p_ds<true>(acc_s, acc_dp, sLse2, sDelta, head, m_block, sP, sdS);
             if (has_next) th.store_row_stat(sStat0 + (stage ^ 1) * 2 * kBlockM, stat_next);
             __syncthreads();  // P^T, dS^T complete
 
@@ -757,22 +765,22 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     th.store_dkdv(acc_dk, acc_dv, sK, sV);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_kernel(const BwdParams p) {
-    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, false>(p);
+    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(p);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_dq_kernel(const BwdParams p) {
-    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kIsCausal, true>(p);
+    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(p);
 }
 
 // Each kernel's dynamic shared memory, as <kernel>_smem_bytes<same template arguments> (the dispatcher reads it
 // from the compiled module).
 #define CUFLASH_SM80_BWD_SMEM(name, tile)                                                                      \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>                \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
     __device__ const int name##_smem_bytes = tile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytes;
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv_kernel, BwdDkdvTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv_dq_kernel, BwdDkdvTile)

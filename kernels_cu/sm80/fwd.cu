@@ -6,7 +6,9 @@
 // the loads of tile n-1 are in flight during the whole of iteration n, which
 // hides L2/HBM latency even when a tile's math is short. Key tiles are visited
 // from last to first, so the tiles that need masking (sequence end, causal
-// diagonal) come first.
+// diagonal) come first. Which key tiles a query tile visits, which elements are
+// hidden, the score modifier and the sink come from the mask policy
+// (common/mask.cuh) built from the kernel's MaskVariant.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
@@ -55,14 +57,14 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
 }
 
 // The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemElems * 2;
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kIsCausal>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_kernel(const FwdParams p) {
     using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
-    using Mask = CausalMask<kBlockM, kBlockN, kIsCausal>;   // the mask policy (common/mask.cuh)
+    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
     constexpr int kMTiles = Tile::kMTiles;
     constexpr int kStride = Tile::kSmemStride;
@@ -75,8 +77,8 @@ fwd_kernel(const FwdParams p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    // Causal tiles near the end of the sequence do the most work: launch them first.
-    const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
+    const int m_block = Mask::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     const int head_kv = head / p.heads_per_kv;
@@ -88,6 +90,9 @@ fwd_kernel(const FwdParams p) {
     const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
 
+    // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
+    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end.
+    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Mask(p).n_block_max(m_block);
 
     // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile.
@@ -106,16 +111,17 @@ fwd_kernel(const FwdParams p) {
     OnlineSoftmax<kMTiles, Tile::kNTilesS> softmax;
     softmax.init();
 
-    if (n_block_max > 0) {
+    if (n_block_max > n_block_min) {
         zero_pad_cols<kBlockM + 2 * Tile::kStages * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(
             smem, tid);
         load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
         load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 1, 0, tid);
         cp_async_commit();
-        if (n_block_max > 1) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 2, 1, tid);
+        if (n_block_max - 2 >= n_block_min)
+            load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 2, 1, tid);
         cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile n
 
-        for (int n_block = n_block_max - 1, stage = 0; n_block >= 0; --n_block, stage ^= 1) {
+        for (int n_block = n_block_max - 1, stage = 0; n_block >= n_block_min; --n_block, stage ^= 1) {
             const int n0 = n_block * kBlockN;
             const u16* sK = sKV + (2 * stage) * kTileElems;
             const u16* sV = sK + kTileElems;
@@ -151,13 +157,14 @@ fwd_kernel(const FwdParams p) {
                 }
 
                 if constexpr (Mask::kHasScoreMod) {
+                    const Mask mask(p, batch, head);
 #pragma unroll
                     for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
                         for (int n = 0; n < Tile::kNTilesS; ++n)
 #pragma unroll
                             for (int e = 0; e < 4; ++e)
-                                acc_s[t][n][e] = Mask(p).modify_score(
+                                acc_s[t][n][e] = mask.modify_score(
                                     acc_s[t][n][e], row_base + warp_row0 + t * 16 + g + (e >> 1) * 8,
                                     n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1));
                 }
@@ -206,16 +213,16 @@ fwd_kernel(const FwdParams p) {
                     }
                 }
             }
-            __syncthreads();  // every warp is done with this stage: refill it with tile n-2
-            if (n_block >= 2) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block - 2, stage, tid);
+            __syncthreads();  // every warp is done with this stage: refill it with tile n-2 (if in the range)
+            if (n_block - 2 >= n_block_min) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block - 2, stage, tid);
             cp_async_commit();
         }
     }
 
     // Epilogue: normalise, stage O through shared memory for 16-byte stores.
     float inv_sum[2 * kMTiles], lse[2 * kMTiles];
-    softmax.finalize(inv_sum, lse);
-    __syncthreads();  // every warp is done with sQ (and n_block_max == 0 is uniform)
+    softmax.template finalize<Mask::kHasSink>(inv_sum, lse, sink_log2<Variant>(p, head));
+    __syncthreads();  // every warp is done with sQ (and an empty key range is uniform)
 #pragma unroll
     for (int t = 0; t < kMTiles; ++t)
 #pragma unroll

@@ -1,0 +1,58 @@
+"""The variant builds of the portable kernel families (sm80, simt) that their CPU compile tests
+(test_compile_variants_sm80.py, test_compile_variants_simt.py) check for spills."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cuflash import heuristics
+from cuflash.config import FAMILIES
+from cuflash.variants import MaskVariant
+
+ALL_PARTS = MaskVariant(local=True, softcap=True, alibi=True, sink=True)
+# Each part alone, as (variant, causal): the window causal and not (the loops' ranges differ with both); the
+# score modifiers and the sink do not depend on causal (ALL_PARTS has them with it). Sinks are the forward's.
+PARTS = [(MaskVariant(local=True), False), (MaskVariant(local=True), True), (MaskVariant(softcap=True), False),
+         (MaskVariant(alibi=True), False), (MaskVariant(sink=True), False)]
+PARTS_HEAD_DIM = 128
+
+
+def _tables(backend: str, dtype: str):
+    """(arch, configs) of the backend's tables for the devices whose tables differ, at the tuned head dims."""
+    for cc, arch in ((80, "80"), (86, "86"), (90, "90a")):
+        cfgs = heuristics.all_fwd_configs(cc, backend) + heuristics.all_bwd_configs(cc, backend)
+        yield arch, [c for c in cfgs if c.fam.backend == backend and c.dtype == dtype
+                     and c.head_dim in heuristics.TUNED_HEAD_DIMS]
+
+
+def _parts(family: str) -> list:
+    return [(v, causal) for v, causal in PARTS if not (v.sink and FAMILIES[family].direction == "bwd")]
+
+
+def instantiations(backend: str, dtype: str) -> dict:
+    """{family: [(arch, config)]}: ALL_PARTS causal at every tile of the tables, PARTS at one config of each
+    family at PARTS_HEAD_DIM; each distinct instantiation once, for the first arch whose table picks it."""
+    seen: dict = {}
+    parts_done: set = set()
+    for arch, cfgs in _tables(backend, dtype):
+        for c in cfgs:
+            builds = [(ALL_PARTS, True)] if c.causal else []
+            if c.head_dim == PARTS_HEAD_DIM and c.family not in parts_done:
+                parts_done.add(c.family)
+                builds += _parts(c.family)
+            for v, causal in builds:
+                cv = replace(c, variant=v, causal=causal)
+                seen.setdefault(cv.key(), (arch, cv))
+    out: dict = {}
+    for arch, cv in seen.values():
+        out.setdefault(cv.family, []).append((arch, cv))
+    return out
+
+
+def check_coverage(backend: str, builds: dict) -> None:
+    """Every family of the backend is built with ALL_PARTS causal and with each of its PARTS."""
+    fams = {f.name for f in FAMILIES.values() if f.backend == backend and f.dynamic_smem}
+    assert set(builds) == fams, sorted(fams ^ set(builds))
+    for family, items in builds.items():
+        got = {(cfg.variant, cfg.causal) for _, cfg in items}
+        for want in [(ALL_PARTS, True)] + _parts(family):
+            assert want in got, (family, want)
