@@ -102,6 +102,25 @@ def _arguments(rng, name: str, b: int, hq: int, dtype: str) -> dict:
     return kwargs
 
 
+def _assert_rows(name: str, x, ref, dtype: str, tol: dict) -> None:
+    """The whole array within tol[dtype] in relative norm, and every row (over head_dim) within ROW_TOL_FACTOR
+    times it relative to the larger of its own norm and the rows' mean norm: a gradient row can be 0 exactly
+    (a query that sees one key has dq = 0), where a relative bound of its own would read rounding as inf."""
+    import cupy
+    from conftest import ROW_TOL_FACTOR, rel_err_gpu
+
+    x, ref = cupy.asarray(x, cupy.float64), cupy.asarray(ref, cupy.float64)
+    assert bool(cupy.isfinite(x).all()), f"{name}: NaN or inf"
+    err = rel_err_gpu(x, ref)
+    assert err <= tol[dtype], f"{name} rel err {err:.3e} > {tol[dtype]:.1e}"
+    row_norm = cupy.linalg.norm(ref, axis=-1)
+    scale = cupy.maximum(row_norm, row_norm.mean())
+    rows = cupy.linalg.norm(x - ref, axis=-1) / cupy.where(scale > 0, scale, 1.0)
+    bound = ROW_TOL_FACTOR * tol[dtype]
+    bad = int((rows > bound).sum())
+    assert bad == 0, f"{name}: {bad} rows with rel err > {bound:.1e} (worst {float(rows.max()):.3e})"
+
+
 def _host(kwargs: dict) -> dict:
     return {k: (v.get().astype(np.float64) if hasattr(v, "get") else v) for k, v in kwargs.items()}
 
@@ -138,7 +157,7 @@ def _run(rng, name, shape_name, dtype, with_dlse=True, deterministic=False):
     ref = attention_reference_backward(dout, q, k, v, dlse=None if dlse is None else dlse.get(), **host)
     assert len(grads) == len(ref) == (4 if "sinks" in kwargs else 3)
     for gname, g, r in zip(("dq", "dk", "dv"), grads, ref):
-        assert_close_on_every_row(gname, g, cupy.asarray(r), dtype, BWD_TOL)
+        _assert_rows(gname, g, r, dtype, BWD_TOL)
     if "sinks" in kwargs:
         dsinks, ref_ds = grads[3], ref[3]
         assert dsinks.dtype == kwargs["sinks"].dtype and dsinks.shape == (hq,)
