@@ -102,23 +102,34 @@ def _arguments(rng, name: str, b: int, hq: int, dtype: str) -> dict:
     return kwargs
 
 
-def _assert_rows(name: str, x, ref, dtype: str, tol: dict) -> None:
+def _assert_rows(name: str, x, ref, dtype: str, tol: dict, dout) -> None:
     """The whole array within tol[dtype] in relative norm, and every row (over head_dim) within ROW_TOL_FACTOR
-    times it relative to the larger of its own norm and the rows' mean norm: a gradient row can be 0 exactly
-    (a query that sees one key has dq = 0), where a relative bound of its own would read rounding as inf."""
+    times it relative to the larger of its own norm and the rows' mean norm. A gradient can vanish (a query that
+    sees one key has dq = 0 exactly; window (0, 0) makes all of dq 0), where a relative bound would read rounding
+    as inf: norms are taken at least 1 % of the incoming gradient's, the scale the result would have otherwise."""
     import cupy
-    from conftest import ROW_TOL_FACTOR, rel_err_gpu
+    from conftest import ROW_TOL_FACTOR
 
     x, ref = cupy.asarray(x, cupy.float64), cupy.asarray(ref, cupy.float64)
     assert bool(cupy.isfinite(x).all()), f"{name}: NaN or inf"
-    err = rel_err_gpu(x, ref)
+    floor = 1e-2 * float(cupy.linalg.norm(cupy.asarray(dout, cupy.float64)))
+    err = float(cupy.linalg.norm(x - ref)) / max(float(cupy.linalg.norm(ref)), floor)
     assert err <= tol[dtype], f"{name} rel err {err:.3e} > {tol[dtype]:.1e}"
     row_norm = cupy.linalg.norm(ref, axis=-1)
-    scale = cupy.maximum(row_norm, row_norm.mean())
-    rows = cupy.linalg.norm(x - ref, axis=-1) / cupy.where(scale > 0, scale, 1.0)
+    scale = cupy.maximum(cupy.maximum(row_norm, row_norm.mean()), floor / max(1.0, row_norm.size ** 0.5))
+    rows = cupy.linalg.norm(x - ref, axis=-1) / scale
     bound = ROW_TOL_FACTOR * tol[dtype]
     bad = int((rows > bound).sum())
     assert bad == 0, f"{name}: {bad} rows with rel err > {bound:.1e} (worst {float(rows.max()):.3e})"
+
+
+def _lse_rtol(kwargs: dict) -> float:
+    """The 16-bit kernels' softcap takes tanh on the SFU (tanh.approx, 2^-11 relative, as FlashAttention), which
+    moves a score near the cap by up to cap * 2^-11: lse within 5e-5 relative there (1e-5 otherwise). Still far
+    below the 16-bit inputs' own rounding of the scores (2^-8 of a bf16 score)."""
+    from conftest import LSE_RTOL
+
+    return 5e-5 if kwargs.get("softcap") else LSE_RTOL
 
 
 def _host(kwargs: dict) -> dict:
@@ -143,7 +154,7 @@ def _run(rng, name, shape_name, dtype, with_dlse=True, deterministic=False):
     host = _host(kwargs)
     ref_o, ref_lse = attention_reference(q, k, v, **host)
     assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
-    assert_lse_matches(lse, ref_lse, (b, hq, nq))
+    assert_lse_matches(lse, ref_lse, (b, hq, nq), rtol=_lse_rtol(kwargs))
 
     dlse = cupy.asarray(rng.standard_normal((b, hq, nq)).astype(np.float32)) if with_dlse else None
     bufs = [poisoned(x.shape, dtype) for x in (q, k, v)]
@@ -157,7 +168,7 @@ def _run(rng, name, shape_name, dtype, with_dlse=True, deterministic=False):
     ref = attention_reference_backward(dout, q, k, v, dlse=None if dlse is None else dlse.get(), **host)
     assert len(grads) == len(ref) == (4 if "sinks" in kwargs else 3)
     for gname, g, r in zip(("dq", "dk", "dv"), grads, ref):
-        _assert_rows(gname, g, r, dtype, BWD_TOL)
+        _assert_rows(gname, g, r, dtype, BWD_TOL, dout)
     if "sinks" in kwargs:
         dsinks, ref_ds = grads[3], ref[3]
         assert dsinks.dtype == kwargs["sinks"].dtype and dsinks.shape == (hq,)
@@ -214,7 +225,7 @@ def test_variants_on_score_distributions(dist, kwargs):
     o, lse = cuflash.forward(q, k, v, return_lse=True, **kw)
     ref_o, ref_lse = attention_reference(q, k, v, **_host(kw))
     assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
-    assert_lse_matches(lse, ref_lse, lse.shape)
+    assert_lse_matches(lse, ref_lse, lse.shape, rtol=_lse_rtol(kw))
 
 
 def test_window_visits_only_its_tiles():
@@ -232,9 +243,9 @@ def test_window_visits_only_its_tiles():
     o = cuflash.forward(q, k, v, causal=True, window_size=(left, 0))
     first = 2048 + left + 192
     assert bool(cupy.isfinite(o[:, first:]).all())
-    r0 = first - 400   # the sub-problem's rows r0.. and keys r0 - left..: the same windows, bottom-right aligned
+    r0 = 2048 + left   # the sub-problem's rows r0.. and keys r0 - left.. (no NaN): the same windows, bottom-right aligned
     ref, _ = attention_reference(q[:, r0:], k[:, r0 - left:], v[:, r0 - left:], causal=True, window_size=(left, 0))
-    assert_close_on_every_row("out", o[:, first:], cupy.asarray(ref[:, 400:]), "bfloat16", FWD_TOL)
+    assert_close_on_every_row("out", o[:, first:], cupy.asarray(ref[:, first - r0:]), "bfloat16", FWD_TOL)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "gemma2", "alibi_causal_b", "chunk_causal", "window"])
