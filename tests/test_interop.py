@@ -340,6 +340,14 @@ def test_jax_arrays():
     ref = cuflash.forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=True)
     assert np.array_equal(np.asarray(out), cupy.asnumpy(ref))
 
+    out, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
+    assert isinstance(lse, jax.Array)
+    dout = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype=jnp.float16)
+    grads = cuflash.backward(dout, q, k, v, out, lse, causal=True)
+    assert all(isinstance(g, jax.Array) and g.shape == x.shape and g.dtype == x.dtype
+               for g, x in zip(grads, (q, k, v)))
+    _against_float64("float16", q, k, v, True, out, lse, dout, grads)
+
 
 # ---- Output buffers and autograd, JAX ordering and lifetimes ----
 
@@ -413,10 +421,3 @@ def test_jax_inputs_are_ordered_after_jax_work_and_kept_alive():
     cupy.cuda.Device().synchronize()
     cuflash.forward(q_ready, k, v)   # drops the entries whose kernels finished
     assert interop.kept_alive_count() <= 1
-    out, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
-    assert isinstance(lse, jax.Array)
-    dout = jax.random.normal(jax.random.PRNGKey(1), q.shape, dtype=jnp.float16)
-    grads = cuflash.backward(dout, q, k, v, out, lse, causal=True)
-    assert all(isinstance(g, jax.Array) and g.shape == x.shape and g.dtype == x.dtype
-               for g, x in zip(grads, (q, k, v)))
-    _against_float64("float16", q, k, v, True, out, lse, dout, grads)
