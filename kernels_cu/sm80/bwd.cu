@@ -254,6 +254,8 @@ struct BwdDkdvThread {
                     float p0 = bwd_prob(s0, p.scale_log2, l.x);
                     float p1 = bwd_prob(s1, p.scale_log2, l.y);
                     if (mask) {
+                        // Per element: a query row meets only kMT1 * 2 keys here, and the bounds held across
+                        // them (MaskPolicy::row_keys) spill at d128.
                         if (!Mask(p).visible(m0 + qc, n0 + kr)) p0 = 0.f;
                         if (!Mask(p).visible(m0 + qc + 1, n0 + kr)) p1 = 0.f;
                     }
@@ -572,6 +574,15 @@ bwd_dq_kernel(const BwdParams p) {
             // dS = P * (dP - delta), in place in acc_s.
             const bool mask = Mask(p).needs_mask(m_block, n_block);
             const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
+            // A window's bounds once per row (MaskPolicy::row_keys).
+            int lo[2 * kMTiles], hi[2 * kMTiles];
+            if constexpr (Mask::kLocal) {
+                if (mask) {
+#pragma unroll
+                    for (int r = 0; r < 2 * kMTiles; ++r)
+                        Mask(p).row_keys(m0 + warp_row0 + (r >> 1) * 16 + g + (r & 1) * 8, lo[r], hi[r]);
+                }
+            }
 #pragma unroll
             for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -590,7 +601,11 @@ bwd_dq_kernel(const BwdParams p) {
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
                             const int col = n0 + n * 8 + 2 * t4 + (e & 1);
-                            if (!Mask(p).visible(row, col)) pv = 0.f;
+                            if constexpr (Mask::kLocal) {
+                                if (col < lo[r] || col > hi[r]) pv = 0.f;
+                            } else {
+                                if (!Mask(p).visible(row, col)) pv = 0.f;
+                            }
                         }
                         if constexpr (Mask::kHasScoreMod) pv *= grad;   // dS = P dP' * (d modified / d score)
                         acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);
