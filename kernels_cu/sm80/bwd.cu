@@ -535,10 +535,12 @@ bwd_dq_kernel(const BwdParams p) {
     };
     // acc (query x key) = sQdO sKV^T on this warp's query rows: S = Q K^T or dP = dO V^T. The
     // dK/dV kernels' key_query_product with the operands swapped (queries are the rows here).
+    // A score modifier's registers (its constants, ALiBi's distances) leave no room for the fragments of two
+    // k-steps in flight.
+    constexpr int kQkUnroll = Mask::kHasScoreMod ? 1 : kBwdKkUnroll;
     auto query_key_product = [&](float (&acc)[kMTiles][Tile::kNTilesS][4], const u16* sQdO, const u16* sKV) {
         zero_acc(acc);
-        warp_mma_smem<Tag, kPad / 16, kBwdKkUnroll, false, false, kStride, kStride>(
-            acc, sQdO, warp_row0, sKV, 0, lane);
+        warp_mma_smem<Tag, kPad / 16, kQkUnroll, false, false, kStride, kStride>(acc, sQdO, warp_row0, sKV, 0, lane);
     };
 
     // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
