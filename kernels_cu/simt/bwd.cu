@@ -309,6 +309,14 @@ bwd_dq_kernel(const BwdParams p) {
             simt_scores<Tile>(s, sQ, sK, tr, tc);
             simt_scores<Tile>(dp, sdO, sV, tr, tc);
             const bool mask = Mask(p).needs_mask(m_block, n_block);
+            // A window's bounds once per row (MaskPolicy::row_keys).
+            int lo[Tile::kTR], hi[Tile::kTR];
+            if constexpr (Mask::kLocal) {
+                if (mask) {
+#pragma unroll
+                    for (int i = 0; i < Tile::kTR; ++i) Mask(p).row_keys(m0 + tr + i * Tile::kGR, lo[i], hi[i]);
+                }
+            }
 #pragma unroll
             for (int i = 0; i < Tile::kTR; ++i)
 #pragma unroll
@@ -322,7 +330,11 @@ bwd_dq_kernel(const BwdParams p) {
                         sv = mod.modify_score(sv, m0 + qr, n0 + kc);
                     }
                     float pv = bwd_prob(sv, p.scale_log2, lse2[i]);
-                    if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
+                    if constexpr (Mask::kLocal) {
+                        if (mask && (n0 + kc < lo[i] || n0 + kc > hi[i])) pv = 0.f;
+                    } else {
+                        if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
+                    }
                     float ds = pv * (dp[i][j] - delta[i]);
                     if constexpr (Mask::kHasScoreMod) ds *= grad;
                     sdS[qr * kStrideW + kc] = ds;

@@ -310,13 +310,20 @@ struct SimtFwd {
         }
         if (Mask(p).needs_mask(c.row_base / kBlockM, n_block)) {
 #pragma unroll
-            for (int i = 0; i < kRows; ++i)
+            for (int i = 0; i < kRows; ++i) {
+                const int row = c.row_base + c.ty + i * kNY;
+                int lo = 0, hi = 0;   // a window's bounds once per row (MaskPolicy::row_keys)
+                if constexpr (Mask::kLocal) Mask(p).row_keys(row, lo, hi);
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k) {
-                    const int row = c.row_base + c.ty + i * kNY;
                     const int col = n0 + c.tx + k * kNX;
-                    if (!Mask(p).visible(row, col)) acc_s[i][k] = -CUFLASH_INF;
+                    if constexpr (Mask::kLocal) {
+                        if (col < lo || col > hi) acc_s[i][k] = -CUFLASH_INF;
+                    } else {
+                        if (!Mask(p).visible(row, col)) acc_s[i][k] = -CUFLASH_INF;
+                    }
                 }
+            }
         }
         const int tid = c.ty * kNX + c.tx;
 #pragma unroll

@@ -254,6 +254,8 @@ struct BwdDkdvThread {
                     float p0 = bwd_prob(s0, p.scale_log2, l.x);
                     float p1 = bwd_prob(s1, p.scale_log2, l.y);
                     if (mask) {
+                        // Per element: a query row meets only kMT1 * 2 keys here, and the bounds held across
+                        // them (MaskPolicy::row_keys) spill at d128.
                         if (!Mask(p).visible(m0 + qc, n0 + kr)) p0 = 0.f;
                         if (!Mask(p).visible(m0 + qc + 1, n0 + kr)) p1 = 0.f;
                     }
@@ -533,10 +535,12 @@ bwd_dq_kernel(const BwdParams p) {
     };
     // acc (query x key) = sQdO sKV^T on this warp's query rows: S = Q K^T or dP = dO V^T. The
     // dK/dV kernels' key_query_product with the operands swapped (queries are the rows here).
+    // A score modifier's registers (its constants, ALiBi's distances) leave no room for the fragments of two
+    // k-steps in flight.
+    constexpr int kQkUnroll = Mask::kHasScoreMod ? 1 : kBwdKkUnroll;
     auto query_key_product = [&](float (&acc)[kMTiles][Tile::kNTilesS][4], const u16* sQdO, const u16* sKV) {
         zero_acc(acc);
-        warp_mma_smem<Tag, kPad / 16, kBwdKkUnroll, false, false, kStride, kStride>(
-            acc, sQdO, warp_row0, sKV, 0, lane);
+        warp_mma_smem<Tag, kPad / 16, kQkUnroll, false, false, kStride, kStride>(acc, sQdO, warp_row0, sKV, 0, lane);
     };
 
     // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
@@ -572,6 +576,15 @@ bwd_dq_kernel(const BwdParams p) {
             // dS = P * (dP - delta), in place in acc_s.
             const bool mask = Mask(p).needs_mask(m_block, n_block);
             const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
+            // A window's bounds once per row (MaskPolicy::row_keys).
+            int lo[2 * kMTiles], hi[2 * kMTiles];
+            if constexpr (Mask::kLocal) {
+                if (mask) {
+#pragma unroll
+                    for (int r = 0; r < 2 * kMTiles; ++r)
+                        Mask(p).row_keys(m0 + warp_row0 + (r >> 1) * 16 + g + (r & 1) * 8, lo[r], hi[r]);
+                }
+            }
 #pragma unroll
             for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -590,7 +603,11 @@ bwd_dq_kernel(const BwdParams p) {
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
                             const int col = n0 + n * 8 + 2 * t4 + (e & 1);
-                            if (!Mask(p).visible(row, col)) pv = 0.f;
+                            if constexpr (Mask::kLocal) {
+                                if (col < lo[r] || col > hi[r]) pv = 0.f;
+                            } else {
+                                if (!Mask(p).visible(row, col)) pv = 0.f;
+                            }
                         }
                         if constexpr (Mask::kHasScoreMod) pv *= grad;   // dS = P dP' * (d modified / d score)
                         acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);

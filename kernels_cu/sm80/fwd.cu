@@ -32,6 +32,9 @@ struct FwdTile {
     static constexpr int kSubN =
         kMTiles * 4 * (kBlockN / 8 + kNTilesO) <= 176 || kBlockN <= 32 ? kBlockN : kBlockN / 2;
     static constexpr int kNTilesS = kSubN / 8;                     // n8 tiles of one S sub-tile
+    // Whether a masked tile of a window may take each row's key bounds once (MaskPolicy::row_keys) rather than
+    // test each element: not where S holds 128 registers per thread, next to which the bounds spill.
+    static constexpr bool kRowBoundsFit = kMTiles * kNTilesS * 4 <= 64;
     // One 16-byte pad per row: 8 consecutive rows then start in different
     // banks, so ldmatrix and the fragment stores are conflict-free.
     static constexpr int kSmemStride = kHeadDimPad + 8;
@@ -169,17 +172,36 @@ fwd_kernel(const FwdParams p) {
                                     n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1));
                 }
                 if (tile_needs_mask) {
+                    if constexpr (Mask::kLocal && Tile::kRowBoundsFit) {
+                        // A window's bounds once per row (MaskPolicy::row_keys), one row at a time so that
+                        // only its two bounds are live next to the accumulators.
 #pragma unroll
-                    for (int t = 0; t < kMTiles; ++t)
+                        for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
-                        for (int n = 0; n < Tile::kNTilesS; ++n)
+                            for (int h = 0; h < 2; ++h) {
+                                int lo, hi;
+                                Mask(p).row_keys(row_base + warp_row0 + t * 16 + g + h * 8, lo, hi);
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
-                                const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
-                                if (!Mask(p).visible(row, col))
-                                    acc_s[t][n][e] = -CUFLASH_INF;
+                                for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                                        const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
+                                        if (col < lo || col > hi) acc_s[t][n][e] = -CUFLASH_INF;
+                                    }
                             }
+                    } else {
+#pragma unroll
+                        for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+                            for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const int row = row_base + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                                    const int col = n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1);
+                                    if (!Mask(p).visible(row, col))
+                                        acc_s[t][n][e] = -CUFLASH_INF;
+                                }
+                    }
                 }
 
                 float rescale[2 * kMTiles];
