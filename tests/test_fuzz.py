@@ -64,6 +64,7 @@ class Case:
     scale: float | None
     deterministic: bool
     layouts: tuple   # q, k, v, dout, then out, dq, dk, dv (None: the call allocates)
+    variant: tuple = ()   # the variant arguments (name, value) pairs: draw_variant; alibi / sinks drawn per run
 
     @property
     def heads_q(self) -> int:
@@ -72,7 +73,8 @@ class Case:
     def describe(self, seed: int) -> str:
         return (f"case {self.index}: {self.dtype} b={self.batch} nq={self.seqlen_q} nk={self.seqlen_k} "
                 f"hq={self.heads_q} hkv={self.heads_kv} d={self.head_dim} causal={self.causal} scale={self.scale} "
-                f"det={self.deterministic} layouts={self.layouts}; reproduce: CUFLASH_FUZZ_SEED={seed} "
+                f"det={self.deterministic} layouts={self.layouts} variant={dict(self.variant)}; "
+                f"reproduce: CUFLASH_FUZZ_SEED={seed} "
                 f"CUFLASH_FUZZ_CASE={self.index} python -m pytest tests/test_fuzz.py")
 
 
@@ -87,6 +89,36 @@ def _seqlen(rng) -> int:
     if kind < 0.6:
         return int(rng.choice(TILE_EDGES))
     return int(rng.integers(2, 301))
+
+
+VARIANT_P = 0.3   # the odds of a case with attention variants (at head dims 64 and 128: few kernels to build)
+# The sets of variant parts a case draws (each its own kernels): windows / chunks, softcap, ALiBi, sinks, the
+# gpt-oss pair and all of them.
+VARIANT_PARTS = (("local",), ("softcap",), ("alibi",), ("sinks",), ("local", "sinks"),
+                 ("local", "softcap", "alibi", "sinks"))
+WINDOW_SIDES = (-1, 0, 1, 3, 17, 63, 64, 65, 128, 300, 5000)
+
+
+def draw_variant(rng, causal: bool) -> tuple:
+    """Variant arguments as (name, value) pairs: a window (each side -1, 0, small, a tile edge or past the
+    sequence; right -1 or 0 when causal) and / or chunks, a softcap, ALiBi slopes per head or per (batch, head),
+    sinks."""
+    parts = VARIANT_PARTS[int(rng.integers(len(VARIANT_PARTS)))]
+    out = []
+    if "local" in parts:
+        left = int(rng.choice(WINDOW_SIDES))
+        right = int(rng.choice((-1, 0))) if causal else int(rng.choice(WINDOW_SIDES))
+        chunk = int(rng.choice((0, 0, 16, 64, 96, 128, 200)))
+        if left < 0 and (right < 0 or causal) and not chunk:
+            left = 7   # local after all
+        out += [("window_size", (left, right)), ("attention_chunk", chunk)]
+    if "softcap" in parts:
+        out.append(("softcap", float(rng.choice((1.0, 5.0, 30.0)))))
+    if "alibi" in parts:
+        out.append(("alibi", str(rng.choice(("h", "bh")))))
+    if "sinks" in parts:
+        out.append(("sinks", True))
+    return tuple(out)
 
 
 def draw_case(seed: int, index: int) -> Case:
@@ -127,8 +159,32 @@ def draw_case(seed: int, index: int) -> Case:
     heads_kv, group = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3, 4]))
     if long_case:   # few heads: a long case costs about as much as a thousand short ones otherwise
         heads_kv, group = 1, int(rng.choice([1, 2]))
-    return Case(index, dtype, batch, nq, nk, heads_kv, group, d, bool(rng.random() < 0.5), scale,
-                bool(rng.random() < 0.5), tuple(layouts))
+    causal = bool(rng.random() < 0.5)
+    deterministic = bool(rng.random() < 0.5)
+    variant = ()
+    if rng.random() < VARIANT_P:
+        d = int(rng.choice((64, 128)))
+        variant = draw_variant(rng, causal)
+    return Case(index, dtype, batch, nq, nk, heads_kv, group, d, causal, scale, deterministic, tuple(layouts),
+                variant)
+
+
+def variant_arguments(case: Case, rng, xp=np) -> dict:
+    """The case's variant keyword arguments with its slopes and sinks drawn (float32 arrays of ``xp``)."""
+    kwargs = {}
+    for name, value in case.variant:
+        if name == "alibi":
+            shape = (case.heads_q,) if value == "h" else (case.batch, case.heads_q)
+            kwargs["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.5, shape).astype(np.float32))
+        elif name == "sinks":
+            kwargs["sinks"] = xp.asarray(rng.normal(0.5, 1.5, case.heads_q).astype(np.float32))
+        else:
+            kwargs[name] = value
+    return kwargs
+
+
+def _host_variant(kwargs: dict) -> dict:
+    return {k: (v.get() if hasattr(v, "get") else v) for k, v in kwargs.items()}
 
 
 def _view(layout: str, host: np.ndarray, *, fill_nan: bool = False, xp=None):
@@ -234,19 +290,19 @@ def _row_problems(name: str, x, ref, dtype: str) -> list[str]:
     return problems
 
 
-def _references(case: Case, hosts):
-    """(out, lse, dq, dk, dv) in float64 for the case's inputs: NumPy's whole reference for small cases, the
-    reference by chunks of query rows (CuPy arrays) past CHUNKED_SCORES scores."""
+def _references(case: Case, hosts, variant: dict):
+    """(out, lse, dq, dk, dv[, dsinks]) in float64 for the case's inputs: NumPy's whole reference for small
+    cases, the reference by chunks of query rows (CuPy arrays) past CHUNKED_SCORES scores."""
     from cuflash.reference import attention_reference, attention_reference_backward, attention_reference_chunked
 
     hq_, hk_, hv_, hdo = hosts
-    opts = dict(causal=case.causal, softmax_scale=case.scale)
+    opts = dict(causal=case.causal, softmax_scale=case.scale, **_host_variant(variant))
     if case.batch * case.heads_q * case.seqlen_q * case.seqlen_k > CHUNKED_SCORES:
         import cupy
 
-        out, lse, dq, dk, dv = attention_reference_chunked(*(cupy.asarray(x) for x in hosts[:3]),
-                                                           cupy.asarray(hdo), **opts)
-        return out, lse, dq.get(), dk.get(), dv.get()   # the gradients are compared on the host (test_bwd)
+        out, lse, *grads = attention_reference_chunked(*(cupy.asarray(x) for x in hosts[:3]), cupy.asarray(hdo),
+                                                       **opts)
+        return (out, lse, *(g.get() for g in grads))   # the gradients are compared on the host (test_bwd)
     return (*attention_reference(hq_, hk_, hv_, **opts), *attention_reference_backward(hdo, hq_, hk_, hv_, **opts))
 
 
@@ -271,9 +327,12 @@ def run_case(case: Case, seed: int) -> list[str]:
     out_buf = outs[0][0] if outs[0] else None
     grad_bufs = [o[0] if o else None for o in outs[1:]]
     problems = []
-    o, lse = cuflash.forward(q, k, v, causal=case.causal, softmax_scale=case.scale, return_lse=True, out=out_buf)
-    dq, dk, dv = cuflash.backward(dout, q, k, v, o, lse, causal=case.causal, softmax_scale=case.scale,
-                                  deterministic=case.deterministic, dq=grad_bufs[0], dk=grad_bufs[1], dv=grad_bufs[2])
+    variant = variant_arguments(case, rng, cupy)
+    o, lse = cuflash.forward(q, k, v, causal=case.causal, softmax_scale=case.scale, return_lse=True, out=out_buf,
+                             **variant)
+    dq, dk, dv, *dsinks = cuflash.backward(dout, q, k, v, o, lse, causal=case.causal, softmax_scale=case.scale,
+                                           deterministic=case.deterministic, dq=grad_bufs[0], dk=grad_bufs[1],
+                                           dv=grad_bufs[2], **variant)
     cupy.cuda.get_current_stream().synchronize()
     for name, got, buf in zip(("out", "dq", "dk", "dv"), (o, dq, dk, dv), [out_buf, *grad_bufs]):
         if buf is not None and got is not buf:
@@ -281,15 +340,22 @@ def run_case(case: Case, seed: int) -> list[str]:
     for name, view in zip(("out", "dq", "dk", "dv"), outs):
         if view is not None and not _untouched(view[1], view[2]):
             problems.append(f"{name}: written outside its view")
-    ref_o, ref_lse, *ref_grads = _references(case, (hq_, hk_, hv_, hdo))
+    ref_o, ref_lse, *ref_grads = _references(case, (hq_, hk_, hv_, hdo), variant)
     problems += _row_problems("out", o, ref_o, case.dtype)
     try:
-        assert_lse_matches(lse, ref_lse, (case.batch, case.heads_q, case.seqlen_q))
+        # softcap's SFU tanh (2^-11) in the 16-bit kernels: tests/test_variants.py _lse_rtol
+        rtol = 5e-5 if variant.get("softcap") and case.dtype != "float32" else 1e-5
+        assert_lse_matches(lse, ref_lse, (case.batch, case.heads_q, case.seqlen_q), rtol=rtol)
     except AssertionError as e:
         problems.append(f"lse: {e}")
-    for name, e in zip(("dq", "dk", "dv"), _grad_errors((dq, dk, dv), ref_grads)):
+    for name, e in zip(("dq", "dk", "dv"), _grad_errors((dq, dk, dv), ref_grads[:3])):
         if not e <= BWD_TOL[case.dtype]:
             problems.append(f"{name} rel err {e:.3e} > {BWD_TOL[case.dtype]:.1e}")
+    if dsinks:
+        ref_ds = ref_grads[3]
+        err = float(np.abs(dsinks[0].get().astype(np.float64) - ref_ds).max())
+        if not err <= BWD_TOL[case.dtype] * max(1.0, float(np.linalg.norm(ref_ds))):
+            problems.append(f"dsinks err {err:.3e}")
     return problems
 
 
@@ -298,15 +364,23 @@ def _plans_of(case: Case, device_id: int) -> None:
     the calls there."""
     from cuflash import api, heuristics, sm90
 
+    from dataclasses import replace
+
+    from cuflash import variants
+
     dt = np.dtype(dtype_of(case.dtype))
     nq, nk = case.seqlen_q, case.seqlen_k
+    kw = variant_arguments(case, np.random.default_rng(0))
+    var = variants.Variants(*kw.get("window_size", (-1, -1)), kw.get("attention_chunk", 0), kw.get("softcap", 0.0),
+                            case.causal, kw.get("alibi_slopes"), kw.get("sinks")).kernel
+    bwd_var = replace(var, sink=False)
     _, cfg, _ = api._fwd_plan(dt, case.head_dim, case.causal, device_id, heuristics.fwd_short(nq, nk),
-                              heuristics.fwd_long(nq, nk))
+                              heuristics.fwd_long(nq, nk), variant=var)
     api._bwd_plan(dt, case.head_dim, case.causal, case.deterministic, device_id,
-                  short=heuristics.bwd_short(case.seqlen_k, case.causal))
+                  short=heuristics.bwd_short(case.seqlen_k, case.causal), variant=bwd_var)
     if {"broadcast_batch", "unit_batch_odd_stride"} & set(case.layouts[:4]) and cfg.fam.arch_specific:
         sm90._portable_fwd(cfg, device_id)
-        api._bwd_plan(dt, case.head_dim, case.causal, case.deterministic, device_id, backend="sm80")
+        api._bwd_plan(dt, case.head_dim, case.causal, case.deterministic, device_id, backend="sm80", variant=bwd_var)
 
 
 def _seed() -> int:

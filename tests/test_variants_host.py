@@ -266,3 +266,17 @@ def test_variant_keys():
     assert variants.call_signature((-1, -1), 0, 0.0, None, None) == ()
     assert variants.call_signature((8, 0), 0, 0.0, None, None) == ((8, 0), 0, 0.0, None, None)
     assert variants.call_signature([8, 0], 0, 0.0, None, None) is None   # a list: the checked path
+
+
+def test_portable_fallback_keeps_the_variant(monkeypatch):
+    """Where TMA cannot address an input the Hopper forward falls back to the portable kernel: with the
+    call's variant, not the plain one."""
+    from cuflash import heuristics, sm90
+
+    monkeypatch.setattr(sm90, "get_kernel", lambda cfg, dev: None)
+    monkeypatch.setattr(sm90, "smem_bytes", lambda cfg, dev: 0)
+    var = variants.MaskVariant(local=True, sink=True)
+    cfg = heuristics.fwd_config("bfloat16", 128, True, 90, variant=var)
+    assert cfg.fam.sm90_fwd and cfg.variant == var
+    _, portable, _ = sm90._portable_fwd(cfg, 0)
+    assert portable.family == "sm80_fwd" and portable.variant == var
