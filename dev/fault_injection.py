@@ -80,6 +80,12 @@ FAULTS = {f.name: f for f in (
     Fault("causal_diag_off_by_one", "the causal mask hides the diagonal (key j visible for j < i + Nk - Nq)",
           (Edit("common/block_range.cuh", "(!kIsCausal || col <= row + seqlen_k - seqlen_q)",
                 "(!kIsCausal || col < row + seqlen_k - seqlen_q) /* FAULT */"),), ("fwd", "bwd")),
+    Fault("window_left_off_by_one", "a window hides its leftmost key (key_lo one too far right), every family "
+          "with a window", (Edit("common/mask.cuh", "        int lo = pos - left;\n",
+                                 "        int lo = pos - left + 1;   // FAULT\n"),), ("fwd", "bwd")),
+    Fault("softcap_derivative", "the backward's softcap derivative dropped (1 instead of 1 - tanh^2)",
+          (Edit("common/mask.cuh", "            return fmaf(-t, t, 1.f);\n",
+                "            return 1.f + 0.f * t;   // FAULT\n"),), ("bwd",)),
     Fault("bwd_prob_scale", "the backward recomputes P with the scale 1% off (every backward family)",
           (Edit("common/bwd_math.cuh", "return exp2f(fmaf(s, scale_log2, -lse2));",
                 "return exp2f(fmaf(s, scale_log2 * 1.01f, -lse2));   // FAULT"),), ("bwd",)),
@@ -104,6 +110,7 @@ TESTS = {t.name: t for t in (
     TestRun("test_interop", ("tests/test_interop.py", "-k", "equal_cupy or jax_arrays")),
     TestRun("test_torch", ("tests/test_torch.py", "-k", "against_sdpa")),
     TestRun("test_jax", ("tests/test_jax.py", "-k", "gpu")),
+    TestRun("test_variants", ("tests/test_variants.py", "-k", "tuned or portable or float32")),
 )}
 DEFAULT_TESTS = ("test_fwd", "test_bwd", "test_fuzz", "test_interop", "test_torch", "test_jax")
 
