@@ -722,3 +722,42 @@ def test_a_window_visits_only_the_steps_it_reaches(world):
         steps = sum(bool(plan.variant_blocks(rank, (rank - s) % world, world, local, (True, 16, 0, 0)))
                     for s in range(world))
         assert steps <= 3
+
+
+@requires_gpu
+@pytest.mark.usefixtures("poison_ring_buffers")
+@pytest.mark.parametrize("name", ["window_causal", "chunk_window", "alibi_causal_softcap", "sinks_window"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_local_ring_with_variants(rng, world, name):
+    """The ring's positional blocks (the mask policy's offsets), its sinks joined once and dsinks summed over the
+    ranks, on the GPU kernels, against float64 on the whole sequence."""
+    import cupy
+    import cuflash.distributed as cfd
+    from cuflash.reference import attention_reference, attention_reference_backward, rel_err
+
+    kwargs = dict(RING_VARIANTS[name])
+    kwargs["window_size"] = tuple(4 * w if w > 0 else w for w in kwargs.get("window_size", (-1, -1)))
+    if kwargs.get("attention_chunk"):
+        kwargs["attention_chunk"] *= 8
+    host = dict(kwargs)
+    causal = kwargs.pop("causal", False)
+    for key in ("alibi_slopes", "sinks"):
+        if key in kwargs:
+            kwargs[key] = cupy.asarray(np.asarray(kwargs[key], np.float32))
+    n, dtype = 2 * world * 48, "bfloat16"
+    q, k, v = randn(rng, (2, n, 4, 64), dtype), randn(rng, (2, n, 2, 64), dtype), randn(rng, (2, n, 2, 64), dtype)
+    dout = randn(rng, q.shape, dtype)
+    qs, ks, vs, dos = (_shards(x, world) for x in (q, k, v, dout))
+    outs, lses = cfd.local_ring_forward(qs, ks, vs, causal=causal, return_lse=True, **kwargs)
+    out, lse = cfd.zigzag_unshard(outs), cfd.zigzag_unshard(lses, axis=2)
+    ref_o, ref_lse = attention_reference(q, k, v, **host)
+    assert rel_err(out, ref_o) <= FWD_TOL[dtype]
+    assert_lse_matches(lse, ref_lse, (2, 4, n), rtol=5e-5 if "softcap" in host else 1e-5)
+    grads = cfd.local_ring_backward(dos, qs, ks, vs, outs, lses, causal=causal, **kwargs)
+    refs = attention_reference_backward(dout, q, k, v, **host)
+    for i, gname in enumerate(("dq", "dk", "dv")):
+        err = rel_err(cfd.zigzag_unshard(grads[i]), refs[i])
+        assert err <= BWD_TOL[dtype], f"{gname} rel err {err:.3e}"
+    if "sinks" in host:
+        dsinks = sum(d.get().astype(np.float64) for d in grads[3])
+        assert np.abs(dsinks - refs[3]).max() <= BWD_TOL[dtype] * max(1.0, float(np.linalg.norm(refs[3])))
