@@ -434,3 +434,49 @@ def test_cuda_target_is_registered_for_cuda():
     assert {p for (_, p) in jax_targets.BODIES} == {"CUDA", "cpu"}
     assert jax_targets.BODIES[(jax_targets.FORWARD, "CUDA")] is jax_targets.cuda_forward
 
+
+
+# ---------------------------------------------------------------------------
+# Variants: windows, chunks, softcap, ALiBi, sinks through the custom calls (attributes and extra operands)
+
+JAX_VARIANTS = [
+    dict(causal=True, window_size=(20, 0), sinks=True),
+    dict(softcap=2.0, alibi=True),
+    dict(causal=True, attention_chunk=24, window_size=(10, 0), softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("kwargs", JAX_VARIANTS, ids=lambda k: "-".join(sorted(k)))
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_variants_under_jit_and_grad(kwargs, platform):
+    """Forward and gradients (q, k, v and the sinks) under jit against float64: on the CPU backend the
+    custom calls run the reference (the plumbing: attributes, optional operands, dsinks), on a GPU the kernels."""
+    device = CPU if platform == "cpu" else GPU
+    if device is None:
+        pytest.skip("needs a CUDA JAX backend and a CuPy device")
+    rng = np.random.default_rng(3)
+    b, nq, nk, hq, hkv, d = 2, 70, 90, 4, 2, 64
+    dtype = "float32" if platform == "cpu" else "bfloat16"
+    q, k, v = _inputs(rng, (b, nq, hq, d), (b, nk, hkv, d), dtype, device)
+    kw = dict(kwargs)
+    slopes = jax.device_put(jnp.asarray(rng.uniform(0.05, 0.3, hq).astype(np.float32)), device) \
+        if kw.pop("alibi", False) else None
+    sinks = jax.device_put(jnp.asarray(rng.normal(1.0, 1.0, hq).astype(np.float32)), device) \
+        if kw.pop("sinks", False) else None
+    dout = jax.device_put(jnp.asarray(rng.standard_normal((b, nq, hq, d)).astype(np.float32)), device)
+
+    def loss(q, k, v, sinks):
+        out = cj.dot_product_attention(q, k, v, alibi_slopes=slopes, sinks=sinks, **kw)
+        return (out.astype(jnp.float32) * dout).sum(), out
+
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks)
+    host = dict(kw, alibi_slopes=None if slopes is None else np.asarray(slopes),
+                sinks=None if sinks is None else np.asarray(sinks))
+    ref_o, _ = attention_reference(_f64(q), _f64(k), _f64(v), **host)
+    refs = attention_reference_backward(np.asarray(dout, np.float64), _f64(q), _f64(k), _f64(v), **host)
+    tol_o, tol_g = (FWD_TOL, BWD_TOL) if platform == "gpu" else ({dtype: 1e-6}, {dtype: 1e-6})
+    assert rel_err(_f64(out), ref_o) <= tol_o[dtype]
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        err = rel_err(_f64(g), r)
+        assert err <= tol_g[dtype], f"{name} rel err {err:.3e}"

@@ -436,3 +436,40 @@ def test_cuda_graph_capture_of_forward_and_backward():
         torch.cuda.synchronize()
         for got, want in zip(captured, expected):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True, window_size=(24, 0), learnable_sink=True),
+                                    dict(softcap=3.0, alibi_slopes=True),
+                                    dict(causal=True, attention_chunk=32, window_size=(None, 0))],
+                         ids=["gpt_oss", "softcap_alibi", "chunk"])
+def test_variants_and_lse_gradients(kwargs):
+    """flash_attn_func with the variants (FA4's names: learnable_sink, window None), differentiable with respect to
+    q, k, v, the sinks and lse (FA4's test_flash_attn_lse_grad), against float64."""
+    _need_cuda()
+    import numpy as np
+    from cuflash.reference import attention_reference_backward, rel_err
+
+    q, k, v, dout = _inputs("bfloat16", 2, 77, 95, 4, 2, 64)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kw = dict(kwargs)
+    if kw.get("learnable_sink"):
+        kw["learnable_sink"] = torch.randn(4, device="cuda", generator=g).requires_grad_(True)
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = torch.rand(4, device="cuda", generator=g) * 0.3
+    dlse = torch.randn(2, 4, 77, device="cuda", generator=g)
+    out, lse = ct.flash_attn_func(q, k, v, return_lse=True, **kw)
+    assert lse.requires_grad
+    ((out.float() * dout.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()).backward()
+    host = {"causal": kw.get("causal", False), "softcap": kw.get("softcap", 0.0),
+            "attention_chunk": kw.get("attention_chunk", 0),
+            "window_size": tuple(-1 if w is None else w for w in kw.get("window_size", (-1, -1)))}
+    if "alibi_slopes" in kw:
+        host["alibi_slopes"] = kw["alibi_slopes"].cpu().numpy()
+    if "learnable_sink" in kw:
+        host["sinks"] = kw["learnable_sink"].detach().cpu().numpy()
+    f64 = [x.detach().double().cpu().numpy() for x in (dout, q, k, v)]
+    refs = attention_reference_backward(*f64, dlse=dlse.double().cpu().numpy(), **host)
+    grads = [q.grad, k.grad, v.grad] + ([kw["learnable_sink"].grad] if "learnable_sink" in kw else [])
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        err = rel_err(got.double().cpu().numpy(), ref)
+        assert err <= 2e-2, f"{name} rel err {err:.3e}"
