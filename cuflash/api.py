@@ -5,6 +5,7 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
@@ -426,8 +427,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
 
     b, nq, nk, hq, hkv, d = dims
     opts = options.current()
-    variant = var.kernel
-    variant = variants.MaskVariant(variant.local, variant.softcap, variant.alibi)   # sinks: no backward code
+    variant = dataclasses.replace(var.kernel, sink=False)   # the backward has no sink code: the kernels without
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
                                            short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
     kern, cfg, smem = dkdv

@@ -24,10 +24,11 @@ class MaskVariant:
     softcap: bool = False   # s -> softcap * tanh(s / softcap)
     alibi: bool = False     # s -> s - slope * |i + seqlen_k - seqlen_q - j|
     sink: bool = False      # a learned logit per head in each row's softmax denominator
+    chunk: bool = False     # with local: chunks are on (their divisions are in the code only then)
 
     def template_arg(self, causal: bool) -> str:
-        """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink>``."""
-        flags = (causal, self.local, self.softcap, self.alibi, self.sink)
+        """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink, chunk>``."""
+        flags = (causal, self.local, self.softcap, self.alibi, self.sink, self.local and self.chunk)
         return "MaskVariant<" + ", ".join("true" if f else "false" for f in flags) + ">"
 
     @property
@@ -36,8 +37,8 @@ class MaskVariant:
 
     def tag(self) -> str:
         """A short name for cache keys and kernel names ("" when plain)."""
-        return "".join(name for name, on in (("L", self.local), ("S", self.softcap), ("A", self.alibi),
-                                             ("K", self.sink)) if on)
+        return "".join(name for name, on in (("L", self.local), ("C", self.local and self.chunk),
+                                             ("S", self.softcap), ("A", self.alibi), ("K", self.sink)) if on)
 
     @property
     def has_score_mod(self) -> bool:
@@ -107,7 +108,7 @@ class Variants:
     @property
     def kernel(self) -> MaskVariant:
         return MaskVariant(local=self.local, softcap=self.softcap > 0, alibi=self.alibi_slopes is not None,
-                           sink=self.sinks is not None)
+                           sink=self.sinks is not None, chunk=self.attention_chunk > 0)
 
     @property
     def plain(self) -> bool:

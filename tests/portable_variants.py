@@ -8,7 +8,7 @@ from cuflash import heuristics
 from cuflash.config import FAMILIES
 from cuflash.variants import MaskVariant
 
-ALL_PARTS = MaskVariant(local=True, softcap=True, alibi=True, sink=True)
+ALL_PARTS = MaskVariant(local=True, softcap=True, alibi=True, sink=True, chunk=True)
 # Each part alone, as (variant, causal): the window causal and not (the loops' ranges differ with both); the
 # score modifiers and the sink do not depend on causal (ALL_PARTS has them with it). Sinks are the forward's.
 PARTS = [(MaskVariant(local=True), False), (MaskVariant(local=True), True), (MaskVariant(softcap=True), False),

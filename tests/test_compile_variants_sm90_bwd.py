@@ -19,7 +19,7 @@ from compile_checks import assert_all_compile
 
 pytest.importorskip("cupy")
 
-HEAVY = MaskVariant(local=True, softcap=True, alibi=True, sink=True)
+HEAVY = MaskVariant(local=True, softcap=True, alibi=True, sink=True, chunk=True)
 PARTS = (MaskVariant(local=True), MaskVariant(softcap=True), MaskVariant(alibi=True), MaskVariant(sink=True))
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("cupy")
 
 from compile_checks import assert_all_compile  # noqa: E402
 
-HEAVY = MaskVariant(local=True, softcap=True, alibi=True, sink=True)
+HEAVY = MaskVariant(local=True, softcap=True, alibi=True, sink=True, chunk=True)
 PARTS = (MaskVariant(local=True), MaskVariant(softcap=True), MaskVariant(alibi=True), MaskVariant(sink=True))
 
 

@@ -18,7 +18,7 @@ def test_shared_memory_comes_from_the_kernels():
         assert fam.dynamic_smem == (fam.direction != "aux"), fam.name
     cfg = KernelConfig("sm90_fwd_overlap_p", "bfloat16", 128, True, 128, 128, 12)
     assert cfg.smem_expression() == ("&fwd_overlap_persistent_kernel_smem_bytes<bf16_tag, 128, 128, 128, 12, "
-                                     "MaskVariant<true, false, false, false, false>>")
+                                     "MaskVariant<true, false, false, false, false, false>>")
     assert KernelConfig("bwd_preprocess", "float16", 0, False, 32, 0, 8).smem_expression() is None
     assert not hasattr(launch, "SMEM_BYTES") and not hasattr(launch, "sm90_fwd_q_buffers")
     with pytest.raises(TypeError):

@@ -262,7 +262,10 @@ def test_variant_keys():
     v = variants.Variants(window_left=4, causal=True)
     assert v.kernel == variants.MaskVariant(local=True)
     assert variants.Variants(window_right=0, causal=True).kernel == variants.PLAIN   # causal alone
-    assert variants.MaskVariant(local=True, sink=True).template_arg(True) == "MaskVariant<true, true, false, false, true>"
+    assert (variants.MaskVariant(local=True, sink=True).template_arg(True)
+            == "MaskVariant<true, true, false, false, true, false>")
+    assert variants.Variants(attention_chunk=64).kernel == variants.MaskVariant(local=True, chunk=True)
+    assert variants.Variants(attention_chunk=64).kernel.tag() == "LC"
     assert variants.call_signature((-1, -1), 0, 0.0, None, None) == ()
     assert variants.call_signature((8, 0), 0, 0.0, None, None) == ((8, 0), 0, 0.0, None, None)
     assert variants.call_signature([8, 0], 0, 0.0, None, None) is None   # a list: the checked path

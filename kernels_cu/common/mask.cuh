@@ -27,11 +27,13 @@
 //             (run-time values: FwdParams.window_left / window_right / attention_chunk);
 //   kSoftcap  s -> softcap * tanh(s / softcap);
 //   kAlibi    s -> s - slope[batch, head] * |pos - key|;
-//   kSink     a learned logit per head joins each row's softmax denominator (the epilogue's business).
-template <bool kCausal_, bool kLocal_, bool kSoftcap_, bool kAlibi_, bool kSink_>
+//   kSink     a learned logit per head joins each row's softmax denominator (the epilogue's business);
+//   kChunk    with kLocal, chunks are on: only then is there code for their divisions (a window alone keeps
+//             its bounds to adds and compares, which keeps the backward's key loop small).
+template <bool kCausal_, bool kLocal_, bool kSoftcap_, bool kAlibi_, bool kSink_, bool kChunk_ = false>
 struct MaskVariant {
     static constexpr bool kCausal = kCausal_, kLocal = kLocal_, kSoftcap = kSoftcap_, kAlibi = kAlibi_,
-                          kSink = kSink_;
+                          kSink = kSink_, kChunk = kLocal_ && kChunk_;
 };
 using PlainVariant = MaskVariant<false, false, false, false, false>;
 using CausalVariant = MaskVariant<true, false, false, false, false>;
@@ -104,14 +106,14 @@ struct MaskPolicy {
         const int pos = row + diag;
         int hi = pos + right;   // causal: right = 0
         if constexpr (kLocal) {
-            if (chunk > 0) hi = min(hi, (floor_div(pos + key_offset, chunk) + 1) * chunk - 1 - key_offset);
+            if (Variant::kChunk && chunk > 0) hi = min(hi, (floor_div(pos + key_offset, chunk) + 1) * chunk - 1 - key_offset);
         }
         return hi;
     }
     __device__ __forceinline__ int key_lo(int row) const {
         const int pos = row + diag;
         int lo = pos - left;
-        if (chunk > 0) lo = max(lo, floor_div(pos + key_offset, chunk) * chunk - key_offset);
+        if (Variant::kChunk && chunk > 0) lo = max(lo, floor_div(pos + key_offset, chunk) * chunk - key_offset);
         return lo;
     }
 
@@ -141,7 +143,7 @@ struct MaskPolicy {
             // pos in c's chunk or later.
             const int c = n_block * kBlockN;
             int first_pos = c - right;
-            if (chunk > 0) first_pos = max(first_pos, floor_div(c + key_offset, chunk) * chunk - key_offset);
+            if (Variant::kChunk && chunk > 0) first_pos = max(first_pos, floor_div(c + key_offset, chunk) * chunk - key_offset);
             const int first_row = first_pos - diag;
             return first_row <= 0 ? 0 : first_row / kBlockM;
         }
@@ -155,7 +157,7 @@ struct MaskPolicy {
             // pos in c's chunk or earlier.
             const int c = (n_block + 1) * kBlockN - 1;
             int last_pos = c + left;
-            if (chunk > 0) last_pos = min(last_pos, (floor_div(c + key_offset, chunk) + 1) * chunk - 1 - key_offset);
+            if (Variant::kChunk && chunk > 0) last_pos = min(last_pos, (floor_div(c + key_offset, chunk) + 1) * chunk - 1 - key_offset);
             const int last_row = last_pos - diag;
             return last_row < 0 ? 0 : min(all, last_row / kBlockM + 1);
         }
