@@ -1,5 +1,5 @@
 """The variant builds of the portable kernel families (sm80, simt) that their CPU compile tests
-(test_compile_variants_sm80.py, test_compile_variants_simt.py) check for spills."""
+(test_compile_variants_portable.py) checks for spills."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -4,6 +4,22 @@
 #pragma once
 #include "numeric.cuh"
 
+// The mask policy's run-time values (common/mask.cuh), the last fields of FwdParams and BwdParams (one list,
+// so that the two layouts, and cuflash/params.py's _MASK_FIELDS, cannot drift apart); a kernel reads only those
+// of the parts its MaskVariant has.
+#define CUFLASH_MASK_PARAMS                                                                                     \
+    int mask_diag;          /* query row i's diagonal is key position i + mask_diag (seqlen_k - seqlen_q + offsets) */ \
+    int window_left;        /* kLocal: keys before / after the diagonal a row sees (unbounded: larger than any */   \
+    int window_right;       /* distance; causal: window_right = 0) */                                         \
+    int attention_chunk;    /* kChunk: chunks of keys a row keeps to (0: none) */                             \
+    int key_offset;         /* kChunk: absolute position of key 0 (chunks are counted from absolute 0) */      \
+    int alibi_batch_stride; /* kAlibi: floats between batches of alibi_slopes (0: one row for every batch) */ \
+    float softcap_in;       /* kSoftcap: softmax_scale / softcap */                                          \
+    float softcap_out;      /* kSoftcap: softcap / softmax_scale */                                          \
+    float alibi_scale;      /* kAlibi: 1 / softmax_scale */                                                  \
+    const float* alibi_slopes;  /* kAlibi: (batch, heads_q) or (heads_q,) float32 */                          \
+    const float* sinks;     /* kSink: (heads_q,) float32 logits */
+
 // Strides are in elements; the last (head_dim) dimension is contiguous.
 struct FwdParams {
     const void* q;
@@ -22,18 +38,8 @@ struct FwdParams {
     int heads_per_kv;      // heads_q / heads_kv (GQA group size)
     int head_dim;
     float softmax_scale;
-    float scale_log2;      // softmax_scale * log2(e), folded once on the host    // The mask policy's run-time values (common/mask.cuh), read only by kernels whose MaskVariant has the part.
-    int mask_diag;          // query row i's diagonal is key position i + mask_diag (seqlen_k - seqlen_q + offsets)
-    int window_left;        // kLocal: keys before / after the diagonal a row sees (unbounded: larger than any
-    int window_right;       // distance; causal: window_right = 0)
-    int attention_chunk;    // kLocal: chunks of keys a row keeps to (0: none)
-    int key_offset;         // kLocal: absolute position of key 0 (chunks are counted from absolute 0)
-    int alibi_batch_stride; // kAlibi: floats between batches of alibi_slopes (0: one row for every batch)
-    float softcap_in;       // kSoftcap: softmax_scale / softcap
-    float softcap_out;      // kSoftcap: softcap / softmax_scale
-    float alibi_scale;      // kAlibi: 1 / softmax_scale
-    const float* alibi_slopes;  // kAlibi: (batch, heads_q) or (heads_q,) float32
-    const float* sinks;     // kSink: (heads_q,) float32 logits
+    float scale_log2;      // softmax_scale * log2(e), folded once on the host
+    CUFLASH_MASK_PARAMS
 };
 
 // Backward (FlashAttention-2 split): bwd_preprocess (delta, zero dq_accum),
@@ -83,17 +89,7 @@ struct BwdParams {
     // seqlen_q hold lse2 = +inf, delta = 0), written by the preprocess for the dK/dV kernel's producer to copy
     // by TMA; else null.
     float* stats;
-    int stat_rows;    // The mask policy's run-time values (common/mask.cuh), read only by kernels whose MaskVariant has the part.
-    int mask_diag;          // query row i's diagonal is key position i + mask_diag (seqlen_k - seqlen_q + offsets)
-    int window_left;        // kLocal: keys before / after the diagonal a row sees (unbounded: larger than any
-    int window_right;       // distance; causal: window_right = 0)
-    int attention_chunk;    // kLocal: chunks of keys a row keeps to (0: none)
-    int key_offset;         // kLocal: absolute position of key 0 (chunks are counted from absolute 0)
-    int alibi_batch_stride; // kAlibi: floats between batches of alibi_slopes (0: one row for every batch)
-    float softcap_in;       // kSoftcap: softmax_scale / softcap
-    float softcap_out;      // kSoftcap: softcap / softmax_scale
-    float alibi_scale;      // kAlibi: 1 / softmax_scale
-    const float* alibi_slopes;  // kAlibi: (batch, heads_q) or (heads_q,) float32
-    const float* sinks;     // kSink: (heads_q,) float32 logits
+    int stat_rows;
+    CUFLASH_MASK_PARAMS
     const float* dlse;      // the gradient of lse (null: none): the preprocess takes it off delta
 };
