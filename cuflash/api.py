@@ -427,7 +427,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
 
     b, nq, nk, hq, hkv, d = dims
     opts = options.current()
-    variant = dataclasses.replace(var.kernel, sink=False)   # the backward has no sink code: the kernels without
+    # The backward has no sink code: the kernels without.
+    variant = var.kernel if not var.kernel.sink else dataclasses.replace(var.kernel, sink=False)
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
                                            short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
     kern, cfg, smem = dkdv

@@ -8,6 +8,7 @@ FwdParams and BwdParams end with (params._MASK_FIELDS).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -105,8 +106,9 @@ class Variants:
         """Whether a window or chunks bound the keys a row sees (beyond causal)."""
         return self.window_left >= 0 or (self.window_right >= 0 and not self.causal) or self.attention_chunk > 0
 
-    @property
+    @functools.cached_property
     def kernel(self) -> MaskVariant:
+        """The kernels' MaskVariant (computed once per call's Variants: it is on every launch's path)."""
         return MaskVariant(local=self.local, softcap=self.softcap > 0, alibi=self.alibi_slopes is not None,
                            sink=self.sinks is not None, chunk=self.attention_chunk > 0)
 
