@@ -304,20 +304,26 @@ def _error(frame: CallFrame, message: str, code: int) -> Optional[int]:
 _FALLBACK_MESSAGE = (b"cuflash: the custom call failed, and reporting its error failed too "
                      b"(see stderr); its outputs were not written")
 _fallback_args = ErrorCreateArgs(_struct_size(ErrorCreateArgs, "errc"), None, _FALLBACK_MESSAGE, ERROR_INTERNAL)
-_fallback_creates: dict = {}   # API table address -> its Error_Create, as a ctypes function
+# API table address -> (its Error_Create's address, that function as ctypes). The address is compared on
+# every call: a table that goes away and another one at its address (test stand-ins) must not reuse a stale one.
+_fallback_creates: dict = {}
 
 
 def _prepare_fallback(api_address: int) -> None:
-    """Resolves the API table's Error_Create once, before a handler's body runs on it."""
-    if api_address and api_address not in _fallback_creates:
-        _fallback_creates[api_address] = _ErrorCreate(_api_function(Api.from_address(api_address), "Error_Create"))
+    """Resolves the API table's Error_Create, before a handler's body runs on it (again where it changed)."""
+    if not api_address:
+        return
+    address = _api_function(Api.from_address(api_address), "Error_Create")
+    found = _fallback_creates.get(api_address)
+    if found is None or found[0] != address:
+        _fallback_creates[api_address] = (address, _ErrorCreate(address))
 
 
 def _fallback_error(frame_ptr) -> Optional[int]:
     """The error of last resort for this frame (pre-built arguments, a pre-resolved Error_Create); when
     there is none to make, the process is aborted rather than report success with unwritten outputs."""
     try:
-        create = _fallback_creates.get(frame_ptr.contents.api)
+        create = _fallback_creates.get(frame_ptr.contents.api, (None, None))[1]
         if create is not None:
             error = create(ctypes.byref(_fallback_args))
             if error:
