@@ -325,6 +325,19 @@ def _first_output(fn: Callable) -> Callable:
     return run
 
 
+def free_memory() -> None:
+    """Gives CuPy's (and, where imported, PyTorch's) cached device memory back between large benchmark rows."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
 def fa4_fn():
     """A function (q, k, v, causal) -> out running FlashAttention-4 (``flash_attn.cute``) on torch
     tensors ``(B, N, H, D)`` (differentiable through torch autograd), or None if PyTorch with CUDA

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .bench import PASS_FLOPS, Shape
+from .bench import PASS_FLOPS, Shape, free_memory
 
 TILE = 128                       # the accounting convention: 128 x 128 tiles
 VARIANT_PASSES = ("fwd", "fwd+bwd")
@@ -593,18 +593,6 @@ class CaseResult:
                 "vs_plain_tiles": self.vs_plain(), "notes": self.notes}
 
 
-def _free_memory() -> None:
-    import cupy
-
-    cupy.get_default_memory_pool().free_all_blocks()
-    try:
-        import torch
-
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass
-
-
 def _short(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:160]}"
@@ -695,7 +683,7 @@ def benchmark_case(row: VariantRow, dist: str, *, repeats: int = 20, warmup: int
         timed = time_interleaved({key: f for key, f in fns.items() if key[1] == p}, warmup=warmup, repeats=repeats)
         results[p].ms.update({impl: ms for (impl, _), ms in timed.items()})
     del fns
-    _free_memory()
+    free_memory()
     return list(results.values())
 
 

@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import math
 
-from .bench import peer_label
+from .bench import free_memory, peer_label
 
 DIST_PASSES = ("fwd", "fwd+bwd")
 DIST_COLUMNS = ("cuflash", "sdpa_cudnn", "sdpa_flash", "fa4")
 DIST_RATIOS = ("sdpa_cudnn", "fa4")  # cuflash / peer
-
-
-def _free_memory() -> None:
-    import cupy
-
-    cupy.get_default_memory_pool().free_all_blocks()
-    try:
-        import torch
-
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass
 
 
 def benchmark_dists(shapes, dists, *, repeats: int = 15, warmup: int = 3, backward: bool = True,
@@ -71,9 +59,9 @@ def benchmark_dists(shapes, dists, *, repeats: int = 15, warmup: int = 3, backwa
             print(f"  {shape.label():<44} {dist:<10} std {std:6.2f} | " + " | ".join(cells), flush=True)
             del fns, q, k, v
             tq = tk = tv = tdout = None  # the DLPack views keep the arrays alive
-            _free_memory()
+            free_memory()
         del dout
-        _free_memory()
+        free_memory()
     return rows
 
 

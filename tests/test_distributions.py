@@ -241,7 +241,7 @@ def test_benchmark_dists_rows(monkeypatch, capsys):
     ms = {"cuflash": 1.0, "sdpa_cudnn": 1.25, "fa4": 0.8}
     monkeypatch.setattr(bench, "time_interleaved",
                         lambda fns, warmup, repeats: {key: ms[key[0]] for key in fns})
-    monkeypatch.setattr(dist_table, "_free_memory", lambda: None)
+    monkeypatch.setattr(dist_table, "free_memory", lambda: None)
     shape = Shape(1, 1, 1024, 64, "float16", False)
     rows = dist_table.benchmark_dists([shape], ("normal", "sharp"), repeats=2, warmup=1)
     assert [(r["dist"], r["pass"]) for r in rows] == [("normal", "fwd"), ("normal", "fwd+bwd"), ("sharp", "fwd"),
