@@ -14,7 +14,7 @@
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
 #   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
-#              (B,H,N,D,dtype[,causal]) for cuflash, then FA4 where $FA4_SITE exists (dev/profiling.py launch);
+#              (B,H,N,D,dtype[,causal], or row:NAME for a row of the variant table) for cuflash, then FA4 where $FA4_SITE exists (dev/profiling.py launch);
 #              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv); NCU_CLOCK=base
 #              locks the clock at base (cycles comparable across inputs and kernels; default: none)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if $FA4_SITE
@@ -174,17 +174,18 @@ case $phase in
     if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
     fa4_env
     shape=$1; pass=$2; dist=${3:-normal}
+    row_args=(); [ "${shape#row:}" != "$shape" ] && row_args=(--row "${shape#row:}")   # row:NAME, a variant row
     [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='fwd_.*kernel|ForwardSm90'
     for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ); do
       echo "== $who $pass $shape $dist"
       ncu --clock-control ${NCU_CLOCK:-none} --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy \
-        python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
+        python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" "${row_args[@]}" > "$OUT/ncu-$who-$pass.txt" 2>&1 || status=1
       if [ -n "${NCU_SOURCE:-}" ]; then   # per-SASS-instruction warp-stall samples, as CSV
         ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 --set none \
           --section SourceCounters --section WarpStateStats -f -o $TMP/ncu-src-$who \
-          python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" > /dev/null 2>&1 || status=1
+          python3 $HERE/profiling.py launch "$shape" $who $pass "$dist" "${row_args[@]}" > /dev/null 2>&1 || status=1
         ncu --import $TMP/ncu-src-$who.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-src-$who-$pass.csv" 2>&1
         ncu --import $TMP/ncu-src-$who.ncu-rep --page details --print-details all > "$OUT/ncu-stall-$who-$pass.txt" 2>&1
       fi

@@ -1,6 +1,7 @@
 """Workloads for external tools, and host-side profiling (GPU).
 
     ncu --kernel-name regex:... python3 dev/profiling.py launch B,H,N,D,dtype[,causal] [cuflash|cudnn|fa4] [fwd|bwd] [DIST]
+    ncu ... python3 dev/profiling.py launch - [cuflash|fa4] [fwd|bwd] [DIST] --row window8k
     compute-sanitizer --tool memcheck python3 dev/profiling.py sanitize [fwd,bwd,sched,ring,selftest]
     python3 dev/profiling.py power [VARIANT ...] [--shape S] [--pass fwd|bwd] [--seconds 4] [--rounds 1]
     python3 dev/profiling.py host
@@ -37,8 +38,11 @@ from _common import SCHED_SHAPES, Variant, apply_variants, cuflash_call, parse_s
 
 
 # ------------------------------------------------------------------------------------ launch
-def launch(shape, which: str, pas: str, dist: str, calls: int = 3) -> None:
+def launch(shape, which: str, pas: str, dist: str, calls: int = 3, row: str | None = None) -> None:
     import cupy
+
+    if row:
+        return launch_variant_row(row, which, pas, dist, calls)
 
     import cuflash
     from cuflash.bench import fa4_fn, torch_sdpa, torch_views
@@ -67,6 +71,32 @@ def launch(shape, which: str, pas: str, dist: str, calls: int = 3) -> None:
             o = run(tq, tk, tv, shape.causal)
             if backward:
                 torch.autograd.grad(o, (tq, tk, tv), tdo)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def launch_variant_row(name: str, which: str, pas: str, dist: str, calls: int) -> None:
+    """``launch`` for a row of the variant table (cuflash/bench_variants.py: window8k, gpt-oss, ...): its shape
+    and variant, for cuflash or FlashAttention-4."""
+    import cupy
+
+    from cuflash import bench_variants as bv
+    from cuflash.distributions import make_inputs
+
+    (row,) = bv.rows_by_name([name])
+    q, k, v = make_inputs(row.shape, dist, 0)
+    dout = make_inputs(row.shape, "normal", 1)[0]
+    passes = ("fwd+bwd",) if pas == "bwd" else ("fwd",)
+    if which == "cuflash":
+        fns = bv.cuflash_fns(q, k, v, dout, row.variant, passes)
+    elif which == "fa4":
+        build = bv.fa4_adapter()
+        if build is None:
+            raise SystemExit("fa4 does not run here")
+        fns = build(row, q, k, v, dout, passes)
+    else:
+        raise SystemExit(f"--row takes cuflash or fa4, not {which}")
+    for _ in range(calls):
+        fns[passes[0]]()
     cupy.cuda.runtime.deviceSynchronize()
 
 
@@ -333,6 +363,7 @@ def main(argv=None) -> int:
     p.add_argument("pas", nargs="?", default="fwd", choices=("fwd", "bwd"), metavar="PASS", help="fwd | bwd")
     p.add_argument("dist", nargs="?", default="normal", help="input distribution (cuflash/distributions.py)")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--row", help="a row of the variant table (python -m cuflash --variants): its shape and variant")
     p = sub.add_parser("sanitize", help="every kernel family on small odd shapes, for compute-sanitizer")
     p.add_argument("which", nargs="?", default="fwd,bwd", help="comma-separated: fwd bwd sched ring selftest")
     p = sub.add_parser("power", help="sustained TFLOP/s with the SM clock and board power sampled")
@@ -344,7 +375,7 @@ def main(argv=None) -> int:
     sub.add_parser("host", help="host time of a small call, step by step, and a cProfile")
     args = ap.parse_args(argv)
     if args.cmd == "launch":
-        launch(parse_shape(args.shape), args.which, args.pas, args.dist, args.calls)
+        launch(None if args.row else parse_shape(args.shape), args.which, args.pas, args.dist, args.calls, args.row)
     elif args.cmd == "sanitize":
         sanitize(args.which)
     elif args.cmd == "power":
