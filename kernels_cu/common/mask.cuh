@@ -6,7 +6,8 @@
 // ([n_block_min, n_block_max)) and, in the backward, which query tiles a key tile is visited by
 // ([m_block_min, m_block_max)); whether a visited tile has hidden elements and which; how a visible score is
 // modified before the softmax (with the derivative the backward multiplies dS by); and a row's sink logit.
-// Kernels walk their own accumulator layouts and call `visible(row, col)` per element of a masked tile.
+// Kernels walk their own accumulator layouts and test each element of a masked tile against its row's key
+// bounds (row_keys), its column's row bounds (col_rows) or visible(row, col).
 //
 // Rows and columns are local query / key indices (0 .. seqlen). Positions for windows, chunks and ALiBi are
 // taken on the diagonal: query row i sits at key position i + diag, where diag = seqlen_k - seqlen_q (the
@@ -184,6 +185,26 @@ struct MaskPolicy {
             lo = key_lo(row);
             hi = min(seqlen_k - 1, key_hi(row));
         }
+    }
+    // The rows that see key col, [lo, hi] (none when hi < lo): visible(row, col) is lo <= row <= hi. For a
+    // kernel whose threads hold few key columns and many rows (the sm90 backward's S^T), so that an element's
+    // test is two compares against its column's bounds and a select, with no branch.
+    __device__ __forceinline__ void col_rows(int col, int& lo, int& hi) const {
+        constexpr int kAll = 1 << 30;   // beyond any row
+        lo = -kAll;
+        hi = kAll;
+        if constexpr (kLocal) {
+            lo = col - diag - right;
+            hi = col - diag + left;
+            if (Variant::kChunk && chunk > 0) {
+                const int start = floor_div(col + key_offset, chunk) * chunk - key_offset;   // col's chunk
+                lo = max(lo, start - diag);
+                hi = min(hi, start + chunk - 1 - diag);
+            }
+        } else if constexpr (kCausal) {
+            lo = col - (seqlen_k - seqlen_q);
+        }
+        if (col >= seqlen_k) lo = kAll;
     }
     __device__ __forceinline__ bool visible(int row, int col) const {
         if constexpr (!kLocal) {
