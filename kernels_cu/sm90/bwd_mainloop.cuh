@@ -78,7 +78,9 @@ struct BwdMainloop {
 
     // The rows that see this thread's two key columns (key_local, key_local + 8), as offsets from its first
     // query row m0 + q_off + 2 t4: its element 4j + e is hidden when 8j + (e & 1) is outside column e >> 1's
-    // [lo, hi] (the mask policy's col_rows; one bound pair per column, not per element).
+    // [lo, hi] (the mask policy's col_rows; one bound pair per column, not per element). Windows and chunks
+    // take it (per element, their visible() became branches); causal and the key bound keep visible(), whose
+    // code is as small.
     __device__ __forceinline__ void col_bounds(int m0, int (&lo)[2], int (&hi)[2]) const {
         const int row0 = m0 + thr.q_off + 2 * thr.t4;
 #pragma unroll
@@ -102,7 +104,7 @@ struct BwdMainloop {
             const Mask mod(p, batch, head);
             const bool masked = mask().needs_mask(m_block, n_block);
             int lo[2], hi[2];
-            if (masked) col_bounds(m0, lo, hi);
+            if (Mask::kLocal && masked) col_bounds(m0, lo, hi);
 #pragma unroll
             for (int j = 0; j < kQCols / 8; ++j) {
                 if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
@@ -115,7 +117,8 @@ struct BwdMainloop {
                     const float ds = (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x)) * mod.score_derivative(s, row, col);
                     // The modifier before the mask: a modifier may map -inf to a finite score.
                     float s_mod = mod.modify_score(s, row, col);
-                    if (masked && hidden(8 * j + (e & 1), lo[e >> 1], hi[e >> 1])) s_mod = -CUFLASH_INF;
+                    if (masked && (Mask::kLocal ? hidden(8 * j + (e & 1), lo[e >> 1], hi[e >> 1]) : !mask().visible(row, col)))
+                        s_mod = -CUFLASH_INF;
                     const float pr = bwd_prob(s_mod, p.scale_log2, (e & 1) ? l2.y : l2.x);
                     acc_dp[4 * j + e] = pr * ds;
                     acc_s[4 * j + e] = pr;
@@ -125,13 +128,22 @@ struct BwdMainloop {
             // Masked scores -> -inf on the tiles that need it (P = exp2(-inf - lse2) = 0: lse2 is never -inf),
             // so that the loop below carries no per-element test.
             if (mask().needs_mask(m_block, n_block)) {
-                int lo[2], hi[2];
-                col_bounds(m0, lo, hi);
+                if constexpr (Mask::kLocal) {
+                    int lo[2], hi[2];
+                    col_bounds(m0, lo, hi);
 #pragma unroll
-                for (int j = 0; j < kQCols / 8; ++j)
+                    for (int j = 0; j < kQCols / 8; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (hidden(8 * j + (e & 1), lo[e >> 1], hi[e >> 1])) acc_s[4 * j + e] = -CUFLASH_INF;
+                        for (int e = 0; e < 4; ++e)
+                            if (hidden(8 * j + (e & 1), lo[e >> 1], hi[e >> 1])) acc_s[4 * j + e] = -CUFLASH_INF;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < kQCols / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!mask().visible(m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1), n0 + thr.key_local + 8 * (e >> 1)))
+                                acc_s[4 * j + e] = -CUFLASH_INF;
+                }
             }
 #pragma unroll
             for (int j = 0; j < kQCols / 8; ++j) {
