@@ -81,8 +81,10 @@ FAULTS = {f.name: f for f in (
           (Edit("common/block_range.cuh", "(!kIsCausal || col <= row + seqlen_k - seqlen_q)",
                 "(!kIsCausal || col < row + seqlen_k - seqlen_q) /* FAULT */"),), ("fwd", "bwd")),
     Fault("window_left_off_by_one", "a window hides its leftmost key (key_lo one too far right), every family "
-          "with a window", (Edit("common/mask.cuh", "        int lo = pos - left;\n",
-                                 "        int lo = pos - left + 1;   // FAULT\n"),), ("fwd", "bwd")),
+          "with a window (key_lo, and col_rows for the Hopper backward)",
+          (Edit("common/mask.cuh", "        int lo = pos - left;\n", "        int lo = pos - left + 1;   // FAULT\n"),
+           Edit("common/mask.cuh", "            hi = col - diag + left;\n",
+                "            hi = col - diag + left - 1;   // FAULT\n")), ("fwd", "bwd")),
     Fault("softcap_derivative", "the backward's softcap derivative dropped (1 instead of 1 - tanh^2)",
           (Edit("common/mask.cuh", "            return fmaf(-t, t, 1.f);\n",
                 "            return 1.f + 0.f * t;   // FAULT\n"),), ("bwd",)),
