@@ -130,7 +130,9 @@ class NcclRing:
         import numpy as np
         from cupy.cuda import nccl
 
-        with cupy.cuda.Device(self.device_id):
+        # The copy of the fingerprint to the device goes on the transfers' own (non-blocking) stream: on the
+        # current stream, the all-gather could read the buffer before it lands (a recycled block's old value).
+        with cupy.cuda.Device(self.device_id), self.stream:
             send = cupy.asarray(np.array([fingerprint(what)], dtype=np.int64))
             recv = cupy.empty(self.world, dtype=np.int64)
             self.comm.allGather(send.data.ptr, recv.data.ptr, 1, nccl.NCCL_INT64, self.stream.ptr)
