@@ -323,7 +323,19 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         dsinks)``, dsinks shaped and typed like sinks (deterministic). With GQA/MQA, dk and dv of a
         KV head are the sums over the query heads that share it.
     """
-    if interop.needs_conversion(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dlse):   # torch / JAX
+    # The call cache (call_cache.py): a call seen before replays its launches. Not with sinks (dsinks is
+    # computed on the host side) nor a ring step's offsets.
+    variant_sig = None if sinks is not None or _mask_offsets is not None else variants.call_signature(
+        window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    key = None if variant_sig is None else call_cache.bwd_key(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal,
+                                                              softmax_scale, deterministic, variant_sig)
+    if key is not None:
+        call = _bwd_calls.get(key)
+        if call is not None:
+            grads = call.replay(key, q, k, v, dq, dk, dv)
+            if grads is not None:
+                return grads
+    elif interop.needs_conversion(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, sinks, dlse):   # torch / JAX
         return interop.call(backward, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
                                        "dq": dq, "dk": dk, "dv": dv, "alibi_slopes": alibi_slopes, "sinks": sinks,
                                        "dlse": dlse}, buffers=("dq", "dk", "dv"),
@@ -346,12 +358,17 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    opts = options.current()
     try:
-        grads = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
-                                    (b, nq, nk, hq, hkv, d), dev, var, dlse, _mask_offsets)
+        grads, recorded = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
+                                              (b, nq, nk, hq, hkv, d), dev, var, dlse, _mask_offsets,
+                                              record=key is not None, opts=opts)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise
+    # Recorded under the options it was planned with (another thread may have changed them since the key).
+    if recorded is not None and key[call_cache.OPTIONS_TOKEN] == opts.token:
+        _bwd_calls.record(key, recorded, dev)
     if sinks is None:
         return grads[:3]
     dsinks = grads[3] if grads[3].dtype == sinks.dtype else grads[3].astype(sinks.dtype)
@@ -359,36 +376,45 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
 
 
 def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,
-                        dims, dev: int, var: variants.Variants = variants.NONE, dlse=None, mask_offsets=None):
+                        dims, dev: int, var: variants.Variants = variants.NONE, dlse=None, mask_offsets=None,
+                        record: bool = False, opts: Optional[options.Options] = None):
     """The backward after its checks: allocates what the caller did not give and launches. Returns
-    ``(dq, dk, dv, dsinks)``, dsinks float32 (heads_q,) or None without sinks."""
+    ``((dq, dk, dv, dsinks), recorded)``: dsinks float32 (heads_q,) or None without sinks; recorded, with
+    ``record``, the call as call_cache.RecordedBackward where it can be replayed as is, else None."""
     import cupy
 
     b, nq, nk, hq, hkv, d = dims
+    given = (dq is not None, dk is not None, dv is not None)
     with cupy.cuda.Device(dev):
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
         dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
         dsinks = None if var.sinks is None else cupy.zeros(hq, dtype=np.float32)
         if b == 0:
-            return dq, dk, dv, dsinks
+            return (dq, dk, dv, dsinks), None
         if nq == 0 or nk == 0:  # no query sees a key: every gradient is 0 but the sinks'
             for x in (dq, dk, dv):
                 if x.size:
                     x.fill(0)
             if dsinks is not None and nq and dlse is not None:   # P(sink) = 1: d lse / d sink = 1, out = 0
                 dsinks[...] = dlse.astype(np.float32).sum(axis=(0, 2))
-            return dq, dk, dv, dsinks
+            return (dq, dk, dv, dsinks), None
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
             capture.keep_if_capturing(lse)
         if dlse is not None and not dlse.flags.c_contiguous:
             dlse = cupy.ascontiguousarray(dlse)
             capture.keep_if_capturing(dlse)
-        dsinks = _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
-                             deterministic=deterministic, dims=dims, device_id=dev, var=var, dlse=dlse,
-                             mask_offsets=mask_offsets)
-    return dq, dk, dv, dsinks
+        record = record and lse.flags.c_contiguous and (dlse is None or dlse.flags.c_contiguous)
+        dsinks, launches, workspaces = _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
+                                                   deterministic=deterministic, dims=dims, device_id=dev, var=var,
+                                                   dlse=dlse, mask_offsets=mask_offsets, record=record,
+                                                   opts=opts)
+    recorded = None
+    if launches is not None:
+        grad_ptrs = tuple(0 if was_given else x.data.ptr for was_given, x in zip(given, (dq, dk, dv)))
+        recorded = call_cache.RecordedBackward(launches, workspaces, grad_ptrs)
+    return (dq, dk, dv, dsinks), recorded
 
 
 # Tests set this to fill the backward's float32 dQ workspace with NaN before the kernels run, so that
@@ -397,7 +423,9 @@ _POISON_WORKSPACE = False
 
 # (dtype, head_dim, causal, deterministic, device, options token, backend, short) ->
 # [(kernel, config, smem) or None] * 4 for preprocess, dkdv, dq, postprocess.
-_bwd_plans = call_cache.Plans()
+# The backward's call cache (call_cache.py): a hit replays the recorded launches.
+_bwd_calls = call_cache.BackwardCallCache()
+_bwd_plans = call_cache.Plans(_bwd_calls)
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id: int,
@@ -420,13 +448,23 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id
 
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
                 dims, device_id: int, var: variants.Variants = variants.NONE, dlse=None,
-                mask_offsets: Optional[Tuple[int, int]] = None):
-    """Launches the backward's kernels on the current stream; returns dsinks (float32, heads_q) with sinks,
-    else None. ``mask_offsets``: as in _launch_fwd."""
+                mask_offsets: Optional[Tuple[int, int]] = None, record: bool = False,
+                opts: Optional[options.Options] = None):
+    """Launches the backward's kernels on the current stream; returns ``(dsinks, launches, workspaces)``:
+    dsinks (float32, heads_q) with sinks, else None; with ``record``, the launches as ``launch.Prepared``
+    and the workspaces as (size, dtype, address) in allocation order, for the call cache (launches None
+    where they cannot be replayed as they are). ``mask_offsets``: as in _launch_fwd."""
     import cupy
 
+    workspaces = []
+
+    def workspace(size, dtype):
+        w = cupy.empty(size, dtype=dtype)
+        workspaces.append((size, dtype, w.data.ptr))
+        return w
+
     b, nq, nk, hq, hkv, d = dims
-    opts = options.current()
+    opts = opts or options.current()
     # The backward has no sink code: the kernels without.
     variant = var.kernel if not var.kernel.sink else dataclasses.replace(var.kernel, sink=False)
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
@@ -446,8 +484,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         else:
             extra = (maps,)
     # delta (rowsum(dout * out)) for the portable kernels; the sm90 kernel reads it from the stats rows.
-    stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32) if stat_rows else None
-    delta = None if stat_rows else cupy.empty((b, hq, nq), dtype=np.float32)
+    stats = workspace(b * hq * 2 * stat_rows, np.float32) if stat_rows else None
+    delta = None if stat_rows else workspace((b, hq, nq), np.float32)
     # The float32 dQ sums, zeroed by the preprocess: rows (seqlen_q, head_dim), or (sm90 tile dQ)
     # query tiles of block_m rows and the padded head dim, in the accumulators' order.
     dq_accum = semaphores = None
@@ -459,7 +497,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         zero_rows = accum_rows
         # One semaphore per dQ slice, zeroed by the preprocess.
         n_semaphores = b * hq * (accum_rows // cfg.block_m) * sm90.BWD_CONSUMER_WARPGROUPS
-        semaphores = cupy.empty(n_semaphores, dtype=np.int32)
+        semaphores = workspace(n_semaphores, np.int32)
         if sm90.bwd_first_slice_stored(cfg, opts):
             # The first key tile to reach a query tile stores its slice instead of adding it: only the
             # query tiles that see no key (causal, seqlen_q > seqlen_k) are left for the preprocess to zero.
@@ -467,8 +505,9 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
             zero_rows = accum_rows if mask_offsets is not None else \
                 (variants.first_seen_row(nq, nk, var) // cfg.block_m) * cfg.block_m
     if post is not None:
-        dq_accum = cupy.empty(b * hq * accum_rows * accum_cols, dtype=np.float32)
+        dq_accum = workspace(b * hq * accum_rows * accum_cols, np.float32)
         if _POISON_WORKSPACE:
+            record = False
             dq_accum.fill(np.nan)
             if semaphores is not None and cfg.fam.dq_mode != "ordered":
                 semaphores.fill((1 << 24) + 3)   # "stored" (kDqSliceReady): every slice would be added
@@ -483,19 +522,32 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
     p = params.pack_bytes(params.BWD_PARAMS, (
         *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))
+    launches = [] if record else None
+
+    def run(kern_, cfg_, grid, smem_, extra_=()):
+        prepared = launch.prepare(kern_, cfg_, grid, p, smem_, extra_) if launches is not None else None
+        if prepared is None:
+            launch.launch(kern_, cfg_, grid, p, smem_, extra_)
+            return None
+        prepared.on_current_stream()
+        launches.append(prepared)
+        return prepared
+
     pkern, pcfg, psmem = pre
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows, stat_rows)), p, psmem)
+    run(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows, stat_rows)), psmem)
     dsinks = None
     if var.sinks is not None:
         # d loss / d sink = sum over rows of P(sink) (dlse - delta), with delta = rowsum(dout * out) - dlse as
         # the preprocess just wrote it (its own array, or the stats rows beside lse2); a fixed-order reduction.
         rows = delta if stats is None else stats.reshape(b, hq, 2, stat_rows)[:, :, 1, :nq]
         dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * rows).sum(axis=(0, 2))
-    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), p, smem, extra)
+    run(kern, cfg, launch.bwd_dkdv_grid(cfg, b, hkv, nk), smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
-    launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), p, smem)
+    run(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), smem)
     capture.keep_if_capturing(delta, dq_accum, semaphores, stats)   # the workspaces of a captured graph's kernels
-    return dsinks
+    if launches is None or len(launches) != 3 or dsinks is not None:
+        return dsinks, None, None
+    return dsinks, tuple(launches), tuple(workspaces)
 
 
 class AttentionVJP:

@@ -1,16 +1,19 @@
-"""The forward's call cache: launches recorded per call signature and replayed as they are.
+"""The call caches of the forward and the backward: launches recorded per call signature and replayed as
+they are.
 
 A serving or training loop calls ``forward`` with the same arrays (or arrays of the same shapes at the
 same addresses, which CuPy's memory pool hands back) again and again. The checked path validates the
 arguments, looks up the plan and the tensor maps and packs the kernel arguments, several microseconds
 of Python; a hit skips all of it and replays the recorded ``launch.Prepared``, so that a small call
-costs little more than the driver's launch.
+costs little more than the driver's launch. The backward's replay does the same for its three launches,
+and allocates its workspaces (the float32 dQ sums, the semaphores, the statistics rows) in the order the
+recorded call did, which CuPy's pool answers with the same addresses.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import options
+from . import capture, options
 
 CALLS_MAX = 256
 _current_options = options.current   # bound once: the key is built on every call
@@ -71,7 +74,40 @@ def fwd_key(q, k, v, out, causal, softmax_scale, return_lse, variant_sig=()):
             stream, device, _current_options().token)
 
 
-# Positions in fwd_key's tuple.
+def _array_sig(x, nd):
+    """(address, shape, strides, dtype) of a plain CuPy array, None for None; False for anything else."""
+    if x is None:
+        return None
+    if type(x) is not nd:
+        return False
+    return (x.data.ptr, x.shape, x.strides, x.dtype)
+
+
+def bwd_key(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale, deterministic, variant_sig=()):
+    """The key of a backward call, or None for a call the cache does not take: as fwd_key, over every array
+    the backward reads or writes (the gradients given, or None where the call allocates them), its flags
+    and variant arguments. lse and dlse must be C-contiguous (the checked path copies them otherwise).
+
+    Whether the gradient buffers overlap each other or the inputs is a function of these addresses, shapes,
+    strides and dtypes, and a call is recorded only after its checks passed."""
+    nd = _ndarray or _bind_cupy()
+    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+        return None
+    if type(causal) is not bool or type(deterministic) is not bool:
+        return None
+    sigs = tuple(_array_sig(x, nd) for x in (dout, q, k, v, out, lse, dlse, dq, dk, dv))
+    if any(sig is False for sig in sigs[:7]) or None in sigs[:6] or False in sigs[7:]:
+        return None
+    if not lse.flags.c_contiguous or (dlse is not None and not dlse.flags.c_contiguous):
+        return None
+    try:
+        stream, device = _current_stream().ptr, _current_device()
+    except _CudaError:
+        return None
+    return (*sigs, causal, softmax_scale, deterministic, variant_sig, stream, device, _current_options().token)
+
+
+# Positions in fwd_key's and bwd_key's tuples.
 _STREAM, _DEVICE, OPTIONS_TOKEN = -3, -2, -1
 
 
@@ -98,6 +134,40 @@ class RecordedCall:
         return True, out, lse
 
 
+class RecordedBackward:
+    """A recorded backward: its launches (preprocess, dK / dV, then dQ or the postprocess), its workspaces
+    as (size, dtype, address) in allocation order, and the addresses of the gradients it allocated (0 where
+    the caller gave them)."""
+
+    __slots__ = ("launches", "workspaces", "grad_ptrs")
+
+    def __init__(self, launches, workspaces, grad_ptrs) -> None:
+        self.launches, self.workspaces, self.grad_ptrs = launches, workspaces, grad_ptrs
+
+    def replay(self, key: tuple, q, k, v, dq, dk, dv):
+        """``(dq, dk, dv)`` after launching again on the key's stream, or None when an allocation (a
+        gradient the caller did not give, a workspace) landed at another address than the recorded one:
+        the checked path then runs and records anew."""
+        grads = [dq, dk, dv]
+        for i, ref in enumerate((q, k, v)):
+            if grads[i] is None:
+                grads[i] = _empty(ref.shape, dtype=ref.dtype)
+                if grads[i].data.ptr != self.grad_ptrs[i]:
+                    return None
+        work = []
+        for size, dtype, ptr in self.workspaces:
+            w = _empty(size, dtype=dtype)
+            if w.data.ptr != ptr:
+                return None
+            work.append(w)
+        stream = key[_STREAM]
+        for launch in self.launches:
+            launch(stream)
+        if capture.stream_is_capturing(stream):   # a captured graph reads and writes them on every replay
+            capture.keep_if_capturing(*work)
+        return tuple(grads)
+
+
 class CallCache(dict):
     """fwd_key -> RecordedCall, bounded."""
 
@@ -110,6 +180,17 @@ class CallCache(dict):
             self.clear()
         self[key] = (RecordedCall(launch, out.data.ptr, lse.data.ptr, lse.shape) if lse is not None
                      else RecordedCall(launch, out.data.ptr, 0, None))
+
+
+class BackwardCallCache(dict):
+    """bwd_key -> RecordedBackward, bounded."""
+
+    def record(self, key: tuple, recorded: RecordedBackward, device_id: int) -> None:
+        if key[_DEVICE] != device_id:
+            return
+        if len(self) >= CALLS_MAX:
+            self.clear()
+        self[key] = recorded
 
 
 class Plans(dict):

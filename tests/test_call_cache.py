@@ -1,12 +1,12 @@
-"""The forward's call cache (cuflash/call_cache.py): a repeated call replays its recorded launch
-without the checks, and must still read the arrays' current contents, write where it is told, and
-follow a change of stream, backend or arguments."""
+"""The call caches of the forward and the backward (cuflash/call_cache.py): a repeated call replays its
+recorded launches without the checks, and must still read the arrays' current contents, write where it is
+told, and follow a change of stream, backend or arguments."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import FWD_TOL, assert_lse_matches, poisoned, randn, requires_gpu
+from conftest import BWD_TOL, FWD_TOL, assert_lse_matches, poisoned, randn, requires_gpu
 
 
 def test_plans_clear_drops_recorded_calls():
@@ -178,3 +178,165 @@ def test_key_declines_without_a_device(device_forbidden):
 
     x = fake_cupy_array((1, 2, 1, 8))
     assert call_cache.fwd_key(x, x, x, None, False, None, False) is None
+
+
+# ---------------------------------------------------------------------------- the backward's call cache
+
+
+def test_bwd_key_declines_what_it_cannot_take(device_forbidden):
+    """NumPy arrays, flags that are not bools, a non-contiguous lse, and no usable device take the checked
+    path (CPU)."""
+    from cuflash import api, call_cache
+    from conftest import fake_cupy_array
+
+    assert isinstance(api._bwd_plans, call_cache.Plans) and api._bwd_calls in api._bwd_plans._dependents
+    x = fake_cupy_array((1, 4, 2, 8))
+    lse = fake_cupy_array((1, 2, 4), np.float32)
+    n = np.ones((1, 4, 2, 8), np.float16)
+    assert call_cache.bwd_key(n, x, x, x, x, lse, None, None, None, None, False, None, False) is None
+    assert call_cache.bwd_key(x, x, x, x, x, lse, None, None, None, None, "yes", None, False) is None
+    assert call_cache.bwd_key(x, x, x, x, x, lse, None, None, None, None, False, None, np.bool_(True)) is None
+    assert call_cache.bwd_key(x, x, x, x, x, lse, None, n, None, None, False, None, False) is None
+    strided = fake_cupy_array((1, 2, 4), np.float32, strides=(64, 32, 4))
+    assert call_cache.bwd_key(x, x, x, x, x, strided, None, None, None, None, False, None, False) is None
+    # A usable device aside, a plain call has a key; here the stream lookup fails as without a driver.
+    assert call_cache.bwd_key(x, x, x, x, x, lse, None, None, None, None, False, None, False) is None
+
+
+def _bwd_case(rng, shape, dtype, causal, **variant):
+    """q, k, v, dout (fresh values in place on each call), and the forward's out and lse at fixed addresses."""
+    import cuflash
+
+    q, k, v, dout = _inputs(rng, shape, dtype, 4)
+    out = poisoned(q.shape, dtype)
+    lse = cuflash.forward(q, k, v, causal=causal, out=out, return_lse=True, **variant)[1]
+
+    def refill():
+        _refill(rng, (q, k, v, dout), dtype)
+        lse[...] = cuflash.forward(q, k, v, causal=causal, out=out, return_lse=True, **variant)[1]
+
+    return q, k, v, dout, out, lse, refill
+
+
+def _check_grads(grads, q, k, v, dout, causal, dtype, **variant):
+    from cuflash.reference import attention_reference_backward, rel_err
+
+    ref = attention_reference_backward(dout, q, k, v, causal=causal, **variant)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert rel_err(got, want) <= BWD_TOL[dtype], name
+
+
+def _no_checks(*args, **kwargs):
+    raise AssertionError("a repeated call must not run the checks")
+
+
+@requires_gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dtype", [(64, "float16"), (128, "bfloat16")])
+def test_backward_repeat_replays_without_checks(rng, monkeypatch, causal, d, dtype):
+    """Gradients given: the second and third calls replay (the checks would raise) and read the new values."""
+    import cuflash
+    from cuflash import _checks
+
+    q, k, v, dout, out, lse, refill = _bwd_case(rng, (2, 203, 4, d), dtype, causal)
+    grads = [poisoned(x.shape, dtype) for x in (q, k, v)]
+    cuflash.backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+    _check_grads(grads, q, k, v, dout, causal, dtype)
+    for _ in range(2):
+        refill()
+        for g in grads:
+            g.fill(np.nan)
+        with monkeypatch.context() as m:
+            m.setattr(_checks, "check_qkv_cached", _no_checks)
+            result = cuflash.backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+        assert all(r is g for r, g in zip(result, grads))
+        _check_grads(grads, q, k, v, dout, causal, dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_repeat_allocating_gradients(rng, monkeypatch, deterministic):
+    """Gradients allocated by each call: the pool hands back the last call's blocks, poisoned here, so a
+    replay that skipped a kernel or wrote elsewhere cannot pass; deterministic replays give the same bits."""
+    import cupy
+
+    import cuflash
+    from cuflash import api, call_cache
+
+    replayed = []
+    replay = call_cache.RecordedBackward.replay
+
+    def counted(self, *args):
+        result = replay(self, *args)
+        replayed.append(result is not None)
+        return result
+
+    monkeypatch.setattr(call_cache.RecordedBackward, "replay", counted)
+    q, k, v, dout, out, lse, refill = _bwd_case(rng, (1, 300, 3, 64), "float16", True)
+    before = len(api._bwd_calls)
+    first = None
+    for i in range(3):
+        if i:
+            lse[...] = cuflash.forward(q, k, v, causal=True, out=out, return_lse=True)[1]
+        grads = cuflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+        _check_grads(grads, q, k, v, dout, True, "float16")
+        if deterministic:
+            if first is None:
+                first = [g.copy() for g in grads]
+            else:
+                assert all(bool(cupy.array_equal(a, b)) for a, b in zip(first, grads))
+        for g in grads:
+            g.fill(np.nan)
+        del grads
+    assert len(api._bwd_calls) == before + 1 and replayed == [True, True]
+
+
+@requires_gpu
+def test_backward_replay_with_a_window_and_dlse(rng, monkeypatch):
+    """The variant arguments and dlse are part of the key: a replayed windowed call with dlse reads the new
+    dlse, and another window is another call."""
+    import cuflash
+    from cuflash import _checks, api
+    from cuflash.reference import attention_reference_backward, rel_err
+
+    variant = {"window_size": (37, 5)}
+    q, k, v, dout, out, lse, refill = _bwd_case(rng, (1, 257, 2, 64), "bfloat16", False, **variant)
+    dlse = randn(rng, lse.shape, "float32")
+    grads = [poisoned(x.shape, "bfloat16") for x in (q, k, v)]
+
+    def call(**kw):
+        return cuflash.backward(dout, q, k, v, out, lse, dlse=dlse, dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+
+    call(**variant)
+    before = len(api._bwd_calls)
+    refill()
+    dlse[...] = randn(rng, lse.shape, "float32")
+    with monkeypatch.context() as m:
+        m.setattr(_checks, "check_qkv_cached", _no_checks)
+        call(**variant)
+    ref = attention_reference_backward(dout, q, k, v, dlse=dlse, **variant)
+    for got, want in zip(grads, ref):
+        assert rel_err(got, want) <= BWD_TOL["bfloat16"]
+    assert len(api._bwd_calls) == before
+    call(window_size=(36, 5))
+    assert len(api._bwd_calls) == before + 1
+
+
+@requires_gpu
+def test_backward_bad_arguments_after_a_recorded_call(rng):
+    """A recorded backward does not let a changed argument through."""
+    import cupy
+
+    import cuflash
+
+    q, k, v, dout, out, lse, _ = _bwd_case(rng, (1, 64, 2, 64), "float16", False)
+    dq = poisoned(q.shape, "float16")
+    cuflash.backward(dout, q, k, v, out, lse, dq=dq)
+    with pytest.raises(ValueError, match="dq"):
+        cuflash.backward(dout, q, k, v, out, lse, dq=dq[:, :32])
+    with pytest.raises(TypeError, match="dq"):
+        cuflash.backward(dout, q, k, v, out, lse, dq=cupy.empty(q.shape, cupy.float32))
+    with pytest.raises(ValueError, match="dq"):
+        cuflash.backward(dout, q, k, v, out, lse, dq=q)   # overlaps an input
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cuflash.backward(dout, q, k, v, out, lse, dq=dq, softmax_scale=-0.1)
