@@ -276,7 +276,7 @@ def test_backward_repeat_allocating_gradients(rng, monkeypatch, deterministic):
     # A first call plans the kernels, whose cached device-side pieces take blocks of the pool between the
     # call's own allocations. After it a call mostly allocates what the one before freed and replays; where
     # the test's own arrays (the copies, the checks' temporaries) moved a block, it records anew (seen on
-    # an H200: [True, True] and [False, True] after the first, by dtype path).
+    # an H200: [True, True] and [False, True] after the first, without and with deterministic).
     warm = cuflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
     del warm
     replayed.clear()
