@@ -4,6 +4,16 @@ Used by every GPU test and by the self-check of ``python -m cuflash``. Same
 conventions as the kernels: layout (batch, seqlen, heads, head_dim), GQA by
 sharing K/V heads, causal aligned to the bottom-right corner, lse in natural
 log, rows that see no key give output 0 and lse -inf.
+
+v's head dim Dv may differ from q's and k's Dqk (out and dout (B, Nq, Hq, Dv);
+the default softmax_scale stays 1/sqrt(Dqk)), ahead of the kernels (issue #43).
+
+Packed variable-length batches (flash-attn's ``flash_attn_varlen_func`` layout):
+:func:`attention_reference_varlen` and :func:`attention_reference_varlen_backward`
+take q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv), int32
+cu_seqlens_q / cu_seqlens_k (batch + 1,) and optional seqused_q / seqused_k
+(batch,); lse is packed (Hq, total_q). Each sequence is the dense reference on
+its own slice; packed rows outside every used range give 0 and lse -inf.
 """
 from __future__ import annotations
 
@@ -43,16 +53,25 @@ def _check_real_array(x, name: str) -> None:
         raise TypeError(f"{name} must hold real numbers, got dtype {dtype}")
 
 
-def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
-    """The layout the kernels take: q (B, Nq, Hq, D), k and v (B, Nk, Hkv, D), Hq % Hkv == 0.
-    Reuses the kernels' shape checks, so the messages are the same."""
+def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int, int]:
+    """The layout the kernels take, with v's head dim free: q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk),
+    v (B, Nk, Hkv, Dv), Hq % Hkv == 0. Returns (B, Nq, Nk, Hq, Hkv, Dqk, Dv).
+
+    The references already take Dv != Dqk (issue #43) while the kernels' API still requires equal head
+    dims, so v is checked here and the rest by the kernels' own shape checks on (q, k, k): the messages
+    stay the kernels' where the rules are shared, and check_qkv_shapes keeps its meaning for the API."""
     from ._checks import check_qkv_shapes
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
                              f"got shape {tuple(x.shape)}")
-    return check_qkv_shapes(q, k, v)
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv) (their head dims may "
+                         f"differ), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must have the head_dim of q ({q.shape[3]}), got {k.shape[3]}")
+    return (*check_qkv_shapes(q, k, k), int(v.shape[3]))
 
 
 def _options(causal, softmax_scale, head_dim: int) -> tuple[bool, float]:
@@ -95,8 +114,8 @@ def _variant_args(causal, softmax_scale, head_dim: int, window_size, attention_c
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=None, attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None,
                         sinks=None):
-    """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> ``(out, lse)``: out (B, Nq, Hq, D), lse
-    (B, Hq, Nq). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
+    """Float64 attention. q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk), v (B, Nk, Hkv, Dv) -> ``(out, lse)``:
+    out (B, Nq, Hq, Dv), lse (B, Hq, Nq); Dv may differ from Dqk, softmax_scale defaults to 1/sqrt(Dqk). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
     becomes softcap * tanh(s / softcap), then s - slope * |i + Nk - Nq - j| (ALiBi; slopes (Hq,) or (B, Hq)),
     then the window / chunk / causal masks; a sink (Hq,) joins each row's denominator (lse includes it)."""
     q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
@@ -108,7 +127,8 @@ def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax
                                  window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
                                  alibi_slopes=None, sinks=None, dlse=None):
     """Float64 gradients ``(dq, dk, dv)`` of attention, shaped like q, k, v (GQA heads summed), and with
-    ``sinks`` ``(dq, dk, dv, dsinks)``; ``dlse`` (B, Hq, Nq): the gradient of lse too. Variants as in
+    ``sinks`` ``(dq, dk, dv, dsinks)``; dout (B, Nq, Hq, Dv) (v's head dim); ``dlse`` (B, Hq, Nq): the
+    gradient of lse too. Variants as in
     :func:`attention_reference`."""
     dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     res = _reference_by_chunks(np, q, k, v, dout, causal, softmax_scale, q.shape[1] or 1, window_size,
@@ -143,7 +163,8 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
     """Float64 attention (and, given ``dout``, its gradients) on the GPU, a chunk of query rows at a time,
     so that long sequences never hold the whole score matrix.
 
-    Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine) and the
+    Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine; v's head dim
+    may differ from q's and k's, out and dout then have v's) and the
     conventions (variants included) are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``,
     or ``(out, lse, dq, dk, dv)`` with ``dout`` (and ``dsinks`` last with ``sinks``); rows that see no key
     give 0, lse -inf (or their sink) and zero gradients. ``chunk_rows``: query rows per chunk (default: about
@@ -181,11 +202,12 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x is not None or name != "dout":
             _check_real_array(x, name)
-    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
+    b, nq, nk, hq, hkv, d, dv_ = _check_dims(q, k, v)
     causal, scale, window, chunk, cap = _variant_args(causal, softmax_scale, d, window_size, attention_chunk,
                                                       softcap)
-    if dout is not None and tuple(dout.shape) != tuple(q.shape):
-        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout is not None and tuple(dout.shape) != (b, nq, hq, dv_):
+        raise ValueError(f"dout must have the shape of q with v's head_dim, {(b, nq, hq, dv_)}, "
+                         f"got {tuple(dout.shape)}")
     slopes = None if alibi_slopes is None else _host_f64(alibi_slopes, "alibi_slopes")
     if slopes is not None:
         if slopes.shape not in ((hq,), (b, hq)):
@@ -199,9 +221,9 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     if isinstance(q, _Meta):   # the checks alone (attention_reference_chunked without cuBLAS)
         return None
     f64, group = xp.float64, hq // hkv
-    out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
+    out, lse = xp.zeros((b, nq, hq, dv_), f64), xp.full((b, hq, nq), -xp.inf, f64)
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
-                                       xp.zeros((b, nk, hkv, d), f64))
+                                       xp.zeros((b, nk, hkv, dv_), f64))
     dsinks = np.zeros(hq) if (grads is not None and sink is not None) else None
     keys = xp.arange(nk)[None, :]
     for bi in range(b):
