@@ -4,6 +4,16 @@ Used by every GPU test and by the self-check of ``python -m cuflash``. Same
 conventions as the kernels: layout (batch, seqlen, heads, head_dim), GQA by
 sharing K/V heads, causal aligned to the bottom-right corner, lse in natural
 log, rows that see no key give output 0 and lse -inf.
+
+v's head dim Dv may differ from q's and k's Dqk (out and dout (B, Nq, Hq, Dv);
+the default softmax_scale stays 1/sqrt(Dqk)), ahead of the kernels (issue #43).
+
+Packed variable-length batches (flash-attn's ``flash_attn_varlen_func`` layout):
+:func:`attention_reference_varlen` and :func:`attention_reference_varlen_backward`
+take q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv), int32
+cu_seqlens_q / cu_seqlens_k (batch + 1,) and optional seqused_q / seqused_k
+(batch,); lse is packed (Hq, total_q). Each sequence is the dense reference on
+its own slice; packed rows outside every used range give 0 and lse -inf.
 """
 from __future__ import annotations
 
@@ -43,16 +53,25 @@ def _check_real_array(x, name: str) -> None:
         raise TypeError(f"{name} must hold real numbers, got dtype {dtype}")
 
 
-def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
-    """The layout the kernels take: q (B, Nq, Hq, D), k and v (B, Nk, Hkv, D), Hq % Hkv == 0.
-    Reuses the kernels' shape checks, so the messages are the same."""
+def _check_dims(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int, int]:
+    """The layout the kernels take, with v's head dim free: q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk),
+    v (B, Nk, Hkv, Dv), Hq % Hkv == 0. Returns (B, Nq, Nk, Hq, Hkv, Dqk, Dv).
+
+    The references already take Dv != Dqk (issue #43) while the kernels' API still requires equal head
+    dims, so v is checked here and the rest by the kernels' own shape checks on (q, k, k): the messages
+    stay the kernels' where the rules are shared, and check_qkv_shapes keeps its meaning for the API."""
     from ._checks import check_qkv_shapes
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
                              f"got shape {tuple(x.shape)}")
-    return check_qkv_shapes(q, k, v)
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv) (their head dims may "
+                         f"differ), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must have the head_dim of q ({q.shape[3]}), got {k.shape[3]}")
+    return (*check_qkv_shapes(q, k, k), int(v.shape[3]))
 
 
 def _options(causal, softmax_scale, head_dim: int) -> tuple[bool, float]:
@@ -95,8 +114,8 @@ def _variant_args(causal, softmax_scale, head_dim: int, window_size, attention_c
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=None, attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None,
                         sinks=None):
-    """Float64 attention. q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) -> ``(out, lse)``: out (B, Nq, Hq, D), lse
-    (B, Hq, Nq). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
+    """Float64 attention. q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk), v (B, Nk, Hkv, Dv) -> ``(out, lse)``:
+    out (B, Nq, Hq, Dv), lse (B, Hq, Nq); Dv may differ from Dqk, softmax_scale defaults to 1/sqrt(Dqk). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
     becomes softcap * tanh(s / softcap), then s - slope * |i + Nk - Nq - j| (ALiBi; slopes (Hq,) or (B, Hq)),
     then the window / chunk / causal masks; a sink (Hq,) joins each row's denominator (lse includes it)."""
     q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
@@ -108,12 +127,150 @@ def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax
                                  window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
                                  alibi_slopes=None, sinks=None, dlse=None):
     """Float64 gradients ``(dq, dk, dv)`` of attention, shaped like q, k, v (GQA heads summed), and with
-    ``sinks`` ``(dq, dk, dv, dsinks)``; ``dlse`` (B, Hq, Nq): the gradient of lse too. Variants as in
+    ``sinks`` ``(dq, dk, dv, dsinks)``; dout (B, Nq, Hq, Dv) (v's head dim); ``dlse`` (B, Hq, Nq): the
+    gradient of lse too. Variants as in
     :func:`attention_reference`."""
     dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     res = _reference_by_chunks(np, q, k, v, dout, causal, softmax_scale, q.shape[1] or 1, window_size,
                                attention_chunk, softcap, alibi_slopes, sinks, dlse)
     return res[2:]
+
+
+def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None,
+                               causal: bool = False, softmax_scale: float | None = None, window_size=None,
+                               attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """Float64 attention on a packed variable-length batch (flash-attn's ``flash_attn_varlen_func`` layout)
+    -> ``(out, lse)``.
+
+    q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv); cu_seqlens_q / cu_seqlens_k
+    (batch + 1,) integer cumulative offsets (NumPy or CuPy), non-decreasing, within total_q / total_k;
+    seqused_q / seqused_k (batch,): sequence b uses only the first seqused[b] rows / keys of its packed
+    range (default: all of it). Sequence b is :func:`attention_reference` on its own slices, rows
+    [cu_seqlens_q[b], + used_q) and keys [cu_seqlens_k[b], + used_k), shaped (1, n, H, D): causal, windows
+    and chunks aligned bottom-right per sequence; alibi_slopes (Hq,) or (batch, Hq) (row b for sequence b),
+    sinks (Hq,). Returns out (total_q, Hq, Dv) and lse (Hq, total_q), both float64. Packed rows that belong
+    to no sequence's used range get out 0 and lse -inf: the kernels leave them untouched, so tests compare
+    the used rows alone."""
+    q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
+    return _varlen(None, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None,
+                   dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks)
+
+
+def attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None,
+                                        seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
+                                        window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
+                                        alibi_slopes=None, sinks=None, dlse=None):
+    """Float64 gradients of :func:`attention_reference_varlen` -> ``(dq, dk, dv)``, packed like q, k, v
+    ((total_q, Hq, Dqk), (total_k, Hkv, Dqk), (total_k, Hkv, Dv)), and with ``sinks`` ``(dq, dk, dv,
+    dsinks)``, dsinks (Hq,) summed over the sequences. dout (total_q, Hq, Dv); ``dlse`` (Hq, total_q): the
+    gradient of the packed lse too. Rows and keys outside every sequence's used range get zero gradients.
+    Each sequence is :func:`attention_reference_backward` on its own slices."""
+    dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
+    dlse = None if dlse is None else _as_f64(dlse, "dlse")
+    return _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dlse,
+                   dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks)
+
+
+def _index_array(x, name: str) -> np.ndarray:
+    """``x`` (NumPy, CuPy or a list) as a 1-D int64 NumPy array; TypeError / ValueError naming it."""
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):  # a CuPy array
+        x = x.get()
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be a 1-D array of integers: {e}") from None
+    if a.dtype.kind not in "iu":   # bool, floats and objects are refused: offsets are exact integers
+        raise TypeError(f"{name} must be a 1-D array of integers (int32 for the kernels), got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    return a.astype(np.int64)
+
+
+def _varlen_ranges(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, total_q: int,
+                   total_k: int) -> list[tuple[int, int, int, int]]:
+    """Per sequence (first row, used rows, first key, used keys), after the light checks on the offsets."""
+    cus = {}
+    for name, x, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        cu = _index_array(x, name)
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must have length batch + 1 >= 1, got length 0")
+        if cu[0] < 0:
+            raise ValueError(f"{name} must start at an offset >= 0, got {int(cu[0])}")
+        if np.any(np.diff(cu) < 0):
+            raise ValueError(f"{name} must be non-decreasing (cumulative offsets), got {cu.tolist()}")
+        if cu[-1] > total:
+            raise ValueError(f"{name} ends at {int(cu[-1])}, past the {total} packed rows of its tensor")
+        cus[name] = cu
+    cu_q, cu_k = cus["cu_seqlens_q"], cus["cu_seqlens_k"]
+    batch = cu_q.shape[0] - 1
+    if cu_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have length batch + 1 = {batch + 1} (that of cu_seqlens_q), "
+                         f"got {cu_k.shape[0]}")
+    used = {}
+    for name, x, cu in (("seqused_q", seqused_q, cu_q), ("seqused_k", seqused_k, cu_k)):
+        lens = np.diff(cu)
+        if x is None:
+            used[name] = lens
+            continue
+        u = _index_array(x, name)
+        if u.shape[0] != batch:
+            raise ValueError(f"{name} must have length batch = {batch}, got {u.shape[0]}")
+        if np.any(u < 0) or np.any(u > lens):   # a sequence uses a prefix of its own packed range
+            raise ValueError(f"{name} must lie in [0, the packed lengths {lens.tolist()}], got {u.tolist()}")
+        used[name] = u
+    return [(int(cu_q[b]), int(used["seqused_q"][b]), int(cu_k[b]), int(used["seqused_k"][b]))
+            for b in range(batch)]
+
+
+def _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dlse, options: dict,
+            alibi_slopes, sinks):
+    """The varlen references (forward when ``dout`` is None): the dense reference sequence by sequence,
+    so that their semantics are the dense ones by construction."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_seqlen, heads, head_dim), "
+                             f"got shape {tuple(x.shape)}")
+    _, total_q, total_k, hq, hkv, d, dv_ = _check_dims(q[None], k[None], v[None])
+    _variant_args(options["causal"], options["softmax_scale"], d, options["window_size"],
+                  options["attention_chunk"], options["softcap"])   # checked even when no sequence runs
+    ranges = _varlen_ranges(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, total_q, total_k)
+    batch = len(ranges)
+    slopes = None if alibi_slopes is None else _as_f64(alibi_slopes, "alibi_slopes")
+    if slopes is not None and slopes.shape not in ((hq,), (batch, hq)):
+        raise ValueError(f"alibi_slopes must have shape ({hq},) or ({batch}, {hq}), got {slopes.shape}")
+    sink = None if sinks is None else _as_f64(sinks, "sinks")
+    if sink is not None and sink.shape != (hq,):
+        raise ValueError(f"sinks must have shape ({hq},), got {sink.shape}")
+    if dout is not None and dout.shape != (total_q, hq, dv_):
+        raise ValueError(f"dout must have the shape of q with v's head_dim, {(total_q, hq, dv_)}, "
+                         f"got {dout.shape}")
+    if dlse is not None and dlse.shape != (hq, total_q):
+        raise ValueError(f"dlse must have the packed shape of lse (heads_q, total_q) = {(hq, total_q)}, "
+                         f"got {dlse.shape}")
+    out, lse = np.zeros((total_q, hq, dv_)), np.full((hq, total_q), -np.inf)
+    if dout is not None:
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        dsinks = None if sink is None else np.zeros(hq)
+    for b, (r0, nq, c0, nk) in enumerate(ranges):
+        rows, keys = slice(r0, r0 + nq), slice(c0, c0 + nk)
+        kw = dict(options, sinks=sink,
+                  alibi_slopes=None if slopes is None else slopes if slopes.ndim == 1 else slopes[b:b + 1])
+        qs, ks, vs = q[None, rows], k[None, keys], v[None, keys]
+        if dout is None:
+            o, l_ = attention_reference(qs, ks, vs, **kw)
+            out[rows], lse[:, rows] = o[0], l_[0]
+            continue
+        g = attention_reference_backward(dout[None, rows], qs, ks, vs,
+                                         dlse=None if dlse is None else dlse[None, :, rows], **kw)
+        # The used ranges are disjoint (non-decreasing offsets, prefixes of each range): plain stores.
+        dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
+        if dsinks is not None:
+            dsinks += g[3]
+    if dout is None:
+        return out, lse
+    return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
 
 
 def rel_err(x, ref) -> float:
@@ -143,7 +300,8 @@ def attention_reference_chunked(q, k, v, dout=None, *, causal: bool = False, sof
     """Float64 attention (and, given ``dout``, its gradients) on the GPU, a chunk of query rows at a time,
     so that long sequences never hold the whole score matrix.
 
-    Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine) and the
+    Inputs are CuPy arrays in the kernels' layout (any float dtype; strided views are fine; v's head dim
+    may differ from q's and k's, out and dout then have v's) and the
     conventions (variants included) are :func:`attention_reference`'s. Returns CuPy float64 ``(out, lse)``,
     or ``(out, lse, dq, dk, dv)`` with ``dout`` (and ``dsinks`` last with ``sinks``); rows that see no key
     give 0, lse -inf (or their sink) and zero gradients. ``chunk_rows``: query rows per chunk (default: about
@@ -181,11 +339,12 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x is not None or name != "dout":
             _check_real_array(x, name)
-    b, nq, nk, hq, hkv, d = _check_dims(q, k, v)
+    b, nq, nk, hq, hkv, d, dv_ = _check_dims(q, k, v)
     causal, scale, window, chunk, cap = _variant_args(causal, softmax_scale, d, window_size, attention_chunk,
                                                       softcap)
-    if dout is not None and tuple(dout.shape) != tuple(q.shape):
-        raise ValueError(f"dout must have the shape of q {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout is not None and tuple(dout.shape) != (b, nq, hq, dv_):
+        raise ValueError(f"dout must have the shape of q with v's head_dim, {(b, nq, hq, dv_)}, "
+                         f"got {tuple(dout.shape)}")
     slopes = None if alibi_slopes is None else _host_f64(alibi_slopes, "alibi_slopes")
     if slopes is not None:
         if slopes.shape not in ((hq,), (b, hq)):
@@ -199,9 +358,9 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     if isinstance(q, _Meta):   # the checks alone (attention_reference_chunked without cuBLAS)
         return None
     f64, group = xp.float64, hq // hkv
-    out, lse = xp.zeros((b, nq, hq, d), f64), xp.full((b, hq, nq), -xp.inf, f64)
+    out, lse = xp.zeros((b, nq, hq, dv_), f64), xp.full((b, hq, nq), -xp.inf, f64)
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
-                                       xp.zeros((b, nk, hkv, d), f64))
+                                       xp.zeros((b, nk, hkv, dv_), f64))
     dsinks = np.zeros(hq) if (grads is not None and sink is not None) else None
     keys = xp.arange(nk)[None, :]
     for bi in range(b):
