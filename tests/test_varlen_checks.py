@@ -13,6 +13,7 @@ import pytest
 from cuflash import capture, varlen
 from cuflash.varlen import VarlenLayout, check_varlen, validate_offsets
 from conftest import fake_cupy_array as arr
+from conftest import requires_gpu
 
 I32 = np.int32
 
@@ -400,3 +401,53 @@ def test_copy_to_host_waits_once(monkeypatch):
     got = varlen._copy_to_host([Source([0, 4, 10]), Source([0, 6, 12]), Source([3, 5])], 1)
     assert [g.tolist() for g in got] == [[0, 4, 10], [0, 6, 12], [3, 5]]
     assert log == [("device", 1)] + [("get", True, False, True)] * 3 + ["sync"]
+
+
+# ---------------------------------------------------------------------------- on the GPU: the real copy
+
+
+def _gpu_packed(lengths_q, lengths_k, heads=2, d=64):
+    import cupy
+
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = cupy.ones((total_q, heads, d), cupy.float16)
+    k = cupy.ones((total_k, heads, d), cupy.float16)
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    return q, k, cu_q, cu_k
+
+
+@requires_gpu
+def test_gpu_offsets_copied_and_validated():
+    """Real device arrays: the default copies the offsets and seqused once and validates their values; a
+    decreasing offset or a seqused past its sequence raises, naming the argument."""
+    import cupy
+
+    q, k, cu_q, cu_k = _gpu_packed([5, 0, 7], [3, 4, 9])
+    used = cupy.asarray(np.array([5, 0, 6], np.int32))
+    layout = check_varlen(q, k, k, cu_q, cu_k, 7, 9, seqused_q=used)
+    assert layout.offsets_checked and layout.batch == 3 and (layout.total_q, layout.total_k) == (12, 16)
+    bad = cu_q.copy()
+    bad[2] = 3   # 0, 5, 3, 12: decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        check_varlen(q, k, k, bad, cu_k, 7, 9)
+    with pytest.raises(ValueError, match="seqused_k"):
+        check_varlen(q, k, k, cu_q, cu_k, 7, 9, seqused_k=cupy.asarray(np.array([3, 5, 9], np.int32)))
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        check_varlen(q, k, k, cu_q, cu_k, 7, 8)
+
+
+@requires_gpu
+def test_gpu_default_is_off_under_a_real_capture():
+    """Under a real CUDA graph capture the default makes no copy (a sync there would break the capture)."""
+    import cupy
+
+    q, k, cu_q, cu_k = _gpu_packed([4, 6], [6, 2])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            layout = check_varlen(q, k, k, cu_q, cu_k, 6, 6)
+        finally:
+            stream.end_capture()
+    assert not layout.offsets_checked

@@ -10,6 +10,7 @@ import pytest
 from cuflash.reference import (_reference_by_chunks, attention_reference, attention_reference_backward,
                                attention_reference_varlen, attention_reference_varlen_backward, rel_err,
                                visible_mask)
+from conftest import requires_gpu
 
 
 def _formula(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, slopes=None, sinks=None):
@@ -343,3 +344,17 @@ def test_varlen_backward_shape_checks():
         attention_reference_varlen_backward(np.ones((6, 2, 8)), _Q, _K, _V, _CU_Q, _CU_K)
     with pytest.raises(ValueError, match="dlse must have the packed shape of lse"):
         attention_reference_varlen_backward(np.ones((6, 2, 4)), _Q, _K, _V, _CU_Q, _CU_K, dlse=np.ones((6, 2)))
+
+
+@requires_gpu
+def test_cupy_inputs_match_numpy():
+    """CuPy arrays and offsets (read through .get()) give exactly what the NumPy ones give."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((9, 2, 16)), rng.standard_normal((11, 1, 16)), rng.standard_normal((11, 1, 8))
+    cu_q, cu_k = np.array([0, 4, 9], np.int32), np.array([0, 6, 11], np.int32)
+    want = attention_reference_varlen(q, k, v, cu_q, cu_k, causal=True)
+    got = attention_reference_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=True)
+    for a, b in zip(got, want):
+        assert isinstance(a, np.ndarray) and np.array_equal(a, b)
