@@ -84,6 +84,14 @@ def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, in
     return dims
 
 
+def check_heads(heads_q: int, heads_kv: int) -> None:
+    """At least one head each, and heads_q a multiple of heads_kv (GQA / MQA); ValueError otherwise."""
+    if heads_q < 1 or heads_kv < 1:
+        raise ValueError(f"heads must be >= 1, got heads_q={heads_q}, heads_kv={heads_kv}")
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for GQA/MQA")
+
+
 def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
     """q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) agree, with Hq % Hkv == 0. Returns (B, Nq, Nk, Hq, Hkv, D)."""
     b, nq, hq, d = q.shape
@@ -95,10 +103,7 @@ def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
     if dk != d:
         raise ValueError(f"k and v must have the head_dim of q ({d}), got {dk}")
-    if hq < 1 or hkv < 1:
-        raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
-    if hq % hkv:
-        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    check_heads(hq, hkv)
     check_limits(b, nq, nk, hq, hkv)
     return b, nq, nk, hq, hkv, d
 

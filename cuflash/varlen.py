@@ -110,10 +110,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
                          f"v {tuple(v.shape)}")
     if dk != d:
         raise ValueError(f"k must have the head_dim of q ({d}), got {dk}")
-    if hq < 1 or hkv < 1:
-        raise ValueError(f"heads must be >= 1, got heads_q={hq}, heads_kv={hkv}")
-    if hq % hkv:
-        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA/MQA")
+    _checks.check_heads(hq, hkv)
     if d not in head_dims:
         raise ValueError(f"head_dim must be {_describe(head_dims)}, got {d}")
     dv = v.shape[2]
