@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
 from . import (_checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, options, params, sm90,
-               variants)
+               variants, varlen)
 from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -175,7 +175,8 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         q.data.ptr, k.data.ptr, v.data.ptr, written.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(written),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, *var.param_values(nq, nk, scale, *(mask_offsets or ()))))
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, *var.param_values(nq, nk, scale, *(mask_offsets or ())),
+        *params.DENSE_VARLEN_VALUES))
     grid = launch.fwd_grid(cfg, b, hq, nq)
     prepared = launch.prepare(kern, cfg, grid, p, smem, extra)
     if prepared is None:
@@ -187,6 +188,129 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
         capture.keep_if_capturing(written)   # a captured graph writes the stand-in on every replay
         return None
     return prepared
+
+
+# ---------------------------------------------------------------------------
+# Packed batches of sequences of their own lengths (varlen)
+
+
+def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu_seqlens_k: ndarray,
+                   max_seqlen_q: int, max_seqlen_k: int, *, seqused_q: Optional[ndarray] = None,
+                   seqused_k: Optional[ndarray] = None, causal: bool = False, softmax_scale: Optional[float] = None,
+                   window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
+                   alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None, return_lse: bool = False,
+                   out: Optional[ndarray] = None, check_offsets: Optional[bool] = None
+                   ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
+    """Attention over a packed batch of sequences of different lengths (flash-attn's ``flash_attn_varlen_func``).
+
+    Sequence ``b`` is queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against keys and values
+    ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]`` and ``v[...]``, computed as :func:`forward` would on that
+    sequence alone; no work is spent on padding.
+
+    Args:
+        q: ``(total_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32 (or a CUDA torch / JAX
+            array, as in :func:`forward`).
+        k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets of the sequences' first rows (0 first,
+            the totals last), on q's device.
+        max_seqlen_q, max_seqlen_k: Python ints, at least every sequence's length (the grid covers
+            max_seqlen_q rows of every sequence).
+        seqused_q, seqused_k: optional int32 ``(batch,)``: sequence b uses only its first seqused[b] rows
+            (queries) or keys; rows past them are not read, and their outputs are 0 (lse -inf).
+        causal: per sequence, aligned bottom-right: query i sees keys j <= i + len_k - len_q.
+        softmax_scale, window_size, attention_chunk, softcap, sinks: as in :func:`forward`, per sequence.
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (row b for sequence b).
+        return_lse: also return the log-sum-exp.
+        out: optional output buffer shaped and typed like ``q``, sharing no memory with the inputs.
+        check_offsets: whether to copy the offsets (and seqused) to the host and check them
+            (cuflash.varlen describes the checks): None (default) checks unless the current stream is
+            capturing a CUDA graph; pass False under ``torch.compile`` / ``jax.jit`` or wherever no
+            synchronization is allowed. Unchecked, a bad offset gives wrong results for its sequence but
+            never a read or a write outside the arrays.
+
+    Returns:
+        ``out`` ``(total_q, heads_q, head_dim)``, or ``(out, lse)`` with ``lse`` float32 ``(heads_q,
+        total_q)`` (flash-attn's packed layout).
+    """
+    if interop.needs_conversion(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks):
+        return interop.call(forward_varlen, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                                             "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q,
+                                             "seqused_k": seqused_k, "alibi_slopes": alibi_slopes, "sinks": sinks,
+                                             "out": out}, buffers=("out",), max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                            window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                            return_lse=return_lse, check_offsets=check_offsets)
+    lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+                              seqused_k=seqused_k, check_offsets=check_offsets)
+    scale = _checks.check_scale(softmax_scale, lay.head_dim_qk)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    dev = lay.device_id
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=lay.batch, heads_q=lay.heads_q, device_id=dev, q_dtype=q.dtype)
+    if out is not None:
+        _checks.check_out("out", out, q.shape, q.dtype, dev)
+        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
+    import cupy
+
+    try:
+        with cupy.cuda.Device(dev):
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
+            lse = cupy.empty((lay.heads_q, lay.total_q), dtype=np.float32) if return_lse else None
+            if seqused_q is not None:   # rows past a sequence's used ones: no kernel writes them
+                out.fill(0)
+                if lse is not None:
+                    lse.fill(-np.inf)
+            if lay.total_q and lay.batch and lay.max_seqlen_q:
+                if lay.total_k == 0 or lay.max_seqlen_k == 0:   # no sequence has a key
+                    out.fill(0)
+                    if lse is not None:
+                        lse[...] = -np.inf if var.sinks is None else var.sinks[:, None]
+                else:
+                    _launch_fwd_varlen(q, k, v, out, lse, lay, causal=bool(causal), scale=scale, var=var)
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
+    return (out, lse) if return_lse else out
+
+
+def _packed_strides(x) -> tuple[int, int, int]:
+    """(batch, row, head) element strides of a packed (total, heads, head_dim) array: batch 0 (the kernels
+    reach a sequence through its offsets, common/varlen.cuh)."""
+    return 0, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize
+
+
+def _varlen_values(lay: varlen.VarlenLayout) -> tuple:
+    """The params' varlen fields (params._VARLEN_FIELDS)."""
+    return (lay.cu_seqlens_q.data.ptr, lay.cu_seqlens_k.data.ptr,
+            0 if lay.seqused_q is None else lay.seqused_q.data.ptr,
+            0 if lay.seqused_k is None else lay.seqused_k.data.ptr, lay.total_q, lay.total_k)
+
+
+def _launch_fwd_varlen(q, k, v, out, lse, lay: varlen.VarlenLayout, *, causal: bool, scale: float,
+                       var: variants.Variants, opts: Optional[options.Options] = None) -> None:
+    """Launches the varlen forward on the current stream: the kernels' MaskVariant with varlen on, one CTA
+    (or persistent tile) per query tile of max_seqlen_q rows, head and sequence."""
+    opts = opts or options.current()
+    max_q, max_k = lay.max_seqlen_q, lay.max_seqlen_k
+    kernel_variant = dataclasses.replace(var.kernel, varlen=True)
+    kern, cfg, smem = _fwd_plan(q.dtype, lay.head_dim_qk, causal, lay.device_id, heuristics.fwd_short(max_q, max_k),
+                                heuristics.fwd_long(max_q, max_k), opts, kernel_variant)
+    extra = ()
+    written = out
+    if cfg.fam.arch_specific:   # tensor maps over the packed rows, as a batch of one
+        kern, cfg, smem, extra, written = sm90.fwd_launch_args(kern, cfg, smem, q[None], k[None], v[None],
+                                                               lay.device_id, out[None])
+        written = written[0]
+    p = params.pack_bytes(params.FWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, written.data.ptr, lse.data.ptr if lse is not None else 0,
+        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(written),
+        lay.batch, max_q, max_k, lay.heads_q, lay.heads_q // lay.heads_kv, lay.head_dim_qk, scale, scale * LOG2E,
+        *var.param_values(max_q, max_k, scale), *_varlen_values(lay)))
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, lay.batch, lay.heads_q, max_q), p, smem, extra)
+    if written is not out:
+        out[...] = written
+        capture.keep_if_capturing(written)
 
 
 # ---------------------------------------------------------------------------
@@ -517,7 +641,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
                *params.element_strides(dk), *params.element_strides(dv),
                b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, accum_rows, accum_cols, zero_rows, n_semaphores,
                stats.data.ptr if stats is not None else 0, stat_rows,
-               *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0)
+               *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0,
+               *params.DENSE_VARLEN_VALUES)
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr,
                 delta.data.ptr if delta is not None else 0)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)

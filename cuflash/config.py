@@ -204,6 +204,6 @@ class KernelConfig:
         return f"&{self.fam.kernel}_smem_bytes<{', '.join(str(a) for a in self.template_args())}>"
 
     def key(self) -> str:
-        variant = f":{self.variant.tag()}" if not self.variant.plain else ""
+        variant = f":{self.variant.tag()}" if self.variant.tag() else ""
         return (f"{self.family}:{self.dtype}:d{self.head_dim}:{'causal' if self.causal else 'full'}{variant}:"
                 f"m{self.block_m}n{self.block_n}w{self.num_warps}")

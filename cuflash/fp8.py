@@ -251,5 +251,5 @@ def launch_forward(q, k, v, out, lse, descales, *, causal: bool, scale: float, d
         *params.element_strides(q), *params.element_strides(k), 0, 0, 0,
         *params.element_strides(out),
         b, nq, nk, hq, hq // hkv, d, scale, scale * 1.4426950408889634,
-        *var.param_values(nq, nk, scale)))
+        *var.param_values(nq, nk, scale), *params.DENSE_VARLEN_VALUES))
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), p, smem, extra + tuple(descales))

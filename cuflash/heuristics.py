@@ -223,13 +223,13 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if skips else kind]
         if backend != "sm90":
             schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
-            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, skips):
+            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
                 cluster = 1   # the plain kernel where clusters do not apply
             if schedule == "overlap" and persistent and bucket == 256:
                 persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
             if schedule == "overlap" and persistent and block_m == 192 and (skips or variant.has_score_mod):
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
-        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, skips):
+        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2

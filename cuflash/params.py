@@ -29,12 +29,18 @@ _MASK_FIELDS = [("mask_diag", _I32), ("window_left", _I32), ("window_right", _I3
                 ("key_offset", _I32), ("alibi_batch_stride", _I32), ("softcap_in", _F32), ("softcap_out", _F32),
                 ("alibi_scale", _F32), ("alibi_slopes", _P), ("sinks", _P)]
 
+# Packed (varlen) batches (kernels_cu/common/params.cuh, CUFLASH_VARLEN_PARAMS), the last fields of both.
+_VARLEN_FIELDS = [("cu_seqlens_q", _P), ("cu_seqlens_k", _P), ("seqused_q", _P), ("seqused_k", _P),
+                  ("total_q", _I32), ("total_k", _I32)]
+# Their values for a dense call.
+DENSE_VARLEN_VALUES = (0, 0, 0, 0, 0, 0)
+
 FWD_PARAMS = _struct(
     [("q", _P), ("k", _P), ("v", _P), ("o", _P), ("lse", _P)]
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + [("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads_q", _I32),
        ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
-    + _MASK_FIELDS
+    + _MASK_FIELDS + _VARLEN_FIELDS
 )
 
 BWD_PARAMS = _struct(
@@ -46,7 +52,7 @@ BWD_PARAMS = _struct(
        ("heads_per_kv", _I32), ("head_dim", _I32), ("softmax_scale", _F32), ("scale_log2", _F32),
        ("dq_accum_rows", _I32), ("dq_accum_cols", _I32), ("dq_zero_rows", _I32),
        ("dq_semaphores", _I32), ("stats", _P), ("stat_rows", _I32)]
-    + _MASK_FIELDS + [("dlse", _P)]
+    + _MASK_FIELDS + [("dlse", _P)] + _VARLEN_FIELDS
 )
 
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS}

@@ -26,20 +26,26 @@ class MaskVariant:
     alibi: bool = False     # s -> s - slope * |i + seqlen_k - seqlen_q - j|
     sink: bool = False      # a learned logit per head in each row's softmax denominator
     chunk: bool = False     # with local: chunks are on (their divisions are in the code only then)
+    varlen: bool = False    # packed sequences of their own lengths (common/varlen.cuh): not a part of the pattern
+                            # (``plain`` ignores it), but of the kernel's code and cache key
 
     def template_arg(self, causal: bool) -> str:
-        """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink, chunk>``."""
-        flags = (causal, self.local, self.softcap, self.alibi, self.sink, self.local and self.chunk)
+        """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink, chunk[, varlen]>`` (varlen only
+        when on, so that the dense kernels keep their names)."""
+        flags = (causal, self.local, self.softcap, self.alibi, self.sink, self.local and self.chunk) + (
+            (True,) if self.varlen else ())
         return "MaskVariant<" + ", ".join("true" if f else "false" for f in flags) + ">"
 
     @property
     def plain(self) -> bool:
+        """No part of the pattern beyond causal (varlen or not)."""
         return not (self.local or self.softcap or self.alibi or self.sink)
 
     def tag(self) -> str:
-        """A short name for cache keys and kernel names ("" when plain)."""
+        """A short name for cache keys and kernel names ("" when plain and dense)."""
         return "".join(name for name, on in (("L", self.local), ("C", self.local and self.chunk),
-                                             ("S", self.softcap), ("A", self.alibi), ("K", self.sink)) if on)
+                                             ("S", self.softcap), ("A", self.alibi), ("K", self.sink),
+                                             ("V", self.varlen)) if on)
 
     @property
     def has_score_mod(self) -> bool:

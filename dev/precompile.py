@@ -13,6 +13,7 @@ Groups (default: fwd bwd), for the device's compute capability:
   fwdall  every forced Hopper forward schedule (tests/test_fwd_sm90.py)
   variants the kernels of the variant table's rows, variant and plain (cuflash/bench_variants.py)
   variant_tests the kernels of tests/test_variants.py's cases
+  varlen_tests the kernels of tests/test_varlen_fwd.py's cases
 ``-D`` defines go into $CUFLASH_NVRTC_DEFINES of the compiling processes (a traced or A/B build).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCHED_SHAPES, precompile_parallel  # noqa: E402
 
-GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests")
+GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests", "varlen_tests")
 
 
 def configs(which, cc: int) -> list:
@@ -67,6 +68,13 @@ def configs(which, cc: int) -> list:
         import test_variants
 
         out += test_variants.kernel_configs(cc)
+    if "varlen_tests" in which:
+        from _common import add_tests_to_path
+
+        add_tests_to_path()
+        import test_varlen_fwd
+
+        out += test_varlen_fwd.kernel_configs(cc)
     return list({c.key(): c for c in out}.values())
 
 

@@ -334,7 +334,8 @@ def _host_steps(q, k, v, out) -> None:
     p = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),
         *params.element_strides(k), *params.element_strides(v), *params.element_strides(out),
-        1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125)))
+        1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125),
+        *params.DENSE_VARLEN_VALUES))
     grid = launch.fwd_grid(cfg2, 1, 8, 128)
     steps = {
         "check_qkv_cached": lambda: _checks.check_qkv_cached(q, k, v, api.HEAD_DIMS),
@@ -345,7 +346,8 @@ def _host_steps(q, k, v, out) -> None:
         "pack_bytes + strides": lambda: params.pack_bytes(params.FWD_PARAMS, (
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0, *params.element_strides(q),
             *params.element_strides(k), *params.element_strides(v), *params.element_strides(out),
-            1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125))),
+            1, 128, 128, 8, 1, 64, 0.125, 0.18, *variants.NONE.param_values(128, 128, 0.125),
+        *params.DENSE_VARLEN_VALUES)),
         "launch.launch": lambda: launch.launch(kern2, cfg2, grid, p, smem2, extra),
         "cupy.empty(q.shape)": lambda: cupy.empty(q.shape, dtype=q.dtype),
     }

@@ -30,11 +30,15 @@
 //   kAlibi    s -> s - slope[batch, head] * |pos - key|;
 //   kSink     a learned logit per head joins each row's softmax denominator (the epilogue's business);
 //   kChunk    with kLocal, chunks are on: only then is there code for their divisions (a window alone keeps
-//             its bounds to adds and compares, which keeps the backward's key loop small).
-template <bool kCausal_, bool kLocal_, bool kSoftcap_, bool kAlibi_, bool kSink_, bool kChunk_ = false>
+//             its bounds to adds and compares, which keeps the backward's key loop small);
+//   kVarlen   packed sequences of their own lengths (common/varlen.cuh): a kernel runs each sequence as a dense
+//             problem of batch 1 whose params (lengths, pointers, diagonal) are the sequence's, so the policy
+//             itself sees only seqlen_q / seqlen_k.
+template <bool kCausal_, bool kLocal_, bool kSoftcap_, bool kAlibi_, bool kSink_, bool kChunk_ = false,
+          bool kVarlen_ = false>
 struct MaskVariant {
     static constexpr bool kCausal = kCausal_, kLocal = kLocal_, kSoftcap = kSoftcap_, kAlibi = kAlibi_,
-                          kSink = kSink_, kChunk = kLocal_ && kChunk_;
+                          kSink = kSink_, kChunk = kLocal_ && kChunk_, kVarlen = kVarlen_;
 };
 using PlainVariant = MaskVariant<false, false, false, false, false>;
 using CausalVariant = MaskVariant<true, false, false, false, false>;
@@ -54,15 +58,17 @@ __device__ __forceinline__ int floor_div(int a, int b) {
 
 // kExactMath: the float32 family's precise tanh; the 16-bit families use tanh.approx (2^-11 relative, below
 // their P's own rounding).
-template <int kBlockM, int kBlockN, class Variant, bool kExactMath = false>
+template <int kBlockM_, int kBlockN_, class Variant, bool kExactMath = false>
 struct MaskPolicy {
     static constexpr bool kCausal = Variant::kCausal, kLocal = Variant::kLocal;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_;
     // Traits the schedulers and tile choices ask (not the pattern's name): whether a query tile may skip key
     // tiles (and a key tile query tiles), and whether the work per query tile differs (heaviest first).
     static constexpr bool kSkipsTiles = kCausal || kLocal;
     static constexpr bool kUnevenWork = kCausal || kLocal;
     static constexpr bool kHasScoreMod = Variant::kSoftcap || Variant::kAlibi;
     static constexpr bool kHasSink = Variant::kSink;
+    static constexpr bool kVarlen = Variant::kVarlen;
     using Range = BlockRange<kBlockM, kBlockN, kCausal>;
 
     int seqlen_q, seqlen_k;

@@ -20,6 +20,16 @@
     const float* alibi_slopes;  /* kAlibi: (batch, heads_q) or (heads_q,) float32 */                          \
     const float* sinks;     /* kSink: (heads_q,) float32 logits */
 
+// Packed (varlen) batches, the last fields of FwdParams and BwdParams: read only by kernels built with
+// MaskVariant::kVarlen (common/varlen.cuh), whose seqlen_q / seqlen_k hold max_seqlen_q / max_seqlen_k.
+#define CUFLASH_VARLEN_PARAMS                                                                                   \
+    const int* cu_seqlens_q;  /* (batch + 1,) row offsets of the sequences in the packed q (and out, lse) */     \
+    const int* cu_seqlens_k;  /* (batch + 1,) row offsets in the packed k and v */                             \
+    const int* seqused_q;     /* (batch,) rows used of each sequence, or null */                               \
+    const int* seqused_k;                                                                                       \
+    int total_q;              /* packed rows of q (lse: (heads_q, total_q)) and of k */                         \
+    int total_k;
+
 // Strides are in elements; the last (head_dim) dimension is contiguous.
 struct FwdParams {
     const void* q;
@@ -40,6 +50,7 @@ struct FwdParams {
     float softmax_scale;
     float scale_log2;      // softmax_scale * log2(e), folded once on the host
     CUFLASH_MASK_PARAMS
+    CUFLASH_VARLEN_PARAMS
 };
 
 // Backward (FlashAttention-2 split): bwd_preprocess (delta, zero dq_accum),
@@ -92,4 +103,5 @@ struct BwdParams {
     int stat_rows;
     CUFLASH_MASK_PARAMS
     const float* dlse;      // the gradient of lse (null: none): the preprocess takes it off delta
+    CUFLASH_VARLEN_PARAMS
 };

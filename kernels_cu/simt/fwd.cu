@@ -44,6 +44,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/varlen.cuh"
 
 // Unroll factors of the S (head_dim, step 4) and P V (keys, step 4) loops.
 constexpr int kSimtUnrollD = 2;
@@ -409,8 +410,7 @@ struct SimtFwd {
         const int rows_valid = min(kBlockM, p.seqlen_q - c.row_base);
         float* gO = static_cast<float*>(p.o) + c.batch * p.o_batch_stride + c.head * p.o_head_stride
                     + c.row_base * p.o_row_stride;
-        float* gLse = p.lse ? p.lse + (static_cast<i64>(c.batch) * p.heads_q + c.head) * p.seqlen_q + c.row_base
-                            : nullptr;
+        float* gLse = p.lse ? p.lse + stat_offset<Variant::kVarlen>(p, c.batch, c.head) + c.row_base : nullptr;
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
             const float sum = group_sum<kNX>(sm.stat[(2 * i + 1) * kThreads + tid]);
@@ -451,10 +451,9 @@ struct SimtFwd {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemFloats * 4;
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__global__ void __launch_bounds__(kNWarps * 32)
-fwd_kernel(const FwdParams p) {
-    static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
+// One query tile of a dense problem (varlen: of one sequence, seq_params).
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__device__ __forceinline__ void fwd_tile(const FwdParams& p) {
     using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>;
     extern __shared__ __align__(16) float smem_f32[];
     const typename Fwd::Smem sm(smem_f32);
@@ -472,4 +471,18 @@ fwd_kernel(const FwdParams p) {
         Fwd::pv(sm, acc_o);
     }
     Fwd::epilogue(p, sm, acc_o);
+}
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32)
+fwd_kernel(const FwdParams p) {
+    static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
+    if constexpr (Variant::kVarlen) {
+        using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>;
+        const SeqSpan span = seq_span(p, blockIdx.z);
+        if (Fwd::Coords::read().row_base >= span.seqlen_q) return;   // past this sequence's rows
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(seq_params<4>(p, span, blockIdx.z));
+    } else {
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(p);
+    }
 }

@@ -1,7 +1,8 @@
 // FlashAttention-2 forward for sm_80 and newer: mma.sync m16n8k16 on fp16/bf16,
 // fp32 accumulation, cp.async tile loads, online softmax in exp2.
 //
-// One CTA per (query tile, head, batch). Each warp owns kMTiles 16-row slices
+// One CTA per (query tile, head, batch; varlen: of the longest sequence, the tiles past a sequence's end
+// leaving at once). Each warp owns kMTiles 16-row slices
 // of the query tile. K/V tiles stream through a two-stage shared-memory ring:
 // the loads of tile n-1 are in flight during the whole of iteration n, which
 // hides L2/HBM latency even when a tile's math is short. Key tiles are visited
@@ -13,6 +14,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/softmax.cuh"
+#include "../common/varlen.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
 
@@ -63,9 +65,9 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemElems * 2;
 
+// One query tile of one (head, batch) of a dense problem.
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_kernel(const FwdParams p) {
+__device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, const int head, const int batch) {
     using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
@@ -80,10 +82,6 @@ fwd_kernel(const FwdParams p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
-    const int m_block = Mask::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
     const int head_kv = head / p.heads_per_kv;
 
     const int row_base = m_block * kBlockM;
@@ -260,7 +258,7 @@ fwd_kernel(const FwdParams p) {
     u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
               + row_base * p.o_row_stride;
     if (p.lse != nullptr && t4 == 0) {
-        float* gLse = p.lse + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row_base;
+        float* gLse = p.lse + stat_offset<Variant::kVarlen>(p, batch, head) + row_base;
 #pragma unroll
         for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
@@ -271,4 +269,19 @@ fwd_kernel(const FwdParams p) {
     }
     __syncthreads();
     store_tile<kBlockM, kHeadDim, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_kernel(const FwdParams p) {
+    // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
+    const int m_block = MaskPolicy<kBlockM, kBlockN, Variant>::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    if constexpr (Variant::kVarlen) {
+        const SeqSpan span = seq_span(p, blockIdx.z);
+        if (m_block * kBlockM >= span.seqlen_q) return;
+        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(seq_params<2>(p, span, blockIdx.z), m_block,
+                                                                     blockIdx.y, 0);
+    } else {
+        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(p, m_block, blockIdx.y, blockIdx.z);
+    }
 }

@@ -23,6 +23,7 @@
 #include "../common/mask.cuh"
 #include "../common/softmax.cuh"
 #include "../common/mma_sync.cuh"
+#include "../common/varlen.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
@@ -38,7 +39,7 @@
 // published with its Q), run the schedule's key loop over it, store O and lse.
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kMode, bool kPersistent,
           int kCluster, int kQBuffers>
-__device__ __forceinline__ void fwd_consumer(const FwdParams& p,
+__device__ __forceinline__ void fwd_consumer(const FwdParams& params,
                                              const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>, kQBuffers>& smem,
                                              volatile int* tile_slot, const PersistentOrder& order, const int cw,
                                              int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o) {
@@ -79,11 +80,18 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
             // key tile) is warp-uniform and keeps the wgmma descriptors in uniform registers.
             const int t = __shfl_sync(0xffffffff, tile_slot[qb], 0);
             if (t >= num_tiles) break;
-            order.template coords<Mask::kUnevenWork>(t, p.heads_q, m_block, head, batch);
+            order.template coords<Mask::kUnevenWork>(t, params.heads_q, m_block, head, batch);
         } else {
             if (k_tile > 0) break;
-            order.template grid_coords<Mask::kUnevenWork>(p.heads_q, m_block, head, batch);
+            order.template grid_coords<Mask::kUnevenWork>(params.heads_q, m_block, head, batch);
         }
+        // Varlen: the tile's sequence as a dense problem of batch 1 (common/varlen.cuh).
+        FwdParams seq;
+        if constexpr (Variant::kVarlen) {
+            seq = seq_params<Tile::kElemBytes>(params, seq_span(params, batch), batch);
+            batch = 0;
+        }
+        const FwdParams& p = Variant::kVarlen ? seq : params;
         // The key tiles this query tile visits (the producer loads the same ones in the same order).
         const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
         const int n_tiles = key_tiles.count();
@@ -153,7 +161,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& p,
         softmax.template finalize<Mask::kHasSink>(inv_sum, lse, sink_log2<Variant>(p, head));
         inv_sum[0] *= o_scale;
         inv_sum[1] *= o_scale;
-        fwd_epilogue<Tile, kQBuffers, kPersistent>(p, smem, tma_o, acc_o, inv_sum, lse, m_block, head, batch, qb, cw, idle,
+        fwd_epilogue<Tile, kQBuffers, kPersistent, Variant::kVarlen>(p, smem, tma_o, acc_o, inv_sum, lse, m_block, head, batch, qb, cw, idle,
                                                    row0, o_store_buffer);
         CUFLASH_FWD_TRACE(4, clock64());
     }

@@ -1,14 +1,16 @@
 // The Hopper forward's epilogue: O and lse.
 #pragma once
 #include "../common/params.cuh"
+#include "../common/varlen.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
 #include "fwd_tile.cuh"
 
 // The epilogue: O normalised by the row sums (16-bit: staged through this warpgroup's rows of its Q buffer,
 // then a TMA store (persistent) or 16-byte stores; fp8 and wide persistent tiles: straight from the
-// accumulators), and lse. `idle`: the warpgroup has no rows (and did not wait for the Q load).
-template <class Tile, int kQBuffers, bool kPersistent>
+// accumulators), and lse. `idle`: the warpgroup has no rows (and did not wait for the Q load). kVarlen: p is the
+// sequence's (seq_params), whose rows end before the tile's may: no TMA store, which would write whole tiles.
+template <class Tile, int kQBuffers, bool kPersistent, bool kVarlen>
 __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const TmaDesc* tma_o,
                                              const float (&acc_o)[Tile::kHeadDimV / 2], const float (&inv_sum)[2],
                                              const float (&lse)[2], int m_block, int head, int batch, int qb, int cw,
@@ -25,7 +27,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSmem<T
     // Persistent: staged O leaves through one TMA store per warpgroup, issued by its first thread, so that the
     // warpgroup goes on to the next tile at once; that thread releases the Q buffer once the store has read it,
     // at the next tile's start (two Q buffers: the producer is then loading the other one), or at once (one).
-    constexpr bool kTmaStoreO = kPersistent && kStageO;
+    constexpr bool kTmaStoreO = kPersistent && kStageO && !kVarlen;
     constexpr int kOStagedBarrier = 4;   // named barriers 4..6, one per consumer warpgroup: its staged rows are complete
     extern __shared__ char smem_raw[];
     const u32 sQ = smem.q;
@@ -97,7 +99,7 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSmem<T
                 }
             }
             if (p.lse != nullptr && t4 == 0)
-                p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse[h];
+                p.lse[stat_offset<kVarlen>(p, batch, head) + row] = lse[h];
         }
     }
 }

@@ -2,6 +2,7 @@
 #pragma once
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/varlen.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
 #include "fwd_tile.cuh"
@@ -11,8 +12,9 @@
 // (persistent: handed to the consumers with the tile's index through the buffer's tile slot), then K and V of
 // each key tile the mask policy visits (FwdKeyTiles: the consumers walk the same ones in the same order) into
 // the kStages-deep ring; each load completes on a "full" mbarrier and waits for the stage's "empty" one.
+// Varlen: the tensor maps span the packed rows (batch 1), and a tile's rows start at its sequence's.
 template <class Tile, class Mask, int kQBuffers, int kMode, bool kPersistent, int kCluster>
-__device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
+__device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                              const TmaDesc& tma_v, int* tile_counter,
                                              const FwdSmem<Tile, kQBuffers>& smem, volatile int* tile_slot,
                                              const PersistentOrder& order) {
@@ -35,8 +37,10 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
             tma_load_4d_multicast(dst, desc, bar, c0, c1, head_kv, batch, static_cast<u16>((1 << kCluster) - 1));
         }
     };
-    // V of key tile n_block into the ring stage of iteration v_it, once the consumers have freed it.
-    auto load_v = [&](int v_it, int n_block, int head_kv, int batch) {
+    // V of key tile n_block (its sequence's keys from row k_row0) into the ring stage of iteration v_it, once
+    // the consumers have freed it.
+    auto load_v = [&](int v_it, int n_block, int head_kv, int batch, int k_row0) {
+        const int key_row = k_row0 + n_block * kBlockN;
         const PipelineState<kStages> ring(v_it);
         const int stage = ring.stage();
         const u32 v_dst = sV + stage * Tile::kKVBytes;
@@ -45,13 +49,13 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
         if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
 #pragma unroll
             for (int cb = 0; cb < kBlockN / 128; ++cb)
-                tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, smem.v_full(stage), n_block * kBlockN + cb * 128,
-                            0, head_kv, batch);
+                tma_load_4d(v_dst + cb * kPadV * 128, &tma_v, smem.v_full(stage), key_row + cb * 128, 0, head_kv,
+                            batch);
         } else {
 #pragma unroll
             for (int cb = 0; cb < Tile::kColBlocks; ++cb)
-                load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, smem.v_full(stage), cb, cb * 64,
-                              n_block * kBlockN, head_kv, batch);
+                load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, smem.v_full(stage), cb, cb * 64, key_row, head_kv,
+                              batch);
         }
     };
     // Persistent 16-bit overlap schedule, two consumer warpgroups (128-row tiles): K runs one key tile
@@ -59,10 +63,10 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
     // stage is freed as soon as Q K^T has read it and V's only after P V (docs/design.md: the K/V
     // ring). The 192-row tiles lost with it.
     constexpr bool kKAhead = kPersistent && kMode == kModeOverlap && !Tile::kFp8 && Tile::kConsumerWGs == 2;
-    int pending_v_it = -1, pending_v_block = 0, pending_v_head_kv = 0, pending_v_batch = 0;
+    int pending_v_it = -1, pending_v_block = 0, pending_v_head_kv = 0, pending_v_batch = 0, pending_v_row0 = 0;
     auto flush_v = [&]() {   // the V load deferred behind the next K (kKAhead)
         if (kKAhead && pending_v_it >= 0) {
-            load_v(pending_v_it, pending_v_block, pending_v_head_kv, pending_v_batch);
+            load_v(pending_v_it, pending_v_block, pending_v_head_kv, pending_v_batch, pending_v_row0);
             pending_v_it = -1;
         }
     };
@@ -83,10 +87,21 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
                 }
                 break;
             }
-            order.template coords<Mask::kUnevenWork>(t, p.heads_q, m_block, head, batch);
+            order.template coords<Mask::kUnevenWork>(t, params.heads_q, m_block, head, batch);
         } else {
-            order.template grid_coords<Mask::kUnevenWork>(p.heads_q, m_block, head, batch);
+            order.template grid_coords<Mask::kUnevenWork>(params.heads_q, m_block, head, batch);
         }
+        // Varlen: the mask policy of the tile's sequence, and where its rows start.
+        FwdParams seq;
+        int q_row0 = 0, k_row0 = 0;
+        if constexpr (Mask::kVarlen) {
+            const SeqSpan span = seq_span(params, batch);
+            seq = seq_params<Tile::kElemBytes>(params, span, batch);
+            q_row0 = span.q_start;
+            k_row0 = span.k_start;
+            batch = 0;
+        }
+        const FwdParams& p = Mask::kVarlen ? seq : params;
         const int t_cur = t;
         const int head_kv = head / p.heads_per_kv;
         const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
@@ -119,7 +134,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
 #pragma unroll
             for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                 tma_load_4d(sQ + qb * Tile::kQBytes + cb * kBlockM * Tile::kRowBytes, &tma_q, smem.q_full(qb),
-                            cb * Tile::kBlockCols, m_block * kBlockM, head, batch);
+                            cb * Tile::kBlockCols, q_row0 + m_block * kBlockM, head, batch);
         };
         if (!kPersistent) load_q();
         for (int i = 0; i < n_tiles; ++i, ++it) {
@@ -133,7 +148,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
 #pragma unroll
             for (int cb = 0; cb < Tile::kColBlocks; ++cb)
                 load_kv_block(k_dst + cb * kBlockN * Tile::kRowBytes, &tma_k, smem.k_full(stage), cb,
-                              cb * Tile::kBlockCols, n_block * kBlockN, head_kv, batch);
+                              cb * Tile::kBlockCols, k_row0 + n_block * kBlockN, head_kv, batch);
 #ifdef CUFLASH_SM90_FWD_TRACE   // slot 7 of consumer warpgroup 0's record: the tile's first K load issued
             if (kPersistent && i == 0 && q_count < 16)
                 reinterpret_cast<unsigned long long*>(tile_counter + 64)[(blockIdx.x * 3 * 16 + q_count) * 8 + 7] =
@@ -143,12 +158,13 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& p, const TmaDesc& 
                 flush_v();   // V_{i-1}, or the previous tile's last V
                 pending_v_it = it;
                 pending_v_block = n_block;
+                pending_v_row0 = k_row0;
                 pending_v_head_kv = head_kv;
                 pending_v_batch = batch;
             }
             // Persistent: the tile's first K load goes out before the wait for the Q buffer.
             if (kPersistent && i == 0) load_q();
-            if (!kKAhead) load_v(it, n_block, head_kv, batch);
+            if (!kKAhead) load_v(it, n_block, head_kv, batch, k_row0);
             if (kPersistent && i == 0) claim_next();
         }
         ++q_count;

@@ -72,7 +72,10 @@ template <class Mask>
 struct FwdKeyTiles {
     int n_block_min, n_block_max;
     __device__ __forceinline__ FwdKeyTiles(const Mask& mask, int m_block)
-        : n_block_min(mask.n_block_min(m_block)), n_block_max(mask.n_block_max(m_block)) {}
+        : n_block_min(mask.n_block_min(m_block)), n_block_max(mask.n_block_max(m_block)) {
+        // Varlen: the grid covers the longest sequence; a tile past this one's rows visits nothing.
+        if (Mask::kVarlen && m_block * Mask::kBlockM >= mask.seqlen_q) n_block_max = n_block_min;
+    }
     // Tiles visited (none when <= 0).
     __device__ __forceinline__ int count() const { return n_block_max - n_block_min; }
     // The i-th key tile visited (0 <= i < count()).
