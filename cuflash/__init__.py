@@ -4,8 +4,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import options  # noqa: E402 - cuflash.options: the settings (Options, set, override, reload)
-from .api import backward, forward, forward_fp8, forward_varlen, quantize_fp8, vjp  # noqa: E402
+from .api import (backward, backward_varlen, forward, forward_fp8, forward_varlen, quantize_fp8,  # noqa: E402
+                  vjp)
 from .reference import attention_reference, attention_reference_backward, attention_reference_chunked  # noqa: E402
 
-__all__ = ["forward", "backward", "vjp", "forward_varlen", "forward_fp8", "quantize_fp8", "attention_reference",
+__all__ = ["forward", "backward", "vjp", "forward_varlen", "backward_varlen", "forward_fp8", "quantize_fp8", "attention_reference",
            "attention_reference_backward", "attention_reference_chunked", "options", "__version__"]

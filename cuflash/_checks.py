@@ -40,8 +40,8 @@ def check_array(name: str, x, *, ndim: int = 4, aligned: bool = True) -> None:
         hint = f"; convert with cupy.asarray({name})" if isinstance(x, np.ndarray) or hasattr(x, "__array__") else ""
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}{hint}")
     if x.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions (batch, seqlen, heads, head_dim), "
-                         f"got shape {tuple(x.shape)}")
+        dims = "(batch, seqlen, heads, head_dim)" if ndim == 4 else "(total, heads, head_dim): packed sequences"
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(x.shape)}")
     if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
     check_strides_nonnegative(name, x)
@@ -239,24 +239,25 @@ def _remember(cache: dict, key: tuple, check, *args) -> None:
 
 
 def check_like(name: str, x, ref_name: str, ref) -> None:
-    """``x`` is a CuPy array of exactly ``ref``'s shape, dtype and device (dout, out in backward)."""
-    check_array(name, x)
+    """``x`` is a CuPy array of exactly ``ref``'s shape, dtype and device (dout, out in backward; dense or packed
+    varlen, as ``ref``)."""
+    check_array(name, x, ndim=ref.ndim)
     check_same(name, x, ref_name, ref)
     if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
 
 
-def check_lse(lse, shape: tuple, device_id: int, name: str = "lse") -> None:
-    """The forward's log-sum-exp (or its gradient, ``name`` "dlse"): a float32 CuPy array of shape
-    (batch, heads_q, seqlen_q)."""
+def check_lse(lse, shape: tuple, device_id: int, name: str = "lse", layout: str = "(batch, heads_q, seqlen_q)") -> None:
+    """The forward's log-sum-exp (or its gradient, ``name`` "dlse"): a float32 CuPy array of shape ``shape``
+    (``layout`` names its dimensions: varlen's is (heads_q, total_q))."""
     cupy = _cupy()
     if not isinstance(lse, cupy.ndarray):
-        raise TypeError(f"{name} must be a cupy.ndarray (float32, shape (batch, heads_q, seqlen_q) = {tuple(shape)}), "
+        raise TypeError(f"{name} must be a cupy.ndarray (float32, shape {layout} = {tuple(shape)}), "
                         f"got {type(lse).__module__}.{type(lse).__name__}")
     if lse.dtype != np.float32:
-        raise TypeError(f"{name} must be float32 (as returned by forward(..., return_lse=True)), got {lse.dtype}")
+        raise TypeError(f"{name} must be float32 (as the forward returns it with return_lse=True), got {lse.dtype}")
     if tuple(lse.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got {tuple(lse.shape)}")
+        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(lse.shape)}")
     if lse.device.id != device_id:
         raise ValueError(f"{name} is on device {lse.device.id} but q is on device {device_id}")
 

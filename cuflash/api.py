@@ -313,6 +313,130 @@ def _launch_fwd_varlen(q, k, v, out, lse, lay: varlen.VarlenLayout, *, causal: b
         capture.keep_if_capturing(written)
 
 
+def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, lse: ndarray,
+                    cu_seqlens_q: ndarray, cu_seqlens_k: ndarray, max_seqlen_q: int, max_seqlen_k: int, *,
+                    seqused_q: Optional[ndarray] = None, seqused_k: Optional[ndarray] = None, causal: bool = False,
+                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                    attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
+                    sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
+                    dq: Optional[ndarray] = None, dk: Optional[ndarray] = None, dv: Optional[ndarray] = None,
+                    check_offsets: Optional[bool] = None) -> Tuple[ndarray, ...]:
+    """Gradients of :func:`forward_varlen` with respect to q, k and v.
+
+    Args:
+        dout: ``(total_q, heads_q, head_dim)``, the gradient of ``out``; shaped and typed like q.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k: as given to
+            :func:`forward_varlen`.
+        out: its output; lse: its log-sum-exp, float32 ``(heads_q, total_q)`` (``return_lse=True``).
+        causal, softmax_scale, window_size, attention_chunk, softcap, alibi_slopes, sinks: as given to the
+            forward.
+        dlse: optional gradient of lse, float32 ``(heads_q, total_q)``.
+        deterministic: bitwise reproducible results (dQ from its own kernel, no atomics).
+        dq, dk, dv: optional output buffers shaped and typed like q, k, v, sharing no memory with the inputs.
+        check_offsets: as in :func:`forward_varlen`.
+
+    Returns:
+        ``(dq, dk, dv)`` packed like q, k, v (rows and keys outside every sequence's used range: 0), and with
+        ``sinks`` ``(dq, dk, dv, dsinks)``. On Hopper the backward runs on the portable kernels for now.
+    """
+    if interop.needs_conversion(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                alibi_slopes, sinks, dlse, dq, dk, dv):
+        return interop.call(backward_varlen, {
+            "dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q, "seqused_k": seqused_k,
+            "alibi_slopes": alibi_slopes, "sinks": sinks, "dlse": dlse, "dq": dq, "dk": dk, "dv": dv},
+            buffers=("dq", "dk", "dv"), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+            deterministic=deterministic, check_offsets=check_offsets)
+    lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+                              seqused_k=seqused_k, check_offsets=check_offsets)
+    dev = lay.device_id
+    _checks.check_like("dout", dout, "q", q)
+    _checks.check_like("out", out, "q", q)
+    stat_shape = (lay.heads_q, lay.total_q)
+    _checks.check_lse(lse, stat_shape, dev, layout="(heads_q, total_q)")
+    if dlse is not None:
+        _checks.check_lse(dlse, stat_shape, dev, name="dlse", layout="(heads_q, total_q)")
+    scale = _checks.check_scale(softmax_scale, lay.head_dim_qk)
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=lay.batch, heads_q=lay.heads_q, device_id=dev, q_dtype=q.dtype)
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
+    _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
+                             (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    import cupy
+
+    try:
+        with cupy.cuda.Device(dev):
+            dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+            dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+            dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+            dsinks = None if var.sinks is None else cupy.zeros(lay.heads_q, dtype=np.float32)
+            runs = lay.batch and lay.max_seqlen_q and lay.max_seqlen_k and lay.total_q and lay.total_k
+            # Rows and keys that no kernel writes: past seqused, or every one where no sequence has both.
+            if seqused_q is not None or not runs:
+                dq.fill(0)
+            if seqused_k is not None or not runs:
+                dk.fill(0)
+                dv.fill(0)
+            if runs:
+                lse = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
+                if dlse is not None and not dlse.flags.c_contiguous:
+                    dlse = cupy.ascontiguousarray(dlse)
+                delta = _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay, causal=bool(causal),
+                                           scale=scale, deterministic=deterministic, var=var, dlse=dlse)
+                if dsinks is not None:   # as the dense backward: sum over rows of P(sink) (dlse - delta)
+                    dsinks = -(cupy.exp(var.sinks[:, None] - lse) * delta).sum(axis=1)
+            elif dsinks is not None and dlse is not None and lay.total_q:
+                dsinks = dlse.astype(np.float32).sum(axis=1)   # no key anywhere: P(sink) = 1
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
+    if sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype)
+
+
+def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLayout, *, causal: bool, scale: float,
+                       deterministic: bool, var: variants.Variants, dlse=None,
+                       opts: Optional[options.Options] = None):
+    """Launches the varlen backward on the current stream (the portable kernels: preprocess, dK/dV with or
+    without dQ sums, then the postprocess or the dQ kernel); returns delta ``(heads_q, total_q)`` float32 (0
+    outside the used rows)."""
+    import cupy
+
+    opts = opts or options.current()
+    kernel_variant = dataclasses.replace(var.kernel, sink=False, varlen=True)   # no sink code in the backward
+    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, lay.head_dim_qk, causal, deterministic, lay.device_id,
+                                           backend="sm80", opts=opts, variant=kernel_variant)
+    hq, total_q, d = lay.heads_q, lay.total_q, lay.head_dim_qk
+    delta = cupy.zeros((hq, total_q), dtype=np.float32)   # zeros: the unused rows stay 0 (dsinks sums them)
+    dq_accum = cupy.empty(hq * total_q * d, dtype=np.float32) if post is not None else None
+    if dq_accum is not None and _POISON_WORKSPACE:
+        dq_accum.fill(np.nan)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
+        dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out), *_packed_strides(dout),
+        *_packed_strides(dq), *_packed_strides(dk), *_packed_strides(dv),
+        lay.batch, lay.max_seqlen_q, lay.max_seqlen_k, hq, hq // lay.heads_kv, d, scale, scale * LOG2E,
+        total_q, d, total_q, 0, 0, 0,   # dq_accum (heads_q, total_q, head_dim) rows, all zeroed; no semaphores, stats
+        *var.param_values(lay.max_seqlen_q, lay.max_seqlen_k, scale), dlse.data.ptr if dlse is not None else 0,
+        *_varlen_values(lay)))
+    b, max_q = lay.batch, lay.max_seqlen_q
+    pkern, pcfg, psmem = pre
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max_q), p, psmem)
+    kern, cfg, smem = dkdv
+    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, lay.heads_kv, lay.max_seqlen_k), p, smem)
+    kern, cfg, smem = post if post is not None else dq_kernel
+    launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, max_q), p, smem)
+    capture.keep_if_capturing(delta, dq_accum)
+    return delta
+
+
 # ---------------------------------------------------------------------------
 # fp8 (e4m3) forward, Hopper only
 

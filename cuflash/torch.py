@@ -1,10 +1,12 @@
-"""PyTorch front end: ``flash_attn_func`` on torch CUDA tensors, differentiable, under ``torch.compile``.
+"""PyTorch front end: ``flash_attn_func`` and ``flash_attn_varlen_func`` on torch CUDA tensors, differentiable,
+under ``torch.compile``.
 
-Importing this module imports torch (``import cuflash`` never does). The kernels run as two
+Importing this module imports torch (``import cuflash`` never does). The kernels run as
 ``torch.library`` custom ops, ``cuflash::attention_forward`` (out, lse) and
-``cuflash::attention_backward`` (dq, dk, dv), each with a fake (meta) implementation, so that
-``torch.compile(fullgraph=True)`` traces them as single nodes without graph breaks, and with the
-backward registered as the forward's autograd formula.
+``cuflash::attention_backward`` (dq, dk, dv), and for packed variable-length batches
+``cuflash::attention_forward_varlen`` and ``cuflash::attention_backward_varlen``, each with a fake (meta)
+implementation, so that ``torch.compile(fullgraph=True)`` traces them as single nodes without graph
+breaks, and with each backward registered as its forward's autograd formula.
 
 Memory and streams: the outputs are allocated by torch (``new_empty``) and written in place by the
 kernels, and every other allocation of the call (the log-sum-exp, the backward's float32 workspaces)
@@ -87,6 +89,15 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 def _check_inputs(q, k, v) -> int:
     """Checks q, k, v from their metadata alone (so it also runs on fake tensors while
     ``torch.compile`` traces); returns head_dim."""
+    _check_tensors(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    head_dim = _checks.check_qkv_shapes(q, k, v)[-1]
+    if head_dim not in api.HEAD_DIMS:
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {head_dim}")
+    return head_dim
+
+
+def _check_tensors(q, k, v, ndim: int, layout: str) -> None:
+    """q, k, v are CUDA tensors of one supported dtype, on one device, with ``ndim`` dimensions."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__} "
@@ -96,18 +107,143 @@ def _check_inputs(q, k, v) -> int:
                             f"move it with {name}.cuda()")
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
-                             f"got shape {tuple(x.shape)}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
-    head_dim = _checks.check_qkv_shapes(q, k, v)[-1]
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[Optional[int], Optional[int]] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None, *,
+                           seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                           attention_chunk: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+    """Exact attention over a packed batch of sequences of their own lengths, as flash-attn 2.x's
+    ``flash_attn_varlen_func`` (same arguments, same order), differentiable with respect to q, k, v and lse.
+
+    Sequence ``b`` is queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against keys and values
+    ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``, ``v[...]`` (``cuflash.forward_varlen``); no work is spent
+    on padding.
+
+    Args:
+        q: ``(total_q, heads_q, head_dim)`` CUDA tensor, float16, bfloat16 or float32; head_dim a
+            multiple of 8 up to 256. Any strides (a copy is made only where the last dimension is not
+            contiguous or a stride is not a multiple of 16 bytes).
+        k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device: the offsets of the sequences'
+            first rows, 0 first and the totals last (not differentiated).
+        max_seqlen_q, max_seqlen_k: Python ints, at least every sequence's length.
+        dropout_p: must be 0.0 (no dropout in cuflash's kernels yet).
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        causal: per sequence, query i sees keys j <= i + len_k - len_q (bottom-right aligned).
+        window_size: ``(left, right)`` as flash-attn (-1, or None as FA4 writes it: unbounded), per sequence.
+        softcap: 0 (off) or c > 0: scores become c * tanh(s / c).
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (not differentiated).
+        deterministic: bitwise reproducible backward.
+        return_attn_probs: also return the log-sum-exp, as flash-attn does: ``(out, softmax_lse, None)``
+            (no attention probabilities: they exist only with dropout).
+        block_table: must be None (no paged KV cache yet).
+        seqused_q, seqused_k: optional int32 ``(batch,)``: sequence b uses only its first seqused[b]
+            rows (queries) or keys (flash-attn 3's names); the other rows get out 0, lse -inf and zero
+            gradients.
+        attention_chunk: 0 (off) or a chunk length (Llama 4), per sequence.
+
+    The offsets' values are checked on the host (a device-to-host copy and a wait) in eager forward calls
+    only: not under ``torch.compile`` nor CUDA graph capture (where unchecked, a bad offset gives wrong
+    results for its sequence but never a read or a write outside the tensors), and never in the backward,
+    which autograd guarantees sees the offsets the forward saw.
+
+    Returns:
+        ``out`` ``(total_q, heads_q, head_dim)`` (contiguous, q's dtype), or with ``return_attn_probs``
+        ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(heads_q, total_q)`` (-inf for rows
+        that see no key).
+
+    Raises:
+        TypeError: not torch tensors, not on q's CUDA device, an unsupported or mixed dtype, offsets that
+            are not int32, max_seqlen not an int, flags that are not bools.
+        ValueError: ``dropout_p != 0``, a ``block_table``, shapes that do not agree, an unsupported
+            head_dim, bad variant values; in eager calls, offsets that do not describe the packed tensors
+            (cuflash.forward_varlen's checks).
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0: cuflash has no dropout yet, got {dropout_p}")
+    if block_table is not None:
+        raise ValueError("block_table must be None: cuflash does not support a paged KV cache yet")
+    head_dim = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    scale = _checks.check_scale(softmax_scale, head_dim)
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    return_attn_probs = _checks.check_flag("return_attn_probs", return_attn_probs)
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        window_size = tuple(-1 if w is None else w for w in window_size)
+    left, right = variants.check_window(window_size)
+    chunk = variants.check_chunk(attention_chunk)
+    cap = variants.check_softcap(softcap)
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.device != q.device):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor on {q.device}, got {type(alibi_slopes).__name__}"
+                        + (f" on {alibi_slopes.device}" if isinstance(alibi_slopes, torch.Tensor) else ""))
+    # Under torch.compile the offsets are traced values and no sync is allowed: no host check (None: the
+    # check runs, unless the stream is capturing a CUDA graph).
+    check_offsets = False if torch.compiler.is_compiling() else None
+    out, lse = attention_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
+                                        scale, causal, left, right, chunk, cap, alibi_slopes, deterministic,
+                                        check_offsets)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> int:
+    """Checks the packed q, k, v and the offsets from their metadata alone (never the offsets' values,
+    which cuflash.forward_varlen checks in eager calls); returns head_dim."""
+    _check_tensors(q, k, v, 3, "(total, heads, head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _, heads_q, head_dim = q.shape
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k and v must have the head_dim of q ({head_dim}), got {k.shape[2]}")
+    _checks.check_heads(heads_q, k.shape[1])
     if head_dim not in api.HEAD_DIMS:
         raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {head_dim}")
+    for name, x, shape in (("cu_seqlens_q", cu_seqlens_q, "(batch + 1,)"), ("cu_seqlens_k", cu_seqlens_k,
+                           "(batch + 1,)"), ("seqused_q", seqused_q, "(batch,)"), ("seqused_k", seqused_k, "(batch,)")):
+        if x is None and name.startswith("seqused"):
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of int32 {shape}, got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+        if x.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}; convert with {name}.int()")
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D {shape}, got shape {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must have the length of cu_seqlens_q (batch + 1 = {batch + 1}), "
+                         f"got {cu_seqlens_k.shape[0]}")
+    for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if x is not None and x.shape[0] != batch:
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
     return head_dim
+
+
+def _check_max_seqlen(name: str, value) -> Union[int, "torch.SymInt"]:
+    """A host int >= 0 (a SymInt while torch.compile traces with dynamic shapes); a tensor would need a
+    device-to-host copy."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be a Python int >= 0 (a bound on every sequence's length, known on the "
+                        f"host), got {type(value).__module__}.{type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def _kernel_ready(x: Tensor) -> Tensor:
@@ -194,3 +330,92 @@ def _attention_vjp(ctx, dout, dlse):
 
 
 attention_forward.register_autograd(_attention_vjp, setup_context=_save_for_backward)
+
+
+# ---------------------------------------------------------------------------
+# The varlen ops: packed (total, heads, head_dim) tensors and their int32 offsets. max_seqlen_q / max_seqlen_k
+# are ints (SymInts when traced); check_offsets is None (eager: checked unless capturing) or False (traced).
+
+
+@torch.library.custom_op("cuflash::attention_forward_varlen", mutates_args=())
+def attention_forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, seqused_q: Optional[Tensor],
+                             seqused_k: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+                             window_right: int, attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
+                             deterministic: bool, check_offsets: Optional[bool]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)``: out ``(total_q, Hq, D)`` like q (contiguous), lse float32 ``(Hq, total_q)``."""
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    out = q.new_empty(q.shape)
+    return api.forward_varlen(q, k, v, _index(cu_seqlens_q), _index(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                              seqused_q=_index(seqused_q), seqused_k=_index(seqused_k), causal=causal,
+                              softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                              attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=_detached(alibi_slopes),
+                              return_lse=True, out=out, check_offsets=check_offsets)
+
+
+@attention_forward_varlen.register_fake
+def _attention_forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                   seqused_k, softmax_scale, causal, window_left, window_right, attention_chunk,
+                                   softcap, alibi_slopes, deterministic, check_offsets):
+    total_q, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_backward_varlen", mutates_args=())
+def attention_backward_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                              max_seqlen_k: int, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+                              softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                              attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
+                              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` shaped and typed like q, k, v (contiguous).
+
+    The offsets are not checked on the host (check_offsets=False: no sync in the backward): called as the
+    forward's autograd formula they are the tensors the forward saw, unchanged (autograd's version check on
+    saved tensors refuses in-place writes), so the forward checked them where it could; and unchecked, a bad
+    offset still never makes a kernel read or write outside the tensors."""
+    dout, q, k, v, out = (_kernel_ready(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = api.backward_varlen(
+        dout, q, k, v, out, lse, _index(cu_seqlens_q), _index(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+        seqused_q=_index(seqused_q), seqused_k=_index(seqused_k), causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), attention_chunk=attention_chunk, softcap=softcap,
+        alibi_slopes=_detached(alibi_slopes), dlse=None if dlse is None else dlse.contiguous(),
+        deterministic=deterministic, dq=dq, dk=dk, dv=dv, check_offsets=False)
+    return dq, dk, dv
+
+
+@attention_backward_varlen.register_fake
+def _attention_backward_varlen_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal, window_left,
+                                    window_right, attention_chunk, softcap, alibi_slopes, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _index(x: Optional[Tensor]) -> Optional[Tensor]:
+    """An offsets or seqused tensor as the kernels read it (1-D, contiguous int32), or None."""
+    return None if x is None else x.detach().contiguous()
+
+
+# The forward's inputs after q, k, v: the offsets, the max_seqlens, seqused, the options, alibi_slopes,
+# deterministic and check_offsets, none of them differentiated.
+_VARLEN_NOT_DIFFERENTIATED = 2 + 2 + 2 + len(_OPTIONS) + 3
+
+
+def _save_for_backward_varlen(ctx, inputs, output) -> None:
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, *options, alibi_slopes,
+     deterministic, _check_offsets) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes)
+    ctx.max_seqlens, ctx.options, ctx.deterministic = (max_seqlen_q, max_seqlen_k), tuple(options), deterministic
+
+
+def _attention_varlen_vjp(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attention_backward_varlen(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                           *ctx.max_seqlens, seqused_q, seqused_k, *ctx.options, alibi_slopes,
+                                           ctx.deterministic)
+    return (dq, dk, dv) + (None,) * _VARLEN_NOT_DIFFERENTIATED
+
+
+attention_forward_varlen.register_autograd(_attention_varlen_vjp, setup_context=_save_for_backward_varlen)

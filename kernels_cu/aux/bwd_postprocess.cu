@@ -4,20 +4,20 @@
 // per step (two float4 reads, one 16-byte write).
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
+#include "../common/varlen.cuh"
 
-template <typename Tag, int kNWarps>
-__global__ void __launch_bounds__(kNWarps * 32)
-bwd_postprocess_kernel(const BwdParams p) {
+// Varlen (kVarlen): p is the sequence's (seq_params), batch 0.
+template <typename Tag, int kNWarps, bool kVarlen>
+__device__ __forceinline__ void bwd_postprocess_body(const BwdParams& p, const int batch) {
     constexpr int kThreadsPerRow = 8;
     constexpr int kRows = kNWarps * 32 / kThreadsPerRow;
     const int tid = threadIdx.x;
     const int sub = tid % kThreadsPerRow;
     const int row = blockIdx.x * kRows + tid / kThreadsPerRow;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
 
-    const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+    const i64 row_index = stat_offset<kVarlen>(p, batch, head) + row;
     const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row_index * p.head_dim);
     u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + row * p.dq_row_stride
                + head * p.dq_head_stride;
@@ -31,6 +31,18 @@ bwd_postprocess_kernel(const BwdParams p) {
         r.z = ElemTraits<Tag>::pack2(b.x * s, b.y * s);
         r.w = ElemTraits<Tag>::pack2(b.z * s, b.w * s);
         *reinterpret_cast<uint4*>(dst + c * 8) = r;
+    }
+}
+
+// The varlen form (cu_seqlens_q set) is a run-time branch: this kernel is memory-bound.
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_postprocess_kernel(const BwdParams p) {
+    if (p.cu_seqlens_q != nullptr) {
+        const SeqSpan span = seq_span(p, blockIdx.z);
+        bwd_postprocess_body<Tag, kNWarps, true>(seq_params<2>(p, span, blockIdx.z), 0);
+    } else {
+        bwd_postprocess_body<Tag, kNWarps, false>(p, blockIdx.z);
     }
 }
 

@@ -9,10 +9,13 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/bwd_math.cuh"
+#include "../common/varlen.cuh"
 
-template <typename Tag, int kNWarps>
-__global__ void __launch_bounds__(kNWarps * 32)
-bwd_preprocess_kernel(const BwdParams p) {
+// Varlen (kVarlen): the rows of sequence `batch` start at packed row q_start (lse, delta: (heads_q, total_q);
+// dq_accum: (heads_q, total_q, head_dim)), and its length is seqlen_q; dense: q_start 0, p.seqlen_q.
+template <typename Tag, int kNWarps, bool kVarlen>
+__device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p, const int batch, const int q_start,
+                                                    const int seqlen_q) {
     using T = typename ElemStorage<Tag>::T;
     constexpr int kThreadsPerRow = 8;
     constexpr int kRows = kNWarps * 32 / kThreadsPerRow;
@@ -21,14 +24,14 @@ bwd_preprocess_kernel(const BwdParams p) {
     const int sub = tid % kThreadsPerRow;
     const int row = blockIdx.x * kRows + tid / kThreadsPerRow;   // the grid covers seqlen_q and dq_accum_rows
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const bool valid = row < p.seqlen_q;
+    const bool valid = row < seqlen_q;
+    const int packed_row = q_start + row;   // the row in q's layout (dense: the row)
 
     float acc = 0.f;
     if (valid) {
-        const T* o = static_cast<const T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride
+        const T* o = static_cast<const T*>(p.o) + batch * p.o_batch_stride + packed_row * p.o_row_stride
                      + head * p.o_head_stride;
-        const T* d = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride
+        const T* d = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + packed_row * p.do_row_stride
                      + head * p.do_head_stride;
         const int chunks = p.head_dim / kChunk;
         for (int c = sub; c < chunks; c += kThreadsPerRow) {
@@ -40,18 +43,19 @@ bwd_preprocess_kernel(const BwdParams p) {
 #pragma unroll
     for (int off = 1; off < kThreadsPerRow; off <<= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
 
-    const i64 row_index = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+    const i64 row_index = stat_offset<kVarlen>(p, batch, head) + packed_row;
     // A gradient of lse adds dlse[i] * P[i, j] to dS[i, j]: the same as taking it off delta.
     if (valid && p.dlse != nullptr) acc -= p.dlse[row_index];
     if (valid && sub == 0 && p.delta != nullptr) p.delta[row_index] = acc;   // null: the sm90 kernel reads stats
-    if (p.stats != nullptr && row < p.stat_rows && sub == 0) {
+    if (!kVarlen && p.stats != nullptr && row < p.stat_rows && sub == 0) {
         float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows;
         stats[row] = bwd_lse2(valid ? p.lse[row_index] : -CUFLASH_INF);
         stats[p.stat_rows + row] = valid ? acc : 0.f;
     }
     // Zeroing the dq_accum here saves a memset pass: its stores go out beside this kernel's loads.
-    if (p.dq_accum != nullptr && row < p.dq_zero_rows) {
-        const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + row;
+    // (Varlen: the sequence's rows only; the rest of the grid's rows are the next sequences'.)
+    if (p.dq_accum != nullptr && row < (kVarlen ? min(p.dq_zero_rows, seqlen_q) : p.dq_zero_rows)) {
+        const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + packed_row;
         float4* dst = reinterpret_cast<float4*>(p.dq_accum + accum_row * p.dq_accum_cols);
         for (int c = sub; c < p.dq_accum_cols / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -59,4 +63,17 @@ bwd_preprocess_kernel(const BwdParams p) {
     // most 2 semaphores (slices) per 64 rows.
     const i64 thread = ((static_cast<i64>(batch) * p.heads_q + head) * gridDim.x + blockIdx.x) * blockDim.x + tid;
     if (thread < p.dq_semaphores) p.dq_semaphore[thread] = 0;
+}
+
+// The varlen form (cu_seqlens_q set) is a run-time branch: these kernels are memory-bound.
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_preprocess_kernel(const BwdParams p) {
+    if (p.cu_seqlens_q != nullptr) {
+        int q_start, seqlen_q;
+        packed_rows(p.cu_seqlens_q, p.seqused_q, blockIdx.z, p.total_q, p.seqlen_q, q_start, seqlen_q);
+        bwd_preprocess_body<Tag, kNWarps, true>(p, 0, q_start, seqlen_q);
+    } else {
+        bwd_preprocess_body<Tag, kNWarps, false>(p, blockIdx.z, 0, p.seqlen_q);
+    }
 }

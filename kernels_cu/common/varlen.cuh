@@ -100,3 +100,17 @@ __device__ __forceinline__ i64 stat_offset(const Params& p, int batch, int head)
     if constexpr (kVarlen) return static_cast<i64>(head) * p.total_q;
     else return (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
 }
+
+// A kernel's body on its CTA's problem: with kVarlen, the params of sequence blockIdx.z (seq_params), unless the
+// CTA's tile starts at or past that sequence's end (tile_start: its first query row, kQueryTiles, or key), where it
+// leaves at once (the grid covers the longest sequence); else p itself.
+template <bool kVarlen, int kElemBytes, bool kQueryTiles, class Params, class Body>
+__device__ __forceinline__ void on_cta_sequence(const Params& p, int tile_start, Body&& body) {
+    if constexpr (kVarlen) {
+        const SeqSpan span = seq_span(p, blockIdx.z);
+        if (tile_start >= (kQueryTiles ? span.seqlen_q : span.seqlen_k)) return;
+        body(seq_params<kElemBytes>(p, span, blockIdx.z));
+    } else {
+        body(p);
+    }
+}

@@ -29,6 +29,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/bwd_math.cuh"
+#include "../common/varlen.cuh"
 #include "../sm80/copy.cuh"
 
 template <int kHeadDim_, int kRowsT_, int kColsT_, int kNWarps_>
@@ -121,8 +122,7 @@ __device__ __forceinline__ void simt_store_row(float* dst, const float4 (&acc)[T
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__global__ void __launch_bounds__(kNWarps * 32)
-bwd_dkdv_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>;  // rows: keys, columns: queries
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     constexpr int kStride = Tile::kStride;
@@ -190,7 +190,7 @@ bwd_dkdv_kernel(const BwdParams p) {
             if (tid < 2 * kBlockM) {
                 const int i = tid < kBlockM ? tid : tid - kBlockM;
                 const int row = m0 + i;
-                const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+                const i64 idx = stat_offset<Variant::kVarlen>(p, batch, head) + row;
                 if (tid < kBlockM) sLse2[i] = row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
                 else sDelta[i] = row < p.seqlen_q ? p.delta[idx] : 0.f;
             }
@@ -239,8 +239,7 @@ bwd_dkdv_kernel(const BwdParams p) {
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__global__ void __launch_bounds__(kNWarps * 32)
-bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     using Tile = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;  // rows: queries, columns: keys
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     constexpr int kStride = Tile::kStride;
@@ -275,7 +274,7 @@ bwd_dq_kernel(const BwdParams p) {
 
     float lse2[Tile::kTR], delta[Tile::kTR];
     {
-        const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
+        const i64 base = stat_offset<Variant::kVarlen>(p, batch, head);
 #pragma unroll
         for (int i = 0; i < Tile::kTR; ++i) {
             const int row = m0 + tr + i * Tile::kGR;
@@ -358,3 +357,21 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class
 __device__ const int bwd_dkdv_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>::kSmemBytesDkdv;
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int bwd_dq_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytesDq;
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_dkdv_kernel(const BwdParams p) {
+    on_cta_sequence<Variant::kVarlen, 4, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+        bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
+    });
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32)
+bwd_dq_kernel(const BwdParams p) {
+    const int m_block = MaskPolicy<kBlockM, kBlockN, Variant, true>::kUnevenWork ? gridDim.x - 1 - blockIdx.x
+                                                                                 : blockIdx.x;
+    on_cta_sequence<Variant::kVarlen, 4, true>(p, m_block * kBlockM, [](const BwdParams& ps) {
+        bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
+    });
+}

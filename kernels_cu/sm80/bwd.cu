@@ -27,6 +27,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/varlen.cuh"
 #include "../common/bwd_math.cuh"
 #include "mma.cuh"
 #include "copy.cuh"
@@ -180,7 +181,7 @@ struct BwdDkdvThread {
     __device__ __forceinline__ float fetch_row_stat(int head, int m_block) const {
         const int i = tid < kBlockM ? tid : tid - kBlockM;
         const int row = m_block * kBlockM + i;
-        const i64 idx = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + row;
+        const i64 idx = stat_offset<Variant::kVarlen>(p, batch, head) + row;
         if (tid < kBlockM) return row < p.seqlen_q ? bwd_lse2(p.lse[idx]) : CUFLASH_INF;
         if (tid < 2 * kBlockM) return row < p.seqlen_q ? p.delta[idx] : 0.f;
         return 0.f;
@@ -280,7 +281,7 @@ struct BwdDkdvThread {
                                            AddPair add_pair) const {
         constexpr int kNT3c = Tile::kNTiles3Chunk;
         const int m0 = m_block * kBlockM;
-        float* gdq = p.dq_accum + (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q * hd;
+        float* gdq = p.dq_accum + stat_offset<Variant::kVarlen>(p, batch, head) * hd;
 #pragma unroll 1
         for (int chunk = 0; chunk < kNT3 / kNT3c; ++chunk) {
             const int colc = col3 + chunk * kNT3c * 8;
@@ -438,13 +439,17 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv_kernel(const BwdParams p) {
-    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(p);
+    on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+        bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(ps);
+    });
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv_dq_kernel(const BwdParams p) {
-    bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(p);
+    on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+        bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(ps);
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -474,8 +479,7 @@ struct BwdDqTile {
 };
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     using Tile = BwdDqTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
@@ -515,7 +519,7 @@ bwd_dq_kernel(const BwdParams p) {
     // lse2 / delta of this thread's rows (g and g + 8 of each m-tile).
     float lse2[2 * kMTiles], delta[2 * kMTiles];
     {
-        const i64 base = (static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q;
+        const i64 base = stat_offset<Variant::kVarlen>(p, batch, head);
 #pragma unroll
         for (int r = 0; r < 2 * kMTiles; ++r) {
             const int row = m0 + warp_row0 + (r >> 1) * 16 + g + (r & 1) * 8;
@@ -648,6 +652,15 @@ bwd_dq_kernel(const BwdParams p) {
     __syncthreads();
     u16* gdQ = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + m0 * p.dq_row_stride;
     store_tile_pred<u16, kBlockM, kPad, kStride, kThreads>(gdQ, sQ, p.dq_row_stride, rows_valid, hd, tid);
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dq_kernel(const BwdParams p) {
+    const int m_block = MaskPolicy<kBlockM, kBlockN, Variant>::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    on_cta_sequence<Variant::kVarlen, 2, true>(p, m_block * kBlockM, [](const BwdParams& ps) {
+        bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -785,13 +798,17 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_kernel(const BwdParams p) {
-    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(p);
+    on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(ps);
+    });
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_dq_kernel(const BwdParams p) {
-    bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(p);
+    on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(ps);
+    });
 }
 
 // Each kernel's dynamic shared memory, as <kernel>_smem_bytes<same template arguments> (the dispatcher reads it

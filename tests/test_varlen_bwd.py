@@ -1,0 +1,151 @@
+"""GPU: the varlen backward (issue #43) against the float64 varlen reference's gradients.
+
+Batches mix empty sequences, single tokens, primes and longer sequences, q and k lengths differing per
+sequence; causal and not; GQA; deterministic or not; seqused; dlse; the variants (dsinks too); the float32
+kernels. Gradient buffers and the float32 dQ workspace are poisoned; every row is compared. Varlen gradients
+also equal the dense backward run sequence by sequence.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import BWD_TOL, poisoned, requires_gpu
+from test_variants import _assert_rows
+from test_varlen_fwd import LENGTHS_K, LENGTHS_Q, _packed
+
+pytestmark = requires_gpu
+
+FAMILIES = [({}, "bfloat16"), ({"bwd_backend": "sm80", "fwd_backend": "sm80"}, "float16"), ({}, "float32")]
+
+
+def _grads(rng, q, k, v, cu_q, cu_k, lq, lk, dtype, deterministic=False, with_dlse=False, **kw):
+    """forward_varlen, then backward_varlen into poisoned buffers (and a poisoned dQ workspace), compared
+    with the reference's gradients on every row. Returns the gradients."""
+    import cupy
+    import cuflash
+    from cuflash import api
+    from cuflash.reference import attention_reference_varlen_backward
+
+    mq, mk = max(lq), max(lk)
+    out, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, **kw)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dlse = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32)) if with_dlse else None
+    bufs = [poisoned(x.shape, dtype) for x in (q, k, v)]
+    api._POISON_WORKSPACE = True
+    try:
+        grads = cuflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, deterministic=deterministic,
+                                        dlse=dlse, dq=bufs[0], dk=bufs[1], dv=bufs[2], **kw)
+    finally:
+        api._POISON_WORKSPACE = False
+    assert all(g is b for g, b in zip(grads, bufs))
+    ref = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, dlse=dlse, **kw)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        if g.size:   # rows relative to the incoming gradient's scale where a gradient vanishes (test_variants)
+            _assert_rows(name, g, cupy.asarray(r), dtype, BWD_TOL, dout)
+    if kw.get("sinks") is not None:
+        ds = cupy.asnumpy(grads[3]).astype(np.float64)
+        assert np.linalg.norm(ds - ref[3]) <= BWD_TOL[dtype] * max(1.0, float(np.linalg.norm(ref[3])))
+    return grads
+
+
+@pytest.mark.parametrize("family,dtype", FAMILIES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mixed_lengths(rng, family, dtype, causal, deterministic):
+    import cuflash
+
+    cuflash.options.set(**family)
+    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, 64, dtype)
+    _grads(rng, q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, dtype, deterministic, causal=causal)
+
+
+@pytest.mark.parametrize("d", [32, 72, 128, 256])
+def test_head_dims(rng, d):
+    lq, lk = [129, 1, 64, 300], [129, 77, 64, 299]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 2, 1, d, "bfloat16")
+    _grads(rng, q, k, v, cu_q, cu_k, lq, lk, "bfloat16", causal=d % 64 == 0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_seqused_and_dlse(rng, dtype):
+    import cupy
+
+    lq, lk = [40, 7, 130, 5], [50, 9, 140, 0]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 2, 2, 64, dtype)
+    used_q = cupy.asarray(np.array([33, 0, 130, 2], np.int32))
+    used_k = cupy.asarray(np.array([50, 4, 77, 0], np.int32))
+    for causal in (False, True):
+        _grads(rng, q, k, v, cu_q, cu_k, lq, lk, dtype, with_dlse=True, causal=causal, seqused_q=used_q,
+               seqused_k=used_k)
+
+
+@pytest.mark.parametrize("kw", [dict(window_size=(37, 5)), dict(causal=True, window_size=(64, 0), softcap=20.0),
+                                dict(causal=True, attention_chunk=48), dict(alibi="batch"),
+                                dict(causal=True, alibi="heads", sinks=True)])
+def test_variants(rng, kw):
+    import cupy
+
+    kw = dict(kw)
+    hq = 4
+    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, hq, 2, 64, "float16")
+    batch = len(LENGTHS_Q)
+    if kw.get("alibi") == "batch":
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, (batch, hq)).astype(np.float32))
+    elif kw.get("alibi") == "heads":
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, hq).astype(np.float32))
+    kw.pop("alibi", None)
+    if kw.pop("sinks", False):
+        kw["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+    _grads(rng, q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, "float16", with_dlse=True, **kw)
+
+
+def test_long_sequences(rng):
+    lq, lk = [2051, 17, 1024], [2051, 1500, 1]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 2, 1, 128, "bfloat16")
+    for causal in (False, True):
+        _grads(rng, q, k, v, cu_q, cu_k, lq, lk, "bfloat16", causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_equals_dense_per_sequence(rng, dtype):
+    """Sequence by sequence, the dense backward on the same rows gives the same gradients (both
+    deterministic, on the portable kernels)."""
+    import cupy
+    import cuflash
+    from conftest import rel_err_gpu
+
+    cuflash.options.set(bwd_backend="sm80")
+    lq, lk = [300, 5, 129], [280, 64, 129]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 4, 1, 64, dtype)
+    out, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, return_lse=True)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dq, dk, dv = cuflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                         deterministic=True)
+    sq = sk = 0
+    for nq, nk in zip(lq, lk):
+        rows, keys = slice(sq, sq + nq), slice(sk, sk + nk)
+        g = cuflash.backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
+                             cupy.ascontiguousarray(lse[None, :, rows]), causal=True, deterministic=True)
+        for mine, dense in zip((dq[rows], dk[keys], dv[keys]), g):
+            assert rel_err_gpu(mine, dense[0]) <= BWD_TOL[dtype] / 4
+        sq, sk = sq + nq, sk + nk
+
+
+def kernel_configs(cc: int = 90) -> list:
+    """The backward KernelConfigs this file's cases run (for dev/precompile.py's varlen_tests group)."""
+    from cuflash import heuristics
+    from cuflash.variants import MaskVariant
+
+    out = []
+    for dtype, d in (("bfloat16", 64), ("float16", 64), ("float32", 64), ("bfloat16", 32), ("bfloat16", 72),
+                     ("bfloat16", 128), ("bfloat16", 256)):
+        for causal in (False, True):
+            for det in (False, True):
+                out += heuristics.bwd_configs(dtype, d, causal, cc, det, backend="sm80",
+                                              variant=MaskVariant(varlen=True)).all()
+    for causal, variant in ((False, dict(local=True)), (True, dict(local=True, softcap=True)),
+                            (True, dict(local=True, chunk=True)), (False, dict(alibi=True)), (True, dict(alibi=True))):
+        out += heuristics.bwd_configs("float16", 64, causal, cc, False, backend="sm80",
+                                      variant=MaskVariant(varlen=True, **variant)).all()
+    return list({c.key(): c for c in out}.values())
