@@ -291,6 +291,34 @@ def _parse_variant_rows(text: str) -> tuple:
     return names
 
 
+def _parse_varlen_rows(text: str) -> tuple:
+    """"varlen,varlen-causal" -> ("varlen", "varlen-causal"); unknown names are an argparse error."""
+    from .bench_varlen import rows_by_name
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    try:
+        rows_by_name(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
+def _parse_varlen_shape(text: str) -> str:
+    """"B=8,lens=128:1024,H=4,D=64" (bench_varlen.parse_overrides); a bad item is an argparse error."""
+    from .bench_varlen import parse_overrides
+
+    try:
+        parse_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _given(argv, option: str) -> bool:
+    """Whether ``option`` (or an abbreviation argparse took for it) is on the command line."""
+    return any(len(t.split("=")[0]) > 3 and option.startswith(t.split("=")[0]) for t in argv if t.startswith("--"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     ap.add_argument("--shape", action="append", type=_parse_shape,
@@ -321,6 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=_parse_variant_rows, metavar="NAME[,NAME...]",
                     help="with --variants: only these rows (window8k, window16k, softcap-causal, softcap, alibi, "
                          "gpt-oss, gpt-oss-gqa, chunk)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="instead of the standard table, the varlen table (cuflash/bench_varlen.py, issue #43): "
+                         "forward_varlen / backward_varlen on 64 sequences of 128-8192 tokens beside the dense API "
+                         "at the mean length, FlashAttention-4's varlen path and cuDNN's ragged layout; default "
+                         "10 repeats, 2 warm-ups")
+    ap.add_argument("--varlen-rows", type=_parse_varlen_rows, metavar="NAME[,NAME...]",
+                    help="with --varlen: these rows (varlen, varlen-causal, varlen-gqa, varlen-gqa-causal; default "
+                         "varlen,varlen-causal)")
+    ap.add_argument("--varlen-shape", type=_parse_varlen_shape, metavar="K=V[,K=V...]",
+                    help="with --varlen: override every row's batch, e.g. B=8,lens=128:1024,H=4,Hkv=2,D=64,seed=1 "
+                         "(quick runs)")
+    ap.add_argument("--varlen-dists", type=_parse_dist_names, metavar="NAME[,NAME...]",
+                    help="with --varlen: the input distributions (default normal,sink; --quick: normal)")
     return ap
 
 
@@ -330,11 +371,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
     if args.dists is not None:
         named = [x for group in args.dists for x in group]
         args.dists = tuple(dict.fromkeys(named)) or DISTRIBUTIONS
     if args.rows is not None and not args.variants:
         parser.error("--rows applies to --variants only")
+    if not args.varlen and (args.varlen_rows or args.varlen_shape or args.varlen_dists):
+        parser.error("--varlen-rows, --varlen-shape and --varlen-dists apply to --varlen only")
+    if args.varlen:   # rows, distributions, repeats of the varlen table (bench_varlen)
+        from . import bench_varlen as bvl
+
+        if args.variants or args.shape or args.dists is not None:
+            parser.error("--varlen does not combine with --variants, --shape or --dists (use --varlen-rows, "
+                         "--varlen-shape, --varlen-dists)")
+        if args.varlen_rows is None:
+            args.varlen_rows = bvl.DEFAULT_ROWS
+        args.varlen_dists = tuple(dict.fromkeys(args.varlen_dists or
+                                                (bvl.QUICK_DISTS if args.quick else bvl.DEFAULT_DISTS)))
+        try:
+            bvl.rows_from_args(args.varlen_rows, args.varlen_shape)
+        except ValueError as e:
+            parser.error(f"--varlen-shape: {e}")
+        if not _given(argv_list, "--repeats"):
+            args.repeats = bvl.DEFAULT_REPEATS
+        if not _given(argv_list, "--warmup"):
+            args.warmup = bvl.DEFAULT_WARMUP
     if args.variants:   # rows and distributions of the variant table (bench_variants)
         from . import bench_variants as bv
 
@@ -352,6 +414,10 @@ def table_shapes(args: argparse.Namespace) -> list:
     distribution table's shapes with --dists and the standard table's without."""
     from .bench import DIST_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
 
+    if getattr(args, "varlen", False):   # the dense calls at the rows' mean lengths
+        from .bench_varlen import rows_from_args
+
+        return list(dict.fromkeys(r.dense_shape() for r in rows_from_args(args.varlen_rows, args.varlen_shape)))
     if getattr(args, "variants", False):
         from .bench_variants import rows_by_name
 
@@ -467,6 +533,22 @@ def main(argv=None) -> int:
         print(f"  {len(extra) - len(bad)} of {len(extra)} variant kernels ready in {time.time() - t0:.1f} s")
         for line in bad:
             print(f"  FAILED to build {line}")
+    if args.varlen:   # the varlen kernels: one that does not build fails its rows, not the run
+        from .bench_varlen import kernel_configs, rows_from_args
+
+        extra = [c for c in kernel_configs(cc, rows_from_args(args.varlen_rows, args.varlen_shape))
+                 if c not in needed]
+        t0, bad = time.time(), []
+        for i, cfg in enumerate(extra):
+            _progress(i, len(extra), cfg)
+            try:
+                dispatch.get_kernel(cfg, dev.id)
+            except Exception as e:  # noqa: BLE001 - said below, and the rows that need it fail loudly
+                bad.append(f"{cfg.key()}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        _progress(len(extra), len(extra), None)
+        print(f"  {len(extra) - len(bad)} of {len(extra)} varlen kernels ready in {time.time() - t0:.1f} s")
+        for line in bad:
+            print(f"  FAILED to build {line}")
 
     print("self-check against the float64 reference:")
     ok = True
@@ -481,6 +563,10 @@ def main(argv=None) -> int:
         return 0
     if args.variants:
         return _run_variants(args, name, cc)
+    if args.varlen:
+        from . import bench_varlen
+
+        return bench_varlen.run(args, name, cc)
     if args.dists is not None:
         from .dist_table import benchmark_dists, format_dist_table, markdown_dist_table
 

@@ -280,11 +280,12 @@ def _packed_strides(x) -> tuple[int, int, int]:
     return 0, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize
 
 
-def _varlen_values(lay: varlen.VarlenLayout) -> tuple:
-    """The params' varlen fields (params._VARLEN_FIELDS)."""
+def _varlen_values(lay: varlen.VarlenLayout, tile_rows: int = 0) -> tuple:
+    """The params' varlen fields (params._VARLEN_FIELDS); ``tile_rows``: the sm90 backward's query tile (its
+    padded per-sequence stats rows and dQ tiles: sm90.varlen_padded_rows)."""
     return (lay.cu_seqlens_q.data.ptr, lay.cu_seqlens_k.data.ptr,
             0 if lay.seqused_q is None else lay.seqused_q.data.ptr,
-            0 if lay.seqused_k is None else lay.seqused_k.data.ptr, lay.total_q, lay.total_k)
+            0 if lay.seqused_k is None else lay.seqused_k.data.ptr, lay.total_q, lay.total_k, tile_rows)
 
 
 def _launch_fwd_varlen(q, k, v, out, lse, lay: varlen.VarlenLayout, *, causal: bool, scale: float,
@@ -337,7 +338,7 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
 
     Returns:
         ``(dq, dk, dv)`` packed like q, k, v (rows and keys outside every sequence's used range: 0), and with
-        ``sinks`` ``(dq, dk, dv, dsinks)``. On Hopper the backward runs on the portable kernels for now.
+        ``sinks`` ``(dq, dk, dv, dsinks)``.
     """
     if interop.needs_conversion(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                 alibi_slopes, sinks, dlse, dq, dk, dv):
@@ -403,37 +404,69 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
 def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLayout, *, causal: bool, scale: float,
                        deterministic: bool, var: variants.Variants, dlse=None,
                        opts: Optional[options.Options] = None):
-    """Launches the varlen backward on the current stream (the portable kernels: preprocess, dK/dV with or
-    without dQ sums, then the postprocess or the dQ kernel); returns delta ``(heads_q, total_q)`` float32 (0
-    outside the used rows)."""
+    """Launches the varlen backward on the current stream: the preprocess, the dK/dV kernel (Hopper: with
+    its dQ tiles; portable: with dQ sums or a dQ kernel after), then the postprocess. Returns delta
+    ``(heads_q, total_q)`` float32 (0 outside the used rows).
+
+    The Hopper kernel keeps each sequence's stats rows (lse2, delta) and dQ tiles in whole query tiles from
+    its padded row (kernels_cu/common/varlen.cuh: padded_row0; sm90.varlen_padded_rows): ``tile_rows`` is its
+    query tile, 0 for the portable kernels, whose lse, delta and dQ sums are (heads_q, total_q) rows."""
     import cupy
 
     opts = opts or options.current()
     kernel_variant = dataclasses.replace(var.kernel, sink=False, varlen=True)   # no sink code in the backward
-    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, lay.head_dim_qk, causal, deterministic, lay.device_id,
-                                           backend="sm80", opts=opts, variant=kernel_variant)
-    hq, total_q, d = lay.heads_q, lay.total_q, lay.head_dim_qk
+    hq, total_q, d, b = lay.heads_q, lay.total_q, lay.head_dim_qk, lay.batch
+
+    def plan(backend=None):
+        return _bwd_plan(q.dtype, d, causal, deterministic, lay.device_id, backend=backend, opts=opts,
+                         variant=kernel_variant)
+
+    pre, dkdv, dq_kernel, post = plan()
+    extra, tile_rows, padded = (), 0, 0
+    if dkdv[1].fam.arch_specific:   # tensor maps over the packed rows, as a batch of one
+        maps = sm90.bwd_tensor_maps(dkdv[1], q[None], k[None], v[None], dout[None])
+        tile_rows = dkdv[1].block_m
+        padded = sm90.varlen_padded_rows(total_q, b, tile_rows)
+        if maps is None or hq * 2 * padded >= 2**32:   # the stats index is 32-bit (bwd_producer.cuh)
+            pre, dkdv, dq_kernel, post = plan("sm80")
+            tile_rows = padded = 0
+        else:
+            extra = (maps,)
+    kern, cfg, smem = dkdv
     delta = cupy.zeros((hq, total_q), dtype=np.float32)   # zeros: the unused rows stay 0 (dsinks sums them)
-    dq_accum = cupy.empty(hq * total_q * d, dtype=np.float32) if post is not None else None
-    if dq_accum is not None and _POISON_WORKSPACE:
-        dq_accum.fill(np.nan)
+    stats = semaphores = dq_accum = None
+    accum_rows, accum_cols, n_semaphores = total_q, d, 0
+    if tile_rows:
+        stats = cupy.empty(hq * 2 * padded, dtype=np.float32)
+        accum_rows, accum_cols = padded, sm90.padded_head_dim(cfg.head_dim)
+        n_semaphores = hq * (padded // tile_rows) * sm90.BWD_CONSUMER_WARPGROUPS
+        semaphores = cupy.empty(n_semaphores, dtype=np.int32)
+    if post is not None:
+        dq_accum = cupy.empty(hq * accum_rows * accum_cols, dtype=np.float32)
+        if _POISON_WORKSPACE:   # every float the preprocess does not zero, and every semaphore, shows
+            dq_accum.fill(np.nan)
+            if semaphores is not None and cfg.fam.dq_mode != "ordered":
+                semaphores.fill((1 << 24) + 3)
     p = params.pack_bytes(params.BWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
-        dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+        semaphores.data.ptr if semaphores is not None else 0,
         *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out), *_packed_strides(dout),
         *_packed_strides(dq), *_packed_strides(dk), *_packed_strides(dv),
-        lay.batch, lay.max_seqlen_q, lay.max_seqlen_k, hq, hq // lay.heads_kv, d, scale, scale * LOG2E,
-        total_q, d, total_q, 0, 0, 0,   # dq_accum (heads_q, total_q, head_dim) rows, all zeroed; no semaphores, stats
+        b, lay.max_seqlen_q, lay.max_seqlen_k, hq, hq // lay.heads_kv, d, scale, scale * LOG2E,
+        accum_rows, accum_cols, accum_rows, n_semaphores,   # every dQ row of a sequence zeroed (varlen.cuh)
+        stats.data.ptr if stats is not None else 0, padded,
         *var.param_values(lay.max_seqlen_q, lay.max_seqlen_k, scale), dlse.data.ptr if dlse is not None else 0,
-        *_varlen_values(lay)))
-    b, max_q = lay.batch, lay.max_seqlen_q
+        *_varlen_values(lay, tile_rows)))
+    max_q = lay.max_seqlen_q
     pkern, pcfg, psmem = pre
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max_q), p, psmem)
-    kern, cfg, smem = dkdv
-    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, lay.heads_kv, lay.max_seqlen_k), p, smem)
+    # The preprocess covers each sequence's whole tiles (Hopper: its stats rows).
+    pre_rows = -(-max_q // tile_rows) * tile_rows if tile_rows else max_q
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, pre_rows), p, psmem)
+    launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, lay.heads_kv, lay.max_seqlen_k), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, max_q), p, smem)
-    capture.keep_if_capturing(delta, dq_accum)
+    capture.keep_if_capturing(delta, dq_accum, stats, semaphores)
     return delta
 
 

@@ -399,9 +399,7 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     backend = opts.bwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
-    # Varlen: the portable kernels (the Hopper backward's stats rows and dQ tiles are laid out per dense batch).
-    if (backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD
-            and not variant.varlen):
+    if backend in SM90_BWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16") and bucket in _SM90_BWD:
         bm, bn, w = opts.sm90_bwd_tiles or (short and _SM90_BWD_SHORT.get(bucket)) or _SM90_BWD[bucket]
         if (bm == 128 and causal and variant.has_score_mod and not variant.local and bucket <= 64
                 and not opts.sm90_bwd_tiles):

@@ -8,13 +8,19 @@ functions behind ctypes trampolines (``cuflash/xla_ffi.py``): no compiled extens
 passes its own device buffers and its stream; the kernels read and write those buffers on that stream,
 so nothing is copied and nothing synchronises. Eagerly, JAX runs the same custom call op by op.
 
+Packed batches of sequences of their own lengths (flash-attn's varlen layout) go through
+``dot_product_attention_varlen``, over two more custom calls:
+
+    f = jax.jit(cuflash.jax.dot_product_attention_varlen, static_argnames=("max_seqlen_q", "max_seqlen_k"))
+    out = f(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=512, max_seqlen_k=512)
+
 Importing ``cuflash`` does not import this module (nor JAX); ``import cuflash.jax`` does.
 """
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ import numpy as np
 
 from . import _checks, jax_targets, variants, xla_ffi
 from .api import HEAD_DIMS
+from .varlen import INDEX_DTYPE
 
 _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
@@ -168,6 +175,268 @@ def _backward(dout, q, k, v, alibi_slopes, sinks, out, lse, opts: _Opts):
     return grads[0], grads[1], grads[2], dsinks
 
 
+# ---------------------------------------------------------------------------
+# Packed variable-length batches
+
+
+def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                                 cu_seqlens_k: jax.Array, max_seqlen_q: int, max_seqlen_k: int, *,
+                                 seqused_q: Optional[jax.Array] = None, seqused_k: Optional[jax.Array] = None,
+                                 causal: bool = False, softmax_scale: Optional[float] = None,
+                                 window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0,
+                                 softcap: float = 0.0, alibi_slopes: Optional[jax.Array] = None,
+                                 sinks: Optional[jax.Array] = None, return_lse: bool = False,
+                                 deterministic: bool = False) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
+    """Exact attention over a packed batch of sequences of their own lengths (``cuflash.forward_varlen``,
+    flash-attn's ``flash_attn_varlen_func`` layout) by cuflash's kernels, with a custom VJP.
+
+    Sequence ``b`` is queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against keys and values
+    ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``, ``v[...]``, computed as ``dot_product_attention`` would on
+    that sequence alone; no work is spent on padding.
+
+    Args:
+        q: ``(total_q, heads_q, head_dim)``, float16, bfloat16 or float32; head_dim a multiple of 8 up to 256.
+        k, v: ``(total_k, heads_kv, head_dim)``, q's dtype; heads_q % heads_kv == 0 (GQA / MQA).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, the offsets of the sequences' first rows: 0
+            first, non-decreasing, the totals last (not differentiated).
+        max_seqlen_q, max_seqlen_k: Python ints (static under ``jax.jit``: close over them or name them in
+            ``static_argnames``), at least every sequence's length: the kernels' grid covers max_seqlen_q
+            rows of every sequence.
+        seqused_q, seqused_k: optional int32 ``(batch,)``: sequence b uses only its first seqused[b] rows
+            (queries) or keys; the other rows get out 0, lse -inf and zero gradients.
+        causal: per sequence, query i sees keys j <= i + len_k - len_q (bottom-right aligned).
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        window_size, attention_chunk, softcap: as ``cuflash.forward``, per sequence (static: Python values).
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (row b for sequence b; not differentiated).
+        sinks: ``(heads_q,)``, float32 or q's dtype: a learned logit per head (differentiated).
+        return_lse: also return the log-sum-exp (differentiated too).
+        deterministic: bitwise reproducible gradients (see ``cuflash.backward_varlen``).
+
+    Returns:
+        ``out`` shaped and typed like ``q`` (rows that see no key are 0), or with ``return_lse``
+        ``(out, lse)``, lse float32 ``(heads_q, total_q)`` (flash-attn's packed layout; -inf for rows that
+        see no key).
+
+    The offsets' values are not checked on a GPU: their check (``cuflash.varlen``) copies them to the host
+    and waits, which a jitted program must not do (and under jit they are values the host does not have).
+    A bad offset or seqused gives wrong results for the sequences it touches, and rows outside every
+    sequence are left unwritten, but no kernel reads or writes outside the arrays (the kernels clamp the
+    offsets). On JAX's CPU backend the float64 reference runs instead and checks them (an XLA error naming
+    the offset). ``jax.vmap`` maps the custom calls sequentially (one call per mapped element: packed
+    batches of their own offsets cannot be merged). Argument errors that shapes and dtypes show raise
+    ``TypeError`` / ``ValueError`` while tracing, with the messages of ``cuflash.forward_varlen``.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    seqused_q = None if seqused_q is None else jnp.asarray(seqused_q)
+    seqused_k = None if seqused_k is None else jnp.asarray(seqused_k)
+    d = _check_varlen_inputs(q, k, v)
+    total_q, hq, _ = q.shape
+    batch = _check_offsets_shapes(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_totals(batch, total_q, k.shape[0], max_q, max_k)
+    _checks.check_limits(batch, max_q, max_k, hq, k.shape[1])
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    deterministic = _checks.check_flag("deterministic", deterministic)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    left, right = variants.check_window(window_size)
+    if causal and right > 0:
+        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
+    chunk = variants.check_chunk(attention_chunk)
+    cap = variants.check_softcap(softcap)
+    alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, batch, hq, q.dtype)
+    register_targets()
+    opts = _VarlenOpts(_Opts(causal, scale, deterministic, left, right, chunk, cap), max_q, max_k, return_lse)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks, opts)
+
+
+class _VarlenOpts(tuple):
+    """The static options of one varlen call: the dense ``_Opts``, the max_seqlens and return_lse (hashable:
+    custom_vjp's nondiff argument)."""
+
+    def __new__(cls, opts: _Opts, max_seqlen_q: int, max_seqlen_k: int, return_lse: bool):
+        return super().__new__(cls, (opts, max_seqlen_q, max_seqlen_k, return_lse))
+
+    @property
+    def deterministic(self) -> bool:
+        return self[0][2]
+
+    @property
+    def return_lse(self) -> bool:
+        return self[3]
+
+    def attrs(self) -> dict:
+        # int64: the attribute must hold any max_seqlen check_limits lets through, which int32 bounds only jointly.
+        return dict(self[0].attrs(), max_seqlen_q=np.int64(self[1]), max_seqlen_k=np.int64(self[2]))
+
+
+def _check_varlen_inputs(q, k, v) -> int:
+    """The checks of ``cuflash.forward_varlen`` that read q, k, v's shapes and dtypes; returns head_dim."""
+    for name, x, rows, heads in (("q", q, "total_q", "heads_q"), ("k", k, "total_k", "heads_kv"),
+                                 ("v", v, "total_k", "heads_kv")):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dimensions ({rows}, {heads}, head_dim): the sequences packed "
+                             f"along the first, got shape {x.shape}")
+        if np.dtype(x.dtype) not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), got k {k.shape} and "
+                         f"v {v.shape}")
+    d = q.shape[2]
+    if k.shape[2] != d:
+        raise ValueError(f"k must have the head_dim of q ({d}), got {k.shape[2]}")
+    _checks.check_heads(q.shape[1], k.shape[1])
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
+    return d
+
+
+def _check_offsets_shapes(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> int:
+    """The offsets and seqused arrays are int32 and 1-D of lengths batch + 1 and batch; returns batch.
+    Their values are never read here (under jit there are none to read)."""
+    for name, x, shape in (("cu_seqlens_q", cu_seqlens_q, "(batch + 1,)"), ("cu_seqlens_k", cu_seqlens_k,
+                           "(batch + 1,)"), ("seqused_q", seqused_q, "(batch,)"), ("seqused_k", seqused_k, "(batch,)")):
+        if x is None:
+            continue
+        if np.dtype(x.dtype) != INDEX_DTYPE:
+            raise TypeError(f"{name} must be int32, got {x.dtype}; convert with {name}.astype(jnp.int32)")
+        if x.ndim != 1:
+            raise ValueError(f"{name} must be 1-D {shape}, got shape {x.shape}")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1 (offsets of the sequences and the end of "
+                         "the last), got length 0")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must have the length of cu_seqlens_q (batch + 1 = {batch + 1}), "
+                         f"got {cu_seqlens_k.shape[0]}")
+    for name, x in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if x is not None and x.shape != (batch,):
+            raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
+    return batch
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    """A Python int >= 0: it sizes the kernels' grid, so it must be known while tracing (a traced value
+    would need a copy to the host)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int >= 0 (static under jax.jit: close over it or pass it in "
+                        f"static_argnames), got {type(value).__module__}.{type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_totals(batch: int, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """What the shapes alone say of the offsets (as ``cuflash.varlen.check_varlen``): int32 offsets reach the
+    totals, and batch lengths of at most max_seqlen each sum to them."""
+    for side, total, mx in (("q", total_q, max_q), ("k", total_k, max_k)):
+        if total > _checks.INT32_MAX:
+            raise ValueError(f"total_{side} ({side}.shape[0]) must be <= {_checks.INT32_MAX}: cu_seqlens_{side} "
+                             f"is int32, got {total}")
+        if batch == 0 and total:
+            raise ValueError(f"cu_seqlens_{side} has length 1 (no sequences), so total_{side} = {side}.shape[0] "
+                             f"must be 0, got {total}")
+        if total > batch * mx:
+            raise ValueError(f"max_seqlen_{side} ({mx}) is smaller than a sequence: {batch} sequences of at most "
+                             f"{mx} tokens cannot pack total_{side} = {side}.shape[0] = {total}")
+
+
+def _check_alibi_and_sinks(alibi_slopes, sinks, batch: int, hq: int, dtype) -> tuple:
+    """alibi_slopes float32 ``(heads_q,)`` or ``(batch, heads_q)``, sinks ``(heads_q,)`` float32 or q's dtype,
+    as JAX arrays (or None)."""
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.asarray(alibi_slopes)
+        if alibi_slopes.shape not in ((hq,), (batch, hq)) or alibi_slopes.dtype != jnp.float32:
+            raise ValueError(f"alibi_slopes must be float32 of shape ({hq},) or ({batch}, {hq}), got "
+                             f"{alibi_slopes.dtype} {alibi_slopes.shape}")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (hq,) or sinks.dtype not in (jnp.float32, dtype):
+            raise ValueError(f"sinks must be float32 or {dtype} of shape ({hq},), got {sinks.dtype} {sinks.shape}")
+    return alibi_slopes, sinks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks,
+                      opts: _VarlenOpts):
+    out, lse = _forward_varlen(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), alibi_slopes, sinks,
+                               opts)
+    return (out, lse) if opts.return_lse else out
+
+
+def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks,
+                          opts: _VarlenOpts):
+    offsets = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    out, lse = _forward_varlen(q, k, v, offsets, alibi_slopes, sinks, opts)
+    primal = (out, lse) if opts.return_lse else out
+    return primal, (q, k, v, offsets, alibi_slopes, sinks, out, lse)
+
+
+def _attention_varlen_bwd(opts: _VarlenOpts, residuals, cotangent):
+    q, k, v, offsets, alibi_slopes, sinks, out, lse = residuals
+    dout, dlse = cotangent if opts.return_lse else (cotangent, None)
+    dq, dk, dv, dsinks = _backward_varlen(dout, dlse, q, k, v, offsets, alibi_slopes, sinks, out, lse, opts)
+    dslopes = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)   # slopes are not learned
+    # None: no cotangent for the integer offsets (JAX makes them float0 zeros where one is asked for).
+    return dq, dk, dv, None, None, None, None, dslopes, dsinks
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def _offset_operands(offsets) -> tuple:
+    """The offsets operands (cu_seqlens_q, cu_seqlens_k, then the seqused given) and the attributes that
+    say which seqused are there."""
+    cu_q, cu_k, used_q, used_k = offsets
+    operands = (cu_q, cu_k) + tuple(x for x in (used_q, used_k) if x is not None)
+    return operands, dict(has_seqused_q=used_q is not None, has_seqused_k=used_k is not None)
+
+
+def _forward_varlen(q, k, v, offsets: tuple, alibi_slopes, sinks, opts: _VarlenOpts):
+    """(out, lse): out like q, lse float32 (heads_q, total_q)."""
+    total_q, hq, _ = q.shape
+    lse_shape = (hq, total_q)
+    if q.size == 0 or k.size == 0:   # no rows, or no sequence has a key: no custom call (and no empty buffers)
+        lse = jnp.full(lse_shape, -jnp.inf, jnp.float32)
+        if sinks is not None:   # as cuflash.forward_varlen: every row's lse is its head's sink
+            lse = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], lse_shape)
+        return jnp.zeros(q.shape, q.dtype), lse
+    index, index_flags = _offset_operands(offsets)
+    extra, flags = _extras(alibi_slopes, sinks)
+    # Sequential under vmap: each mapped element has its own offsets, so they cannot merge into one batch.
+    call = jax.ffi.ffi_call(jax_targets.FORWARD_VARLEN,
+                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+                            vmap_method="sequential")
+    out, lse = call(q, k, v, *index, *extra, **opts.attrs(), **index_flags, **flags)
+    return out, lse
+
+
+def _backward_varlen(dout, dlse, q, k, v, offsets: tuple, alibi_slopes, sinks, out, lse, opts: _VarlenOpts):
+    """(dq, dk, dv, dsinks) shaped and typed like q, k, v, sinks (dsinks None without sinks); ``dlse`` the
+    cotangent of lse, or None where the forward did not return it."""
+    if q.size == 0 or k.size == 0:
+        dsinks = None
+        if sinks is not None:   # lse is the sinks, broadcast over the rows (the forward's shortcut)
+            dsinks = (jnp.zeros_like(sinks) if dlse is None else dlse.sum(axis=1)).astype(sinks.dtype)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), dsinks
+    index, index_flags = _offset_operands(offsets)
+    extra, flags = _extras(alibi_slopes, sinks)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if sinks is not None:
+        results.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
+    tail = () if dlse is None else (dlse.astype(jnp.float32),)
+    call = jax.ffi.ffi_call(jax_targets.BACKWARD_VARLEN, tuple(results), vmap_method="sequential")
+    grads = call(dout.astype(q.dtype), q, k, v, out, lse, *index, *extra, *tail, **opts.attrs(), **index_flags,
+                 **flags, has_dlse=dlse is not None, deterministic=opts.deterministic)
+    dsinks = None if sinks is None else grads[3].astype(sinks.dtype)
+    return grads[0], grads[1], grads[2], dsinks
+
+
 # The ctypes handlers given to XLA: XLA keeps their addresses, so they are kept for the life of the
 # process (from before their registration: one that fails partway must not free the ones before it).
 _handlers: list = []
@@ -201,4 +470,4 @@ def register_targets() -> None:
         _registered = True
 
 
-__all__ = ["dot_product_attention", "register_targets", "ffi_api_version"]
+__all__ = ["dot_product_attention", "dot_product_attention_varlen", "register_targets", "ffi_api_version"]

@@ -11,6 +11,17 @@ into the batch dim, a view of the same row-major memory.
 Operands: forward ``(q, k, v) -> (out, lse)``; backward ``(dout, q, k, v, out, lse) -> (dq, dk, dv)``, with
 q, out, dout, dq ``(batch, seqlen_q, heads_q, head_dim)``, k, v, dk, dv ``(batch, seqlen_k, heads_kv,
 head_dim)`` and lse float32 ``(batch, heads_q, seqlen_q)``. JAX handles empty shapes without a call.
+
+Varlen (packed) operands: forward ``(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k]
+[, alibi_slopes][, sinks]) -> (out, lse)``; backward ``(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
+[, seqused_q][, seqused_k][, alibi_slopes][, sinks][, dlse]) -> (dq, dk, dv[, dsinks])``, with q, out, dout,
+dq ``(total_q, heads_q, head_dim)``, k, v, dk, dv ``(total_k, heads_kv, head_dim)``, the offsets int32
+``(batch + 1,)``, seqused int32 ``(batch,)`` and lse, dlse float32 ``(heads_q, total_q)``; the attributes
+``max_seqlen_q``, ``max_seqlen_k`` and ``has_seqused_q`` / ``has_seqused_k`` / ``has_dlse`` besides the dense
+ones. They are never merged: JAX maps them with ``vmap_method="sequential"`` (one call per mapped element).
+On CUDA the offsets are not checked (``check_offsets=False``: their check copies them to the host, a
+synchronisation, and under jit they are values the host does not have); on the host they are
+(``cuflash.varlen.validate_offsets``), since the reference reads them there anyway.
 """
 from __future__ import annotations
 
@@ -27,6 +38,8 @@ from .xla_ffi import BufferView, Call
 
 FORWARD = "cuflash_attention_fwd"
 BACKWARD = "cuflash_attention_bwd"
+FORWARD_VARLEN = "cuflash_attention_varlen_fwd"
+BACKWARD_VARLEN = "cuflash_attention_varlen_bwd"
 
 # Tests set this to a list: each call then appends (target, [argument pointers], [result pointers], stream),
 # so that they can check that the kernels read and wrote JAX's own buffers on XLA's stream.
@@ -99,6 +112,19 @@ def _n_extras(call: Call) -> int:
     return int(bool(call.attrs.get("has_alibi"))) + int(bool(call.attrs.get("has_sinks")))
 
 
+def _varlen_kwargs(call: Call, operands: list) -> tuple[dict, list]:
+    """The offsets arguments of ``cuflash.forward_varlen`` / ``backward_varlen`` from a varlen call: the
+    operands ``cu_seqlens_q, cu_seqlens_k`` then seqused_q, seqused_k (as has_seqused_q / has_seqused_k say)
+    and the attributes max_seqlen_q / max_seqlen_k. Returns them and the operands after them."""
+    a = call.attrs
+    rest = list(operands)
+    cu_q, cu_k = rest.pop(0), rest.pop(0)
+    used_q = rest.pop(0) if a.get("has_seqused_q") else None
+    used_k = rest.pop(0) if a.get("has_seqused_k") else None
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(a["max_seqlen_q"]),
+                max_seqlen_k=int(a["max_seqlen_k"]), seqused_q=used_q, seqused_k=used_k), rest
+
+
 def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float, window_size=(-1, -1),
                   attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None) -> None:
     """``cuflash.forward`` writing both ``out`` and ``lse`` into given buffers.
@@ -157,6 +183,63 @@ def cuda_backward(call: Call) -> None:
             arrays[-1][...] = grads[3]
 
 
+def _forward_varlen_into(q, k, v, out, lse, **kwargs) -> None:
+    """``cuflash.forward_varlen`` writing ``out`` into XLA's buffer, with the offsets unchecked.
+
+    ``forward_varlen`` takes ``out=`` but no lse buffer, so its lse (heads_q * total_q float32s from CuPy's
+    pool, on XLA's stream) is copied into XLA's: a copy O(total_q * heads_q), against O(total_q * heads_q *
+    head_dim) for out, that keeps this body on the public function (no copy of its varlen-specific fills
+    here). A public ``lse=`` argument of ``forward_varlen`` would remove it.
+    """
+    from .api import forward_varlen
+
+    _, written = forward_varlen(q, k, v, return_lse=True, out=out, check_offsets=False, **kwargs)
+    lse[...] = written
+
+
+def _device_arrays(call: Call, dev: int) -> list:
+    """CuPy arrays over every argument and result buffer, as XLA shapes them (varlen: nothing merged)."""
+    return [_device_array(b, b.shape, dev) for b in (*call.args, *call.rets)]
+
+
+def cuda_forward_varlen(call: Call) -> None:
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]) -> (out, lse)
+    with cuflash's varlen forward on XLA's stream; the offsets are not checked (no host synchronisation)."""
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        q, k, v = arrays[:3]
+        out, lse = arrays[-2:]
+        offsets, extras = _varlen_kwargs(call, arrays[3:-2])
+        _log(FORWARD_VARLEN, call, stream)
+        _forward_varlen_into(q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                             softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
+                             **_variant_kwargs(call, extras))
+
+
+def cuda_backward_varlen(call: Call) -> None:
+    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
+    [, dlse]) -> (dq, dk, dv[, dsinks]) with cuflash's varlen backward on XLA's stream, the offsets unchecked;
+    its float32 workspaces come from CuPy's memory pool on that stream, as the dense backward's."""
+    from .api import backward_varlen
+
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        n_args = len(call.args)
+        dout, q, k, v, out, lse = arrays[:6]
+        offsets, rest = _varlen_kwargs(call, arrays[6:n_args])
+        n_extra = _n_extras(call)
+        kwargs = _variant_kwargs(call, rest[:n_extra])
+        dlse = rest[n_extra] if call.attrs.get("has_dlse") else None
+        rets = arrays[n_args:]
+        _log(BACKWARD_VARLEN, call, stream)
+        grads = backward_varlen(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                                softmax_scale=float(call.attrs["softmax_scale"]),
+                                deterministic=bool(call.attrs["deterministic"]), dlse=dlse, dq=rets[0], dk=rets[1],
+                                dv=rets[2], check_offsets=False, **offsets, **kwargs)
+        if kwargs["sinks"] is not None:
+            rets[3][...] = grads[3]
+
+
 # ---------------------------------------------------------------------------
 # Host: the float64 reference on XLA:CPU's buffers
 
@@ -199,12 +282,66 @@ def host_backward(call: Call) -> None:
         buf[...] = g.astype(buf.dtype)
 
 
+def _host_varlen(call: Call, operands: list, q, k) -> tuple[dict, list]:
+    """``_varlen_kwargs`` on the host, with the offsets' values checked as an eager ``forward_varlen`` checks
+    them (ValueError, reported to XLA): the reference reads them here anyway, and it takes no max_seqlen, so
+    a sequence longer than its max_seqlen (which the kernels would cut) is refused rather than computed."""
+    from .varlen import validate_offsets
+
+    offsets, rest = _varlen_kwargs(call, operands)
+    validate_offsets(offsets["cu_seqlens_q"], offsets["cu_seqlens_k"], q.shape[0], k.shape[0],
+                     offsets.pop("max_seqlen_q"), offsets.pop("max_seqlen_k"), offsets["seqused_q"],
+                     offsets["seqused_k"])
+    return offsets, rest
+
+
+def host_forward_varlen(call: Call) -> None:
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, slopes][, sinks]) -> (out, lse) by
+    ``cuflash.attention_reference_varlen`` (float64, rounded to the output dtype)."""
+    from .reference import attention_reference_varlen
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    q, k, v = arrays[:3]
+    out, lse = arrays[-2:]
+    _log(FORWARD_VARLEN, call, 0)
+    offsets, extras = _host_varlen(call, arrays[3:-2], q, k)
+    o, l_ = attention_reference_varlen(q, k, v, causal=bool(call.attrs["causal"]),
+                                       softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
+                                       **_variant_kwargs(call, extras))
+    out[...] = o.astype(out.dtype)
+    lse[...] = l_.astype(np.float32)
+
+
+def host_backward_varlen(call: Call) -> None:
+    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, slopes][, sinks][, dlse])
+    -> (dq, dk, dv[, dsinks]) by ``cuflash.attention_reference_varlen_backward`` (out and lse are not read)."""
+    from .reference import attention_reference_varlen_backward
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    n_args = len(call.args)
+    dout, q, k, v = arrays[:4]
+    _log(BACKWARD_VARLEN, call, 0)
+    offsets, rest = _host_varlen(call, arrays[6:n_args], q, k)
+    n_extra = _n_extras(call)
+    kwargs = _variant_kwargs(call, rest[:n_extra])
+    dlse = rest[n_extra] if call.attrs.get("has_dlse") else None
+    grads = attention_reference_varlen_backward(dout, q, k, v, causal=bool(call.attrs["causal"]),
+                                                softmax_scale=float(call.attrs["softmax_scale"]), dlse=dlse,
+                                                **offsets, **kwargs)
+    for buf, g in zip(arrays[n_args:], grads):
+        buf[...] = g.astype(buf.dtype)
+
+
 # (target name, platform as jax.ffi.register_ffi_target names it) -> body
 BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (FORWARD, "CUDA"): cuda_forward,
     (BACKWARD, "CUDA"): cuda_backward,
+    (FORWARD_VARLEN, "CUDA"): cuda_forward_varlen,
+    (BACKWARD_VARLEN, "CUDA"): cuda_backward_varlen,
     (FORWARD, "cpu"): host_forward,
     (BACKWARD, "cpu"): host_backward,
+    (FORWARD_VARLEN, "cpu"): host_forward_varlen,
+    (BACKWARD_VARLEN, "cpu"): host_backward_varlen,
 }
 
 

@@ -75,6 +75,13 @@ def padded_head_dim(head_dim: int) -> int:
     return (head_dim + 63) // 64 * 64
 
 
+def varlen_padded_rows(total_q: int, batch: int, tile_rows: int) -> int:
+    """Rows of each head's stats and dQ tiles in the varlen backward: sequence b's tiles start at padded row
+    (start // tile_rows + b) * tile_rows (kernels_cu/common/varlen.cuh: padded_row0) and end at most
+    total_q + batch * tile_rows rows in, rounded up to a whole tile."""
+    return -(-(total_q + batch * tile_rows) // tile_rows) * tile_rows
+
+
 def bwd_tensor_maps(cfg: KernelConfig, q, k, v, dout):
     """The tensor maps of q, k, v and dout for the sm90 backward (a ``PackedTail``), or None when
     TMA cannot address one of them (the caller then runs the portable kernels)."""

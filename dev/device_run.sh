@@ -25,6 +25,15 @@
 #              through cudnn-frontend (its wheel carried in .cudnnfe/: bash dev/cudnnfe_wheel.sh here first; installed
 #              into $CUDNNFE_SITE). Extra ARGS to python -m cuflash, e.g. --rows window8k,window16k,alibi --dists normal
 #              (FA4 compiles each row's kernels on first use: split the eight rows over two calls)
+#   varlen [setup] [ARGS...] : the varlen table (python -m cuflash --varlen --markdown: issue #43's bar,
+#              cuflash/bench_varlen.py): forward_varlen / backward_varlen on 64 sequences of 128-8192 tokens beside the
+#              dense API at the mean length, FlashAttention-4's varlen path and cuDNN's ragged layout (cudnn-frontend),
+#              FA4 and cudnn-frontend installed as for variants. .fa4b and .cudnnfe together pass the 64 MiB a call may
+#              carry, so two calls back to back (the machine stays warm 30 s): first `varlen setup` carrying .fa4a and
+#              .cudnnfe (parks FA4's part, installs cudnn-frontend, precompiles, runs nothing), then `varlen` carrying
+#              .fa4b. Extra ARGS to python -m cuflash, e.g. --varlen-dists normal --repeats 5, or a quick batch
+#              --varlen-shape B=8,lens=128:1024; CUFLASH_COMMIT=<sha> names the commit in the header (no .git there).
+#              Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -79,6 +88,7 @@ case $phase in
   jax) python3 $HERE/precompile.py fwd bwd | tail -1 ;;
   fuzz) ;;  # the fuzz compiles the kernels its cases take, on every core (a full precompile takes longer)
   variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
+  varlen) python3 $HERE/precompile.py fwd bwd varlen_bench | tail -n 12 ;;  # a kernel that fails is named here
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -100,6 +110,19 @@ case $phase in
     # exit status 1 if cuflash failed a call or a peer's output differs from cuflash's (the FAILED lines at the end)
     python3 -m cuflash --variants --markdown --json "$OUT/variants.json" --repeats 20 --warmup 3 "$@" 2>&1 \
       | tee "$OUT/variants.log" | tail -n 160 || status=1
+    ;;
+  varlen)
+    # FA4: park .fa4a's part (setup call) or join and install with .fa4b (run call); cudnn-frontend from .cudnnfe
+    if [ -f .fa4a/cu13part00 ] || { [ -d .fa4b ] && [ ! -d $FA4_SITE ]; }; then fa4_setup || status=1; fi
+    fa4_env
+    cudnnfe_env || status=1
+    if [ "${1:-}" = setup ]; then
+      echo "varlen setup: done; now \`bash dev/device_run.sh varlen\` carrying .fa4b, while this machine is warm"
+      exit $status
+    fi
+    # exit status 1 if cuflash failed a call or an output differs from cuflash varlen's (the FAILED lines at the end)
+    python3 -m cuflash --varlen --markdown --json "$OUT/varlen.json" "$@" 2>&1 \
+      | tee "$OUT/varlen.log" | tail -n 120 || status=1
     ;;
   tests)
     [ -f .fa4a/cu13part00 ] && fa4_setup

@@ -14,6 +14,7 @@ Groups (default: fwd bwd), for the device's compute capability:
   variants the kernels of the variant table's rows, variant and plain (cuflash/bench_variants.py)
   variant_tests the kernels of tests/test_variants.py's cases
   varlen_tests the kernels of tests/test_varlen_fwd.py's cases
+  varlen_bench the kernels of the varlen table's rows, varlen and dense (cuflash/bench_varlen.py)
 ``-D`` defines go into $CUFLASH_NVRTC_DEFINES of the compiling processes (a traced or A/B build).
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCHED_SHAPES, precompile_parallel  # noqa: E402
 
-GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests", "varlen_tests")
+GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests", "varlen_tests",
+          "varlen_bench")
 
 
 def configs(which, cc: int) -> list:
@@ -61,6 +63,10 @@ def configs(which, cc: int) -> list:
         from cuflash.bench_variants import kernel_configs
 
         out += kernel_configs(cc)
+    if "varlen_bench" in which:
+        from cuflash import bench_varlen
+
+        out += bench_varlen.kernel_configs(cc, bench_varlen.VARLEN_ROWS)
     if "variant_tests" in which:
         from _common import add_tests_to_path
 

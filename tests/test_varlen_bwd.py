@@ -108,14 +108,15 @@ def test_long_sequences(rng):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_equals_dense_per_sequence(rng, dtype):
+@pytest.mark.parametrize("backend", ["auto", "sm80"])
+def test_equals_dense_per_sequence(rng, dtype, backend):
     """Sequence by sequence, the dense backward on the same rows gives the same gradients (both
-    deterministic, on the portable kernels)."""
+    deterministic)."""
     import cupy
     import cuflash
     from conftest import rel_err_gpu
 
-    cuflash.options.set(bwd_backend="sm80")
+    cuflash.options.set(bwd_backend=backend)
     lq, lk = [300, 5, 129], [280, 64, 129]
     q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 4, 1, 64, dtype)
     out, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, return_lse=True)
@@ -142,10 +143,10 @@ def kernel_configs(cc: int = 90) -> list:
                      ("bfloat16", 128), ("bfloat16", 256)):
         for causal in (False, True):
             for det in (False, True):
-                out += heuristics.bwd_configs(dtype, d, causal, cc, det, backend="sm80",
-                                              variant=MaskVariant(varlen=True)).all()
+                for backend in (None, "sm80"):
+                    out += heuristics.bwd_configs(dtype, d, causal, cc, det, backend=backend,
+                                                  variant=MaskVariant(varlen=True)).all()
     for causal, variant in ((False, dict(local=True)), (True, dict(local=True, softcap=True)),
                             (True, dict(local=True, chunk=True)), (False, dict(alibi=True)), (True, dict(alibi=True))):
-        out += heuristics.bwd_configs("float16", 64, causal, cc, False, backend="sm80",
-                                      variant=MaskVariant(varlen=True, **variant)).all()
+        out += heuristics.bwd_configs("float16", 64, causal, cc, False, variant=MaskVariant(varlen=True, **variant)).all()
     return list({c.key(): c for c in out}.values())

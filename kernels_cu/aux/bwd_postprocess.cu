@@ -61,9 +61,15 @@ bwd_postprocess_tiled_kernel(const BwdParams p) {
     static_assert(kBlockM == 64 || kBlockM == 128, "query tiles of 64 or 128 rows");
     const int m_block = blockIdx.x;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int m_blocks = gridDim.x;
-    const float* tile = p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * m_blocks + m_block)
+    int batch = blockIdx.z, m_blocks = gridDim.x, seqlen_q = p.seqlen_q, q_start = 0, tile0 = 0;
+    if (p.cu_seqlens_q != nullptr) {   // varlen: the sequence's tiles from its padded row, its rows from q_start
+        packed_rows(p.cu_seqlens_q, p.seqused_q, batch, p.total_q, p.seqlen_q, q_start, seqlen_q);
+        if (m_block * kBlockM >= seqlen_q) return;
+        m_blocks = p.dq_accum_rows / kBlockM;
+        tile0 = padded_row0(q_start, batch, kBlockM) / kBlockM;
+        batch = 0;
+    }
+    const float* tile = p.dq_accum + ((static_cast<i64>(batch) * p.heads_q + head) * m_blocks + tile0 + m_block)
                                          * (kBlockM * kHeadDimPad);
     const int groups = p.head_dim / 8;  // 8-column groups of a row
     const float s = p.softmax_scale;
@@ -71,7 +77,7 @@ bwd_postprocess_tiled_kernel(const BwdParams p) {
         const int r = item / groups;
         const int col = (item % groups) * 8;
         const int row = m_block * kBlockM + r;
-        if (row >= p.seqlen_q) break;  // items are row-major: the rest of this thread's rows are past the end
+        if (row >= seqlen_q) break;  // items are row-major: the rest of this thread's rows are past the end
         const int slice = kBlockM == 64 ? col / kDqCols : r / 64;
         const int row_in = kBlockM == 64 ? r : r % 64;
         const int col_in = kBlockM == 64 ? col % kDqCols : col;
@@ -90,7 +96,7 @@ bwd_postprocess_tiled_kernel(const BwdParams p) {
         out.y = ElemTraits<Tag>::pack2(v[2], v[3]);
         out.z = ElemTraits<Tag>::pack2(v[4], v[5]);
         out.w = ElemTraits<Tag>::pack2(v[6], v[7]);
-        u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + row * p.dq_row_stride
+        u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + (q_start + row) * p.dq_row_stride
                    + head * p.dq_head_stride + col;
         *reinterpret_cast<uint4*>(dst) = out;
     }

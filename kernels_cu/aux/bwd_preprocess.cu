@@ -11,11 +11,13 @@
 #include "../common/bwd_math.cuh"
 #include "../common/varlen.cuh"
 
-// Varlen (kVarlen): the rows of sequence `batch` start at packed row q_start (lse, delta: (heads_q, total_q);
-// dq_accum: (heads_q, total_q, head_dim)), and its length is seqlen_q; dense: q_start 0, p.seqlen_q.
+// Varlen (kVarlen, batch 0): the sequence's rows start at packed row q_start (lse, delta: (heads_q, total_q);
+// row-major dq_accum: (heads_q, total_q, head_dim)) and at padded row pad_row0 (sm90: the stats rows and dQ
+// tiles, whole tiles of p.tile_rows per sequence), and its length is seqlen_q; seq_index: its index (for the
+// semaphores, counted over the whole grid). Dense: q_start = pad_row0 = 0, p.seqlen_q, seq_index = batch.
 template <typename Tag, int kNWarps, bool kVarlen>
 __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p, const int batch, const int q_start,
-                                                    const int seqlen_q) {
+                                                    const int seqlen_q, const int pad_row0, const int seq_index) {
     using T = typename ElemStorage<Tag>::T;
     constexpr int kThreadsPerRow = 8;
     constexpr int kRows = kNWarps * 32 / kThreadsPerRow;
@@ -47,21 +49,26 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p, const in
     // A gradient of lse adds dlse[i] * P[i, j] to dS[i, j]: the same as taking it off delta.
     if (valid && p.dlse != nullptr) acc -= p.dlse[row_index];
     if (valid && sub == 0 && p.delta != nullptr) p.delta[row_index] = acc;   // null: the sm90 kernel reads stats
-    if (!kVarlen && p.stats != nullptr && row < p.stat_rows && sub == 0) {
-        float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows;
+    // Varlen: the rows of the sequence's whole tiles (the grid covers max_seqlen_q rounded up to a tile).
+    const int stat_rows = kVarlen ? ceil_div(seqlen_q, max(p.tile_rows, 1)) * p.tile_rows : p.stat_rows;
+    if (p.stats != nullptr && row < stat_rows && sub == 0) {
+        float* stats = p.stats + (static_cast<i64>(batch) * p.heads_q + head) * 2 * p.stat_rows + pad_row0;
         stats[row] = bwd_lse2(valid ? p.lse[row_index] : -CUFLASH_INF);
         stats[p.stat_rows + row] = valid ? acc : 0.f;
     }
     // Zeroing the dq_accum here saves a memset pass: its stores go out beside this kernel's loads.
-    // (Varlen: the sequence's rows only; the rest of the grid's rows are the next sequences'.)
-    if (p.dq_accum != nullptr && row < (kVarlen ? min(p.dq_zero_rows, seqlen_q) : p.dq_zero_rows)) {
-        const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows + packed_row;
+    // (Varlen: the sequence's rows only, or its whole tiles, the rest of the grid's rows being the next
+    // sequences'; every one of them, since which query tiles no key tile reaches differs per sequence.)
+    const bool tiled = kVarlen && p.tile_rows > 0;
+    if (p.dq_accum != nullptr && row < (kVarlen ? min(p.dq_zero_rows, tiled ? stat_rows : seqlen_q) : p.dq_zero_rows)) {
+        const i64 accum_row = (static_cast<i64>(batch) * p.heads_q + head) * p.dq_accum_rows
+                              + (tiled ? pad_row0 + row : packed_row);
         float4* dst = reinterpret_cast<float4*>(p.dq_accum + accum_row * p.dq_accum_cols);
         for (int c = sub; c < p.dq_accum_cols / 4; c += kThreadsPerRow) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // One semaphore per thread: the grid has at least 8 threads per row of dq_accum, and there are at
     // most 2 semaphores (slices) per 64 rows.
-    const i64 thread = ((static_cast<i64>(batch) * p.heads_q + head) * gridDim.x + blockIdx.x) * blockDim.x + tid;
+    const i64 thread = ((static_cast<i64>(seq_index) * p.heads_q + head) * gridDim.x + blockIdx.x) * blockDim.x + tid;
     if (thread < p.dq_semaphores) p.dq_semaphore[thread] = 0;
 }
 
@@ -72,8 +79,9 @@ bwd_preprocess_kernel(const BwdParams p) {
     if (p.cu_seqlens_q != nullptr) {
         int q_start, seqlen_q;
         packed_rows(p.cu_seqlens_q, p.seqused_q, blockIdx.z, p.total_q, p.seqlen_q, q_start, seqlen_q);
-        bwd_preprocess_body<Tag, kNWarps, true>(p, 0, q_start, seqlen_q);
+        const int pad_row0 = p.tile_rows > 0 ? padded_row0(q_start, blockIdx.z, p.tile_rows) : 0;
+        bwd_preprocess_body<Tag, kNWarps, true>(p, 0, q_start, seqlen_q, pad_row0, blockIdx.z);
     } else {
-        bwd_preprocess_body<Tag, kNWarps, false>(p, blockIdx.z, 0, p.seqlen_q);
+        bwd_preprocess_body<Tag, kNWarps, false>(p, blockIdx.z, 0, p.seqlen_q, 0, blockIdx.z);
     }
 }

@@ -28,7 +28,9 @@
     const int* seqused_q;     /* (batch,) rows used of each sequence, or null */                               \
     const int* seqused_k;                                                                                       \
     int total_q;              /* packed rows of q (lse: (heads_q, total_q)) and of k */                         \
-    int total_k;
+    int total_k;                                                                                                \
+    int tile_rows;            /* sm90 backward: the query tile by which sequences' stats rows and dQ tiles are */ \
+                              /* padded (varlen.cuh: padded_row0); else 0 */
 
 // Strides are in elements; the last (head_dim) dimension is contiguous.
 struct FwdParams {

@@ -114,3 +114,11 @@ __device__ __forceinline__ void on_cta_sequence(const Params& p, int tile_start,
         body(p);
     }
 }
+
+// The sm90 backward's per-sequence rows of the stats (lse2, delta) and of the dQ tiles: sequence b's query tiles
+// start at padded row (start / tile_rows + b) * tile_rows, start its clamped first row (packed_rows), so that
+// every sequence's tiles are whole and apart (cuflash/sm90.py: varlen_padded_rows allocates total_q + batch *
+// tile_rows rows, rounded up to a tile).
+__device__ __forceinline__ int padded_row0(int q_start, int batch, int tile_rows) {
+    return (q_start / tile_rows + batch) * tile_rows;
+}

@@ -38,7 +38,10 @@
 // m_block_max): causal, windows, chunks); odd lengths and head dims come from TMA's zero fill plus masking
 // (P = 0 outside). The kernels take a MaskVariant (common/mask.cuh): the policy is
 // MaskPolicy<kBlockM, kBlockN, Variant>; a score modifier is applied before the mask and its derivative
-// multiplies dS; sinks need no code here (lse includes them).
+// multiplies dS; sinks need no code here (lse includes them). Varlen (MaskVariant::kVarlen): the CTA runs its
+// key tile of its sequence as a dense problem of batch 1 (common/varlen.cuh); the tensor maps span the packed
+// rows, and the stats rows and dQ tiles of each sequence start at its padded row (padded_row0).
+#include "../common/varlen.cuh"
 #include "bwd_tile.cuh"
 #include "bwd_scheduler.cuh"
 #include "bwd_producer.cuh"
@@ -46,11 +49,51 @@
 #include "bwd_mainloop.cuh"
 #include "bwd_epilogue.cuh"
 
+// Varlen: the CTA's sequence as a dense problem of batch 1 (seq_params, batch 0 from there on), in shared memory
+// after the tile's (every thread reads its fields there as it needs them: held in registers across setmaxnreg,
+// they spilled the producer warpgroup's 24 registers), with the padded stats rows and dQ tiles folded into the
+// pointers, and where its packed rows start (the tensor maps' coordinates). Dense: rows 0 (BwdDenseRows).
+template <class Tile>
+struct BwdSeqShared {
+    BwdParams params;
+    int q_row0, k_row0;
+    // One thread, before a __syncthreads.
+    __device__ __forceinline__ void bind(const BwdParams& p, int batch) {
+        const SeqSpan span = seq_span(p, batch);
+        params = seq_params<2>(p, span, batch);
+        const int tile0 = padded_row0(span.q_start, batch, Tile::kBlockM) / Tile::kBlockM;
+        params.stats = p.stats + tile0 * Tile::kBlockM;
+        params.dq_accum = p.dq_accum + static_cast<i64>(tile0) * (Tile::kBlockM * Tile::kHeadDimPad);
+        params.dq_semaphore = p.dq_semaphore + tile0 * Tile::kConsumerWGs;
+        q_row0 = span.q_start;
+        k_row0 = span.k_start;
+    }
+};
+// Registers per thread after setmaxnreg. Varlen, ordered dQ, 128-row query tiles, no window: 8 more for the
+// producer warpgroup (the ordered dQ writers' reads of the sequence's fields in shared memory spilled at 24),
+// taken from the consumers (elsewhere they need them: 64-row tiles, windows, ALiBi spill at 232).
+template <class Tile, class Mask>
+struct BwdRegs {
+    static constexpr int kShift =
+        Mask::kVarlen && Tile::kDqMode == kDqTileOrdered && Tile::kBlockM == 128 && !Mask::kLocal ? 8 : 0;
+    static constexpr int kProducer = Tile::kProducerRegs + kShift;
+    static constexpr int kConsumer = Tile::kConsumerRegs - (Tile::kConsumerWGs == 2 ? kShift : 0);
+    static_assert(kProducer + Tile::kConsumerWGs * kConsumer <= (Tile::kConsumerWGs == 2 ? 504 : 512),
+                  "setmaxnreg budget");
+};
+struct BwdDenseRows {
+    static constexpr int q_row0 = 0, k_row0 = 0;
+};
+template <class Tile, class Variant>
+__host__ __device__ constexpr int bwd_seq_smem_bytes() {
+    return Variant::kVarlen ? (static_cast<int>(sizeof(BwdSeqShared<Tile>)) + 15) / 16 * 16 : 0;
+}
+
 // A consumer warpgroup: the mainloop over the CTA's steps, then the epilogue.
 template <typename Tag, class Tile, class Mask, class Steps>
 __device__ __forceinline__ void bwd_consumer(const BwdParams& p, const BwdSmem<Tile>& smem, int n_block, int n0,
                                              int head_kv, int batch, int wg) {
-    setmaxnreg_inc<Tile::kConsumerRegs>();
+    setmaxnreg_inc<BwdRegs<Tile, Mask>::kConsumer>();
     // The steps again (not the CTA's), from an opaque copy of seqlen_q so that ptxas cannot hoist them
     // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles). (Batch and
     // head 0: the steps ask no score question; the mainloop builds the modifier's policy per step.)
@@ -63,7 +106,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, const BwdSmem<T
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDqMode>
-__device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
+__device__ __forceinline__ void bwd_body(const BwdParams& params, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, const TmaDesc& tma_do) {
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using Tile = Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kDqMode>;
@@ -74,7 +117,16 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
     extern __shared__ char smem_raw[];
     const BwdSmem<Tile> smem(smem_raw);
     if (threadIdx.x == 0) CUFLASH_BWD_TRACE(15, clock64());   // kernel entry
-    const BwdBlock blk = Scheduler::block(p);
+    const BwdBlock blk = Scheduler::block(params);
+    constexpr bool kVarlen = Variant::kVarlen;
+    auto& seq = *reinterpret_cast<BwdSeqShared<Tile>*>(smem.generic(smem.k + Tile::kSmemBytes));   // varlen only
+    if constexpr (kVarlen) {
+        if (threadIdx.x == 0) seq.bind(params, blk.batch);
+        __syncthreads();
+        if (blk.n_block * kBlockN >= seq.params.seqlen_k) return;   // past the sequence's keys (the whole CTA)
+    }
+    const BwdParams& p = kVarlen ? seq.params : params;
+    const int batch = kVarlen ? 0 : blk.batch;
     const int n0 = blk.n_block * kBlockN;
     const Steps steps(blk.n_block, Mask(p), p.seqlen_k, p.heads_per_kv);
     const int head0 = blk.head_kv * p.heads_per_kv;
@@ -93,18 +145,23 @@ __device__ __forceinline__ void bwd_body(const BwdParams& p, const TmaDesc& tma_
 #endif
 
     if (wg == 0) {
-        setmaxnreg_dec<Tile::kProducerRegs>();
+        setmaxnreg_dec<BwdRegs<Tile, Mask>::kProducer>();
         const int warp = threadIdx.x / 32;
         if (warp == 0 && threadIdx.x == 0 && steps.n_iter > 0) {
-            BwdProducer<Tile>::run(p, smem, steps, tma_q, tma_k, tma_v, tma_do, n0, blk.head_kv, blk.batch, head0);
+            if constexpr (kVarlen) {
+                BwdProducer<Tile>::run(p, smem, steps, tma_q, tma_k, tma_v, tma_do, n0, blk.head_kv, batch, head0, seq);
+            } else {
+                BwdProducer<Tile>::run(p, smem, steps, tma_q, tma_k, tma_v, tma_do, n0, blk.head_kv, batch, head0,
+                                       BwdDenseRows{});
+            }
         } else if (DqWriter::kWarps > 0 && warp >= 2 && warp < 2 + DqWriter::kWarps && (threadIdx.x & 31) == 0
                    && steps.n_iter > 0) {
             // (kWarps > 0 always holds: the term is kept because the front end's code for this condition,
             // and with it the kernel's SASS, differs without it.)
-            DqWriter::run(p, smem, steps, blk.n_block, blk.batch, head0, warp - 2);
+            DqWriter::run(p, smem, steps, blk.n_block, batch, head0, warp - 2);
         }
     } else {
-        bwd_consumer<Tag, Tile, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, blk.batch, wg);
+        bwd_consumer<Tag, Tile, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, batch, wg);
     }
 }
 
@@ -127,7 +184,8 @@ CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 #define CUFLASH_SM90_BWD_SMEM(name, mode)                                                                    \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                \
     __device__ const int name##_smem_bytes =                                                                   \
-        1024 + Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kSmemBytes;
+        1024 + Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>::kSmemBytes                              \
+        + bwd_seq_smem_bytes<Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>, Variant>();
 CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_kernel, kDqTile)
 CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 #undef CUFLASH_SM90_BWD_SMEM

@@ -70,11 +70,12 @@ struct BwdDqWriter {
     static constexpr bool kOrderFirst = Mask::kLocal;
 
     // Bulk reduce of consumer warpgroup cw's dQ slice of each query tile (ordered mode: after the key tiles
-    // before this one, and released when its writes are performed).
+    // before this one, and released when its writes are performed). Varlen: each head has stat_rows / kBlockM
+    // tiles, and p's dq_accum and dq_semaphore start at the sequence's first (bwd.cu: BwdSeqShared).
     template <class Steps>
     static __device__ __forceinline__ void run(const BwdParams& p, const BwdSmem<Tile>& smem, const Steps& steps,
                                                int n_block, int batch, int head0, int cw) {
-        const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+        const int m_blocks = Mask::kVarlen ? p.stat_rows / kBlockM : ceil_div(p.seqlen_q, kBlockM);
         // (batch, head, query tile) of step i; 32 bits (tiles of 64 rows: < 2^31 while batch * heads_q *
         // seqlen_q < 2^37), which keeps this 24-register warp from spilling.
         auto slice_index = [&](int i) {
