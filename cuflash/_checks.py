@@ -70,15 +70,18 @@ def check_same(name: str, x, ref_name: str, ref) -> None:
         raise ValueError(f"{name} is on device {x.device.id} but {ref_name} is on device {ref.device.id}")
 
 
-def check_qkv(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, int, int]:
-    """Validate q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D). Returns (B, Nq, Nk, Hq, Hkv, D)."""
+def check_qkv(q, k, v, head_dims: range | tuple, allow_dv: bool = False) -> tuple[int, int, int, int, int, int]:
+    """Validate q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) (``allow_dv``: v (B, Nk, Hkv, Dv), Dv in head_dims too).
+    Returns (B, Nq, Nk, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x, aligned=False)  # shape errors first: they say more than alignment
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
-    dims = check_qkv_shapes(q, k, v)
+    dims = check_qkv_shapes(q, k, v, allow_dv)
     if dims[-1] not in head_dims:
         raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {dims[-1]}")
+    if v.shape[3] not in head_dims:
+        raise ValueError(f"v's head_dim must be a multiple of 8 from 8 to 256, got {v.shape[3]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_aligned(name, x)
     return dims
@@ -92,12 +95,16 @@ def check_heads(heads_q: int, heads_kv: int) -> None:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) for GQA/MQA")
 
 
-def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) agree, with Hq % Hkv == 0. Returns (B, Nq, Nk, Hq, Hkv, D)."""
+def check_qkv_shapes(q, k, v, allow_dv: bool = False) -> tuple[int, int, int, int, int, int]:
+    """q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) agree (``allow_dv``: v's head dim may differ), with Hq % Hkv
+    == 0. Returns (B, Nq, Nk, Hq, Hkv, D)."""
     b, nq, hq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim), "
-                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape in (batch, seqlen_k, heads_kv), got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if not allow_dv and k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape here, got k {tuple(k.shape)} and v {tuple(v.shape)} (a "
+                         f"head dim of v's own is taken by the forward, not yet by the backward)")
     bk, nk, hkv, dk = k.shape
     if bk != b:
         raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
@@ -164,18 +171,18 @@ _validated_qkv: dict = {}
 _VALIDATED_MAX = 1024
 
 
-def check_qkv_cached(q, k, v, head_dims: range | tuple) -> tuple[int, int, int, int, int, int]:
+def check_qkv_cached(q, k, v, head_dims: range | tuple, allow_dv: bool = False) -> tuple[int, int, int, int, int, int]:
     """``check_qkv`` remembered per signature: everything the checks read (types, shapes, strides,
     dtypes, devices, pointer alignment) is in the key, so a hit is exactly a call that passed."""
     cupy = _cupy()
     if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
-        return check_qkv(q, k, v, head_dims)
+        return check_qkv(q, k, v, head_dims, allow_dv)
     qm, km, vm = q.data, k.data, v.data
     key = (q.shape, q.strides, q.dtype, qm.device_id, k.shape, k.strides, k.dtype, km.device_id,
-           v.shape, v.strides, v.dtype, vm.device_id, (qm.ptr | km.ptr | vm.ptr) % ALIGN_BYTES, head_dims)
+           v.shape, v.strides, v.dtype, vm.device_id, (qm.ptr | km.ptr | vm.ptr) % ALIGN_BYTES, head_dims, allow_dv)
     dims = _validated_qkv.get(key)
     if dims is None:
-        dims = check_qkv(q, k, v, head_dims)
+        dims = check_qkv(q, k, v, head_dims, allow_dv)
         if len(_validated_qkv) >= _VALIDATED_MAX:
             _validated_qkv.clear()
         _validated_qkv[key] = dims

@@ -35,7 +35,8 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             CUDA array of another framework (torch, JAX: read in place through DLPack; results come
             back in that framework, see :mod:`cuflash.interop`).
         k: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
-        v: like ``k``.
+        v: ``(batch, seqlen_k, heads_kv, head_dim_v)``: like ``k``, with a head dim of its own (a multiple of 8
+            up to 256; e.g. 128 beside q's 192, as DeepSeek's MLA trains). The output then has head_dim_v.
         causal: mask keys after the query, aligned to the bottom-right corner: query i sees
             keys j <= i + seqlen_k - seqlen_q.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
@@ -51,11 +52,12 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         sinks: ``(heads_q,)`` float32 or q's dtype: a learned logit per head (not scaled) that joins every
             row's softmax denominator without a value; the returned lse includes it.
         return_lse: also return the log-sum-exp.
-        out: optional output buffer shaped and typed like ``q``, sharing no memory with q, k or v
-            (ValueError otherwise).
+        out: optional output buffer ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype, sharing no memory
+            with q, k or v (ValueError otherwise).
 
     Returns:
-        ``out`` (shaped like q), or ``(out, lse)`` with ``lse`` float32 ``(batch, heads_q, seqlen_q)``,
+        ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``lse`` float32
+        ``(batch, heads_q, seqlen_q)``,
         the natural-log log-sum-exp of the scaled scores (and the sink). A query row that sees no key gets
         output 0 and lse -inf (its sink, with sinks). seqlen_q == 0 gives empty results; seqlen_k == 0
         gives zeros and -inf (the sinks).
@@ -82,7 +84,8 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
                             softcap=softcap, return_lse=return_lse)
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS, allow_dv=True)
+    out_shape = (b, nq, hq, v.shape[3])
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -91,7 +94,7 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b, heads_q=hq,
         device_id=dev, q_dtype=q.dtype)
     if out is not None:
-        _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
+        _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
         # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
         _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
 
@@ -104,7 +107,7 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         if key is not None and prepared is not None and key[call_cache.OPTIONS_TOKEN] == opts.token:
             _fwd_calls.record(key, prepared, o, l_, dev)
 
-    return _run_forward(launch_fn, out, q.shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse, var.sinks)
+    return _run_forward(launch_fn, out, out_shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse, var.sinks)
 
 
 def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int,
@@ -140,14 +143,15 @@ _fwd_plans = call_cache.Plans(_fwd_calls)
 
 
 def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = False, long_seqs: bool = False,
-              opts: Optional[options.Options] = None, variant: variants.MaskVariant = variants.PLAIN):
+              opts: Optional[options.Options] = None, variant: variants.MaskVariant = variants.PLAIN,
+              head_dim_v: int = 0):
     opts = opts or options.current()
-    key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs, variant)
+    key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs, variant, head_dim_v)
     plan = _fwd_plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id)
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs,
-                                    opts=opts, variant=variant)
+                                    opts=opts, variant=variant, head_dim_v=head_dim_v)
         if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
             cfg = heuristics.fit_shared_memory(cfg, smem_limit,
                                                lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
@@ -166,7 +170,7 @@ def _launch_fwd(q, k, v, out, lse, *, causal: bool, scale: float, dims, device_i
     b, nq, nk, hq, hkv, d = dims
     opts = opts or options.current()
     kern, cfg, smem = _fwd_plan(q.dtype, d, causal, device_id, heuristics.fwd_short(nq, nk), heuristics.fwd_long(nq, nk),
-                                opts, var.kernel)
+                                opts, var.kernel, v.shape[3])
     extra = ()
     written = out   # where the kernel writes O: out, or a compact stand-in copied into it after
     if cfg.fam.arch_specific:  # sm90 (opt-in): tensor maps, or sm80 where TMA cannot address the inputs
@@ -210,7 +214,8 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
     Args:
         q: ``(total_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32 (or a CUDA torch / JAX
             array, as in :func:`forward`).
-        k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        k: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        v: ``(total_k, heads_kv, head_dim_v)``: a head dim of its own allowed, as in :func:`forward`.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets of the sequences' first rows (0 first,
             the totals last), on q's device.
         max_seqlen_q, max_seqlen_k: Python ints, at least every sequence's length (the grid covers
@@ -221,7 +226,8 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
         softmax_scale, window_size, attention_chunk, softcap, sinks: as in :func:`forward`, per sequence.
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (row b for sequence b).
         return_lse: also return the log-sum-exp.
-        out: optional output buffer shaped and typed like ``q``, sharing no memory with the inputs.
+        out: optional output buffer ``(total_q, heads_q, head_dim_v)`` in q's dtype, sharing no memory with the
+            inputs.
         check_offsets: whether to copy the offsets (and seqused) to the host and check them
             (cuflash.varlen describes the checks): None (default) checks unless the current stream is
             capturing a CUDA graph; pass False under ``torch.compile`` / ``jax.jit`` or wherever no
@@ -229,7 +235,7 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
             never a read or a write outside the arrays.
 
     Returns:
-        ``out`` ``(total_q, heads_q, head_dim)``, or ``(out, lse)`` with ``lse`` float32 ``(heads_q,
+        ``out`` ``(total_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``lse`` float32 ``(heads_q,
         total_q)`` (flash-attn's packed layout).
     """
     if interop.needs_conversion(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks):
@@ -241,7 +247,8 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                             window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                             return_lse=return_lse, check_offsets=check_offsets)
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
+    out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     scale = _checks.check_scale(softmax_scale, lay.head_dim_qk)
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
@@ -249,13 +256,13 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
     var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
                                   batch=lay.batch, heads_q=lay.heads_q, device_id=dev, q_dtype=q.dtype)
     if out is not None:
-        _checks.check_out("out", out, q.shape, q.dtype, dev)
+        _checks.check_out("out", out, out_shape, q.dtype, dev)
         _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
     import cupy
 
     try:
         with cupy.cuda.Device(dev):
-            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
+            out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
             lse = cupy.empty((lay.heads_q, lay.total_q), dtype=np.float32) if return_lse else None
             if seqused_q is not None:   # rows past a sequence's used ones: no kernel writes them
                 out.fill(0)
@@ -296,7 +303,7 @@ def _launch_fwd_varlen(q, k, v, out, lse, lay: varlen.VarlenLayout, *, causal: b
     max_q, max_k = lay.max_seqlen_q, lay.max_seqlen_k
     kernel_variant = dataclasses.replace(var.kernel, varlen=True)
     kern, cfg, smem = _fwd_plan(q.dtype, lay.head_dim_qk, causal, lay.device_id, heuristics.fwd_short(max_q, max_k),
-                                heuristics.fwd_long(max_q, max_k), opts, kernel_variant)
+                                heuristics.fwd_long(max_q, max_k), opts, kernel_variant, lay.head_dim_v)
     extra = ()
     written = out
     if cfg.fam.arch_specific:   # tensor maps over the packed rows, as a batch of one

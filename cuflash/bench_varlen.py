@@ -848,9 +848,16 @@ def _descriptions(results) -> list:
 
 def _checks_and_notes(results) -> list:
     lines = {}
+    passes_of = {}   # row -> the passes it ran
+    why_passes = {}  # (row, impl, why) -> the passes it was given for
     for r in results:
+        passes_of.setdefault(r.row, set()).add(r.pass_name)
         for impl, why in r.na.items():
-            lines.setdefault(f"{r.row}: {impl} n/a: {why}", None)
+            why_passes.setdefault((r.row, impl, why), set()).add(r.pass_name)
+    for (row, impl, why), ps in why_passes.items():
+        which = "" if ps == passes_of[row] else f" ({', '.join(sorted(ps))})"
+        lines.setdefault(f"{row}: {impl} n/a{which}: {why}", None)
+    for r in results:
         if r.check:
             parts = ", ".join(f"{k} {v:.2e}{' DIFFERS' if not v <= CHECK_BOUND else ''}" for k, v in r.check.items())
             lines.setdefault(f"{r.row} [{r.dist}]: forward vs cuflash varlen (rel. Frobenius, bound {CHECK_BOUND}): "
@@ -859,7 +866,7 @@ def _checks_and_notes(results) -> list:
         if ov is not None:
             base = r.ms["cuflash_unchecked"]
             lines.setdefault(f"{r.row} [{r.dist}]: check_offsets=True forward {_ms(r.ms['cuflash_checked'])} ms vs "
-                             f"{_ms(base)} ms unchecked: +{ov:.3f} ms ({100 * ov / base:+.1f} %)", None)
+                             f"{_ms(base)} ms unchecked: {ov:+.3f} ms ({100 * ov / base:+.1f} %)", None)
         for n in r.notes:
             lines.setdefault(f"{r.row} [{r.dist}]: {n}", None)
     return list(lines)
@@ -895,22 +902,25 @@ def markdown_table(results, header: str = "") -> str:
 
 
 def git_commit() -> str:
-    """$CUFLASH_COMMIT, else the checkout's short commit (``+dirty`` with uncommitted changes to tracked files),
-    else "unknown (no git checkout)"."""
-    env = os.environ.get("CUFLASH_COMMIT")
-    if env:
-        return env
+    """The short commit of the checkout this cuflash runs from (``+dirty`` with uncommitted changes to tracked
+    files), else "unknown (...)": a copy without .git (the device machine's), or an installed package."""
     here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+
+    def git(*cmd):
+        r = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 else None
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10)
-        if sha.returncode != 0 or not sha.stdout.strip():
-            return "unknown (no git checkout)"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):   # not this project's own checkout
+            return "unknown (no git checkout here)"
+        sha = git("rev-parse", "--short", "HEAD")
+        if not sha:
+            return "unknown (no commit)"
+        return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - no git here
-        return "unknown (no git checkout)"
+        return "unknown (no git here)"
 
 
 def peer_versions() -> str:

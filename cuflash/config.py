@@ -162,6 +162,9 @@ class KernelConfig:
     block_n: int
     num_warps: int
     variant: MaskVariant = PLAIN   # the parts of the pattern beyond causal (cuflash/variants.py)
+    # v's (and the output's) head dim where it differs from head_dim (q's and k's); 0: the same. A template
+    # argument after the family's own, only when non-zero (so that the other kernels keep their names).
+    head_dim_v: int = 0
 
     @property
     def fam(self) -> Family:
@@ -190,7 +193,7 @@ class KernelConfig:
         values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
                   "block_n": self.block_n, "num_warps": self.num_warps,
                   "mask": self.variant.template_arg(self.causal)}
-        return tuple(values[name] for name in self.fam.template)
+        return tuple(values[name] for name in self.fam.template) + ((self.head_dim_v,) if self.head_dim_v else ())
 
     def name_expression(self) -> str:
         return f"{self.fam.kernel}<{', '.join(str(a) for a in self.template_args())}>"
@@ -205,5 +208,6 @@ class KernelConfig:
 
     def key(self) -> str:
         variant = f":{self.variant.tag()}" if self.variant.tag() else ""
-        return (f"{self.family}:{self.dtype}:d{self.head_dim}:{'causal' if self.causal else 'full'}{variant}:"
+        dv = f"v{self.head_dim_v}" if self.head_dim_v else ""
+        return (f"{self.family}:{self.dtype}:d{self.head_dim}{dv}:{'causal' if self.causal else 'full'}{variant}:"
                 f"m{self.block_m}n{self.block_n}w{self.num_warps}")

@@ -193,7 +193,7 @@ def fwd_backend(opts: Options | None = None) -> str:
 
 def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | None = None,
                short: bool = False, long_seqs: bool = False, opts: Options | None = None,
-               variant: MaskVariant = PLAIN) -> KernelConfig:
+               variant: MaskVariant = PLAIN, head_dim_v: int = 0) -> KernelConfig:
     """The forward kernel for these inputs on a device of compute capability ``cc`` (e.g. 90).
 
     ``opts`` (default: options.current()) gives the tile overrides and the defaults of ``backend``
@@ -205,10 +205,12 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     fwd_short decides). ``long_seqs``: both lengths at least SM90_FWD_CLUSTER_SEQLEN (fwd_long), where
     the table's overlap schedules run in clusters of two CTAs (fwd_cluster_mode). ``variant``: the
     parts of the pattern beyond causal (cuflash/variants.py); a window or chunks take the causal tiles
-    (uneven work per query tile, tiles skipped) and no clusters.
+    (uneven work per query tile, tiles skipped) and no clusters. ``head_dim_v``: v's head dim where it
+    differs from ``head_dim`` (0: the same); the tiles are those of the larger of the two, without clusters.
     """
     opts = opts or options.current()
-    bucket = head_dim_bucket(head_dim)
+    head_dim_v = 0 if head_dim_v == head_dim else head_dim_v
+    bucket = head_dim_bucket(max(head_dim, head_dim_v))
     skips = causal or variant.local   # the mask policy's kSkipsTiles: the causal table's tiles and kinds
     backend = opts.fwd_backend if backend is None else backend
     if backend == "auto":
@@ -223,13 +225,13 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if skips else kind]
         if backend != "sm90":
             schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
-            if cluster > 1 and not fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
+            if cluster > 1 and (head_dim_v or not fwd_cluster_ok(dtype, head_dim, skips or variant.varlen)):
                 cluster = 1   # the plain kernel where clusters do not apply
             if schedule == "overlap" and persistent and bucket == 256:
                 persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
             if schedule == "overlap" and persistent and block_m == 192 and (skips or variant.has_score_mod):
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
-        elif schedule == "overlap" and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
+        elif schedule == "overlap" and not head_dim_v and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2
@@ -239,12 +241,12 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             block_m, warps = 128, 12
             schedule, persistent = "overlap", True
         family = sm90_fwd_family(schedule, persistent, cluster)
-        return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps, variant)
+        return KernelConfig(family, dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
     if dtype == "float32":
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
-        return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant)
+        return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
     block_m, block_n, warps = opts.sm80_fwd_tiles or (skips and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
-    return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant)
+    return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:

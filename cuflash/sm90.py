@@ -42,7 +42,8 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
 
 def _portable_fwd(cfg: KernelConfig, device_id: int):
     """(kernel, config, shared memory bytes) of the portable forward for this config's inputs."""
-    cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80", variant=cfg.variant)
+    cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80", variant=cfg.variant,
+                                head_dim_v=cfg.head_dim_v)
     return get_kernel(cfg, device_id), cfg, smem_bytes(cfg, device_id)
 
 

@@ -32,8 +32,8 @@
 #              carry, so two calls back to back (the machine stays warm 30 s): first `varlen setup` carrying .fa4a and
 #              .cudnnfe (parks FA4's part, installs cudnn-frontend, precompiles, runs nothing), then `varlen` carrying
 #              .fa4b. Extra ARGS to python -m cuflash, e.g. --varlen-dists normal --repeats 5, or a quick batch
-#              --varlen-shape B=8,lens=128:1024; CUFLASH_COMMIT=<sha> names the commit in the header (no .git there).
-#              Not part of all
+#              --varlen-shape B=8,lens=128:1024. The header's commit reads "unknown" there (the copy has no .git):
+#              name it by hand. Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);

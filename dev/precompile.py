@@ -78,10 +78,11 @@ def configs(which, cc: int) -> list:
         from _common import add_tests_to_path
 
         add_tests_to_path()
+        import test_dv_fwd
         import test_varlen_bwd
         import test_varlen_fwd
 
-        out += test_varlen_fwd.kernel_configs(cc) + test_varlen_bwd.kernel_configs(cc)
+        out += test_varlen_fwd.kernel_configs(cc) + test_varlen_bwd.kernel_configs(cc) + test_dv_fwd.kernel_configs(cc)
     return list({c.key(): c for c in out}.values())
 
 

@@ -202,12 +202,44 @@ def test_tables_and_json():
 
 
 def test_header_names_device_date_commit(monkeypatch):
-    monkeypatch.setenv("CUFLASH_COMMIT", "deadbee")
+    monkeypatch.setattr(bvl, "git_commit", lambda: "deadbee")
     h = bvl.header("NVIDIA H200", 90, 10, 2)
     assert h.startswith("varlen table (issue #43): NVIDIA H200 (sm_90), 20") and "commit deadbee" in h
     assert "10 interleaved repeats" in h
-    monkeypatch.delenv("CUFLASH_COMMIT")
-    assert bvl.git_commit()   # a sha here, "unknown (...)" where there is no checkout
+    monkeypatch.undo()
+    c = bvl.git_commit()   # a sha in a checkout, "unknown (...)" in a copy without .git
+    assert c.startswith("unknown (") or len(c.split("+")[0]) >= 7
+
+
+def test_rel_diff_in_chunks_and_bfloat16(monkeypatch):
+    """rel_diff's arithmetic, with NumPy standing in for CuPy (the same calls): bfloat16 read from its bits, chunks
+    of rows summed, torch tensors through DLPack."""
+    import sys
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    try:
+        import torch   # before CuPy is stood in for: importing torch may look for CuPy
+    except ImportError:
+        torch = None
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((37, 3, 8)).astype(np.float32)
+    b = a + 0.01 * rng.standard_normal(a.shape).astype(np.float32)
+    want = np.linalg.norm((a - b).ravel().astype(np.float64)) / np.linalg.norm(b.ravel().astype(np.float64))
+    assert bvl.rel_diff(a, b) == pytest.approx(want, rel=1e-6)
+    assert bvl.rel_diff(a, b, rows=5) == pytest.approx(want, rel=1e-6)
+    ab, bb = a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16)
+    want16 = (np.linalg.norm((ab.astype(np.float64) - bb.astype(np.float64)).ravel())
+              / np.linalg.norm(bb.astype(np.float64).ravel()))
+    assert bvl.rel_diff(ab, bb, rows=4) == pytest.approx(want16, rel=1e-6)
+    assert bvl.rel_diff(a, a) == 0.0 and bvl.rel_diff(a, b[:-1]) == float("inf")
+    assert bvl.rel_diff(a[:0], b[:0]) == 0.0
+    bad = a.copy()
+    bad[3, 1, 2] = np.nan
+    assert not bvl.rel_diff(bad, b) <= 1.0
+    if torch is not None:
+        assert bvl.rel_diff(torch.from_numpy(a).to(torch.bfloat16), bb, rows=7) == pytest.approx(
+            bvl.rel_diff(ab, bb), rel=1e-6, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +357,8 @@ def test_case_failures_never_stop_the_run(monkeypatch):
     assert "| FAILED |" in bvl.markdown_table(res)
     monkeypatch.setattr(bvl, "packed_inputs", lambda row, dist: 1 / 0)
     res = bvl.benchmark_varlen([row], ["normal", "sink"], adapters={}, log=logs.append)
-    assert len(res) == 4 and all(r.na["cuflash"].startswith("FAILED to draw the inputs: ZeroDivisionError") for r in res)
+    assert len(res) == 4
+    assert all(r.na["cuflash"].startswith("FAILED to draw the inputs: ZeroDivisionError") for r in res)
     monkeypatch.setattr(bvl, "benchmark_case", lambda *a, **k: [][1])   # a harness bug: recorded, the run goes on
     res = bvl.benchmark_varlen([row], ["normal"], adapters={}, log=logs.append)
     assert [r.na["cuflash"][:26] for r in res] == ["FAILED (the case raised) I"] * 2
@@ -372,6 +405,33 @@ def test_command_line():
                 ["--varlen", "--varlen-shape", "Q=1"], ["--varlen", "--varlen-dists", "gauss"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bvl, "git_commit", lambda: "abc1234")
+    seen = {}
+
+    def fake(rows, dists, **kw):
+        seen.update(rows=rows, dists=dists, **kw)
+        return _fake_results()
+
+    monkeypatch.setattr(bvl, "benchmark_varlen", fake)
+    monkeypatch.setattr(bvl, "peer_adapters", lambda: {"fa4": (None, "not here"), "cudnn": (None, "nor here")})
+    out = tmp_path / "v.json"
+    args = parse_args(["--varlen", "--markdown", "--json", str(out), "--varlen-shape", "B=2,lens=8:16",
+                       "--varlen-dists", "normal"])
+    assert bvl.run(args, "Fake GPU", 90) == 0
+    text = capsys.readouterr().out
+    assert "varlen table (issue #43): Fake GPU (sm_90)" in text and "commit abc1234" in text
+    assert "fa4: not here" in text and "| row | dist | pass |" in text
+    assert [r.batch for r in seen["rows"]] == [2, 2] and seen["dists"] == ("normal",)
+    assert (seen["repeats"], seen["warmup"], seen["backward"]) == (bvl.DEFAULT_REPEATS, bvl.DEFAULT_WARMUP, True)
+    j = json.loads(out.read_text())
+    assert j["commit"] == "abc1234" and len(j["rows"][0]["lengths"]) == 2 and len(j["results"]) == 2
+    monkeypatch.setattr(bvl, "benchmark_varlen", lambda rows, dists, **kw: [_result("fwd", {"dense": 1.0},
+                                                                                    na={"cuflash": "FAILED x"})])
+    assert bvl.run(parse_args(["--varlen"]), "Fake GPU", 90) == 1
+    assert "FAILED small [normal] fwd: cuflash FAILED x" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------
@@ -422,3 +482,6 @@ def test_tiny_run_on_the_gpu():
     p = bvl.packed_inputs(row, "sink")
     assert p.q.shape == (int(row.lengths().sum()), 4, 64) and p.k.shape[1] == 2 and p.total == p.q.shape[0]
     assert p.cu.dtype == np.int32 and p.cu.get().tolist() == p.offsets.tolist()
+    norms = cupy.sqrt((p.k.astype(cupy.float32) ** 2).sum(axis=-1)).get()   # (total, Hkv): key 0 of each is 2 sqrt(D)
+    for start in p.offsets[:-1]:
+        assert (norms[start] > 1.5 * np.median(norms, axis=0)).all(), start

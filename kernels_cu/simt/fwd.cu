@@ -50,18 +50,20 @@
 constexpr int kSimtUnrollD = 2;
 constexpr int kSimtUnrollJ = 1;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kHeadDimV_: v's (and the output's) head dim where it differs from q's and k's (0: the same).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kHeadDimV_ = 0>
 struct SimtFwdTile {
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kThreads = kNWarps * 32;
-    static constexpr int kChunks = kHeadDim / 4;  // float4 chunks per row
+    static constexpr int kChunks = kHeadDimV / 4;  // float4 chunks per row of V and O
     // Threads per row group: 8 for head_dim >= 32, fewer for tiny head dims so
     // that the O column chunks are not mostly padding; at least kThreads /
     // kBlockM so that every thread owns a query row.
-    static constexpr int kNXPref = kHeadDim >= 32 ? 8 : (kHeadDim >= 16 ? 4 : 2);
+    static constexpr int kNXPref = kHeadDimV >= 32 ? 8 : (kHeadDimV >= 16 ? 4 : 2);
     static constexpr int kNXMin = kThreads / kBlockM;
     static constexpr int kNX = kNXPref > kNXMin ? kNXPref : (kNXMin > 0 ? kNXMin : 1);
     static constexpr int kNY = kThreads / kNX;
@@ -69,12 +71,12 @@ struct SimtFwdTile {
     static constexpr int kKeys = kBlockN / kNX;     // keys per thread in S
     static constexpr int kOChunks = (kChunks + kNX - 1) / kNX;  // O float4 chunks per thread
     static constexpr int kOChunksFull = kChunks / kNX;          // ... that are never past head_dim
-    static constexpr int kStride = kHeadDim + 4;    // floats per Q/K/V row in shared memory
+    static constexpr int kStride = (kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV) + 4;   // floats per Q/K/V row
     static constexpr int kPStride = kBlockN + 8;    // floats per P row
     // Q, K, V tiles, the P tile, and two softmax statistics per (thread, row).
     static constexpr int kSmemFloats = (kBlockM + 2 * kBlockN) * kStride + kBlockM * kPStride + 2 * kBlockM * kNX;
 
-    static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
+    static_assert(kHeadDim % 8 == 0 && kHeadDimV % 8 == 0, "head dims must be multiples of 8");
     static_assert(kNX <= 32 && 32 % kNX == 0, "a row group must lie inside one warp");
     static_assert(kThreads % kNX == 0 && kBlockM % kNY == 0, "kBlockM must be a multiple of kThreads / kNX");
     static_assert(kBlockN % kNX == 0 && kBlockN % 4 == 0, "kBlockN must be a multiple of kNX and of 4");
@@ -179,9 +181,9 @@ __device__ __forceinline__ float group_sum(float x) {
 
 // The kernel's parts. Each re-derives the thread's coordinates (Coords::read) rather than holding them:
 // across the key loop only acc_o and the key tile stay in registers.
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 struct SimtFwd {
-    using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     using Coords = SimtCoords<kBlockM, Tile::kNX, Mask::kUnevenWork>;
     static constexpr int kThreads = Tile::kThreads;
@@ -264,7 +266,7 @@ struct SimtFwd {
         const int n0 = n_block * kBlockN;
         simt_cp_async_wait_all();
         __syncthreads();  // K_n landed; every thread is done reading V_{n+1} and sP
-        simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
+        simt_load_tile<kBlockN, Tile::kHeadDimV, kStride, kThreads>(
             sm.v, kv_tile(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, c, n0), p.v_row_stride,
             p.seqlen_k - n0, c.ty * kNX + c.tx);
         simt_cp_async_commit();
@@ -448,13 +450,13 @@ struct SimtFwd {
 };
 
 // The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemFloats * 4;
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>::kSmemFloats * 4;
 
 // One query tile of a dense problem (varlen: of one sequence, seq_params).
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
 __device__ __forceinline__ void fwd_tile(const FwdParams& p) {
-    using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>;
+    using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>;
     extern __shared__ __align__(16) float smem_f32[];
     const typename Fwd::Smem sm(smem_f32);
     float acc_o[Fwd::kRows][Fwd::kOChunks][4];
@@ -473,16 +475,16 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p) {
     Fwd::epilogue(p, sm, acc_o);
 }
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __global__ void __launch_bounds__(kNWarps * 32)
 fwd_kernel(const FwdParams p) {
     static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
     if constexpr (Variant::kVarlen) {
-        using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>;
+        using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>;
         const SeqSpan span = seq_span(p, blockIdx.z);
         if (Fwd::Coords::read().row_base >= span.seqlen_q) return;   // past this sequence's rows
-        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(seq_params<4>(p, span, blockIdx.z));
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(seq_params<4>(p, span, blockIdx.z));
     } else {
-        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(p);
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p);
     }
 }

@@ -18,16 +18,19 @@
 #include "mma.cuh"
 #include "copy.cuh"
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kHeadDimV_: v's (and the output's) head dim where it differs from q's and k's (0: the same).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kHeadDimV_ = 0>
 struct FwdTile {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;  // MMA k-steps are 16 wide
+    static constexpr int kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim;
+    static constexpr int kHeadDimPadV = (kHeadDimV + 15) / 16 * 16;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);        // 16-row slices per warp
-    static constexpr int kNTilesO = kHeadDimPad / 8;               // n8 tiles of O
+    static constexpr int kNTilesO = kHeadDimPadV / 8;              // n8 tiles of O
     // S is computed kSubN keys at a time: a stage of kBlockN keys costs one pair
     // of barriers, while the S and O accumulators together stay within about
     // 176 registers per thread (the rest of the 255 go to fragments and indices).
@@ -39,7 +42,8 @@ struct FwdTile {
     static constexpr bool kRowBoundsFit = kMTiles * kNTilesS * 4 <= 64;
     // One 16-byte pad per row: 8 consecutive rows then start in different
     // banks, so ldmatrix and the fragment stores are conflict-free.
-    static constexpr int kSmemStride = kHeadDimPad + 8;
+    // (Q, K and V rows alike: the widest of the two head dims; O is staged in Q's rows.)
+    static constexpr int kSmemStride = (kHeadDimPad > kHeadDimPadV ? kHeadDimPad : kHeadDimPadV) + 8;
     static constexpr int kStages = 2;                              // K/V ring depth
     static constexpr int kSmemElems = (kBlockM + 2 * kStages * kBlockN) * kSmemStride;
     static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
@@ -57,18 +61,18 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
     u16* sK = sKV + (2 * stage) * kTileElems;
     load_tile_async<Tile::kBlockN, Tile::kHeadDim, Tile::kSmemStride, Tile::kThreads>(
         sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, tid);
-    load_tile_async<Tile::kBlockN, Tile::kHeadDim, Tile::kSmemStride, Tile::kThreads>(
+    load_tile_async<Tile::kBlockN, Tile::kHeadDimV, Tile::kSmemStride, Tile::kThreads>(
         sK + kTileElems, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, tid);
 }
 
 // The kernel's dynamic shared memory (the dispatcher reads it from the compiled module).
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemElems * 2;
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>::kSmemElems * 2;
 
 // One query tile of one (head, batch) of a dense problem.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
 __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, const int head, const int batch) {
-    using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
     constexpr int kMTiles = Tile::kMTiles;
@@ -113,8 +117,18 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     softmax.init();
 
     if (n_block_max > n_block_min) {
-        zero_pad_cols<kBlockM + 2 * Tile::kStages * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(
-            smem, tid);
+        if constexpr (Tile::kHeadDimV == kHeadDim) {
+            zero_pad_cols<kBlockM + 2 * Tile::kStages * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(
+                smem, tid);
+        } else {   // each tile's own pad columns (a load may write the others meanwhile)
+            zero_pad_cols<kBlockM, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(sQ, tid);
+#pragma unroll
+            for (int s = 0; s < Tile::kStages; ++s) {
+                zero_pad_cols<kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(sKV + 2 * s * kTileElems, tid);
+                zero_pad_cols<kBlockN, Tile::kHeadDimV, Tile::kHeadDimPadV, kStride, Tile::kThreads>(
+                    sKV + (2 * s + 1) * kTileElems, tid);
+            }
+        }
         load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
         load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 1, 0, tid);
         cp_async_commit();
@@ -268,10 +282,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             }
     }
     __syncthreads();
-    store_tile<kBlockM, kHeadDim, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
+    store_tile<kBlockM, Tile::kHeadDimV, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 fwd_kernel(const FwdParams p) {
     // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
@@ -279,9 +293,9 @@ fwd_kernel(const FwdParams p) {
     if constexpr (Variant::kVarlen) {
         const SeqSpan span = seq_span(p, blockIdx.z);
         if (m_block * kBlockM >= span.seqlen_q) return;
-        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(seq_params<2>(p, span, blockIdx.z), m_block,
+        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(seq_params<2>(p, span, blockIdx.z), m_block,
                                                                      blockIdx.y, 0);
     } else {
-        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(p, m_block, blockIdx.y, blockIdx.z);
+        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, m_block, blockIdx.y, blockIdx.z);
     }
 }

@@ -38,12 +38,12 @@
 // The consumer warpgroups' tile loop (64 query rows each): take a tile (persistent: the index the producer
 // published with its Q), run the schedule's key loop over it, store O and lse.
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kMode, bool kPersistent,
-          int kCluster, int kQBuffers>
+          int kCluster, int kQBuffers, int kHeadDimV>
 __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
-                                             const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>, kQBuffers>& smem,
+                                             const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>, kQBuffers>& smem,
                                              volatile int* tile_slot, const PersistentOrder& order, const int cw,
                                              int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o) {
-    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using OutTag = typename ElemTraits<Tag>::OutTag;
     constexpr int kStages = Tile::kStages;
@@ -148,7 +148,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
                 warp, t4, m_block, head, batch, row0, k_tile, tile_counter);
         }
 
-        constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);   // as fwd_epilogue's
+        constexpr bool kStageO = Tile::template kStageO<kPersistent>;
         // Every QK GEMM of this tile is done (and, staged, so is the epilogue's use of the Q buffer):
         // the producer may load the next Q into it (persistent).
         if (kPersistent && !kStageO) mbar_arrive(smem.q_empty(qb));
@@ -173,11 +173,11 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
 // both, which halves the tiles' L2 -> SM traffic; a ring stage is refilled once the consumers of both
 // CTAs have freed it. The grid counts query tiles in whole clusters (launch.py: fwd_grid).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kMode,
-          bool kPersistent = false, int kCluster = 1>
+          bool kPersistent = false, int kCluster = 1, int kHeadDimV = 0>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
                                          Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
-    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
     constexpr int kPadV = Tile::kHeadDimV;
@@ -240,7 +240,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     } else {
         // Consumer warpgroups: 64 query rows each.
         setmaxnreg_inc<kConsumerRegs>();
-        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers>(
+        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers, kHeadDimV>(
             p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
     }
     if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
@@ -257,32 +257,33 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
 // Each entry point's dynamic shared memory, <name>_smem_bytes<same template arguments> (the dispatcher reads
 // it from the compiled module): kQBuffers Q tiles, the K and V rings, the mbarriers and tile slots, and 1024
 // bytes of slack for the base's alignment.
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kPersistent>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kPersistent, int kHeadDimV = 0>
 __host__ __device__ constexpr int fwd_smem_bytes() {
-    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     constexpr int kQBuffers = kPersistent ? Tile::kQBuffersPersistent : 1;
     return 1024 + kQBuffers * Tile::kQBytes + 2 * Tile::kStages * Tile::kKVBytes
            + 8 * (2 * kQBuffers + 1 + 4 * Tile::kStages);
 }
 #define CUFLASH_SM90_FWD_SMEM(name, persistent)                                                                 \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
-    __device__ const int name##_smem_bytes = fwd_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, persistent>();
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0> \
+    __device__ const int name##_smem_bytes =                                                                    \
+        fwd_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, persistent, kHeadDimV>();
 #define CUFLASH_SM90_FWD_KERNEL(name, mode, cluster, attrs)                                                     \
     CUFLASH_SM90_FWD_SMEM(name, false)                                                                          \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0> \
     __global__ void __launch_bounds__(kNWarps * 32, kNWarps == 8 ? 2 : 1) attrs                                 \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v) {                                                               \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, false, cluster>(p, tma_q, tma_k,      \
-                                                                                            tma_v);             \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, false, cluster, kHeadDimV>(           \
+            p, tma_q, tma_k, tma_v);                                                                            \
     }
 #define CUFLASH_SM90_FWD_PERSISTENT_KERNEL(name, mode, cluster, attrs)                                          \
     CUFLASH_SM90_FWD_SMEM(name, true)                                                                           \
-    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                 \
+    template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0> \
     __global__ void __launch_bounds__(kNWarps * 32, 1) attrs                                                    \
     name(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,       \
          const __grid_constant__ TmaDesc tma_v, const __grid_constant__ TmaDesc tma_o, int* tile_counter) {     \
-        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, true, cluster>(                       \
+        fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, mode, true, cluster, kHeadDimV>(            \
             p, tma_q, tma_k, tma_v, tile_counter, {}, &tma_o);                                                  \
     }
 CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap, 1, )

@@ -16,14 +16,14 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSmem<T
                                              const float (&lse)[2], int m_block, int head, int batch, int qb, int cw,
                                              bool idle, int row0, int& o_store_buffer) {
     using OutTag = typename ElemTraits<typename Tile::Tag>::OutTag;
-    constexpr int kBlockM = Tile::kBlockM, kPadV = Tile::kHeadDimV, kHeadDim = Tile::kHeadDim;
+    constexpr int kBlockM = Tile::kBlockM, kPadV = Tile::kHeadDimV, kHeadDim = Tile::kHeadDimO;
     // 16-bit O goes out through shared memory (kStageO): written straight from the accumulators it would be
     // 4-byte stores, each warp touching eight rows per instruction, and the warps wait on them before the next
     // tile. The staging area is this warpgroup's rows of its Q buffer, which only its own (finished) Q K^T
     // products read: the same 64-column blocks of 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8).
     // fp8 Q rows are too narrow for O's: those store directly, and so do the persistent kernels above head
-    // dim 128 (the staging code spills the overlap one at 192 under the causal mask).
-    constexpr bool kStageO = !Tile::kFp8 && !(kPersistent && kPadV > 128);
+    // dim 128 (the staging code spills the overlap one at 192 under the causal mask) and an O wider than Q.
+    constexpr bool kStageO = Tile::template kStageO<kPersistent>;
     // Persistent: staged O leaves through one TMA store per warpgroup, issued by its first thread, so that the
     // warpgroup goes on to the next tile at once; that thread releases the Q buffer once the store has read it,
     // at the next tile's start (two Q buffers: the producer is then loading the other one), or at once (one).

@@ -53,7 +53,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaD
                             batch);
         } else {
 #pragma unroll
-            for (int cb = 0; cb < Tile::kColBlocks; ++cb)
+            for (int cb = 0; cb < Tile::kColBlocksV; ++cb)
                 load_kv_block(v_dst + cb * kBlockN * 128, &tma_v, smem.v_full(stage), cb, cb * 64, key_row, head_kv,
                               batch);
         }

@@ -14,7 +14,8 @@ __host__ __device__ constexpr int fp8_v_rows(int head_dim) {
          : head_dim <= 192 ? 192 : 256;
 }
 
-template <typename Tag_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kHeadDimV_: v's (and the output's) head dim where it differs from q's and k's (0: the same).
+template <typename Tag_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kHeadDimV_ = 0>
 struct Sm90FwdTile {
     using Tag = Tag_;
     static constexpr int kElemBytes = ElemTraits<Tag>::kBytes;
@@ -26,8 +27,10 @@ struct Sm90FwdTile {
     static constexpr int kBlockCols = kRowBytes / kElemBytes;   // columns of one row block
     static constexpr int kHeadDimPad = (kHeadDim + kBlockCols - 1) / kBlockCols * kBlockCols;  // Q and K
     static constexpr int kColBlocks = kHeadDimPad / kBlockCols;
+    static constexpr int kHeadDimO = kHeadDimV_ ? kHeadDimV_ : kHeadDim;   // columns of v and of the output
     // Columns of V and O: fp16 V is an MN-major B in 64-column blocks; fp8 V^T has one row per column.
-    static constexpr int kHeadDimV = kFp8 ? fp8_v_rows(kHeadDim) : kHeadDimPad;
+    static constexpr int kHeadDimV = kFp8 ? fp8_v_rows(kHeadDim) : (kHeadDimO + kBlockCols - 1) / kBlockCols * kBlockCols;
+    static constexpr int kColBlocksV = kHeadDimV / kBlockCols;   // 16-bit V's 64-column blocks
     static constexpr int kKeyStep = 32 / kElemBytes;        // keys per k-step of the P V product
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
@@ -50,6 +53,11 @@ struct Sm90FwdTile {
     static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
     static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: V^T tiles are whole 128-key (128-byte) rows");
+    static_assert(!kFp8 || kHeadDimV_ == 0, "fp8: v has q's head dim");
+    // 16-bit O goes out through this warpgroup's rows of its Q buffer (fwd_epilogue) where they are wide enough;
+    // fp8 and the persistent kernels above head dim 128 store straight from the accumulators.
+    template <bool kPersistent>
+    static constexpr bool kStageO = !kFp8 && !(kPersistent && kHeadDimV > 128) && kHeadDimV <= kHeadDimPad;
 };
 
 // -DCUFLASH_SM90_FWD_TRACE (dev/trace.py fwd, persistent kernels only): clock64 stamps per CTA,
