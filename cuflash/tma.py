@@ -79,11 +79,20 @@ def encode_tiled(ptr: int, dtype: str, dims, byte_strides, box, swizzle: int = S
     return buf
 
 
+def _bshd_strides(x) -> list[int]:
+    """Byte strides of a (batch, seqlen, heads, head_dim) array's seqlen, heads and batch dims for a tensor map.
+    A dim of extent 1 is never stepped along, so its stride is free: such a dim (``x[None]``'s batch, of stride
+    0, which TMA cannot take) gets the extent of the whole array instead."""
+    span = max(16, -(-max(n * s for n, s in zip(x.shape, x.strides)) // 16) * 16)
+    return [s if n != 1 else span for n, s in ((x.shape[1], x.strides[1]), (x.shape[2], x.strides[2]),
+                                                (x.shape[0], x.strides[0]))]
+
+
 def bshd_ok(x) -> bool:
     """Whether a (batch, seqlen, heads, head_dim) array with a contiguous last dim can be TMA-loaded."""
     if x.strides[3] != x.itemsize:
         return False
-    return strides_ok(x.data.ptr, [x.strides[1], x.strides[2], x.strides[0]])
+    return strides_ok(x.data.ptr, _bshd_strides(x))
 
 
 def bshd_map(x, dtype: str, box_rows: int, box_cols: int = 64, swizzle: int = SWIZZLE_128B) -> np.ndarray:
@@ -91,5 +100,4 @@ def bshd_map(x, dtype: str, box_rows: int, box_cols: int = 64, swizzle: int = SW
     box (box_cols, box_rows, 1, 1); box_cols * itemsize is the swizzle span (128 bytes: 64 fp16 or 128
     fp8 columns; 64 with SWIZZLE_64B)."""
     b, s, h, d = x.shape
-    return encode_tiled(x.data.ptr, dtype, (d, s, h, b), (x.strides[1], x.strides[2], x.strides[0]),
-                        (box_cols, box_rows, 1, 1), swizzle)
+    return encode_tiled(x.data.ptr, dtype, (d, s, h, b), _bshd_strides(x), (box_cols, box_rows, 1, 1), swizzle)

@@ -272,3 +272,24 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.section("skip reasons", sep="-")
         for reason, n in reasons.most_common():
             terminalreporter.write_line(f"{n:5d} skipped: {reason}")
+
+
+@pytest.fixture
+def hopper_kernels_only(monkeypatch):
+    """The Hopper kernels must not give way to the portable ones unseen: a fallback (TMA refusing an input's
+    pointer or strides) passes every numeric check while testing the wrong kernel. Tests whose inputs TMA can
+    always address use this: the forward's fallback raises, and the backward's tensor maps must exist."""
+    from cuflash import sm90
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Hopper forward gave way to the portable kernel (sm90._portable_fwd)")
+
+    maps = sm90.bwd_tensor_maps
+
+    def bwd_maps(*args):
+        found = maps(*args)
+        assert found is not None, "the Hopper backward gave way to the portable kernels (no tensor maps)"
+        return found
+
+    monkeypatch.setattr(sm90, "_portable_fwd", refuse)
+    monkeypatch.setattr(sm90, "bwd_tensor_maps", bwd_maps)

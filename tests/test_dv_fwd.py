@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, dtype_of, poisoned, requires_gpu
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
 PAIRS = [(192, 128), (128, 64), (64, 128), (8, 24), (256, 128), (128, 256), (72, 40)]
 FAMILIES = [({}, "bfloat16"), ({"fwd_backend": "sm80"}, "float16"), ({}, "float32")]

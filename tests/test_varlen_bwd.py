@@ -14,7 +14,7 @@ from conftest import BWD_TOL, poisoned, requires_gpu
 from test_variants import _assert_rows
 from test_varlen_fwd import LENGTHS_K, LENGTHS_Q, _packed
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
 FAMILIES = [({}, "bfloat16"), ({"bwd_backend": "sm80", "fwd_backend": "sm80"}, "float16"), ({}, "float32")]
 

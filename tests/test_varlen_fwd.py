@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, dtype_of, poisoned, requires_gpu
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
 # Sequence lengths of q and of k (same batch): empty, single tokens, primes, tile edges, keys without queries
 # and queries without keys.
