@@ -287,12 +287,14 @@ def _packed_strides(x) -> tuple[int, int, int]:
     return 0, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize
 
 
-def _varlen_values(lay: varlen.VarlenLayout, tile_rows: int = 0) -> tuple:
+def _varlen_values(lay: varlen.VarlenLayout, tile_rows: int = 0, offsets_bad=None) -> tuple:
     """The params' varlen fields (params._VARLEN_FIELDS); ``tile_rows``: the sm90 backward's query tile (its
-    padded per-sequence stats rows and dQ tiles: sm90.varlen_padded_rows)."""
+    padded per-sequence stats rows and dQ tiles: sm90.varlen_padded_rows); ``offsets_bad``: the sm90 ordered
+    backward's int32 flag (kernels_cu/common/varlen.cuh: flag_decreasing_offsets), zeroed."""
     return (lay.cu_seqlens_q.data.ptr, lay.cu_seqlens_k.data.ptr,
             0 if lay.seqused_q is None else lay.seqused_q.data.ptr,
-            0 if lay.seqused_k is None else lay.seqused_k.data.ptr, lay.total_q, lay.total_k, tile_rows)
+            0 if lay.seqused_k is None else lay.seqused_k.data.ptr, lay.total_q, lay.total_k, tile_rows,
+            0 if offsets_bad is None else offsets_bad.data.ptr)
 
 
 def _launch_fwd_varlen(q, k, v, out, lse, lay: varlen.VarlenLayout, *, causal: bool, scale: float,
@@ -441,6 +443,8 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
             extra = (maps,)
     kern, cfg, smem = dkdv
     delta = cupy.zeros((hq, total_q), dtype=np.float32)   # zeros: the unused rows stay 0 (dsinks sums them)
+    # The ordered dQ's guard against unchecked decreasing offsets (a hang otherwise: varlen.cuh).
+    offsets_bad = cupy.zeros(1, dtype=np.int32) if tile_rows and cfg.fam.dq_mode == "ordered" else None
     stats = semaphores = dq_accum = None
     accum_rows, accum_cols, n_semaphores = total_q, d, 0
     if tile_rows:
@@ -464,7 +468,7 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
         accum_rows, accum_cols, accum_rows, n_semaphores,   # every dQ row of a sequence zeroed (varlen.cuh)
         stats.data.ptr if stats is not None else 0, padded,
         *var.param_values(lay.max_seqlen_q, lay.max_seqlen_k, scale), dlse.data.ptr if dlse is not None else 0,
-        *_varlen_values(lay, tile_rows)))
+        *_varlen_values(lay, tile_rows, offsets_bad)))
     max_q = lay.max_seqlen_q
     pkern, pcfg, psmem = pre
     # The preprocess covers each sequence's whole tiles (Hopper: its stats rows).
@@ -473,7 +477,7 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, lay.heads_kv, lay.max_seqlen_k), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, max_q), p, smem)
-    capture.keep_if_capturing(delta, dq_accum, stats, semaphores)
+    capture.keep_if_capturing(delta, dq_accum, stats, semaphores, offsets_bad)
     return delta
 
 

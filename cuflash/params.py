@@ -31,9 +31,9 @@ _MASK_FIELDS = [("mask_diag", _I32), ("window_left", _I32), ("window_right", _I3
 
 # Packed (varlen) batches (kernels_cu/common/params.cuh, CUFLASH_VARLEN_PARAMS), the last fields of both.
 _VARLEN_FIELDS = [("cu_seqlens_q", _P), ("cu_seqlens_k", _P), ("seqused_q", _P), ("seqused_k", _P),
-                  ("total_q", _I32), ("total_k", _I32), ("tile_rows", _I32)]
+                  ("total_q", _I32), ("total_k", _I32), ("tile_rows", _I32), ("offsets_bad", _P)]
 # Their values for a dense call.
-DENSE_VARLEN_VALUES = (0, 0, 0, 0, 0, 0, 0)
+DENSE_VARLEN_VALUES = (0, 0, 0, 0, 0, 0, 0, 0)
 
 FWD_PARAMS = _struct(
     [("q", _P), ("k", _P), ("v", _P), ("o", _P), ("lse", _P)]

@@ -80,6 +80,7 @@ bwd_preprocess_kernel(const BwdParams p) {
         int q_start, seqlen_q;
         packed_rows(p.cu_seqlens_q, p.seqused_q, blockIdx.z, p.total_q, p.seqlen_q, q_start, seqlen_q);
         const int pad_row0 = p.tile_rows > 0 ? padded_row0(q_start, blockIdx.z, p.tile_rows) : 0;
+        flag_decreasing_offsets(p, blockIdx.z);
         bwd_preprocess_body<Tag, kNWarps, true>(p, 0, q_start, seqlen_q, pad_row0, blockIdx.z);
     } else {
         bwd_preprocess_body<Tag, kNWarps, false>(p, blockIdx.z, 0, p.seqlen_q, 0, blockIdx.z);

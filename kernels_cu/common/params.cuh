@@ -30,7 +30,9 @@
     int total_q;              /* packed rows of q (lse: (heads_q, total_q)) and of k */                         \
     int total_k;                                                                                                \
     int tile_rows;            /* sm90 backward: the query tile by which sequences' stats rows and dQ tiles are */ \
-                              /* padded (varlen.cuh: padded_row0); else 0 */
+                              /* padded (varlen.cuh: padded_row0); else 0 */                                   \
+    int* offsets_bad;         /* sm90 ordered backward: set by the preprocess where cu_seqlens_q decreases */     \
+                              /* (varlen.cuh: flag_decreasing_offsets); else null */
 
 // Strides are in elements; the last (head_dim) dimension is contiguous.
 struct FwdParams {

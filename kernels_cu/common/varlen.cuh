@@ -122,3 +122,18 @@ __device__ __forceinline__ void on_cta_sequence(const Params& p, int tile_start,
 __device__ __forceinline__ int padded_row0(int q_start, int batch, int tile_rows) {
     return (q_start / tile_rows + batch) * tile_rows;
 }
+
+// The sm90 ordered (deterministic) backward adds each dQ tile's slices in a fixed order, each key tile waiting
+// for its turn on the tile's semaphore. Sequences' padded tiles are apart only while the clamped q offsets never
+// decrease; unchecked offsets that do could give two sequences one tile and so a turn nobody takes, a hang. The
+// preprocess flags a decrease (one pair per sequence, CTAs of row tile 0 and head 0), and the dK/dV kernel,
+// which runs after it on the stream, then does nothing: wrong gradients, as any bad offset gives, never a hang.
+__device__ __forceinline__ void flag_decreasing_offsets(const BwdParams& p, int batch) {
+    if (p.offsets_bad == nullptr || blockIdx.x != 0 || blockIdx.y != 0 || threadIdx.x != 0) return;
+    const int start = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int next = min(max(p.cu_seqlens_q[batch + 1], 0), p.total_q);
+    if (next < start) *p.offsets_bad = 1;
+}
+__device__ __forceinline__ bool offsets_flagged(const BwdParams& p) {
+    return p.offsets_bad != nullptr && *static_cast<volatile int*>(p.offsets_bad) != 0;
+}

@@ -121,6 +121,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& params, const TmaDesc&
     constexpr bool kVarlen = Variant::kVarlen;
     auto& seq = *reinterpret_cast<BwdSeqShared<Tile>*>(smem.generic(smem.k + Tile::kSmemBytes));   // varlen only
     if constexpr (kVarlen) {
+        if (kDqMode == kDqTileOrdered && offsets_flagged(params)) return;   // varlen.cuh: flag_decreasing_offsets
         if (threadIdx.x == 0) seq.bind(params, blk.batch);
         __syncthreads();
         if (blk.n_block * kBlockN >= seq.params.seqlen_k) return;   // past the sequence's keys (the whole CTA)
