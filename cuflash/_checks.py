@@ -104,7 +104,7 @@ def check_qkv_shapes(q, k, v, allow_dv: bool = False) -> tuple[int, int, int, in
                          f"and v {tuple(v.shape)}")
     if not allow_dv and k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape here, got k {tuple(k.shape)} and v {tuple(v.shape)} (a "
-                         f"head dim of v's own is taken by the forward, not yet by the backward)")
+                         f"head dim of v's own is taken by cuflash.forward / backward, not by this entry point)")
     bk, nk, hkv, dk = k.shape
     if bk != b:
         raise ValueError(f"k and v must have the batch size of q ({b}), got {bk}")
@@ -245,13 +245,17 @@ def _remember(cache: dict, key: tuple, check, *args) -> None:
         cache[key] = True
 
 
-def check_like(name: str, x, ref_name: str, ref) -> None:
-    """``x`` is a CuPy array of exactly ``ref``'s shape, dtype and device (dout, out in backward; dense or packed
-    varlen, as ``ref``)."""
+def check_like(name: str, x, ref_name: str, ref, shape: tuple | None = None) -> None:
+    """``x`` is a CuPy array of exactly ``ref``'s shape (or ``shape``: the backward's dout and out with v's head
+    dim), dtype and device (dout, out in backward; dense or packed varlen, as ``ref``)."""
     check_array(name, x, ndim=ref.ndim)
     check_same(name, x, ref_name, ref)
-    if tuple(x.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
+    if shape is None:
+        if tuple(x.shape) != tuple(ref.shape):
+            raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
+    elif tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of {ref_name} with v's head_dim, {tuple(shape)}, got "
+                         f"{tuple(x.shape)}")
 
 
 def check_lse(lse, shape: tuple, device_id: int, name: str = "lse", layout: str = "(batch, heads_q, seqlen_q)") -> None:
@@ -272,16 +276,16 @@ def check_lse(lse, shape: tuple, device_id: int, name: str = "lse", layout: str 
 _validated_like: dict = {}
 
 
-def check_like_cached(name: str, x, ref_name: str, ref) -> None:
+def check_like_cached(name: str, x, ref_name: str, ref, shape: tuple | None = None) -> None:
     """``check_like`` remembered per signature of ``x`` and of what it must match (the backward's dout
     and out, checked on every call of a training loop)."""
     cupy = _cupy()
     if type(x) is not cupy.ndarray or type(ref) is not cupy.ndarray:
-        return check_like(name, x, ref_name, ref)
+        return check_like(name, x, ref_name, ref, shape)
     mem, ref_mem = x.data, ref.data
     key = (name, ref_name, x.shape, x.strides, x.dtype, mem.device_id, mem.ptr % ALIGN_BYTES, ref.shape, ref.dtype,
-           ref_mem.device_id)
-    _remember(_validated_like, key, check_like, name, x, ref_name, ref)
+           ref_mem.device_id, shape)
+    _remember(_validated_like, key, check_like, name, x, ref_name, ref, shape)
 
 
 def check_lse_cached(lse, shape: tuple, device_id: int, name: str = "lse") -> None:

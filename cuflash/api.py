@@ -13,8 +13,8 @@ import numpy as np
 if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
-from . import (_checks, call_cache, capture, device_check, fp8, heuristics, interop, launch, options, params, sm90,
-               variants, varlen)
+from . import (_checks, call_cache, capture, device_check, fp8, head_dims, heuristics, interop, launch, options, params,
+               sm90, variants, varlen)
 from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -359,10 +359,11 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
             deterministic=deterministic, check_offsets=check_offsets)
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
     dev = lay.device_id
-    _checks.check_like("dout", dout, "q", q)
-    _checks.check_like("out", out, "q", q)
+    out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
+    _checks.check_like("dout", dout, "q", q, out_shape)
+    _checks.check_like("out", out, "q", q, out_shape)
     stat_shape = (lay.heads_q, lay.total_q)
     _checks.check_lse(lse, stat_shape, dev, layout="(heads_q, total_q)")
     if dlse is not None:
@@ -377,6 +378,14 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    if lay.head_dim_v != lay.head_dim_qk:   # as backward: zero padding to one head dim (head_dims.py)
+        (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
+        grads = backward_varlen(dout_p, q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                                softmax_scale=scale, window_size=window_size, attention_chunk=attention_chunk,
+                                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse,
+                                deterministic=deterministic, check_offsets=False)   # checked above
+        return head_dims.deliver(unpad(*grads[:3]), (dq, dk, dv)) + tuple(grads[3:])
     import cupy
 
     try:
@@ -590,9 +599,12 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     log-sum-exp, so the extra memory is O(batch * heads * seqlen * head_dim), never O(seqlen^2).
 
     Args:
-        dout: gradient of the loss with respect to ``out``; shaped and typed like ``q``.
+        dout: gradient of the loss with respect to ``out``; shaped and typed like ``out`` (q's shape with v's
+            head dim).
         q, k, v: the forward's inputs (same layout and dtypes as :func:`forward`).
-        out: the forward's output.
+        out: the forward's output. With v's head dim different from q's, the kernels run at the larger of the
+            two, the narrower arrays padded with zero columns (cuflash/head_dims.py: a copy of them and a sixth
+            more tensor work at (192, 128)).
         lse: the forward's log-sum-exp, float32 ``(batch, heads_q, seqlen_q)``
             (``forward(..., return_lse=True)``).
         causal, softmax_scale, window_size, attention_chunk, softcap, alibi_slopes, sinks: as given to
@@ -634,9 +646,10 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                                        "dlse": dlse}, buffers=("dq", "dk", "dv"),
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS)
-    _checks.check_like_cached("dout", dout, "q", q)
-    _checks.check_like_cached("out", out, "q", q)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS, allow_dv=True)
+    out_shape = (b, nq, hq, v.shape[3])
+    _checks.check_like_cached("dout", dout, "q", q, out_shape)
+    _checks.check_like_cached("out", out, "q", q, out_shape)
     dev = q.data.device_id
     _checks.check_lse_cached(lse, (b, hq, nq), dev)
     scale = _checks.check_scale(softmax_scale, d)
@@ -651,6 +664,13 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    if v.shape[3] != d:   # a value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py)
+        (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
+        grads = backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal, softmax_scale=scale,
+                         window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse, deterministic=deterministic,
+                         _mask_offsets=_mask_offsets)
+        return head_dims.deliver(unpad(*grads[:3]), (dq, dk, dv)) + tuple(grads[3:])
     opts = options.current()
     try:
         grads, recorded = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,

@@ -1,7 +1,6 @@
 """GPU: the forward with a value head dim of its own (Dv != Dqk, issue #43) against the float64 reference, on
 every kernel family, dense and varlen: DeepSeek's (192, 128), (128, 64), Dv above Dqk, the smallest dims and
-the widest. Outputs poisoned, every row compared, lse to its own bound. (The backward with Dv != Dqk is not
-there yet: refused with a ValueError, tested here too.)"""
+the widest. Outputs poisoned, every row compared, lse to its own bound. (The backward: tests/test_dv_bwd.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -76,15 +75,6 @@ def test_varlen(rng, family, dtype, dqk, dv):
         ref_o, ref_lse = attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal)
         assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
         assert_lse_matches(lse, ref_lse, ref_lse.shape)
-
-
-def test_backward_refuses_dv(rng):
-    import cuflash
-
-    q, k, v = _rand(rng, (1, 8, 2, 64), "float16"), _rand(rng, (1, 8, 2, 64), "float16"), _rand(rng, (1, 8, 2, 32), "float16")
-    out, lse = cuflash.forward(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="not yet by the backward"):
-        cuflash.backward(out, q, k, v, out, lse)
 
 
 def kernel_configs(cc: int = 90) -> list:
