@@ -30,6 +30,23 @@ def _parse_shape(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _build_table_kernels(what: str, configs: list, device_id: int) -> None:
+    """Compiles a table's own kernels, saying which failed: such a kernel fails its rows, not the run."""
+    from . import dispatch
+
+    t0, bad = time.time(), []
+    for i, cfg in enumerate(configs):
+        _progress(i, len(configs), cfg)
+        try:
+            dispatch.get_kernel(cfg, device_id)
+        except Exception as e:  # noqa: BLE001 - said below, and the rows that need it fail loudly
+            bad.append(f"{cfg.key()}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    _progress(len(configs), len(configs), None)
+    print(f"  {len(configs) - len(bad)} of {len(configs)} {what} kernels ready in {time.time() - t0:.1f} s")
+    for line in bad:
+        print(f"  FAILED to build {line}")
+
+
 def self_check(device_id: int) -> list[tuple[str, float, float]]:
     """Small cases against the float64 reference: (label, rel err, bound)."""
     import cupy
@@ -279,28 +296,28 @@ def _parse_dist_names(text: str) -> list[str]:
     return names
 
 
-def _parse_variant_rows(text: str) -> tuple:
-    """"window8k,alibi" -> ("window8k", "alibi"); unknown names are an argparse error."""
-    from .bench_variants import rows_by_name
-
+def _row_names(text: str, rows_by_name) -> tuple:
+    """"a,b" -> ("a", "b"), each a row ``rows_by_name`` knows; an unknown name is an argparse error."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     try:
         rows_by_name(names)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return names
+
+
+def _parse_variant_rows(text: str) -> tuple:
+    """"window8k,alibi" -> ("window8k", "alibi") (the variant table's rows)."""
+    from .bench_variants import rows_by_name
+
+    return _row_names(text, rows_by_name)
 
 
 def _parse_varlen_rows(text: str) -> tuple:
-    """"varlen,varlen-causal" -> ("varlen", "varlen-causal"); unknown names are an argparse error."""
+    """"varlen,varlen-causal" -> ("varlen", "varlen-causal") (the varlen table's rows)."""
     from .bench_varlen import rows_by_name
 
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    try:
-        rows_by_name(names)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return names
+    return _row_names(text, rows_by_name)
 
 
 def _parse_varlen_shape(text: str) -> str:
@@ -521,34 +538,14 @@ def main(argv=None) -> int:
     if args.variants:   # the variants' kernels: one that does not build fails its rows, not the run
         from .bench_variants import kernel_configs, rows_by_name
 
-        extra = [c for c in kernel_configs(cc, rows_by_name(args.rows)) if c not in needed]
-        t0, bad = time.time(), []
-        for i, cfg in enumerate(extra):
-            _progress(i, len(extra), cfg)
-            try:
-                dispatch.get_kernel(cfg, dev.id)
-            except Exception as e:  # noqa: BLE001 - said below, and the rows that need it fail loudly
-                bad.append(f"{cfg.key()}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
-        _progress(len(extra), len(extra), None)
-        print(f"  {len(extra) - len(bad)} of {len(extra)} variant kernels ready in {time.time() - t0:.1f} s")
-        for line in bad:
-            print(f"  FAILED to build {line}")
-    if args.varlen:   # the varlen kernels: one that does not build fails its rows, not the run
+        _build_table_kernels("variant", [c for c in kernel_configs(cc, rows_by_name(args.rows)) if c not in needed],
+                             dev.id)
+    if args.varlen:   # the varlen kernels: the same
         from .bench_varlen import kernel_configs, rows_from_args
 
-        extra = [c for c in kernel_configs(cc, rows_from_args(args.varlen_rows, args.varlen_shape))
-                 if c not in needed]
-        t0, bad = time.time(), []
-        for i, cfg in enumerate(extra):
-            _progress(i, len(extra), cfg)
-            try:
-                dispatch.get_kernel(cfg, dev.id)
-            except Exception as e:  # noqa: BLE001 - said below, and the rows that need it fail loudly
-                bad.append(f"{cfg.key()}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
-        _progress(len(extra), len(extra), None)
-        print(f"  {len(extra) - len(bad)} of {len(extra)} varlen kernels ready in {time.time() - t0:.1f} s")
-        for line in bad:
-            print(f"  FAILED to build {line}")
+        _build_table_kernels("varlen", [c for c in kernel_configs(cc, rows_from_args(args.varlen_rows,
+                                                                                      args.varlen_shape))
+                                        if c not in needed], dev.id)
 
     print("self-check against the float64 reference:")
     ok = True

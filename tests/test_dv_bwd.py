@@ -7,19 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, dtype_of, poisoned, requires_gpu
+from conftest import BWD_TOL, poisoned, requires_gpu
+from test_dv_fwd import _rand
 from test_variants import _assert_rows
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
 PAIRS = [(192, 128), (128, 64), (64, 128), (8, 24)]
 FAMILIES = [({}, "bfloat16"), ({"fwd_backend": "sm80", "bwd_backend": "sm80"}, "float16"), ({}, "float32")]
-
-
-def _rand(rng, shape, dtype):
-    import cupy
-
-    return cupy.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype_of(dtype)))
 
 
 @pytest.mark.parametrize("family,dtype", FAMILIES)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BWD_TOL, poisoned, requires_gpu
 from test_variants import _assert_rows
-from test_varlen_fwd import LENGTHS_K, LENGTHS_Q, _packed
+from test_varlen_fwd import LENGTHS_K, LENGTHS_Q, _packed, variant_arguments
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
@@ -84,20 +84,9 @@ def test_seqused_and_dlse(rng, dtype):
                                 dict(causal=True, attention_chunk=48), dict(alibi="batch"),
                                 dict(causal=True, alibi="heads", sinks=True)])
 def test_variants(rng, kw):
-    import cupy
-
-    kw = dict(kw)
-    hq = 4
-    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, hq, 2, 64, "float16")
-    batch = len(LENGTHS_Q)
-    if kw.get("alibi") == "batch":
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, (batch, hq)).astype(np.float32))
-    elif kw.get("alibi") == "heads":
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, hq).astype(np.float32))
-    kw.pop("alibi", None)
-    if kw.pop("sinks", False):
-        kw["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
-    _grads(rng, q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, "float16", with_dlse=True, **kw)
+    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, 64, "float16")
+    _grads(rng, q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, "float16", with_dlse=True,
+           **variant_arguments(rng, kw, 4, len(LENGTHS_Q)))
 
 
 def test_long_sequences(rng):

@@ -100,22 +100,25 @@ def test_seqused(rng, dtype):
                                 dict(causal=True, attention_chunk=48), dict(alibi="batch"),
                                 dict(causal=True, alibi="heads", sinks=True)])
 def test_variants(rng, family, kw):
-    import cupy
     import cuflash
 
     cuflash.options.set(**family)
+    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, 64, "float16")
+    _run(q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, "float16", **variant_arguments(rng, kw, 4, len(LENGTHS_Q)))
+
+
+def variant_arguments(rng, kw: dict, hq: int, batch: int) -> dict:
+    """The case's variant arguments with its ALiBi slopes ("batch": (batch, hq); "heads": (hq,)) and sinks drawn."""
+    import cupy
+
     kw = dict(kw)
-    hq = 4
-    q, k, v, cu_q, cu_k = _packed(rng, LENGTHS_Q, LENGTHS_K, hq, 2, 64, "float16")
-    batch = len(LENGTHS_Q)
-    if kw.get("alibi") == "batch":
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, (batch, hq)).astype(np.float32))
-    elif kw.get("alibi") == "heads":
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, hq).astype(np.float32))
-    kw.pop("alibi", None)
+    alibi = kw.pop("alibi", None)
+    if alibi:
+        shape = (batch, hq) if alibi == "batch" else (hq,)
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, shape).astype(np.float32))
     if kw.pop("sinks", False):
         kw["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
-    _run(q, k, v, cu_q, cu_k, LENGTHS_Q, LENGTHS_K, "float16", **kw)
+    return kw
 
 
 @pytest.mark.parametrize("dist", ["outlier12", "sharp", "sink"])

@@ -57,17 +57,23 @@ __device__ __forceinline__ void bind_mask(Params& s, const SeqSpan& span, int ba
     s.alibi_batch_stride = 0;   // whatever batch index the kernel passes on
 }
 
+// The fields both params have: q, k, v and o at the sequence's first rows, lse at its first of each head's row,
+// the mask's lengths and diagonal. kElemBytes: the bytes of an element of q, k, v and o.
+template <int kElemBytes, class Params>
+__device__ __forceinline__ void bind_common(Params& s, const SeqSpan& span, int batch) {
+    s.q = rows_from<kElemBytes>(s.q, s.q_row_stride, span.q_start);
+    s.k = rows_from<kElemBytes>(s.k, s.k_row_stride, span.k_start);
+    s.v = rows_from<kElemBytes>(s.v, s.v_row_stride, span.k_start);
+    s.o = rows_from<kElemBytes>(s.o, s.o_row_stride, span.q_start);
+    if (s.lse != nullptr) s.lse += span.q_start;
+    bind_mask(s, span, batch);
+}
+
 // Sequence `batch` of a varlen forward as a dense problem of batch 1 (the kernel then passes batch 0).
-// kElemBytes: the bytes of an element of q, k, v and o.
 template <int kElemBytes>
 __device__ __forceinline__ FwdParams seq_params(const FwdParams& p, const SeqSpan& span, int batch) {
     FwdParams s = p;
-    s.q = rows_from<kElemBytes>(p.q, p.q_row_stride, span.q_start);
-    s.k = rows_from<kElemBytes>(p.k, p.k_row_stride, span.k_start);
-    s.v = rows_from<kElemBytes>(p.v, p.v_row_stride, span.k_start);
-    s.o = rows_from<kElemBytes>(p.o, p.o_row_stride, span.q_start);
-    if (p.lse != nullptr) s.lse = p.lse + span.q_start;
-    bind_mask(s, span, batch);
+    bind_common<kElemBytes>(s, span, batch);
     return s;
 }
 
@@ -76,19 +82,14 @@ __device__ __forceinline__ FwdParams seq_params(const FwdParams& p, const SeqSpa
 template <int kElemBytes>
 __device__ __forceinline__ BwdParams seq_params(const BwdParams& p, const SeqSpan& span, int batch) {
     BwdParams s = p;
-    s.q = rows_from<kElemBytes>(p.q, p.q_row_stride, span.q_start);
-    s.k = rows_from<kElemBytes>(p.k, p.k_row_stride, span.k_start);
-    s.v = rows_from<kElemBytes>(p.v, p.v_row_stride, span.k_start);
-    s.o = rows_from<kElemBytes>(p.o, p.o_row_stride, span.q_start);
+    bind_common<kElemBytes>(s, span, batch);
     s.dout = rows_from<kElemBytes>(p.dout, p.do_row_stride, span.q_start);
     s.dq = rows_from<kElemBytes>(p.dq, p.dq_row_stride, span.q_start);
     s.dk = rows_from<kElemBytes>(p.dk, p.dk_row_stride, span.k_start);
     s.dv = rows_from<kElemBytes>(p.dv, p.dv_row_stride, span.k_start);
-    s.lse = p.lse + span.q_start;
     if (p.delta != nullptr) s.delta = p.delta + span.q_start;
     if (p.dlse != nullptr) s.dlse = p.dlse + span.q_start;
     if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + static_cast<i64>(span.q_start) * p.dq_accum_cols;
-    bind_mask(s, span, batch);
     return s;
 }
 
