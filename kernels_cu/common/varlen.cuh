@@ -104,10 +104,17 @@ __device__ __forceinline__ i64 stat_offset(const Params& p, int batch, int head)
 
 // A kernel's body on its CTA's problem: with kVarlen, the params of sequence blockIdx.z (seq_params), unless the
 // CTA's tile starts at or past that sequence's end (tile_start: its first query row, kQueryTiles, or key), where it
-// leaves at once (the grid covers the longest sequence); else p itself.
-template <bool kVarlen, int kElemBytes, bool kQueryTiles, class Params, class Body>
+// leaves at once (the grid covers the longest sequence); else p itself. kShared: the sequence's params in static
+// shared memory, read where used (a kernel whose registers are all taken: held in registers, they spill).
+template <bool kVarlen, int kElemBytes, bool kQueryTiles, bool kShared = false, class Params, class Body>
 __device__ __forceinline__ void on_cta_sequence(const Params& p, int tile_start, Body&& body) {
-    if constexpr (kVarlen) {
+    if constexpr (kVarlen && kShared) {
+        __shared__ Params bound;
+        if (threadIdx.x == 0) bound = seq_params<kElemBytes>(p, seq_span(p, blockIdx.z), blockIdx.z);
+        __syncthreads();
+        if (tile_start >= (kQueryTiles ? bound.seqlen_q : bound.seqlen_k)) return;
+        body(bound);
+    } else if constexpr (kVarlen) {
         const SeqSpan span = seq_span(p, blockIdx.z);
         if (tile_start >= (kQueryTiles ? span.seqlen_q : span.seqlen_k)) return;
         body(seq_params<kElemBytes>(p, span, blockIdx.z));

@@ -361,7 +361,7 @@ __device__ const int bwd_dq_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockM, k
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32)
 bwd_dkdv_kernel(const BwdParams p) {
-    on_cta_sequence<Variant::kVarlen, 4, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
+    on_cta_sequence<Variant::kVarlen, 4, false, true>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
         bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
     });
 }
