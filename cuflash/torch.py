@@ -40,7 +40,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             head_dim a multiple of 8 up to 256. Any strides (a copy is made only where the last
             dimension is not contiguous or a stride is not a multiple of 16 bytes).
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device;
-            heads_q % heads_kv == 0 (GQA / MQA).
+            heads_q % heads_kv == 0 (GQA / MQA); v may have a head dim of its own (the output then has it).
         dropout_p: must be 0.0 (no dropout in cuflash's kernels).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
@@ -90,10 +90,22 @@ def _check_inputs(q, k, v) -> int:
     """Checks q, k, v from their metadata alone (so it also runs on fake tensors while
     ``torch.compile`` traces); returns head_dim."""
     _check_tensors(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
-    head_dim = _checks.check_qkv_shapes(q, k, v)[-1]
+    head_dim = _checks.check_qkv_shapes(q, k, v, allow_dv=True)[-1]
+    _check_head_dims(head_dim, v.shape[-1])
+    return head_dim
+
+
+def _check_head_dims(head_dim: int, head_dim_v: int) -> None:
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims."""
     if head_dim not in api.HEAD_DIMS:
         raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {head_dim}")
-    return head_dim
+    if head_dim_v not in api.HEAD_DIMS:
+        raise ValueError(f"v's head_dim must be a multiple of 8 from 8 to 256, got {head_dim_v}")
+
+
+def _out_shape(q: Tensor, v: Tensor) -> tuple:
+    """The output's shape: q's, with v's head dim."""
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
 
 
 def _check_tensors(q, k, v, ndim: int, layout: str) -> None:
@@ -135,7 +147,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         q: ``(total_q, heads_q, head_dim)`` CUDA tensor, float16, bfloat16 or float32; head_dim a
             multiple of 8 up to 256. Any strides (a copy is made only where the last dimension is not
             contiguous or a stride is not a multiple of 16 bytes).
-        k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
+        k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0; v may have
+            a head dim of its own (the output then has it).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device: the offsets of the sequences'
             first rows, 0 first and the totals last (not differentiated).
         max_seqlen_q, max_seqlen_k: Python ints, at least every sequence's length.
@@ -203,15 +216,14 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused
     """Checks the packed q, k, v and the offsets from their metadata alone (never the offsets' values,
     which cuflash.forward_varlen checks in eager calls); returns head_dim."""
     _check_tensors(q, k, v, 3, "(total, heads, head_dim)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), "
-                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same shape in (total_k, heads_kv), got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     _, heads_q, head_dim = q.shape
     if k.shape[2] != head_dim:
-        raise ValueError(f"k and v must have the head_dim of q ({head_dim}), got {k.shape[2]}")
+        raise ValueError(f"k must have the head_dim of q ({head_dim}), got {k.shape[2]}")
     _checks.check_heads(heads_q, k.shape[1])
-    if head_dim not in api.HEAD_DIMS:
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {head_dim}")
+    _check_head_dims(head_dim, v.shape[2])
     for name, x, shape in (("cu_seqlens_q", cu_seqlens_q, "(batch + 1,)"), ("cu_seqlens_k", cu_seqlens_k,
                            "(batch + 1,)"), ("seqused_q", seqused_q, "(batch,)"), ("seqused_k", seqused_k, "(batch,)")):
         if x is None and name.startswith("seqused"):
@@ -269,9 +281,9 @@ def _kernel_ready(x: Tensor) -> Tensor:
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
                       window_right: int, attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)``: out ``(B, Nq, Hq, D)`` like q (contiguous), lse float32 ``(B, Hq, Nq)``."""
+    """``(out, lse)``: out ``(B, Nq, Hq, Dv)`` (contiguous, q's dtype), lse float32 ``(B, Hq, Nq)``."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    out = q.new_empty(q.shape)
+    out = q.new_empty(_out_shape(q, v))
     return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
                        attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=_detached(alibi_slopes),
                        sinks=_detached(sinks), return_lse=True, out=out)
@@ -281,7 +293,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, cau
 def _attention_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, attention_chunk, softcap,
                             alibi_slopes, sinks, deterministic):
     b, nq, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, hq, nq), dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=())
@@ -343,9 +355,9 @@ def attention_forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              seqused_k: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
                              window_right: int, attention_chunk: int, softcap: float, alibi_slopes: Optional[Tensor],
                              deterministic: bool, check_offsets: Optional[bool]) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)``: out ``(total_q, Hq, D)`` like q (contiguous), lse float32 ``(Hq, total_q)``."""
+    """``(out, lse)``: out ``(total_q, Hq, Dv)`` (contiguous, q's dtype), lse float32 ``(Hq, total_q)``."""
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    out = q.new_empty(q.shape)
+    out = q.new_empty(_out_shape(q, v))
     return api.forward_varlen(q, k, v, _index(cu_seqlens_q), _index(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                               seqused_q=_index(seqused_q), seqused_k=_index(seqused_k), causal=causal,
                               softmax_scale=softmax_scale, window_size=(window_left, window_right),
@@ -358,7 +370,7 @@ def _attention_forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    seqused_k, softmax_scale, causal, window_left, window_right, attention_chunk,
                                    softcap, alibi_slopes, deterministic, check_offsets):
     total_q, hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v)), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("cuflash::attention_backward_varlen", mutates_args=())

@@ -348,3 +348,47 @@ def test_compile_on_gpu():
     torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-6)
     for g, e in zip(got_grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=2e-2, atol=1e-4)
+
+
+def test_value_head_dim_fake_shapes_on_meta():
+    """A head dim of v's own: the ops' outputs take it (dense and packed), the gradients keep each input's shape."""
+    q, k, v = _meta((2, 9, HQ, 192), torch.bfloat16, True), _meta((2, 11, HKV, 192), torch.bfloat16, True), \
+        _meta((2, 11, HKV, 128), torch.bfloat16, True)
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, 0.1, True, -1, -1, 0, 0.0, None, None, False)
+    assert out.shape == (2, 9, HQ, 128) and lse.shape == (2, HQ, 9)
+    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    cu = _meta((3,), torch.int32)
+    out, lse = torch.ops.cuflash.attention_forward_varlen(q[0], k[0], v[0], cu, cu, 9, 11, None, None, 0.1, False, -1,
+                                                          -1, 0, 0.0, None, False, None)
+    assert out.shape == (9, HQ, 128) and lse.shape == (HQ, 9)
+
+
+@requires_torch_cuda
+@requires_gpu
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128)])
+def test_value_head_dim_against_reference(dqk, dv):
+    """flash_attn_func and flash_attn_varlen_func with v's own head dim: out and the gradients against float64."""
+    import cupy
+    from cuflash.reference import attention_reference_backward, attention_reference_varlen_backward
+
+    gen = torch.Generator(device="cuda").manual_seed(dqk + dv)
+    q = torch.randn(2, 67, HQ, dqk, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    k = torch.randn(2, 93, HKV, dqk, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    v = torch.randn(2, 93, HKV, dv, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    out = ct.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref = attention_reference_backward(*(cupy.asarray(x.detach().float()) for x in (dout, q, k, v)), causal=True)
+    for g, r in zip((q.grad, k.grad, v.grad), ref):
+        assert rel_err_gpu(cupy.asarray(g.float()), cupy.asarray(r)) <= BWD_TOL["bfloat16"]
+    cu = torch.tensor([0, 67, 134], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 93, 186], dtype=torch.int32, device="cuda")
+    qp, kp, vp = (x.detach().reshape(-1, *x.shape[2:]).requires_grad_() for x in (q, k, v))
+    outp = ct.flash_attn_varlen_func(qp, kp, vp, cu, cu_k, 67, 93, causal=True)
+    outp.backward(dout.reshape(outp.shape))
+    refp = attention_reference_varlen_backward(*(cupy.asarray(x.detach().float()) for x in (dout.reshape(outp.shape),
+                                                                                           qp, kp, vp)),
+                                               cupy.asarray(cu), cupy.asarray(cu_k), causal=True)
+    for g, r in zip((qp.grad, kp.grad, vp.grad), refp):
+        assert rel_err_gpu(cupy.asarray(g.float()), cupy.asarray(r)) <= BWD_TOL["bfloat16"]
