@@ -107,10 +107,22 @@ def _check_inputs(q, k, v) -> int:
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
-    d = _checks.check_qkv_shapes(q, k, v)[-1]
+    d = _checks.check_qkv_shapes(q, k, v, allow_dv=True)[-1]
+    _check_head_dims(d, v.shape[-1])
+    return d
+
+
+def _check_head_dims(d: int, dv: int) -> None:
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims."""
     if d not in HEAD_DIMS:
         raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
-    return d
+    if dv not in HEAD_DIMS:
+        raise ValueError(f"v's head_dim must be a multiple of 8 from 8 to 256, got {dv}")
+
+
+def _out_shape(q, v) -> tuple:
+    """The output's shape: q's, with v's head dim."""
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -148,11 +160,11 @@ def _forward(q, k, v, alibi_slopes, sinks, opts: _Opts):
         lse = jnp.full(lse_shape, -jnp.inf, jnp.float32)
         if sinks is not None:
             lse = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse_shape)
-        return jnp.zeros(q.shape, q.dtype), lse
+        return jnp.zeros(_out_shape(q, v), q.dtype), lse
     extra, flags = _extras(alibi_slopes, sinks)
     method = "broadcast_all" if not extra else "sequential"
     call = jax.ffi.ffi_call(jax_targets.FORWARD,
-                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+                            (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
                             vmap_method=method)
     out, lse = call(q, k, v, *extra, **opts.attrs(), **flags)
     return out, lse
@@ -284,15 +296,13 @@ def _check_varlen_inputs(q, k, v) -> int:
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (total_k, heads_kv, head_dim), got k {k.shape} and "
-                         f"v {v.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same shape in (total_k, heads_kv), got k {k.shape} and v {v.shape}")
     d = q.shape[2]
     if k.shape[2] != d:
         raise ValueError(f"k must have the head_dim of q ({d}), got {k.shape[2]}")
     _checks.check_heads(q.shape[1], k.shape[1])
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
+    _check_head_dims(d, v.shape[2])
     return d
 
 
@@ -405,12 +415,12 @@ def _forward_varlen(q, k, v, offsets: tuple, alibi_slopes, sinks, opts: _VarlenO
         lse = jnp.full(lse_shape, -jnp.inf, jnp.float32)
         if sinks is not None:   # as cuflash.forward_varlen: every row's lse is its head's sink
             lse = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], lse_shape)
-        return jnp.zeros(q.shape, q.dtype), lse
+        return jnp.zeros(_out_shape(q, v), q.dtype), lse
     index, index_flags = _offset_operands(offsets)
     extra, flags = _extras(alibi_slopes, sinks)
     # Sequential under vmap: each mapped element has its own offsets, so they cannot merge into one batch.
     call = jax.ffi.ffi_call(jax_targets.FORWARD_VARLEN,
-                            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+                            (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
                             vmap_method="sequential")
     out, lse = call(q, k, v, *index, *extra, **opts.attrs(), **index_flags, **flags)
     return out, lse

@@ -135,10 +135,11 @@ def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float, wind
     """
     from . import _checks, api, variants
 
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, api.HEAD_DIMS)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, api.HEAD_DIMS, allow_dv=True)
+    out_shape = (b, nq, hq, v.shape[3])
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.data.device_id
-    _checks.check_out_cached("out", out, q.shape, q.dtype, dev)
+    _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
     _checks.check_lse_cached(lse, (b, hq, nq), dev)
     var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b,
                                   heads_q=hq, device_id=dev, q_dtype=q.dtype)
@@ -147,7 +148,7 @@ def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float, wind
         api._launch_fwd(q, k, v, o, l_, causal=causal, scale=scale, dims=(b, nq, nk, hq, hkv, d), device_id=dev,
                         var=var)
 
-    api._run_forward(launch, out, q.shape, q.dtype, (b, hq, nq), nk, True, dev, lse, var.sinks)
+    api._run_forward(launch, out, out_shape, q.dtype, (b, hq, nq), nk, True, dev, lse, var.sinks)
 
 
 def cuda_forward(call: Call) -> None:

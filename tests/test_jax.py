@@ -480,3 +480,23 @@ def test_variants_under_jit_and_grad(kwargs, platform):
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
         err = rel_err(_f64(g), r)
         assert err <= tol_g[dtype], f"{name} rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_value_head_dim_of_its_own(rng, device, dqk, dv, causal):
+    """v with a head dim of its own: the output takes it; values and gradients against float64 under jit."""
+    b, nq, nk, hq, hkv = 2, 37, 53, 4, 2
+    dt = JNP_DTYPES["bfloat16"]
+    q, k, v, dout = (jax.device_put(jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(dt), device)
+                     for s in ((b, nq, hq, dqk), (b, nk, hkv, dqk), (b, nk, hkv, dv), (b, nq, hq, dv)))
+    f = jax.jit(lambda q, k, v: cj.dot_product_attention(q, k, v, causal=causal))
+    out, pullback = jax.vjp(f, q, k, v)
+    assert out.shape == (b, nq, hq, dv)
+    grads = pullback(dout)
+    ref_out, _ = attention_reference(_f64(q), _f64(k), _f64(v), causal=causal)
+    ref_grads = attention_reference_backward(_f64(dout), _f64(q), _f64(k), _f64(v), causal=causal)
+    assert rel_err(_f64(out), ref_out) <= FWD_TOL["bfloat16"]
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.shape == r.shape and np.linalg.norm(_f64(g) - r) <= BWD_TOL["bfloat16"] * np.linalg.norm(r), f"d{name}"

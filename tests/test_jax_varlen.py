@@ -146,7 +146,8 @@ def _error_cases():
     return [
         (dict(q=(1, tq, HQ, D)), ValueError, r"q must have 3 dimensions \(total_q, heads_q, head_dim\)"),
         (dict(k=(tk, 3, D), v=(tk, 3, D)), ValueError, "multiple of heads_kv"),
-        (dict(v=(tk, HKV, 32)), ValueError, "k and v must have the same shape"),
+        (dict(v=(tk + 1, HKV, D)), ValueError, "k and v must have the same shape"),
+        (dict(v=(tk, HKV, 36)), ValueError, "v's head_dim must be a multiple of 8"),
         (dict(q=(tq, HQ, 60), k=(tk, HKV, 60), v=(tk, HKV, 60)), ValueError, "head_dim must be a multiple of 8"),
         (dict(dtype="int32"), TypeError, "float16, bfloat16 or float32"),
         (dict(cu_dtype="float32"), TypeError, "cu_seqlens_q must be int32, got float32"),
