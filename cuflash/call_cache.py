@@ -112,12 +112,14 @@ _STREAM, _DEVICE, OPTIONS_TOKEN = -3, -2, -1
 
 
 class RecordedCall:
-    """A recorded forward launch and the output / lse addresses its arguments hold."""
+    """A recorded forward launch, the output / lse addresses its arguments hold and the output's shape (q's
+    with v's head dim: not q's where v has a head dim of its own)."""
 
-    __slots__ = ("launch", "out_ptr", "lse_ptr", "lse_shape")
+    __slots__ = ("launch", "out_ptr", "out_shape", "lse_ptr", "lse_shape")
 
-    def __init__(self, launch, out_ptr: int, lse_ptr: int, lse_shape) -> None:
-        self.launch, self.out_ptr, self.lse_ptr, self.lse_shape = launch, out_ptr, lse_ptr, lse_shape
+    def __init__(self, launch, out_ptr: int, out_shape: tuple, lse_ptr: int, lse_shape) -> None:
+        self.launch, self.out_ptr, self.out_shape = launch, out_ptr, out_shape
+        self.lse_ptr, self.lse_shape = lse_ptr, lse_shape
 
     def replay(self, key: tuple, q, out, return_lse: bool):
         """``(launched, out, lse)``: allocates what the caller did not give (``lse`` None unless
@@ -126,7 +128,7 @@ class RecordedCall:
         and records anew)."""
         # The current device (in the key) is q's: a call is recorded only then. (A key exists, so CuPy is bound.)
         if out is None:
-            out = _empty(q.shape, dtype=q.dtype)
+            out = _empty(self.out_shape, dtype=q.dtype)
         lse = _empty(self.lse_shape, dtype=np.float32) if return_lse else None
         if out.data.ptr != self.out_ptr or (lse is not None and lse.data.ptr != self.lse_ptr):
             return False, out, lse
@@ -178,8 +180,8 @@ class CallCache(dict):
             return
         if len(self) >= CALLS_MAX:
             self.clear()
-        self[key] = (RecordedCall(launch, out.data.ptr, lse.data.ptr, lse.shape) if lse is not None
-                     else RecordedCall(launch, out.data.ptr, 0, None))
+        self[key] = RecordedCall(launch, out.data.ptr, out.shape, *((lse.data.ptr, lse.shape) if lse is not None
+                                                                    else (0, None)))
 
 
 class BackwardCallCache(dict):

@@ -77,6 +77,24 @@ def test_varlen(rng, family, dtype, dqk, dv):
         assert_lse_matches(lse, ref_lse, ref_lse.shape)
 
 
+def test_repeated_calls_keep_the_output_shape(rng):
+    """The call cache's replays allocate the output with v's head dim (a replay once allocated q's shape)."""
+    import cupy
+    import cuflash
+    from cuflash import api
+    from cuflash.reference import attention_reference
+
+    q, k, v = _rand(rng, (1, 77, 2, 192), "bfloat16"), _rand(rng, (1, 77, 1, 192), "bfloat16"), \
+        _rand(rng, (1, 77, 1, 128), "bfloat16")
+    ref_o, _ = attention_reference(q, k, v, causal=True)
+    for _ in range(3):   # the first call records, the others replay (the freed output's block comes back)
+        o = cuflash.forward(q, k, v, causal=True)
+        assert o.shape == (1, 77, 2, 128)
+        assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+        del o
+    assert len(api._fwd_calls) >= 1
+
+
 def kernel_configs(cc: int = 90) -> list:
     """The forward KernelConfigs this file's cases run (dev/precompile.py's varlen_tests group)."""
     from cuflash import heuristics
