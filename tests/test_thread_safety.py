@@ -147,6 +147,7 @@ def test_call_cache_bounded_under_threads(monkeypatch):
     class _Out:
         def __init__(self, ptr):
             self.data = type("D", (), {"ptr": ptr})()
+            self.shape = (1,)
 
     def worker(i):
         for j in range(2000):
