@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, jax_targets, variants, xla_ffi
+from . import _checks, jax_targets, variants, varlen, xla_ffi
 from .api import HEAD_DIMS
 from .varlen import INDEX_DTYPE
 
@@ -247,7 +247,7 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
     batch = _check_offsets_shapes(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_totals(batch, total_q, k.shape[0], max_q, max_k)
+    varlen.check_totals(batch, total_q, k.shape[0], max_q, max_k)
     _checks.check_limits(batch, max_q, max_k, hq, k.shape[1])
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
@@ -339,21 +339,6 @@ def _check_max_seqlen(name: str, value) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return int(value)
-
-
-def _check_totals(batch: int, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
-    """What the shapes alone say of the offsets (as ``cuflash.varlen.check_varlen``): int32 offsets reach the
-    totals, and batch lengths of at most max_seqlen each sum to them."""
-    for side, total, mx in (("q", total_q, max_q), ("k", total_k, max_k)):
-        if total > _checks.INT32_MAX:
-            raise ValueError(f"total_{side} ({side}.shape[0]) must be <= {_checks.INT32_MAX}: cu_seqlens_{side} "
-                             f"is int32, got {total}")
-        if batch == 0 and total:
-            raise ValueError(f"cu_seqlens_{side} has length 1 (no sequences), so total_{side} = {side}.shape[0] "
-                             f"must be 0, got {total}")
-        if total > batch * mx:
-            raise ValueError(f"max_seqlen_{side} ({mx}) is smaller than a sequence: {batch} sequences of at most "
-                             f"{mx} tokens cannot pack total_{side} = {side}.shape[0] = {total}")
 
 
 def _check_alibi_and_sinks(alibi_slopes, sinks, batch: int, hq: int, dtype) -> tuple:

@@ -140,20 +140,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
 
-    # What the shapes alone say of the offsets (no copy): int32 offsets reach the totals, and
-    # batch lengths of at most max_seqlen each sum to the total.
-    for side, total, mx in (("q", total_q, max_q), ("k", total_k, max_k)):
-        if total > _checks.INT32_MAX:
-            raise ValueError(f"total_{side} ({side}.shape[0]) must be <= {_checks.INT32_MAX}: cu_seqlens_{side} "
-                             f"is int32, got {total}")
-        if batch == 0 and total:
-            raise ValueError(f"cu_seqlens_{side} has length 1 (no sequences), so its one offset must be 0 and "
-                             f"total_{side} = {side}.shape[0] = {total}: pass {side} with 0 rows or the offsets "
-                             f"of its sequences")
-        if total > batch * mx:
-            raise ValueError(f"max_seqlen_{side} ({mx}) is smaller than a sequence: {batch} sequences of at most "
-                             f"{mx} tokens cannot pack total_{side} = {side}.shape[0] = {total} "
-                             f"(cu_seqlens_{side} has length {batch + 1})")
+    check_totals(batch, total_q, total_k, max_q, max_k)
     _checks.check_limits(batch, max_q, max_k, hq, hkv)
 
     if check_offsets is None:
@@ -169,6 +156,24 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         validate_offsets(cu_q, cu_k, total_q, total_k, max_q, max_k, su_q, su_k)
     return VarlenLayout(batch, total_q, total_k, hq, hkv, d, dv, max_q, max_k, cu_seqlens_q, cu_seqlens_k,
                         seqused_q, seqused_k, dev, bool(check_offsets))
+
+
+def check_totals(batch: int, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """What the shapes alone say of the offsets (no copy): int32 offsets reach the totals, and ``batch`` lengths of
+    at most max_seqlen each sum to them. ValueError naming the argument otherwise (the JAX wrapper's trace-time
+    checks call it too)."""
+    for side, total, mx in (("q", total_q, max_q), ("k", total_k, max_k)):
+        if total > _checks.INT32_MAX:
+            raise ValueError(f"total_{side} ({side}.shape[0]) must be <= {_checks.INT32_MAX}: cu_seqlens_{side} "
+                             f"is int32, got {total}")
+        if batch == 0 and total:
+            raise ValueError(f"cu_seqlens_{side} has length 1 (no sequences), so its one offset must be 0 and "
+                             f"total_{side} = {side}.shape[0] = {total}: pass {side} with 0 rows or the offsets "
+                             f"of its sequences")
+        if total > batch * mx:
+            raise ValueError(f"max_seqlen_{side} ({mx}) is smaller than a sequence: {batch} sequences of at most "
+                             f"{mx} tokens cannot pack total_{side} = {side}.shape[0] = {total} "
+                             f"(cu_seqlens_{side} has length {batch + 1})")
 
 
 def validate_offsets(cu_q: np.ndarray, cu_k: np.ndarray, total_q: int, total_k: int, max_seqlen_q: int,
