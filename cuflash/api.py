@@ -424,7 +424,7 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
                        opts: Optional[options.Options] = None):
     """Launches the varlen backward on the current stream: the preprocess, the dK/dV kernel (Hopper: with
     its dQ tiles; portable: with dQ sums or a dQ kernel after), then the postprocess. Returns delta
-    ``(heads_q, total_q)`` float32 (0 outside the used rows).
+    ``(heads_q, total_q)`` float32 (with sinks, 0 outside the used rows).
 
     The Hopper kernel keeps each sequence's stats rows (lse2, delta) and dQ tiles in whole query tiles from
     its padded row (kernels_cu/common/varlen.cuh: padded_row0; sm90.varlen_padded_rows): ``tile_rows`` is its
@@ -451,7 +451,8 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
         else:
             extra = (maps,)
     kern, cfg, smem = dkdv
-    delta = cupy.zeros((hq, total_q), dtype=np.float32)   # zeros: the unused rows stay 0 (dsinks sums them)
+    # delta's rows outside every sequence are never written: zeros where dsinks sums over all rows (with sinks).
+    delta = (cupy.zeros if var.sinks is not None else cupy.empty)((hq, total_q), dtype=np.float32)
     # The ordered dQ's guard against unchecked decreasing offsets (a hang otherwise: varlen.cuh).
     offsets_bad = cupy.zeros(1, dtype=np.int32) if tile_rows and cfg.fam.dq_mode == "ordered" else None
     stats = semaphores = dq_accum = None
