@@ -84,7 +84,8 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
                             softcap=softcap, return_lse=return_lse)
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS, allow_dv=True)
+    opts = options.current()
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims)
     out_shape = (b, nq, hq, v.shape[3])
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
@@ -97,8 +98,6 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
         # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
         _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
-
-    opts = options.current()
 
     def launch_fn(o, l_):
         prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
@@ -246,8 +245,10 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                             max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                             return_lse=return_lse, check_offsets=check_offsets)
+    opts = options.current()
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
+                              large_head_dims=opts.large_head_dims)
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     scale = _checks.check_scale(softmax_scale, lay.head_dim_qk)
     causal = _checks.check_flag("causal", causal)
@@ -647,7 +648,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                                        "dlse": dlse}, buffers=("dq", "dk", "dv"),
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, HEAD_DIMS, allow_dv=True)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
     out_shape = (b, nq, hq, v.shape[3])
     _checks.check_like_cached("dout", dout, "q", q, out_shape)
     _checks.check_like_cached("out", out, "q", q, out_shape)

@@ -11,7 +11,7 @@ DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float", 
 
 DIRECTIONS = ("fwd", "bwd", "aux")
 BACKENDS = ("sm80", "simt", "sm90", "aux")
-SCHEDULES = ("simple", "overlap")
+SCHEDULES = ("simple", "overlap", "split")
 DQ_MODES = ("atomic", "kernel", "tile", "ordered")
 # The dQ modes whose float32 sums are laid out in query tiles (bwd_postprocess_tiled converts them).
 TILED_DQ_MODES = ("tile", "ordered")
@@ -35,7 +35,7 @@ class Family:
     template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask")
     direction: str = "aux"        # "fwd" | "bwd" | "aux" (helpers: pre/postprocess, fp8, ring)
     backend: str = "aux"          # "sm80" (mma.sync) | "simt" (float32) | "sm90" (wgmma, TMA) | "aux"
-    schedule: str | None = None   # sm90 forward consumer schedule: "simple" | "overlap"
+    schedule: str | None = None   # sm90 forward consumer schedule: "simple" | "overlap" | "split"
     persistent: bool = False      # one CTA per SM walking the tiles (grid = min(tiles, SMs))
     cluster: int = 1              # CTAs per thread-block cluster (TMA multicast of K / V)
     # How a dK/dV kernel's dQ reaches memory: "atomic" (float32 atomics into dq_accum), "kernel" (dQ by
@@ -97,6 +97,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # The overlap schedule in clusters of two CTAs sharing K / V loads (TMA multicast), one CTA per tile
     # or persistent: not causal, 16-bit, head dims 65..128 and 193..256 (heuristics.fwd_cluster_ok).
     _sm90_fwd("sm90_fwd_overlap_x2", "fwd_overlap_x2_kernel", "overlap", cluster=2),
+    # Head dims above 256: 64-row tiles whose O columns are split over two consumer warpgroups, one of which
+    # computes S and the softmax for both (kernels_cu/sm90/fwd_split.cuh); one CTA per tile.
+    _sm90_fwd("sm90_fwd_split", "fwd_split_kernel", "split"),
     _sm90_fwd("sm90_fwd_overlap_x2_p", "fwd_overlap_x2_persistent_kernel", "overlap", persistent=True, cluster=2),
     # fp8 (e4m3) inputs with V transposed (cuflash/fp8.py), the overlap schedule; one CTA per tile or
     # persistent.

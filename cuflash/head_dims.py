@@ -1,4 +1,11 @@
-"""The backward with a value head dim of its own (``Dv != Dqk``), by zero padding to the larger one.
+"""Head dims: which ones the API takes, and the backward with a value head dim of its own (``Dv != Dqk``), by
+zero padding to the larger one.
+
+Every kernel family takes head dims that are multiples of 8 up to 256, forward and backward, q's and v's alike.
+Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512) run in the forward on the
+Hopper split-V kernel (kernels_cu/sm90/fwd_split.cuh) in fp16 / bf16, and on the exact float32 kernel: an
+experimental path, taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested
+on a GPU. No backward takes them yet.
 
 The backward kernels take one head dim. Padding the narrower side with zero columns to ``D = max(Dqk, Dv)``
 leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero columns, so ``dO V^T``, ``rowsum(dO *
@@ -14,6 +21,31 @@ without a GPU).
 from __future__ import annotations
 
 from typing import Callable, Tuple
+
+MAX_HEAD_DIM = 256                          # every kernel family, forward and backward
+LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V = 576, 512   # the forward's large head dims (Options.large_head_dims)
+_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run in the forward, on Hopper in fp16 / bf16 and "
+               "in float32, with CUFLASH_LARGE_HEAD_DIMS=1: experimental; no backward takes them yet)")
+
+
+def is_large(head_dim: int, head_dim_v: int) -> bool:
+    """Whether q's or v's head dim is above the standard ones (MAX_HEAD_DIM)."""
+    return max(head_dim, head_dim_v) > MAX_HEAD_DIM
+
+
+def check(head_dim: int, head_dim_v: int, *, large: bool = False) -> None:
+    """ValueError unless q's / k's head dim ``head_dim`` and v's ``head_dim_v`` are multiples of 8 from 8 to 256,
+    or (``large``: the forward with Options.large_head_dims) to 576 and 512, v's then above 64 where either is
+    above 256 (the split-V kernel gives each of its two warpgroups at least one 64-column block of V)."""
+    top_qk, top_v = (LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V) if large else (MAX_HEAD_DIM, MAX_HEAD_DIM)
+    for name, value, top, large_top in (("head_dim", head_dim, top_qk, LARGE_HEAD_DIM_QK),
+                                        ("v's head_dim", head_dim_v, top_v, LARGE_HEAD_DIM_V)):
+        if value % 8 or not 8 <= value <= top:
+            hint = _LARGE_HINT if not large and value % 8 == 0 and top < value <= large_top else ""
+            raise ValueError(f"{name} must be a multiple of 8 from 8 to {top}, got {value}{hint}")
+    if is_large(head_dim, head_dim_v) and head_dim_v <= 64:
+        raise ValueError(f"v's head_dim must be above 64 where q's is above {MAX_HEAD_DIM} (got q / k {head_dim}, "
+                         f"v {head_dim_v}): the split-V kernel gives each of its two warpgroups 64 columns of V")
 
 
 def _widened(x, width: int):

@@ -9,13 +9,13 @@ history of this file (its comments before commit 7ff08ba quote the figures of ev
 """
 from __future__ import annotations
 
-from . import options
+from . import head_dims, options
 from .variants import PLAIN, MaskVariant
 from .config import KernelConfig, find_family
 from .options import Options
 
 TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = head_dims.MAX_HEAD_DIM
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
 _SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TILES
@@ -72,7 +72,11 @@ def fwd_short(seqlen_q: int, seqlen_k: int) -> bool:
 # the tuned tables use: (consumer schedule, persistent, CTAs per cluster). Persistent kernels: one CTA per
 # SM looping over tiles, longest causal tiles first; clusters of two: TMA multicast of K / V (fwd_cluster_ok).
 SM90_FWD_KINDS = {"overlap": ("overlap", False, 1), "simple_p": ("simple", True, 1), "overlap_p": ("overlap", True, 1),
-                  "overlap_x2": ("overlap", False, 2), "overlap_x2_p": ("overlap", True, 2)}
+                  "overlap_x2": ("overlap", False, 2), "overlap_x2_p": ("overlap", True, 2),
+                  "split": ("split", False, 1)}
+# The split-V kernel's tile (head dims above 256; forced, any head dim whose V has two 64-column blocks): 64 query
+# rows, 64 keys (one 128-byte row of P), a producer and two consumer warpgroups (kernels_cu/sm90/fwd_split.cuh).
+SM90_SPLIT_TILE = (64, 64, 12)
 
 
 def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool = False) -> str:
@@ -166,6 +170,11 @@ def all_fp8_fwd_configs() -> list[KernelConfig]:
     return list({c.key(): c for c in out}.values())
 
 
+# simt_fwd at head dims above 256 (head_dims.py): 256 threads, so that each loads a float4 of every row of Q, K and V
+# (576 columns: 144 of them), each query row over 16 threads; 16-row tiles fit in 115 KB of shared memory (sm_80,
+# sm_90, sm_100); the 99 KB of sm_86 / sm_89 / sm_120 hold them up to head dim 504 (512 needs 100 KB).
+_SIMT_FWD_LARGE = (16, 16, 8)
+
 # simt_fwd (exact float32 on CUDA cores): head-dim bucket -> (block_m, block_n, num_warps).
 _SIMT_FWD = {
     32: (64, 64, 4),
@@ -210,9 +219,11 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     """
     opts = opts or options.current()
     head_dim_v = 0 if head_dim_v == head_dim else head_dim_v
+    backend = opts.fwd_backend if backend is None else backend
+    if head_dims.is_large(head_dim, head_dim_v or head_dim):
+        return _large_fwd_config(dtype, head_dim, causal, cc, backend, opts, variant, head_dim_v)
     bucket = head_dim_bucket(max(head_dim, head_dim_v))
     skips = causal or variant.local   # the mask policy's kSkipsTiles: the causal table's tiles and kinds
-    backend = opts.fwd_backend if backend is None else backend
     if backend == "auto":
         backend = "sm90" if cc == 90 else "sm80"
     if backend in SM90_FWD_BACKENDS and cc == 90 and dtype in ("float16", "bfloat16"):
@@ -231,6 +242,11 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
                 persistent = False   # 232 consumer registers: the persistent kernel spills (fp16 causal)
             if schedule == "overlap" and persistent and block_m == 192 and (skips or variant.has_score_mod):
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
+            if schedule == "split":   # V must give each consumer warpgroup a 64-column block: else the overlap kernel
+                if (head_dim_v or head_dim) > 64:
+                    block_m, block_n, warps = SM90_SPLIT_TILE
+                else:
+                    schedule = "overlap"
         elif schedule == "overlap" and not head_dim_v and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
@@ -247,6 +263,31 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
     block_m, block_n, warps = opts.sm80_fwd_tiles or (skips and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
+
+
+def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str, opts: Options,
+                      variant: MaskVariant, head_dim_v: int) -> KernelConfig:
+    """fwd_config above head dim 256 (head_dims.py): the split-V kernel on Hopper (fp16 / bf16), the exact float32
+    kernel anywhere; ValueError for fp16 / bf16 elsewhere (no portable kernel takes them yet)."""
+    if dtype == "float32":
+        block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD_LARGE
+        return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
+    if cc == 90 and dtype in ("float16", "bfloat16") and (backend == "auto" or backend in SM90_FWD_BACKENDS):
+        return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *SM90_SPLIT_TILE, variant,
+                            head_dim_v)
+    raise ValueError(f"head dims above {MAX_HEAD_DIM} (q / k {head_dim}, v {head_dim_v or head_dim}) run in {dtype} on "
+                     f"Hopper GPUs (compute capability 9.0) only, with the Hopper kernels (CUFLASH_FWD_BACKEND auto or "
+                     f"sm90*); this is compute capability {cc // 10}.{cc % 10} with backend {backend!r}: use float32, "
+                     f"or head dims up to {MAX_HEAD_DIM}")
+
+
+def large_fwd_configs() -> list[KernelConfig]:
+    """The large head dims' forward instantiations the CPU compile tests build: head dim 512, MLA's (576, 512),
+    an odd pair of column blocks (320 / 448) and a narrow V, both dtypes and masks, Hopper and float32."""
+    pairs = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512))
+    out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv) for dtype in ("float16", "bfloat16", "float32")
+           for d, dv in pairs for causal in (False, True)]
+    return list({c.key(): c for c in out}.values())
 
 
 def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:

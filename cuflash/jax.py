@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, jax_targets, variants, varlen, xla_ffi
-from .api import HEAD_DIMS
+from . import _checks, head_dims, jax_targets, options, variants, varlen, xla_ffi
 from .varlen import INDEX_DTYPE
 
 _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -113,11 +112,9 @@ def _check_inputs(q, k, v) -> int:
 
 
 def _check_head_dims(d: int, dv: int) -> None:
-    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims."""
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {d}")
-    if dv not in HEAD_DIMS:
-        raise ValueError(f"v's head_dim must be a multiple of 8 from 8 to 256, got {dv}")
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims (head_dims.check;
+    the large ones with Options.large_head_dims: the forward runs them, the backward raises)."""
+    head_dims.check(d, dv, large=options.current().large_head_dims)
 
 
 def _out_shape(q, v) -> tuple:

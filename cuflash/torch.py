@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks, api, variants
+from . import _checks, api, head_dims, options, variants
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):   # pragma: no cover
     raise ImportError(f"cuflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), found {torch.__version__}")
@@ -96,11 +96,9 @@ def _check_inputs(q, k, v) -> int:
 
 
 def _check_head_dims(head_dim: int, head_dim_v: int) -> None:
-    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims."""
-    if head_dim not in api.HEAD_DIMS:
-        raise ValueError(f"head_dim must be a multiple of 8 from 8 to 256, got {head_dim}")
-    if head_dim_v not in api.HEAD_DIMS:
-        raise ValueError(f"v's head_dim must be a multiple of 8 from 8 to 256, got {head_dim_v}")
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims (head_dims.check;
+    the large ones with Options.large_head_dims: the forward runs them, the backward raises)."""
+    head_dims.check(head_dim, head_dim_v, large=options.current().large_head_dims)
 
 
 def _out_shape(q: Tensor, v: Tensor) -> tuple:

@@ -54,12 +54,14 @@ def test_sm90_fwd_sass_uses_hgmma_without_local_memory(cfg):
     recompute = 2 if overlap else 0
     assert ops["LDSM"] == (pad // 16 if q_in_regs else 0) + recompute, f"{cfg.key()}: {ops['LDSM']} LDSM"
     # One issue site per GEMM and loop position: Q K^T (padded head dim / 16 k-steps) and P V (block_n / 16)
-    # in the key loop, plus the overlap schedule's Q K^T of the first key tile and P V of the last. Every warp
+    # in the key loop, plus the overlap schedule's Q K^T of the first key tile and P V of the last; the split
+    # schedule's P V once in each consumer warpgroup (P from registers and from shared memory). Every warp
     # of a warpgroup must issue a wgmma from the same instruction; a copy of the loop per warp state (the kept
     # max's) broke that silently in tests and only synccheck saw it.
     qk_steps, pv_steps = pad // 16, cfg.block_n // 16
     sites = 2 if overlap else 1
-    assert ops["HGMMA"] == sites * (qk_steps + pv_steps), f"{cfg.key()}: {ops['HGMMA']} HGMMA"
+    pv_sites = 2 if cfg.fam.schedule == "split" else sites
+    assert ops["HGMMA"] == sites * qk_steps + pv_sites * pv_steps, f"{cfg.key()}: {ops['HGMMA']} HGMMA"
     # The persistent kernels stage O at head dims <= 128 and store it with TMA (kTmaStoreO); the others
     # store it from registers or shared memory with ordinary stores.
     tma_store_o = cfg.fam.persistent and pad <= 128

@@ -12,7 +12,7 @@ pytestmark = requires_gpu
 
 
 @pytest.fixture(autouse=True, params=["sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p",
-                                      "sm90_overlap_x2", "sm90_overlap_x2_p"])
+                                      "sm90_overlap_x2", "sm90_overlap_x2_p", "sm90_split"])
 def sm90_backend(request, monkeypatch):
     import cupy
     from cuflash import options

@@ -16,7 +16,7 @@ from .transport import NcclRing, run_local
 
 
 def _check_local(q, k, v, causal, softmax_scale):
-    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v, single.HEAD_DIMS)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv(q, k, v)
     causal = _checks.check_flag("causal", causal)
     scale = _checks.check_scale(softmax_scale, d)
     if nq != nk:

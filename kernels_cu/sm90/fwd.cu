@@ -34,6 +34,7 @@
 #include "fwd_math.cuh"
 #include "fwd_mainloop.cuh"
 #include "fwd_epilogue.cuh"
+#include "fwd_split.cuh"
 
 // The consumer warpgroups' tile loop (64 query rows each): take a tile (persistent: the index the producer
 // published with its Q), run the schedule's key loop over it, store O and lse.
@@ -185,6 +186,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     // The CTAs of a cluster load each K / V tile together, so their query tiles must visit the same key tiles.
     static_assert(kCluster == 1 || (!Mask::kSkipsTiles && !Tile::kFp8 && Tile::kColBlocks % kCluster == 0),
                   "clusters: a policy that skips no key tiles, 16-bit, whole column blocks per CTA");
+    static_assert(Tile::kSplitV == (kMode == kModeSplit) && (!Tile::kSplitV || (!kPersistent && kCluster == 1)),
+                  "split V: the split schedule's tiles (64 rows, two consumer warpgroups), one CTA per tile");
     // setmaxnreg only moves registers inside the CTA's launch allocation (168 per thread at 384
     // threads, 128 at 512): producer + consumers must stay within it or setmaxnreg.inc waits
     // forever. The persistent producer (tile loop) needs more than 24: 40 + 2 * 232 = 3 * 168.
@@ -218,7 +221,9 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             mbar_init(smem.k_full(s), 1);
             mbar_init(smem.v_full(s), 1);
             // Clusters: one arrival per consumer warp of each CTA (release_kv); else every consumer thread.
-            mbar_init(smem.k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
+            // Split V: warpgroup 0 alone reads K.
+            mbar_init(smem.k_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4
+                                                    : (Tile::kSplitV ? 1 : Tile::kConsumerWGs) * 128);
             mbar_init(smem.v_empty(s), kCluster > 1 ? kCluster * Tile::kConsumerWGs * 4 : Tile::kConsumerWGs * 128);
         }
         fence_barrier_init();
@@ -240,8 +245,12 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
     } else {
         // Consumer warpgroups: 64 query rows each.
         setmaxnreg_inc<kConsumerRegs>();
-        fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers, kHeadDimV>(
-            p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
+        if constexpr (Tile::kSplitV) {
+            fwd_split_consumer<Tile, Variant>(p, smem, order, wg - 1);
+        } else {
+            fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers,
+                         kHeadDimV>(p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
+        }
     }
     if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
 }
@@ -261,8 +270,8 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, boo
 __host__ __device__ constexpr int fwd_smem_bytes() {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     constexpr int kQBuffers = kPersistent ? Tile::kQBuffersPersistent : 1;
-    return 1024 + kQBuffers * Tile::kQBytes + 2 * Tile::kStages * Tile::kKVBytes
-           + 8 * (2 * kQBuffers + 1 + 4 * Tile::kStages);
+    return 1024 + kQBuffers * Tile::kQBytes + Tile::kStages * (Tile::kKSlotBytes + Tile::kVSlotBytes)
+           + Tile::kExtraBytes + 8 * (2 * kQBuffers + 1 + 4 * Tile::kStages);
 }
 #define CUFLASH_SM90_FWD_SMEM(name, persistent)                                                                 \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0> \
@@ -287,6 +296,7 @@ __host__ __device__ constexpr int fwd_smem_bytes() {
             p, tma_q, tma_k, tma_v, tile_counter, {}, &tma_o);                                                  \
     }
 CUFLASH_SM90_FWD_KERNEL(fwd_overlap_kernel, kModeOverlap, 1, )
+CUFLASH_SM90_FWD_KERNEL(fwd_split_kernel, kModeSplit, 1, )
 CUFLASH_SM90_FWD_KERNEL(fwd_overlap_x2_kernel, kModeOverlap, 2, __cluster_dims__(2, 1, 1))
 CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_persistent_kernel, kModeSimple, 1, )
 CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap, 1, )

@@ -30,7 +30,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
         const u32 parity = ring.phase();
         float acc_s[kBlockN / 2];
         mbar_wait(smem.k_full(stage), parity);
-        Math::issue_qk(acc_s, sK + stage * Tile::kKVBytes, qa, sQ, qb, cw);
+        Math::issue_qk(acc_s, sK + stage * Tile::kKSlotBytes, qa, sQ, qb, cw);
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
@@ -40,7 +40,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
         u32 pa[kPSteps][4];
         Math::pack_p(pa, acc_s);
         mbar_wait(smem.v_full(stage), parity);
-        Math::issue_pv(acc_o, pa, sV + stage * Tile::kKVBytes);
+        Math::issue_pv(acc_o, pa, sV + stage * Tile::kVSlotBytes);
         wgmma_wait<0>();
         fence_operand(acc_o);
         Math::template release_kv<kCluster>(lane, smem.v_empty(stage));
@@ -115,7 +115,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         mbar_wait(smem.k_full(stage0), ring.phase());
         CUFLASH_FWD_TRACE(2, clock64());
         CUFLASH_FWD_TRACE(6, n_tiles);
-        Math::issue_qk(acc_s, sK + stage0 * Tile::kKVBytes, qa, sQ, qb, cw);
+        Math::issue_qk(acc_s, sK + stage0 * Tile::kKSlotBytes, qa, sQ, qb, cw);
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
@@ -138,10 +138,10 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         const u32 parity = ring.phase(), prev_parity = ring_prev.phase();
         float acc_s[kBlockN / 2];
         mbar_wait(smem.k_full(stage), parity);
-        Math::issue_qk(acc_s, sK + stage * Tile::kKVBytes, qa, sQ, qb, cw);
+        Math::issue_qk(acc_s, sK + stage * Tile::kKSlotBytes, qa, sQ, qb, cw);
         if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
         mbar_wait(smem.v_full(prev), prev_parity);
-        Math::issue_pv(acc_o, pa, sV + prev * Tile::kKVBytes);
+        Math::issue_pv(acc_o, pa, sV + prev * Tile::kVSlotBytes);
         wgmma_wait<1>();  // S_i is ready (groups complete in order)
         fence_operand(acc_s);
         // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
@@ -168,7 +168,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
                     max_changed = softmax.rebase(Math::s3_of(acc_s), sums, rescale);
                     CUFLASH_FWD_COUNT(0);
                 } else {
-                    Math::template qk_warp<Mask>(acc_s, sK + stage * Tile::kKVBytes, n_block, sQ, qb, cw, lane, warp, row0,
+                    Math::template qk_warp<Mask>(acc_s, sK + stage * Tile::kKSlotBytes, n_block, sQ, qb, cw, lane, warp, row0,
                                                  t4, p, batch, head);   // masked as the probabilities were
                     max_changed = softmax.step(Math::s3_of(acc_s), scale_log2, rescale);
                     CUFLASH_FWD_COUNT(1);
@@ -206,7 +206,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     const int last = ring_last.stage();
     if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
     mbar_wait(smem.v_full(last), ring_last.phase());
-    Math::issue_pv(acc_o, pa, sV + last * Tile::kKVBytes);
+    Math::issue_pv(acc_o, pa, sV + last * Tile::kVSlotBytes);
     wgmma_wait<0>();
     fence_operand(acc_o);
     Math::template release_kv<kCluster>(lane, smem.v_empty(last));

@@ -43,7 +43,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaD
         const int key_row = k_row0 + n_block * kBlockN;
         const PipelineState<kStages> ring(v_it);
         const int stage = ring.stage();
-        const u32 v_dst = sV + stage * Tile::kKVBytes;
+        const u32 v_dst = sV + stage * Tile::kVSlotBytes;
         mbar_wait(smem.v_empty(stage), ring.empty_phase());
         mbar_arrive_expect_tx(smem.v_full(stage), Tile::kVBytes);
         if constexpr (Tile::kFp8) {   // V^T: 128-key blocks of kPadV rows
@@ -142,7 +142,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaD
             const PipelineState<kStages> ring(it);
             const int stage = ring.stage();
             const u32 parity = ring.phase();
-            const u32 k_dst = sK + stage * Tile::kKVBytes;
+            const u32 k_dst = sK + stage * Tile::kKSlotBytes;
             mbar_wait(smem.k_empty(stage), ring.empty_phase());
             mbar_arrive_expect_tx(smem.k_full(stage), Tile::kKBytes);
 #pragma unroll

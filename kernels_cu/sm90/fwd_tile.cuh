@@ -4,8 +4,9 @@
 #include "pipeline.cuh"
 
 // Consumer schedules: each warpgroup on its own, or with the softmax of one key tile
-// overlapping the P V product of the previous one.
-constexpr int kModeSimple = 0, kModeOverlap = 1;
+// overlapping the P V product of the previous one; split: two warpgroups on the same 64 rows, one computing
+// S and the softmax, each the P V product of its half of V's columns (head dims above 256: fwd_split.cuh).
+constexpr int kModeSimple = 0, kModeOverlap = 1, kModeSplit = 2;
 
 // fp8 V^T rows (the P V product's N): the head dim rounded up to a wgmma N of the tuned head dims
 // (cuflash/fp8.py: v_rows mirrors this, for the layout of V^T it writes).
@@ -34,23 +35,42 @@ struct Sm90FwdTile {
     static constexpr int kKeyStep = 32 / kElemBytes;        // keys per k-step of the P V product
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
-    static constexpr int kConsumerWGs = kBlockM / 64;
+    static constexpr int kConsumerWGs = kNWarps_ / 4 - 1;
+    // Split V (kModeSplit): two consumer warpgroups on one 64-row tile; warpgroup 0 computes S and the softmax
+    // and hands P to warpgroup 1 through shared memory; warpgroup c computes O's columns [kVCol0[c], +kVCols[c]).
+    static constexpr bool kSplitV = kConsumerWGs * 64 > kBlockM;
     static constexpr int kThreads = kNWarps_ * 32;
-    static constexpr int kStages = 2;
+    // Split V: one K and one V slot (a 64-row tile of head dim 512 leaves room for no more).
+    static constexpr int kStages = kSplitV ? 1 : 2;
     static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
     static constexpr int kKBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // V (fp16) or V^T (fp8) tile
-    static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;   // one ring slot
+    static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;
+    // A ring slot of K and of V: the larger tile for both, or (split V) each its own.
+    static constexpr int kKSlotBytes = kSplitV ? kKBytes : kKVBytes;
+    static constexpr int kVSlotBytes = kSplitV ? kVBytes : kKVBytes;
+    static constexpr int kVCols0 = kSplitV ? (kColBlocksV + 1) / 2 * kBlockCols : kHeadDimV;
+    static constexpr int kVCols1 = kHeadDimV - kVCols0;
+    // Split V: kPBuffers P buffers (64 rows of kBlockN keys, 128-byte swizzled), then per consumer thread a
+    // rescale slot per P buffer and one slot for the row sums' inverses, two floats each. Two buffers where
+    // they fit (Q and K of head dim 576 leave room for one).
+    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int kPBytes = kBlockM * kBlockN * kElemBytes;
+    static constexpr int kSplitBytes = 1024 + kQBytes + kKBytes + kVBytes + 128 * 8 + 8 * 8;   // all but P's buffers
+    static constexpr int kPBuffers = kSplitBytes + 2 * (kPBytes + 128 * 8) <= kSmemLimit ? 2 : 1;
+    static constexpr int kExtraBytes = kSplitV ? kPBuffers * (kPBytes + 128 * 8) + 128 * 8 : 0;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
     // Persistent kernels: two Q buffers where shared memory allows (fwd_smem_bytes), so that
     // the next tile's Q is loaded while the consumers finish this one, and a consumer warpgroup done
     // with a tile starts the next without waiting for the others.
-    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int kQBuffersPersistent =
         1024 + 2 * kQBytes + 2 * kStages * kKVBytes + 8 * (5 + 4 * kStages) <= kSmemLimit ? 2 : 1;
     static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
-    static_assert(kNWarps_ == 4 * (kConsumerWGs + 1), "one producer and kBlockM / 64 consumer warpgroups");
+    static_assert(kConsumerWGs * 64 == kBlockM || (kBlockM == 64 && kConsumerWGs == 2),
+                  "one producer and kBlockM / 64 consumer warpgroups, or two on 64 rows (split V)");
+    static_assert(!kSplitV || (!kFp8 && kBlockN == 64 && kVCols1 > 0),
+                  "split V: 16-bit, 64-key tiles (one 128-byte row of P), V of at least two column blocks");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
     static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: V^T tiles are whole 128-key (128-byte) rows");
     static_assert(!kFp8 || kHeadDimV_ == 0, "fp8: v has q's head dim");
@@ -94,17 +114,18 @@ struct Fp8Descale {
 };
 
 // Shared memory, from a 1024-byte aligned base (the swizzle atoms' alignment): kQBuffers Q tiles, the K and V
-// rings (kStages slots each), then the mbarriers and (persistent) the tile slots by which the producer hands
+// rings (kStages slots each), split V's P buffers and slots, then the mbarriers and (persistent) the tile slots by which the producer hands
 // each Q buffer's tile index to the consumers.
 template <class Tile, int kQBuffers>
 struct FwdSmem {
     static constexpr int kStages = Tile::kStages;
-    u32 q, k, v, bars;
+    u32 q, k, v, extra, bars;   // extra: split V's P buffers and slots (Tile::kExtraBytes)
     __device__ __forceinline__ explicit FwdSmem(const char* smem_raw) {
         q = (smem_u32(smem_raw) + 1023) & ~1023u;
         k = q + kQBuffers * Tile::kQBytes;
-        v = k + kStages * Tile::kKVBytes;
-        bars = v + kStages * Tile::kKVBytes;
+        v = k + kStages * Tile::kKSlotBytes;
+        extra = v + kStages * Tile::kVSlotBytes;
+        bars = extra + Tile::kExtraBytes;
     }
     __device__ __forceinline__ u32 q_full(int b) const { return bars + 8 * b; }   // Q buffer b (and its tile slot) loaded
     __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (kQBuffers + s); }

@@ -117,6 +117,12 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
                  ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
 }
 
+// The same without the transpose: lane 8q + i gives the address of row i of matrix q itself.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
+}
+
 // Register budget per thread of the calling warpgroup (a multiple of 8 in [24, 256]).
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }

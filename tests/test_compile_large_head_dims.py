@@ -1,0 +1,111 @@
+"""CPU-only: the forward at head dims above 256 (head_dims.py, issue #43): every instantiation the large head dims
+take compiles without spills (the Hopper split-V kernel for sm_90a, the exact float32 kernel for sm_80 and
+sm_90a), the split kernel's SASS issues each GEMM from one site per warpgroup and stores P with stmatrix, its
+shared memory fits the H100, and the dispatcher and the head-dim rule choose and refuse as documented. The GPU
+checks are tests/test_large_head_dims.py."""
+from __future__ import annotations
+
+import pytest
+
+import sass_tools as sass
+from compile_checks import H100_SMEM_OPTIN, assert_all_compile, kernel_smem
+from cuflash import head_dims, heuristics, options
+
+LARGE = heuristics.large_fwd_configs()
+SPLIT = [c for c in LARGE if c.family == "sm90_fwd_split"]
+SIMT = [c for c in LARGE if c.family == "simt_fwd"]
+
+
+def test_configs():
+    assert len(SPLIT) == 2 * 6 * 2 and len(SIMT) == 6 * 2 and len(LARGE) == len(SPLIT) + len(SIMT)
+    assert all((c.block_m, c.block_n, c.num_warps) == heuristics.SM90_SPLIT_TILE for c in SPLIT)
+
+
+def test_split_kernels_compile_without_spills():
+    assert_all_compile(SPLIT, "90a", no_warnings=True)
+
+
+def test_float32_kernels_compile_without_spills():
+    assert_all_compile(SIMT, "80")
+    assert_all_compile(SIMT, "90a")
+
+
+def test_shared_memory_fits():
+    """Q, one K and one V slot and P: two P buffers where they fit, one at (576, 512) (Sm90FwdTile::kPBuffers);
+    the float32 tiles fit 115 KB (within the opt-in limits of sm_80, sm_90 and sm_100)."""
+    sizes = kernel_smem(LARGE, "90a")
+    for c in SPLIT:
+        pad = lambda d: (d + 63) // 64 * 64   # noqa: E731
+        dv = c.head_dim_v or c.head_dim
+        body = 1024 + 64 * pad(c.head_dim) * 2 * 2 + 64 * pad(dv) * 2 + 128 * 8
+        one, two = body + 64 * 64 * 2 + 1024, body + 2 * (64 * 64 * 2 + 1024)
+        assert sizes[c] - 8 * 7 in ((two,) if two + 56 <= H100_SMEM_OPTIN else (one,)), (c.key(), sizes[c])
+        assert sizes[c] <= H100_SMEM_OPTIN
+    assert max(sizes[c] for c in SIMT) <= 115 * 1024
+
+
+@pytest.mark.skipif(sass.tools_available() is not None,
+                    reason=f"SASS tools unavailable: {sass.tools_available()}")
+@pytest.mark.parametrize("cfg", [c for c in SPLIT if c.dtype == "bfloat16"], ids=lambda c: c.key())
+def test_split_sass(cfg):
+    """Q K^T over the padded head dim from warpgroup 0, P V once per warpgroup (every wgmma of a warpgroup from one
+    instruction, as the other schedules), P out through one stmatrix per k16 step, no local memory."""
+    ops = sass.opcode_counts(sass.sass(cfg, "90a"))
+    pad = (cfg.head_dim + 63) // 64 * 64
+    pv_steps = cfg.block_n // 16
+    assert ops["HGMMA"] == pad // 16 + 2 * pv_steps, f"{cfg.key()}: {ops['HGMMA']} HGMMA"
+    assert ops["STSM"] == pv_steps, f"{cfg.key()}: {ops['STSM']} STSM"
+    assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
+    assert ops["UTMALDG"] > 0
+
+
+def test_selection():
+    options.use(options.Options())
+    cfg = heuristics.fwd_config
+    assert cfg("bfloat16", 512, False, 90).family == "sm90_fwd_split"
+    assert cfg("float16", 576, True, 90, head_dim_v=512).key() == "sm90_fwd_split:float16:d576v512:causal:m64n64w12"
+    assert cfg("bfloat16", 128, False, 90, head_dim_v=320).family == "sm90_fwd_split"
+    assert cfg("float32", 512, False, 80).family == "simt_fwd"
+    assert cfg("float32", 512, False, 90).family == "simt_fwd"
+    for cc, backend in ((80, None), (89, None), (100, None), (90, "sm80")):
+        with pytest.raises(ValueError, match="Hopper"):
+            cfg("bfloat16", 512, False, cc, backend=backend)
+    # Forced at ordinary head dims: wherever V has two 64-column blocks; else the overlap kernel.
+    options.set(fwd_backend="sm90_split")
+    assert cfg("bfloat16", 128, True, 90).key() == "sm90_fwd_split:bfloat16:d128:causal:m64n64w12"
+    assert cfg("float16", 192, False, 90, head_dim_v=128).family == "sm90_fwd_split"
+    assert cfg("bfloat16", 64, False, 90).family == "sm90_fwd_overlap"
+    assert cfg("bfloat16", 128, False, 90, head_dim_v=64).family == "sm90_fwd_overlap"
+    options.use(options.Options())
+
+
+def test_head_dim_rule():
+    head_dims.check(256, 256)
+    head_dims.check(512, 512, large=True)
+    head_dims.check(576, 512, large=True)
+    head_dims.check(64, 512, large=True)
+    head_dims.check(64, 64, large=True)   # ordinary head dims stay ordinary
+    with pytest.raises(ValueError, match=r"from 8 to 256, got 512 \(.*CUFLASH_LARGE_HEAD_DIMS=1"):
+        head_dims.check(512, 512)
+    with pytest.raises(ValueError, match=r"v's head_dim must be a multiple of 8 from 8 to 256, got 512 \("):
+        head_dims.check(128, 512)
+    with pytest.raises(ValueError, match=r"from 8 to 256, got 640$"):
+        head_dims.check(640, 128)   # past the large ones too: no hint
+    with pytest.raises(ValueError, match="from 8 to 576, got 584"):
+        head_dims.check(584, 512, large=True)
+    with pytest.raises(ValueError, match="from 8 to 512, got 576"):
+        head_dims.check(576, 576, large=True)
+    with pytest.raises(ValueError, match="above 64"):
+        head_dims.check(512, 64, large=True)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        head_dims.check(516, 512, large=True)
+
+
+def test_option(monkeypatch):
+    monkeypatch.setenv("CUFLASH_LARGE_HEAD_DIMS", "1")
+    assert options.reload().large_head_dims is True
+    monkeypatch.setenv("CUFLASH_LARGE_HEAD_DIMS", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_LARGE_HEAD_DIMS"):
+        options.reload()
+    monkeypatch.delenv("CUFLASH_LARGE_HEAD_DIMS")
+    assert options.reload().large_head_dims is False

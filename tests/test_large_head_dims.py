@@ -1,0 +1,248 @@
+"""GPU: the forward at head dims above 256 (issue #43: head dim 512, MLA's absorbed (576, 512)) against the float64
+reference: the Hopper split-V kernel (fp16 / bf16, kernels_cu/sm90/fwd_split.cuh) and the exact float32 kernel;
+dense and varlen, causal and not, GQA, odd lengths, one key and one query, the score distributions of
+cuflash.distributions, v as a view of k (the absorbed MLA form). Outputs poisoned, every row compared, lse to its
+own bound. The same kernel forced at ordinary head dims (CUFLASH_FWD_BACKEND=sm90_split) too, where the other
+kernels' tests compare with it. (CPU: tests/test_compile_large_head_dims.py, tests/test_head_dims.py.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, dtype_of, poisoned, requires_gpu
+
+pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
+
+# (q / k head dim, v head dim): 512, MLA's absorbed shape, uneven column-block splits (320: 192 + 128 columns of
+# V per warpgroup; 448: 256 + 192), the narrowest V the split takes and a V wider than q.
+PAIRS = [(512, 512), (576, 512), (320, 320), (448, 448), (576, 128), (128, 512)]
+
+
+@pytest.fixture(autouse=True)
+def large_head_dims():
+    from cuflash import options
+
+    with options.override(large_head_dims=True):
+        yield
+
+
+def _rand(rng, shape, dtype):
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype_of(dtype)))
+
+
+def _needs(dtype):
+    import cupy
+
+    if dtype != "float32" and int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("fp16 / bf16 at head dims above 256: Hopper (compute capability 9.0) only")
+
+
+def _family(q, dv, causal):
+    import cupy
+    from cuflash import api
+
+    _, cfg, _ = api._fwd_plan(q.dtype, q.shape[-1], causal, cupy.cuda.Device().id, head_dim_v=dv)
+    return cfg.family
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dqk,dv", PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense(rng, dtype, dqk, dv, causal):
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    _needs(dtype)
+    b, nq, nk, hq, hkv = 2, 139, 211, 4, 2
+    q, k, v = _rand(rng, (b, nq, hq, dqk), dtype), _rand(rng, (b, nk, hkv, dqk), dtype), _rand(rng, (b, nk, hkv, dv), dtype)
+    assert _family(q, dv, causal) == ("simt_fwd" if dtype == "float32" else "sm90_fwd_split")
+    out = poisoned((b, nq, hq, dv), dtype)
+    o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
+    assert o is out
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (b, hq, nq))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 300), (300, 1), (64, 64), (65, 129), (2000, 2000), (777, 3001)])
+def test_lengths(rng, dtype, nq, nk):
+    """One key or one query, whole and partial 64-row / 64-key tiles, long rows (P's two buffers reused many
+    times), Nq != Nk both ways (bottom-right causal)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    _needs(dtype)
+    q, k, v = _rand(rng, (1, nq, 2, 512), dtype), _rand(rng, (1, nk, 1, 512), dtype), _rand(rng, (1, nk, 1, 512), dtype)
+    for causal in (False, True):
+        out = poisoned((1, nq, 2, 512), dtype)
+        o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
+        ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+        assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
+        assert_lse_matches(lse, ref_lse, (1, 2, nq))
+
+
+@pytest.mark.parametrize("dist", ["normal", "outlier12", "sharp", "sink", "mixed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_distributions(dist, causal):
+    """Realistic score distributions (cuflash.distributions): sharp rows and attention sinks move the running
+    max, which warpgroup 1 learns only through the rescale factors warpgroup 0 hands over."""
+    import cupy
+    import cuflash
+    from cuflash.bench import Shape
+    from cuflash.distributions import make_inputs
+    from cuflash.reference import attention_reference
+
+    _needs("bfloat16")
+    q, k, v = make_inputs(Shape(1, 10, 1024, 512, "bfloat16", causal, heads_kv=5), dist, seed=3)
+    out = poisoned(q.shape, "bfloat16")
+    o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (1, 10, 1024))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_absorbed_mla(rng, causal):
+    """MLA decoding in its absorbed form: 128 query heads share one latent KV head of 576 columns, and v is its
+    first 512 (a view of k: TMA reads it with k's row stride)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    _needs("bfloat16")
+    q = _rand(rng, (2, 3, 128, 576), "bfloat16")
+    kv = _rand(rng, (2, 1031, 1, 576), "bfloat16")
+    v = kv[..., :512]
+    out = poisoned((2, 3, 128, 512), "bfloat16")
+    o, lse = cuflash.forward(q, kv, v, causal=causal, softmax_scale=0.1, return_lse=True, out=out)
+    ref_o, ref_lse = attention_reference(q, kv, cupy.ascontiguousarray(v), causal=causal, softmax_scale=0.1)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (2, 128, 3))
+
+
+@pytest.mark.parametrize("variant", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(sinks=True),
+                                     dict(alibi_slopes=True)])
+def test_variants(rng, variant):
+    """The mask policy's variants run through warpgroup 0's S alone."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    _needs("bfloat16")
+    hq = 4
+    q, k, v = (_rand(rng, (1, 333, hq, 512), "bfloat16") for _ in range(3))
+    kw = dict(variant)
+    if kw.get("sinks"):
+        kw["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.2, hq).astype(np.float32))
+    causal = "window_size" in kw or "alibi_slopes" in kw
+    out = poisoned(q.shape, "bfloat16")
+    o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out, **kw)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, **kw)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (1, hq, 333))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dqk,dv", [(512, 512), (576, 512)])
+def test_varlen(rng, dtype, dqk, dv):
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_varlen
+
+    _needs(dtype)
+    lq, lk = [0, 1, 13, 131, 64, 257], [3, 1, 0, 131, 200, 257]
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
+    q, k, v = _rand(rng, (sum(lq), 4, dqk), dtype), _rand(rng, (sum(lk), 2, dqk), dtype), _rand(rng, (sum(lk), 2, dv), dtype)
+    for causal in (False, True):
+        out = poisoned((sum(lq), 4, dv), dtype)
+        o, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True, out=out)
+        ref_o, ref_lse = attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal)
+        assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
+        assert_lse_matches(lse, ref_lse, ref_lse.shape)
+
+
+def test_long_rows_by_chunks(rng):
+    """8k x 8k at head dim 512 against float64 by chunks of query rows."""
+    import cuflash
+    from cuflash.reference import attention_reference_chunked
+
+    _needs("bfloat16")
+    n = 8192 + 37
+    q, k, v = (_rand(rng, (1, n, 2, 512), "bfloat16") for _ in range(3))
+    for causal in (False, True):
+        out = poisoned(q.shape, "bfloat16")
+        o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
+        ref_o, ref_lse = attention_reference_chunked(q, k, v, causal=causal)
+        assert_close_on_every_row("out", o, ref_o, "bfloat16", FWD_TOL)
+        assert_lse_matches(lse, ref_lse, (1, 2, n))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d,dv", [(128, 128), (96, 96), (256, 256), (192, 128), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_kernel_at_ordinary_head_dims(rng, dtype, d, dv, causal):
+    """The split-V kernel forced (CUFLASH_FWD_BACKEND=sm90_split) where the other kernels also run."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    _needs(dtype)
+    with cuflash.options.override(fwd_backend="sm90_split"):
+        q, k, v = _rand(rng, (2, 203, 4, d), dtype), _rand(rng, (2, 190, 1, d), dtype), _rand(rng, (2, 190, 1, dv), dtype)
+        assert _family(q, dv, causal) == "sm90_fwd_split"
+        out = poisoned((2, 203, 4, dv), dtype)
+        o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (2, 4, 203))
+
+
+def test_torch_and_jax_wrappers(rng):
+    """cuflash.torch and cuflash.jax take the large head dims in their forward; their backward raises."""
+    import cupy
+    from cuflash.reference import attention_reference
+
+    _needs("bfloat16")
+    q, k = _rand(rng, (1, 70, 2, 576), "bfloat16"), _rand(rng, (1, 90, 2, 576), "bfloat16")
+    v = _rand(rng, (1, 90, 2, 512), "bfloat16")
+    ref_o, _ = attention_reference(q, k, v, causal=True)
+    try:
+        import torch
+        import cuflash.torch as ct
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+        o = ct.flash_attn_func(tq, tk, tv, causal=True)
+        assert_close_on_every_row("out", cupy.asarray(o.contiguous()), cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+        tq.requires_grad_(True)
+        with pytest.raises(ValueError, match="256"):
+            ct.flash_attn_func(tq, tk, tv, causal=True).sum().backward()
+    try:
+        import jax
+        import jax.numpy as jnp
+        import cuflash.jax as cj
+    except ImportError:
+        jax = None
+    if jax is not None and any(d.platform == "gpu" for d in jax.devices()):
+        jq, jk, jv = (jnp.asarray(cupy.asnumpy(x)) for x in (q, k, v))
+        o = cj.dot_product_attention(jq, jk, jv, causal=True)
+        assert_close_on_every_row("out", cupy.asarray(np.asarray(o)), cupy.asarray(ref_o), "bfloat16", FWD_TOL)
+
+
+def test_backward_raises(rng):
+    import cuflash
+
+    _needs("bfloat16")
+    q, k, v = (_rand(rng, (1, 70, 2, 512), "bfloat16") for _ in range(3))
+    o, lse = cuflash.forward(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="no backward takes them yet"):
+        cuflash.backward(o, q, k, v, o, lse)
