@@ -648,7 +648,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                                        "dlse": dlse}, buffers=("dq", "dk", "dv"),
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
+    opts = options.current()
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims)
     out_shape = (b, nq, hq, v.shape[3])
     _checks.check_like_cached("dout", dout, "q", q, out_shape)
     _checks.check_like_cached("out", out, "q", q, out_shape)
@@ -666,14 +667,15 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
-    if v.shape[3] != d:   # a value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py)
+    # A value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py); the large head dims'
+    # kernels take both.
+    if v.shape[3] != d and not head_dims.is_large(d, v.shape[3]):
         (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
         grads = backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal, softmax_scale=scale,
                          window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                          alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse, deterministic=deterministic,
                          _mask_offsets=_mask_offsets)
         return head_dims.deliver(unpad(*grads[:3]), (dq, dk, dv)) + tuple(grads[3:])
-    opts = options.current()
     try:
         grads, recorded = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,
                                               (b, nq, nk, hq, hkv, d), dev, var, dlse, _mask_offsets,
@@ -782,6 +784,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     opts = opts or options.current()
     # The backward has no sink code: the kernels without.
     variant = var.kernel if not var.kernel.sink else dataclasses.replace(var.kernel, sink=False)
+    if head_dims.is_large(d, v.shape[3]):
+        return _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale, dims=dims,
+                                 device_id=device_id, var=var, variant=variant, dlse=dlse, mask_offsets=mask_offsets,
+                                 opts=opts)
     pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
                                            short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
     kern, cfg, smem = dkdv
@@ -864,6 +870,62 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     if launches is None or len(launches) != 3 or dsinks is not None:
         return dsinks, None, None
     return dsinks, tuple(launches), tuple(workspaces)
+
+
+def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, dims, device_id: int,
+                      var: variants.Variants, variant: variants.MaskVariant, dlse=None,
+                      mask_offsets: Optional[Tuple[int, int]] = None, opts: Optional[options.Options] = None):
+    """_launch_bwd at head dims above 256 (head_dims.py): the preprocess (lse2 and delta into stats rows padded to
+    whole 64-row tiles), then one Hopper kernel per gradient (kernels_cu/sm90/bwd_split.cu: dV, dK, dQ, each over
+    its own 64-row tiles, no atomics: deterministic). Returns ``(dsinks, None, None)`` (not replayed by the call
+    cache)."""
+    import cupy
+
+    b, nq, nk, hq, hkv, d = dims
+    opts = opts or options.current()
+    key = ("large", q.dtype, d, v.shape[3], causal, device_id, opts.token, variant)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        cfgs = heuristics.large_bwd_configs(_checks.dtype_name(q.dtype), d, v.shape[3], causal, cc, variant)
+        plan = _bwd_plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
+                                        smem_bytes(c, device_id, opts.nvrtc_defines)) for c in cfgs)
+    pre, *grads = plan
+    stat_rows = -(-nq // 64) * 64
+    if b * hq * 2 * stat_rows >= 2**32:
+        raise ValueError(f"batch * heads_q * seqlen_q must stay below 2^31 / 64 rows at head dims above "
+                         f"{head_dims.MAX_HEAD_DIM} (the stats rows are indexed in 32 bits); got {b} * {hq} * {nq}")
+    # The tensor maps of each kernel: the rows' two tiles (64-row boxes) and the steps' two (block_n rows).
+    tiles = {"dv": (k, k, q, dout), "dk": (k, v, q, dout), "dq": (q, dout, k, v)}
+    maps = []
+    for product, (_, cfg, _) in zip(heuristics.SPLIT_BWD_PRODUCTS, grads):
+        found = sm90._maps(tiles[product], cfg.dtype, (64, 64, cfg.block_n, cfg.block_n))
+        if found is None:
+            raise ValueError("q, k, v, out and dout must be addressable by TMA (a contiguous last dim, 16-byte aligned "
+                             f"strides) at head dims above {head_dims.MAX_HEAD_DIM}, where only the Hopper kernels "
+                             "run; pass contiguous copies")
+        maps.append(found)
+    stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, 0, 0,
+        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
+        *params.element_strides(dk), *params.element_strides(dv),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, 0, 0, 0, 0, stats.data.ptr, stat_rows,
+        *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0,
+        *params.DENSE_VARLEN_VALUES))
+    pkern, pcfg, psmem = pre
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, stat_rows), p, psmem)
+    dsinks = None
+    if var.sinks is not None:   # as _launch_bwd: from delta as the preprocess wrote it beside lse2
+        rows = stats.reshape(b, hq, 2, stat_rows)[:, :, 1, :nq]
+        dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * rows).sum(axis=(0, 2))
+    for product, (kern, cfg, smem), found in zip(heuristics.SPLIT_BWD_PRODUCTS, grads, maps):
+        rows, heads = (nq, hq) if product == "dq" else (nk, hkv)   # dQ: query tiles of each head; else key tiles
+        launch.launch(kern, cfg, (-(-rows // 64), heads, b), p, smem, (found,))
+    capture.keep_if_capturing(stats)
+    return dsinks, None, None
 
 
 class AttentionVJP:

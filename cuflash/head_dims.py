@@ -2,10 +2,11 @@
 zero padding to the larger one.
 
 Every kernel family takes head dims that are multiples of 8 up to 256, forward and backward, q's and v's alike.
-Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512) run in the forward on the
-Hopper split-V kernel (kernels_cu/sm90/fwd_split.cuh) in fp16 / bf16, and on the exact float32 kernel: an
-experimental path, taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested
-on a GPU. No backward takes them yet.
+Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512) run on Hopper in fp16 / bf16
+(the forward's split-V kernel, kernels_cu/sm90/fwd_split.cuh, and one backward kernel per gradient,
+kernels_cu/sm90/bwd_split.cu) and in the forward on the exact float32 kernel: an experimental path, taken only with
+``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense batches only in the
+backward (the varlen backward keeps to 256).
 
 The backward kernels take one head dim. Padding the narrower side with zero columns to ``D = max(Dqk, Dv)``
 leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero columns, so ``dO V^T``, ``rowsum(dO *
@@ -24,8 +25,8 @@ from typing import Callable, Tuple
 
 MAX_HEAD_DIM = 256                          # every kernel family, forward and backward
 LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V = 576, 512   # the forward's large head dims (Options.large_head_dims)
-_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run in the forward, on Hopper in fp16 / bf16 and "
-               "in float32, with CUFLASH_LARGE_HEAD_DIMS=1: experimental; no backward takes them yet)")
+_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run on Hopper in fp16 / bf16, and in float32 in the "
+               "forward, with CUFLASH_LARGE_HEAD_DIMS=1: experimental)")
 
 
 def is_large(head_dim: int, head_dim_v: int) -> bool:
@@ -35,7 +36,7 @@ def is_large(head_dim: int, head_dim_v: int) -> bool:
 
 def check(head_dim: int, head_dim_v: int, *, large: bool = False) -> None:
     """ValueError unless q's / k's head dim ``head_dim`` and v's ``head_dim_v`` are multiples of 8 from 8 to 256,
-    or (``large``: the forward with Options.large_head_dims) to 576 and 512, v's then above 64 where either is
+    or (``large``: with Options.large_head_dims) to 576 and 512, v's then above 64 where either is
     above 256 (the split-V kernel gives each of its two warpgroups at least one 64-column block of V)."""
     top_qk, top_v = (LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V) if large else (MAX_HEAD_DIM, MAX_HEAD_DIM)
     for name, value, top, large_top in (("head_dim", head_dim, top_qk, LARGE_HEAD_DIM_QK),
@@ -67,7 +68,7 @@ def _module(x):
 
 
 def padded(dout, q, k, v, out) -> Tuple[tuple, Callable]:
-    """``((dout, q, k, v, out) padded to one head dim, unpad)``: ``unpad(dq, dk, dv)`` gives the gradients of
+    """``((dout, q, k, v, out) padded to one head dim, unpad)`` (head dims up to 256): ``unpad(dq, dk, dv)`` gives the gradients of
     the unpadded arrays (views of the padded ones' first columns). q, k: ``(..., Dqk)``; v, out, dout:
     ``(..., Dv)``; any leading dims (dense or packed)."""
     dqk, dv = q.shape[-1], v.shape[-1]

@@ -281,12 +281,16 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
                      f"or head dims up to {MAX_HEAD_DIM}")
 
 
+# The large head dims the CPU compile tests build: 512, MLA's (576, 512), uneven column-block splits (320, 448), a
+# narrow V and a V wider than q ((q / k, v), 0: v's is q's).
+LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512))
+
+
 def large_fwd_configs() -> list[KernelConfig]:
     """The large head dims' forward instantiations the CPU compile tests build: head dim 512, MLA's (576, 512),
     an odd pair of column blocks (320 / 448) and a narrow V, both dtypes and masks, Hopper and float32."""
-    pairs = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512))
     out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv) for dtype in ("float16", "bfloat16", "float32")
-           for d, dv in pairs for causal in (False, True)]
+           for d, dv in LARGE_TEST_PAIRS for causal in (False, True)]
     return list({c.key(): c for c in out}.values())
 
 
@@ -463,6 +467,44 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
     dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w, variant)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
+
+
+# The Hopper backward of the large head dims (kernels_cu/sm90/bwd_split.cu): one kernel per gradient, 64 rows.
+SPLIT_BWD_PRODUCTS = ("dv", "dk", "dq")
+SPLIT_BWD_SMEM_LIMIT = 232448   # the H100's opt-in shared memory per block
+
+
+def split_bwd_smem(product: str, head_dim: int, head_dim_v: int, block_n: int) -> int:
+    """BwdSplitTile::kSmemBytes: the 1024-byte alignment slack, the rows' tiles (dV: K alone; dK, dQ: two), the
+    step's two tiles of block_n rows, the weights (64 x 64 16-bit), P in float32 (dK, dQ) and five mbarriers."""
+    pad_qk, pad_v = (head_dim + 63) // 64 * 64, (head_dim_v + 63) // 64 * 64
+    has_dp = product != "dv"
+    return (1024 + 64 * pad_qk * 2 + (64 * pad_v * 2 if has_dp else 0) + block_n * (pad_qk + pad_v) * 2
+            + 64 * 64 * 2 + (64 * block_n * 4 if has_dp else 0) + 8 * 5)
+
+
+def large_bwd_configs(dtype: str, head_dim: int, head_dim_v: int, causal: bool, cc: int,
+                      variant: MaskVariant = PLAIN) -> tuple[KernelConfig, ...]:
+    """The backward at head dims above 256 (head_dims.py): (preprocess, dV, dK, dQ) kernels, Hopper and fp16 /
+    bf16 only (ValueError elsewhere). Each step takes 64 rows of the other side where they fit, else 32."""
+    if cc != 90 or dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"the backward at head dims above {MAX_HEAD_DIM} (q / k {head_dim}, v {head_dim_v}) runs in "
+                         f"float16 / bfloat16 on Hopper GPUs (compute capability 9.0) only; got {dtype} on compute "
+                         f"capability {cc // 10}.{cc % 10}")
+    dv = 0 if head_dim_v == head_dim else head_dim_v
+    out = [_aux_config("bwd_preprocess", dtype)]
+    for product in SPLIT_BWD_PRODUCTS:
+        block_n = 64 if split_bwd_smem(product, head_dim, head_dim_v, 64) <= SPLIT_BWD_SMEM_LIMIT else 32
+        out.append(KernelConfig(f"sm90_bwd_split_{product}", dtype, head_dim, causal, 64, block_n, 12, variant, dv))
+    return tuple(out)
+
+
+def all_large_bwd_configs() -> list[KernelConfig]:
+    """The large head dims' backward kernels the CPU compile tests build (the pairs of large_fwd_configs, both
+    dtypes and masks; the preprocess is the ordinary one)."""
+    out = [c for dtype in ("float16", "bfloat16") for d, dv in LARGE_TEST_PAIRS for causal in (False, True)
+           for c in large_bwd_configs(dtype, d, dv or d, causal, 90)[1:]]
+    return list({c.key(): c for c in out}.values())
 
 
 def all_bwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:

@@ -97,7 +97,7 @@ def _check_inputs(q, k, v) -> int:
 
 def _check_head_dims(head_dim: int, head_dim_v: int) -> None:
     """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims (head_dims.check;
-    the large ones with Options.large_head_dims: the forward runs them, the backward raises)."""
+    the large ones with Options.large_head_dims)."""
     head_dims.check(head_dim, head_dim_v, large=options.current().large_head_dims)
 
 

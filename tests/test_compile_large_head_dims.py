@@ -1,8 +1,8 @@
-"""CPU-only: the forward at head dims above 256 (head_dims.py, issue #43): every instantiation the large head dims
-take compiles without spills (the Hopper split-V kernel for sm_90a, the exact float32 kernel for sm_80 and
-sm_90a), the split kernel's SASS issues each GEMM from one site per warpgroup and stores P with stmatrix, its
-shared memory fits the H100, and the dispatcher and the head-dim rule choose and refuse as documented. The GPU
-checks are tests/test_large_head_dims.py."""
+"""CPU-only: head dims above 256 (head_dims.py, issue #43): every instantiation the large head dims take compiles
+without spills (the forward's Hopper split-V kernel and the backward's three kernels for sm_90a, the exact float32
+forward for sm_80 and sm_90a), the split kernels' SASS issues each GEMM from one site per warpgroup and stores its
+16-bit operand with stmatrix, their shared memory fits the H100 as the host computes it, and the dispatcher and the
+head-dim rule choose and refuse as documented. The GPU checks are tests/test_large_head_dims.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ from compile_checks import H100_SMEM_OPTIN, assert_all_compile, kernel_smem
 from cuflash import head_dims, heuristics, options
 
 LARGE = heuristics.large_fwd_configs()
+BWD = heuristics.all_large_bwd_configs()
 SPLIT = [c for c in LARGE if c.family == "sm90_fwd_split"]
 SIMT = [c for c in LARGE if c.family == "simt_fwd"]
 
@@ -109,3 +110,53 @@ def test_option(monkeypatch):
         options.reload()
     monkeypatch.delenv("CUFLASH_LARGE_HEAD_DIMS")
     assert options.reload().large_head_dims is False
+
+
+def test_backward_kernels_compile_without_spills():
+    assert len(BWD) == 2 * 6 * 2 * 3
+    assert_all_compile(BWD, "90a", no_warnings=True)
+
+
+def test_backward_shared_memory():
+    """Each kernel's size as it reports it is heuristics.split_bwd_smem's, within the H100's limit; 64-row steps
+    where they fit, else 32 (dK and dQ at 512 and 576)."""
+    sizes = kernel_smem(BWD, "90a")
+    for c in BWD:
+        product = c.family.rsplit("_", 1)[1]
+        assert sizes[c] == heuristics.split_bwd_smem(product, c.head_dim, c.head_dim_v or c.head_dim, c.block_n)
+        assert sizes[c] <= H100_SMEM_OPTIN, c.key()
+        wider = heuristics.split_bwd_smem(product, c.head_dim, c.head_dim_v or c.head_dim, 64)
+        assert c.block_n == (64 if wider <= H100_SMEM_OPTIN else 32), c.key()
+    assert {c.block_n for c in BWD if c.head_dim == 512 and c.family.endswith(("_dk", "_dq"))} == {32}
+
+
+@pytest.mark.skipif(sass.tools_available() is not None,
+                    reason=f"SASS tools unavailable: {sass.tools_available()}")
+@pytest.mark.parametrize("cfg", [c for c in BWD if c.dtype == "bfloat16" and c.causal], ids=lambda c: c.key())
+def test_backward_sass(cfg):
+    """S (and dP) from shared memory over the padded head dims, the accumulating product in each warpgroup's
+    pieces, the weights out through one stmatrix per k16 step, no local memory."""
+    ops = sass.opcode_counts(sass.sass(cfg, "90a"))
+    pad = lambda d: (d + 63) // 64 * 64   # noqa: E731
+    product = cfg.family.rsplit("_", 1)[1]
+    dv = cfg.head_dim_v or cfg.head_dim
+    k_steps = cfg.block_n // 16
+    acc = pad(dv) if product == "dv" else pad(cfg.head_dim)
+    half0 = (acc // 64 + 1) // 2 * 64
+    pieces = (2 if half0 > 256 else 1) + 1
+    scores = pad(cfg.head_dim) // 16 + (0 if product == "dv" else pad(dv) // 16)
+    assert ops["HGMMA"] == scores + pieces * k_steps, f"{cfg.key()}: {ops['HGMMA']} HGMMA"
+    assert ops["STSM"] == k_steps, f"{cfg.key()}: {ops['STSM']} STSM"   # one warpgroup writes the weights
+    assert ops["LDL"] == 0 and ops["STL"] == 0, f"{cfg.key()}: local memory traffic"
+    assert ops["UTMALDG"] > 0
+
+
+def test_backward_selection():
+    for d, dv in ((512, 512), (576, 512), (128, 512)):
+        pre, *grads = heuristics.large_bwd_configs("bfloat16", d, dv, True, 90)
+        assert pre.family == "bwd_preprocess"
+        assert [c.family for c in grads] == ["sm90_bwd_split_dv", "sm90_bwd_split_dk", "sm90_bwd_split_dq"]
+        assert all(c.head_dim == d and (c.head_dim_v or d) == dv for c in grads)
+    for dtype, cc in (("float32", 90), ("bfloat16", 80), ("float16", 100)):
+        with pytest.raises(ValueError, match="Hopper"):
+            heuristics.large_bwd_configs(dtype, 512, 512, False, cc)

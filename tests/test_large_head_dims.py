@@ -1,15 +1,15 @@
-"""GPU: the forward at head dims above 256 (issue #43: head dim 512, MLA's absorbed (576, 512)) against the float64
-reference: the Hopper split-V kernel (fp16 / bf16, kernels_cu/sm90/fwd_split.cuh) and the exact float32 kernel;
-dense and varlen, causal and not, GQA, odd lengths, one key and one query, the score distributions of
-cuflash.distributions, v as a view of k (the absorbed MLA form). Outputs poisoned, every row compared, lse to its
-own bound. The same kernel forced at ordinary head dims (CUFLASH_FWD_BACKEND=sm90_split) too, where the other
-kernels' tests compare with it. (CPU: tests/test_compile_large_head_dims.py, tests/test_head_dims.py.)"""
+"""GPU: head dims above 256 (issue #43: head dim 512, MLA's absorbed (576, 512)) against the float64 reference: the
+forward's Hopper split-V kernel (fp16 / bf16, kernels_cu/sm90/fwd_split.cuh) and exact float32 kernel, dense and
+varlen; the backward's three Hopper kernels (kernels_cu/sm90/bwd_split.cu), dense. Causal and not, GQA, odd
+lengths, one key and one query, the variants, the score distributions of cuflash.distributions, v as a view of k
+(the absorbed MLA form). Outputs poisoned, every row compared, lse to its own bound. The forward's kernel forced at
+ordinary head dims (CUFLASH_FWD_BACKEND=sm90_split) too. (CPU: tests/test_compile_large_head_dims.py.)"""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, dtype_of, poisoned, requires_gpu
+from conftest import BWD_TOL, FWD_TOL, assert_close_on_every_row, assert_lse_matches, dtype_of, poisoned, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
@@ -205,27 +205,141 @@ def test_split_kernel_at_ordinary_head_dims(rng, dtype, d, dv, causal):
     assert_lse_matches(lse, ref_lse, (2, 4, 203))
 
 
-def test_torch_and_jax_wrappers(rng):
-    """cuflash.torch and cuflash.jax take the large head dims in their forward; their backward raises."""
+def _grads_check(rng, dtype, b, nq, nk, hq, hkv, dqk, dv, causal, **kw):
+    """backward against the float64 reference gradients, outputs poisoned, every row of each gradient."""
     import cupy
-    from cuflash.reference import attention_reference
+    import cuflash
+    from cuflash.reference import attention_reference_backward
+
+    q, k = _rand(rng, (b, nq, hq, dqk), dtype), _rand(rng, (b, nk, hkv, dqk), dtype)
+    v, dout = _rand(rng, (b, nk, hkv, dv), dtype), _rand(rng, (b, nq, hq, dv), dtype)
+    o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, **kw)
+    bufs = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    grads = cuflash.backward(dout, q, k, v, o, lse, causal=causal, dq=bufs[0], dk=bufs[1], dv=bufs[2], **kw)
+    refs = attention_reference_backward(dout, q, k, v, causal=causal, **kw)
+    for name, got, buf, ref in zip(("dq", "dk", "dv"), grads, bufs, refs):
+        assert got is buf
+        assert_close_on_every_row(name, got, cupy.asarray(ref), dtype, BWD_TOL)
+    return grads
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dqk,dv", PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward(rng, dtype, dqk, dv, causal):
+    """The three kernels of the large head dims' backward (dV, dK, dQ: kernels_cu/sm90/bwd_split.cu), GQA."""
+    _needs(dtype)
+    _grads_check(rng, dtype, 2, 139, 211, 4, 2, dqk, dv, causal)
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 300), (300, 1), (64, 64), (65, 129), (1000, 1000), (777, 1501)])
+def test_backward_lengths(rng, nq, nk):
+    _needs("bfloat16")
+    for causal in (False, True):
+        _grads_check(rng, "bfloat16", 1, nq, nk, 2, 1, 512, 512, causal)
+
+
+@pytest.mark.parametrize("variant", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(alibi_slopes=True),
+                                     dict(sinks=True)])
+def test_backward_variants(rng, variant):
+    """Windows (the mask policy's steps), softcap's derivative, ALiBi, sinks (dsinks from the stats rows)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_backward
+
+    _needs("bfloat16")
+    hq, n = 4, 333
+    kw = dict(variant)
+    if kw.get("alibi_slopes"):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.2, hq).astype(np.float32))
+    if kw.get("sinks"):
+        kw["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+        q, k, v, dout = (_rand(rng, (1, n, hq, 512), "bfloat16") for _ in range(4))
+        o, lse = cuflash.forward(q, k, v, causal=True, return_lse=True, **kw)
+        dq, dk, dv, dsinks = cuflash.backward(dout, q, k, v, o, lse, causal=True, **kw)
+        refs = attention_reference_backward(dout, q, k, v, causal=True, **kw)
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs[:3]):
+            assert_close_on_every_row(name, got, cupy.asarray(ref), "bfloat16", BWD_TOL)
+        ref_ds = np.asarray(refs[3])
+        assert np.abs(cupy.asnumpy(dsinks) - ref_ds).max() <= 1e-2 * max(1.0, np.abs(ref_ds).max())
+        return
+    _grads_check(rng, "bfloat16", 1, n, n, hq, hq, 512, 512, True, **kw)
+
+
+def test_backward_distributions():
+    """Sharp scores and sinks through the recomputed P (lse2 per query column in the dK / dV kernels)."""
+    import cupy
+    import cuflash
+    from cuflash.bench import Shape
+    from cuflash.distributions import make_inputs
+    from cuflash.reference import attention_reference_backward
+
+    _needs("bfloat16")
+    for dist in ("sharp", "sink", "outlier12"):
+        q, k, v = make_inputs(Shape(1, 4, 700, 512, "bfloat16", True, heads_kv=2), dist, seed=5)
+        dout = cupy.asarray(np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+        o, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
+        grads = cuflash.backward(dout, q, k, v, o, lse, causal=True)
+        refs = attention_reference_backward(dout, q, k, v, causal=True)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+            # The sink distribution's bf16 dk error is 1.5x the bound on the dense kernels too (docs/testing.md).
+            tol = {"bfloat16": 1.5 * BWD_TOL["bfloat16"]} if dist == "sink" else BWD_TOL
+            assert_close_on_every_row(f"{dist} {name}", got, cupy.asarray(ref), "bfloat16", tol)
+
+
+def test_backward_is_deterministic(rng):
+    import cupy
+    import cuflash
+
+    _needs("bfloat16")
+    q, k, v, dout = (_rand(rng, (1, 500, 2, 512), "bfloat16") for _ in range(4))
+    o, lse = cuflash.forward(q, k, v, causal=True, return_lse=True)
+    first = cuflash.backward(dout, q, k, v, o, lse, causal=True)
+    again = cuflash.backward(dout, q, k, v, o, lse, causal=True)
+    for a, b in zip(first, again):
+        assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16)))
+
+
+def test_backward_refusals(rng):
+    """float32 and varlen backwards keep to head dims up to 256."""
+    import cupy
+    import cuflash
+
+    _needs("bfloat16")
+    q, k, v = (_rand(rng, (1, 70, 2, 512), "float32") for _ in range(3))
+    o, lse = cuflash.forward(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="float16 / bfloat16 on Hopper"):
+        cuflash.backward(o, q, k, v, o, lse)
+    cu = cupy.asarray(np.array([0, 30, 70], dtype=np.int32))
+    qb, kb, vb = (_rand(rng, (70, 2, 512), "bfloat16") for _ in range(3))
+    o, lse = cuflash.forward_varlen(qb, kb, vb, cu, cu, 40, 40, return_lse=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        cuflash.backward_varlen(o, qb, kb, vb, o, lse, cu, cu, 40, 40)
+
+
+def test_torch_and_jax_wrappers(rng):
+    """cuflash.torch and cuflash.jax take the large head dims, forward and backward."""
+    import cupy
+    from cuflash.reference import attention_reference, attention_reference_backward
 
     _needs("bfloat16")
     q, k = _rand(rng, (1, 70, 2, 576), "bfloat16"), _rand(rng, (1, 90, 2, 576), "bfloat16")
-    v = _rand(rng, (1, 90, 2, 512), "bfloat16")
+    v, dout = _rand(rng, (1, 90, 2, 512), "bfloat16"), _rand(rng, (1, 70, 2, 512), "bfloat16")
     ref_o, _ = attention_reference(q, k, v, causal=True)
+    ref_grads = attention_reference_backward(dout, q, k, v, causal=True)
     try:
         import torch
         import cuflash.torch as ct
     except ImportError:
         torch = None
     if torch is not None and torch.cuda.is_available():
-        tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+        tq, tk, tv = (torch.as_tensor(x, device="cuda").requires_grad_(True) for x in (q, k, v))
         o = ct.flash_attn_func(tq, tk, tv, causal=True)
-        assert_close_on_every_row("out", cupy.asarray(o.contiguous()), cupy.asarray(ref_o), "bfloat16", FWD_TOL)
-        tq.requires_grad_(True)
-        with pytest.raises(ValueError, match="256"):
-            ct.flash_attn_func(tq, tk, tv, causal=True).sum().backward()
+        assert_close_on_every_row("out", cupy.asarray(o.detach().contiguous()), cupy.asarray(ref_o), "bfloat16",
+                                  FWD_TOL)
+        o.backward(torch.as_tensor(dout, device="cuda"))
+        for name, t, ref in zip(("dq", "dk", "dv"), (tq, tk, tv), ref_grads):
+            assert_close_on_every_row(name, cupy.asarray(t.grad.contiguous()), cupy.asarray(ref), "bfloat16", BWD_TOL)
     try:
         import jax
         import jax.numpy as jnp
@@ -236,13 +350,3 @@ def test_torch_and_jax_wrappers(rng):
         jq, jk, jv = (jnp.asarray(cupy.asnumpy(x)) for x in (q, k, v))
         o = cj.dot_product_attention(jq, jk, jv, causal=True)
         assert_close_on_every_row("out", cupy.asarray(np.asarray(o)), cupy.asarray(ref_o), "bfloat16", FWD_TOL)
-
-
-def test_backward_raises(rng):
-    import cuflash
-
-    _needs("bfloat16")
-    q, k, v = (_rand(rng, (1, 70, 2, 512), "bfloat16") for _ in range(3))
-    o, lse = cuflash.forward(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="no backward takes them yet"):
-        cuflash.backward(o, q, k, v, o, lse)

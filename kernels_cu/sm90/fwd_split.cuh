@@ -11,6 +11,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/softmax.cuh"
+#include "../common/smem.cuh"
 #include "../common/varlen.cuh"
 #include "wgmma.cuh"
 #include "pipeline.cuh"
@@ -36,13 +37,6 @@ struct SplitSlots {
     __device__ __forceinline__ u32 rescale_slot(int b, int t) const { return rescale + (b * 128 + t) * 8; }
     __device__ __forceinline__ u32 inv_sum_slot(int t) const { return inv_sum + t * 8; }
 };
-
-__device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
-}
-__device__ __forceinline__ void ld_shared_f2(u32 addr, float& x, float& y) {
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
-}
 
 // The parts both warpgroups use: O's rescale and its store, over kCols columns from col0.
 template <class Tile>
