@@ -668,8 +668,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     # A value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py); the large head dims'
-    # kernels take both.
-    if v.shape[3] != d and not head_dims.is_large(d, v.shape[3]):
+    # 16-bit kernels take both.
+    if v.shape[3] != d and not (head_dims.is_large(d, v.shape[3]) and q.dtype != np.float32):
         (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
         grads = backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal, softmax_scale=scale,
                          window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
@@ -784,7 +784,7 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     opts = opts or options.current()
     # The backward has no sink code: the kernels without.
     variant = var.kernel if not var.kernel.sink else dataclasses.replace(var.kernel, sink=False)
-    if head_dims.is_large(d, v.shape[3]):
+    if head_dims.is_large(d, v.shape[3]) and q.dtype != np.float32:   # float32: the simt kernels' large bucket
         return _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale, dims=dims,
                                  device_id=device_id, var=var, variant=variant, dlse=dlse, mask_offsets=mask_offsets,
                                  opts=opts)
@@ -906,13 +906,15 @@ def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scal
                              "run; pass contiguous copies")
         maps.append(found)
     stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32)
+    # head_dim: v's, the width of the preprocess's rowsum(dout * out); the split kernels take both head dims as
+    # template arguments.
     p = params.pack_bytes(params.BWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, 0, 0,
         dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
         *params.element_strides(dk), *params.element_strides(dv),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, 0, 0, 0, 0, stats.data.ptr, stat_rows,
+        b, nq, nk, hq, hq // hkv, v.shape[3], scale, scale * LOG2E, 0, 0, 0, 0, stats.data.ptr, stat_rows,
         *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0,
         *params.DENSE_VARLEN_VALUES))
     pkern, pcfg, psmem = pre

@@ -369,6 +369,11 @@ _SIMT_BWD = {
     "small": {32: (32, 32, 8), 64: (32, 32, 8), 96: (32, 32, 8), 128: (32, 32, 8),
               192: (16, 16, 8), 256: (16, 16, 8)},
 }
+# Above head dim 256 (float32 only: 16-bit takes large_bwd_configs), one instantiation for every head dim (the
+# run-time head dim zero-fills the rest): 16-row tiles in 151 KB of shared memory (sm_80, sm_90, sm_100); the dK / dV
+# kernel on 8 warps, whose dK and dV rows (144 float4 chunks each) spilled on 4, the dQ kernel on 4 (8 spilled).
+LARGE_BWD_BUCKET = 576
+_SIMT_BWD_LARGE = ((16, 16, 8), (16, 16, 4))   # dK / dV, dQ
 # sm90 dK/dV with tiled dQ (wgmma, TMA; the default on cc 9.0 for fp16/bf16): head-dim bucket ->
 # (block_m, block_n, num_warps); one producer and two consumer warpgroups: block_n = 128, 64 keys
 # each, or block_n = 64 (split-D, head dims 192 / 256): both compute S^T / dP^T of the same 64 keys
@@ -439,9 +444,16 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     dQ slices in a fixed order), ``short`` (bwd_short) the tiles of _SM90_BWD_SHORT where it has the
     head dim.
     """
+    pre = _aux_config("bwd_preprocess", dtype)
+    if head_dim > MAX_HEAD_DIM:   # the large head dims (head_dims.py): float32 here, 16-bit in large_bwd_configs
+        if dtype != "float32":
+            raise ValueError(f"bwd_configs: head dim {head_dim} in {dtype} takes large_bwd_configs")
+        forced = (opts or options.current()).simt_bwd_tiles
+        dkdv, dq = (forced, forced) if forced else _SIMT_BWD_LARGE
+        return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, LARGE_BWD_BUCKET, causal, *dkdv, variant),
+                          KernelConfig("simt_bwd_dq", dtype, LARGE_BWD_BUCKET, causal, *dq, variant), None)
     bucket = head_dim_bucket(head_dim)
     size = smem_class(cc)
-    pre = _aux_config("bwd_preprocess", dtype)
     opts = opts or options.current()
     backend = opts.bwd_backend if backend is None else backend
     if backend == "auto":

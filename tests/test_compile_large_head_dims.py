@@ -160,3 +160,18 @@ def test_backward_selection():
     for dtype, cc in (("float32", 90), ("bfloat16", 80), ("float16", 100)):
         with pytest.raises(ValueError, match="Hopper"):
             heuristics.large_bwd_configs(dtype, 512, 512, False, cc)
+
+
+def test_float32_backward():
+    """float32 takes the exact kernels' one large bucket at every head dim above 256 (q's, or v's, the two padded
+    to one), in 16-row tiles that compile without spills and fit 151 KB of shared memory."""
+    cfgs = heuristics.bwd_configs("float32", 512, True, 80).all()
+    assert [c.family for c in cfgs] == ["bwd_preprocess", "simt_bwd_dkdv", "simt_bwd_dq"]
+    assert cfgs == heuristics.bwd_configs("float32", 264, True, 80).all()
+    assert all(c.head_dim == heuristics.LARGE_BWD_BUCKET for c in cfgs[1:])
+    kernels = [c for causal in (False, True) for c in heuristics.bwd_configs("float32", 576, causal, 90).all()[1:]]
+    assert_all_compile(kernels, "80")
+    assert_all_compile(kernels, "90a")
+    assert max(kernel_smem(kernels, "80").values()) <= 151 * 1024
+    with pytest.raises(ValueError, match="large_bwd_configs"):
+        heuristics.bwd_configs("bfloat16", 512, True, 90)
