@@ -331,6 +331,18 @@ def _parse_varlen_shape(text: str) -> str:
     return text
 
 
+def _parse_head_dim_rows(text: str) -> tuple:
+    """"d512,mla192" -> ("d512", "mla192") (the head-dim table's rows)."""
+    from .bench_shapes import rows_by_name
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    try:
+        rows_by_name(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def _given(argv, option: str) -> bool:
     """Whether ``option`` (or an abbreviation argparse took for it) is on the command line."""
     return any(len(t.split("=")[0]) > 3 and option.startswith(t.split("=")[0]) for t in argv if t.startswith("--"))
@@ -379,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "(quick runs)")
     ap.add_argument("--varlen-dists", type=_parse_dist_names, metavar="NAME[,NAME...]",
                     help="with --varlen: the input distributions (default normal,sink; --quick: normal)")
+    ap.add_argument("--head-dims", action="store_true",
+                    help="instead of the standard table, the head-dim table (cuflash/bench_shapes.py, issue #43): "
+                         "(192, 128), 512 and MLA's (576, 512) beside cuDNN, FlashAttention-4 and cuflash's own "
+                         "D=128 / 256; default distributions normal, sharp")
+    ap.add_argument("--head-dim-rows", type=_parse_head_dim_rows, metavar="NAME[,NAME...]",
+                    help="with --head-dims: these rows (mla192, mla192-causal, d512, d512-causal, mla576)")
+    ap.add_argument("--head-dim-dists", type=_parse_dist_names, metavar="NAME[,NAME...]",
+                    help="with --head-dims: the input distributions (default normal,sharp; --quick: normal)")
     return ap
 
 
@@ -414,6 +434,20 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.repeats = bvl.DEFAULT_REPEATS
         if not _given(argv_list, "--warmup"):
             args.warmup = bvl.DEFAULT_WARMUP
+    if not args.head_dims and (args.head_dim_rows or args.head_dim_dists):
+        parser.error("--head-dim-rows and --head-dim-dists apply to --head-dims only")
+    if args.head_dims:   # rows, distributions, repeats of the head-dim table (bench_shapes)
+        from . import bench_shapes as bsh
+
+        if args.variants or args.varlen or args.shape or args.dists is not None:
+            parser.error("--head-dims does not combine with --variants, --varlen, --shape or --dists")
+        args.head_dim_rows = args.head_dim_rows or (bsh.QUICK_ROWS if args.quick else bsh.ROW_NAMES)
+        args.head_dim_dists = tuple(dict.fromkeys(args.head_dim_dists or
+                                                  (bsh.QUICK_DISTS if args.quick else bsh.DEFAULT_DISTS)))
+        if not _given(argv_list, "--repeats"):
+            args.repeats = bsh.DEFAULT_REPEATS
+        if not _given(argv_list, "--warmup"):
+            args.warmup = bsh.DEFAULT_WARMUP
     if args.variants:   # rows and distributions of the variant table (bench_variants)
         from . import bench_variants as bv
 
@@ -439,6 +473,10 @@ def table_shapes(args: argparse.Namespace) -> list:
         from .bench_variants import rows_by_name
 
         return list(dict.fromkeys(r.shape for r in rows_by_name(args.rows)))
+    if getattr(args, "head_dims", False):   # the reference head dims' shapes (the large ones build below)
+        from .bench_shapes import rows_by_name as head_dim_rows
+
+        return list(dict.fromkeys(r.shape(r.ref_dim) for r in head_dim_rows(args.head_dim_rows)))
     if args.shape:
         return list(args.shape)
     if args.quick:
@@ -540,6 +578,12 @@ def main(argv=None) -> int:
 
         _build_table_kernels("variant", [c for c in kernel_configs(cc, rows_by_name(args.rows)) if c not in needed],
                              dev.id)
+    if args.head_dims:   # the head-dim table's kernels: the same
+        from .bench_shapes import kernel_configs as head_dim_configs
+        from .bench_shapes import rows_by_name as head_dim_rows
+
+        _build_table_kernels("head-dim", [c for c in head_dim_configs(cc, head_dim_rows(args.head_dim_rows))
+                                          if c not in needed], dev.id)
     if args.varlen:   # the varlen kernels: the same
         from .bench_varlen import kernel_configs, rows_from_args
 
@@ -564,6 +608,10 @@ def main(argv=None) -> int:
         from . import bench_varlen
 
         return bench_varlen.run(args, name, cc)
+    if args.head_dims:
+        from . import bench_shapes
+
+        return bench_shapes.run(args, name, cc)
     if args.dists is not None:
         from .dist_table import benchmark_dists, format_dist_table, markdown_dist_table
 

@@ -15,6 +15,8 @@ Groups (default: fwd bwd), for the device's compute capability:
   variant_tests the kernels of tests/test_variants.py's cases
   varlen_tests the kernels of tests/test_varlen_fwd.py's cases
   varlen_bench the kernels of the varlen table's rows, varlen and dense (cuflash/bench_varlen.py)
+  large   the head dims above 256 (tests/test_large_head_dims.py's pairs, forward and backward) and the head-dim
+          table's kernels (cuflash/bench_shapes.py)
 ``-D`` defines go into $CUFLASH_NVRTC_DEFINES of the compiling processes (a traced or A/B build).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCHED_SHAPES, precompile_parallel  # noqa: E402
 
 GROUPS = ("fwd", "bwd", "fp8", "small", "ring", "sched", "fwdall", "variants", "variant_tests", "varlen_tests",
-          "varlen_bench")
+          "varlen_bench", "large")
 
 
 def configs(which, cc: int) -> list:
@@ -67,6 +69,13 @@ def configs(which, cc: int) -> list:
         from cuflash import bench_varlen
 
         out += bench_varlen.kernel_configs(cc, bench_varlen.VARLEN_ROWS)
+    if "large" in which:
+        from cuflash import bench_shapes
+
+        out += [c for c in heuristics.large_fwd_configs() if cc == 90 or c.dtype == "float32"]
+        out += [c for causal in (False, True) for c in heuristics.bwd_configs("float32", 512, causal, cc).all()]
+        if cc == 90:
+            out += heuristics.all_large_bwd_configs() + bench_shapes.kernel_configs(cc)
     if "variant_tests" in which:
         from _common import add_tests_to_path
 
