@@ -2,11 +2,12 @@
 zero padding to the larger one.
 
 Every kernel family takes head dims that are multiples of 8 up to 256, forward and backward, q's and v's alike.
-Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512) run on Hopper in fp16 / bf16
-(the forward's split-V kernel, kernels_cu/sm90/fwd_split.cuh, and one backward kernel per gradient,
-kernels_cu/sm90/bwd_split.cu) and on the exact float32 kernels anywhere: an experimental path, taken only with
-``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense batches only in the
-backward (the varlen backward keeps to 256).
+Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512): in fp16 / bf16 the forward
+on Hopper's split-V kernel (kernels_cu/sm90/fwd_split.cuh) and elsewhere on the portable kernel with O's columns
+split over warps (kernels_cu/sm80/fwd.cu: kColSplit), the backward on Hopper only (one kernel per gradient,
+kernels_cu/sm90/bwd_split.cu); in float32 the exact kernels, forward and backward, anywhere. An experimental path,
+taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense
+batches only in the backward (the varlen backward keeps to 256).
 
 The backward kernels take one head dim. Padding the narrower side with zero columns to ``D = max(Dqk, Dv)``
 leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero columns, so ``dO V^T``, ``rowsum(dO *
@@ -25,8 +26,8 @@ from typing import Callable, Tuple
 
 MAX_HEAD_DIM = 256                          # every kernel family, forward and backward
 LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V = 576, 512   # the forward's large head dims (Options.large_head_dims)
-_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run on Hopper in fp16 / bf16 and anywhere in float32, "
-               "with CUFLASH_LARGE_HEAD_DIMS=1: experimental)")
+_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run with CUFLASH_LARGE_HEAD_DIMS=1: experimental; the "
+               "fp16 / bf16 backward on Hopper only)")
 
 
 def is_large(head_dim: int, head_dim_v: int) -> bool:

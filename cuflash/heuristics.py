@@ -28,6 +28,9 @@ _SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TI
 }
 # Causal tiles where they differ: the diagonal favours wider key tiles at D=128.
 _SM80_FWD_CAUSAL = {128: (128, 64, 4)}
+# Above head dim 256 (head_dims.py): 8 warps on 64 rows, two per 16-row slice splitting O's columns
+# (kernels_cu/sm80/fwd.cu: kColSplit); fit_shared_memory narrows it where 227 KB are not there (A100: 16 keys).
+_SM80_FWD_LARGE = (64, 32, 8)
 
 # sm90 forward (wgmma + TMA, warp-specialised): head-dim bucket -> (block_m, block_n, num_warps,
 # kernel kind (SM90_FWD_KINDS) without / with the causal mask); num_warps = 4 * (1 producer + block_m / 64
@@ -267,18 +270,16 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
 
 def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str, opts: Options,
                       variant: MaskVariant, head_dim_v: int) -> KernelConfig:
-    """fwd_config above head dim 256 (head_dims.py): the split-V kernel on Hopper (fp16 / bf16), the exact float32
-    kernel anywhere; ValueError for fp16 / bf16 elsewhere (no portable kernel takes them yet)."""
+    """fwd_config above head dim 256 (head_dims.py): the split-V kernel on Hopper (fp16 / bf16), the portable
+    kernel's column split elsewhere (and with backend "sm80"), the exact float32 kernel anywhere."""
     if dtype == "float32":
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD_LARGE
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
-    if cc == 90 and dtype in ("float16", "bfloat16") and (backend == "auto" or backend in SM90_FWD_BACKENDS):
+    if cc == 90 and (backend == "auto" or backend in SM90_FWD_BACKENDS):
         return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *SM90_SPLIT_TILE, variant,
                             head_dim_v)
-    raise ValueError(f"head dims above {MAX_HEAD_DIM} (q / k {head_dim}, v {head_dim_v or head_dim}) run in {dtype} on "
-                     f"Hopper GPUs (compute capability 9.0) only, with the Hopper kernels (CUFLASH_FWD_BACKEND auto or "
-                     f"sm90*); this is compute capability {cc // 10}.{cc % 10} with backend {backend!r}: use float32, "
-                     f"or head dims up to {MAX_HEAD_DIM}")
+    block_m, block_n, warps = opts.sm80_fwd_tiles or _SM80_FWD_LARGE
+    return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
 
 
 # The large head dims the CPU compile tests build: 512, MLA's (576, 512), uneven column-block splits (320, 448), a
@@ -287,10 +288,10 @@ LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 
 
 
 def large_fwd_configs() -> list[KernelConfig]:
-    """The large head dims' forward instantiations the CPU compile tests build: head dim 512, MLA's (576, 512),
-    an odd pair of column blocks (320 / 448) and a narrow V, both dtypes and masks, Hopper and float32."""
-    out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv) for dtype in ("float16", "bfloat16", "float32")
-           for d, dv in LARGE_TEST_PAIRS for causal in (False, True)]
+    """The large head dims' forward instantiations the CPU compile tests build: LARGE_TEST_PAIRS, both dtypes and
+    masks, the Hopper kernel, the portable one (its table tile) and float32."""
+    out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv, backend=backend) for dtype in ("float16", "bfloat16", "float32")
+           for d, dv in LARGE_TEST_PAIRS for causal in (False, True) for backend in ("auto", "sm80")]
     return list({c.key(): c for c in out}.values())
 
 

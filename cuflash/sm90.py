@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from . import head_dims, heuristics, options, tile_counters, tma
+from . import heuristics, options, tile_counters, tma
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
 from .launch import PackedTail
@@ -41,12 +41,7 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
 
 
 def _portable_fwd(cfg: KernelConfig, device_id: int):
-    """(kernel, config, shared memory bytes) of the portable forward for this config's inputs; ValueError for the
-    split-V kernel's large head dims, which no portable fp16 / bf16 kernel takes."""
-    if cfg.fam.schedule == "split" and head_dims.is_large(cfg.head_dim, cfg.head_dim_v or cfg.head_dim):
-        raise ValueError("q, k, v and out must be addressable by TMA (a contiguous last dim, 16-byte aligned strides) "
-                         f"at head dims above {head_dims.MAX_HEAD_DIM}, where only the Hopper kernel runs in "
-                         f"{cfg.dtype}; pass contiguous copies")
+    """(kernel, config, shared memory bytes) of the portable forward for this config's inputs."""
     cfg = heuristics.fwd_config(cfg.dtype, cfg.head_dim, cfg.causal, 90, backend="sm80", variant=cfg.variant,
                                 head_dim_v=cfg.head_dim_v)
     return get_kernel(cfg, device_id), cfg, smem_bytes(cfg, device_id)

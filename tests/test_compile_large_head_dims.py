@@ -9,21 +9,45 @@ import pytest
 
 import sass_tools as sass
 from compile_checks import H100_SMEM_OPTIN, assert_all_compile, kernel_smem
+from dataclasses import replace
+
 from cuflash import head_dims, heuristics, options
 
 LARGE = heuristics.large_fwd_configs()
 BWD = heuristics.all_large_bwd_configs()
 SPLIT = [c for c in LARGE if c.family == "sm90_fwd_split"]
 SIMT = [c for c in LARGE if c.family == "simt_fwd"]
+PORTABLE = [c for c in LARGE if c.family == "sm80_fwd"]
+# The portable tile as fit_shared_memory narrows it: A100 (163 KB) and sm_86 / sm_89 (99 KB).
+PORTABLE_NARROW = [replace(c, block_n=16) for c in PORTABLE] + [replace(c, block_m=32, block_n=16, num_warps=4)
+                                                                 for c in PORTABLE] + \
+    [replace(c, block_m=16, block_n=16, num_warps=2) for c in PORTABLE]
 
 
 def test_configs():
-    assert len(SPLIT) == 2 * 6 * 2 and len(SIMT) == 6 * 2 and len(LARGE) == len(SPLIT) + len(SIMT)
+    assert len(SPLIT) == 2 * 6 * 2 and len(SIMT) == 6 * 2 and len(PORTABLE) == 2 * 6 * 2
+    assert len(LARGE) == len(SPLIT) + len(SIMT) + len(PORTABLE)
+    assert all((c.block_m, c.block_n, c.num_warps) == (64, 32, 8) for c in PORTABLE)
     assert all((c.block_m, c.block_n, c.num_warps) == heuristics.SM90_SPLIT_TILE for c in SPLIT)
 
 
 def test_split_kernels_compile_without_spills():
     assert_all_compile(SPLIT, "90a", no_warnings=True)
+
+
+def test_portable_kernels_compile_without_spills():
+    """Two warps per 16-row slice (O's columns split), and the narrower tiles of smaller shared memories."""
+    assert_all_compile(PORTABLE + PORTABLE_NARROW, "80")
+    assert_all_compile(PORTABLE[:4], "90a")
+
+
+def test_portable_shared_memory_narrowing():
+    """fit_shared_memory takes the portable tile to the A100's 163 KB and to 99 KB (sm_86, sm_89) at every pair."""
+    for c in PORTABLE:
+        for limit in (166912, 101376):
+            fitted = heuristics.fit_shared_memory(c, limit, lambda x: kernel_smem([x], "80")[x])
+            assert kernel_smem([fitted], "80")[fitted] <= limit
+            assert fitted in PORTABLE_NARROW + PORTABLE, fitted.key()
 
 
 def test_float32_kernels_compile_without_spills():
@@ -69,8 +93,7 @@ def test_selection():
     assert cfg("float32", 512, False, 80).family == "simt_fwd"
     assert cfg("float32", 512, False, 90).family == "simt_fwd"
     for cc, backend in ((80, None), (89, None), (100, None), (90, "sm80")):
-        with pytest.raises(ValueError, match="Hopper"):
-            cfg("bfloat16", 512, False, cc, backend=backend)
+        assert cfg("bfloat16", 512, False, cc, backend=backend).key() == "sm80_fwd:bfloat16:d512:full:m64n32w8"
     # Forced at ordinary head dims: wherever V has two 64-column blocks; else the overlap kernel.
     options.set(fwd_backend="sm90_split")
     assert cfg("bfloat16", 128, True, 90).key() == "sm90_fwd_split:bfloat16:d128:causal:m64n64w12"

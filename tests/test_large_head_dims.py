@@ -32,11 +32,18 @@ def _rand(rng, shape, dtype):
     return cupy.asarray(rng.standard_normal(shape).astype(np.float32).astype(dtype_of(dtype)))
 
 
-def _needs(dtype):
+def _needs(dtype, portable: bool = False):
+    """Skips what this GPU does not run: the Hopper kernels (fp16 / bf16 unless ``portable``) need cc 9.0."""
     import cupy
 
-    if dtype != "float32" and int(cupy.cuda.Device().compute_capability) != 90:
-        pytest.skip("fp16 / bf16 at head dims above 256: Hopper (compute capability 9.0) only")
+    if dtype != "float32" and not portable and int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("fp16 / bf16 at head dims above 256 on the Hopper kernels: compute capability 9.0")
+
+
+# (options, dtype, the family that runs): the Hopper split-V kernel, the portable kernel's column split, float32.
+FAMILIES = [({}, "bfloat16", "sm90_fwd_split"), ({}, "float16", "sm90_fwd_split"),
+            ({"fwd_backend": "sm80"}, "bfloat16", "sm80_fwd"), ({"fwd_backend": "sm80"}, "float16", "sm80_fwd"),
+            ({}, "float32", "simt_fwd")]
 
 
 def _family(q, dv, causal):
@@ -47,18 +54,19 @@ def _family(q, dv, causal):
     return cfg.family
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("family,dtype,runs", FAMILIES)
 @pytest.mark.parametrize("dqk,dv", PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense(rng, dtype, dqk, dv, causal):
+def test_dense(rng, family, dtype, runs, dqk, dv, causal):
     import cupy
     import cuflash
     from cuflash.reference import attention_reference
 
-    _needs(dtype)
+    _needs(dtype, portable=runs != "sm90_fwd_split")
+    cuflash.options.set(**family)
     b, nq, nk, hq, hkv = 2, 139, 211, 4, 2
     q, k, v = _rand(rng, (b, nq, hq, dqk), dtype), _rand(rng, (b, nk, hkv, dqk), dtype), _rand(rng, (b, nk, hkv, dv), dtype)
-    assert _family(q, dv, causal) == ("simt_fwd" if dtype == "float32" else "sm90_fwd_split")
+    assert _family(q, dv, causal) == runs
     out = poisoned((b, nq, hq, dv), dtype)
     o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
     assert o is out
@@ -149,14 +157,15 @@ def test_variants(rng, variant):
     assert_lse_matches(lse, ref_lse, (1, hq, 333))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("family,dtype,runs", FAMILIES[::2])
 @pytest.mark.parametrize("dqk,dv", [(512, 512), (576, 512)])
-def test_varlen(rng, dtype, dqk, dv):
+def test_varlen(rng, family, dtype, runs, dqk, dv):
     import cupy
     import cuflash
     from cuflash.reference import attention_reference_varlen
 
-    _needs(dtype)
+    _needs(dtype, portable=runs != "sm90_fwd_split")
+    cuflash.options.set(**family)
     lq, lk = [0, 1, 13, 131, 64, 257], [3, 1, 0, 131, 200, 257]
     cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
     cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))

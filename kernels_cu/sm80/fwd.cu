@@ -29,8 +29,13 @@ struct FwdTile {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kThreads = kNWarps * 32;
-    static constexpr int kMTiles = kBlockM / (16 * kNWarps);        // 16-row slices per warp
-    static constexpr int kNTilesO = kHeadDimPadV / 8;              // n8 tiles of O
+    // Warps beyond one per 16-row slice split O's columns (head dims above 256, whose O would take 256
+    // registers a thread in one warp): kColSplit warps share each row slice, each computing its S and softmax
+    // again (bitwise the same) and P V over its share of the columns.
+    static constexpr int kColSplit = 16 * kNWarps > kBlockM ? 16 * kNWarps / kBlockM : 1;
+    static constexpr int kRowWarps = kNWarps / kColSplit;          // warps along the rows
+    static constexpr int kMTiles = kBlockM / (16 * kRowWarps);     // 16-row slices per warp
+    static constexpr int kNTilesO = kHeadDimPadV / 8 / kColSplit;  // n8 tiles of O per warp
     // S is computed kSubN keys at a time: a stage of kBlockN keys costs one pair
     // of barriers, while the S and O accumulators together stay within about
     // 176 registers per thread (the rest of the 255 go to fragments and indices).
@@ -46,7 +51,9 @@ struct FwdTile {
     static constexpr int kSmemStride = (kHeadDimPad > kHeadDimPadV ? kHeadDimPad : kHeadDimPadV) + 8;
     static constexpr int kStages = 2;                              // K/V ring depth
     static constexpr int kSmemElems = (kBlockM + 2 * kStages * kBlockN) * kSmemStride;
-    static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
+    static_assert(kBlockM % (16 * kRowWarps) == 0 && kRowWarps * kColSplit == kNWarps,
+                  "kBlockM: a multiple of 16 * kNWarps, or 16 * kNWarps / kColSplit with warps splitting O's columns");
+    static_assert(kNTilesO % 2 == 0 && kNTilesO * 8 * kColSplit == kHeadDimPadV, "O's columns: whole 16-column pairs per warp");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
     static_assert(kSubN % 16 == 0, "S sub-tiles must be a multiple of 16 keys");
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
@@ -100,8 +107,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Mask(p).n_block_max(m_block);
 
-    // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile.
-    const int warp_row0 = warp * kMTiles * 16;
+    // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile, and (column split) its O columns.
+    const int warp_row0 = (Tile::kColSplit == 1 ? warp : warp % Tile::kRowWarps) * kMTiles * 16;
+    const int col0 = Tile::kColSplit == 1 ? 0 : warp / Tile::kRowWarps * Tile::kNTilesO * 8;
     const int g = lane >> 2;
     const int t4 = lane & 3;
 
@@ -238,7 +246,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
 #pragma unroll
                     for (int nn = 0; nn < Tile::kNTilesO / 2; ++nn) {
                         u32 b[4];
-                        load_b_frag_kn<kStride>(b, sV, sub * Tile::kSubN + kk * 16, nn * 16, lane);
+                        load_b_frag_kn<kStride>(b, sV, sub * Tile::kSubN + kk * 16, col0 + nn * 16, lane);
 #pragma unroll
                         for (int t = 0; t < kMTiles; ++t) {
                             Mma::run(acc_o[t][2 * nn], a[t], b[0], b[1]);
@@ -265,13 +273,13 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             for (int h = 0; h < 2; ++h) {
                 const int row = warp_row0 + t * 16 + g + h * 8;
                 const float s = inv_sum[2 * t + h];
-                *reinterpret_cast<u32*>(sQ + row * kStride + n * 8 + 2 * t4) =
+                *reinterpret_cast<u32*>(sQ + row * kStride + col0 + n * 8 + 2 * t4) =
                     ElemTraits<Tag>::pack2(acc_o[t][n][2 * h] * s, acc_o[t][n][2 * h + 1] * s);
             }
     // Output pointers are formed only now: live across the main loop they would cost registers.
     u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
               + row_base * p.o_row_stride;
-    if (p.lse != nullptr && t4 == 0) {
+    if (p.lse != nullptr && t4 == 0 && (Tile::kColSplit == 1 || warp < Tile::kRowWarps)) {
         float* gLse = p.lse + stat_offset<Variant::kVarlen>(p, batch, head) + row_base;
 #pragma unroll
         for (int t = 0; t < kMTiles; ++t)
