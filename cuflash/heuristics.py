@@ -501,9 +501,9 @@ def large_bwd_configs(dtype: str, head_dim: int, head_dim_v: int, causal: bool, 
     """The backward at head dims above 256 (head_dims.py): (preprocess, dV, dK, dQ) kernels, Hopper and fp16 /
     bf16 only (ValueError elsewhere). Each step takes 64 rows of the other side where they fit, else 32."""
     if cc != 90 or dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"the backward at head dims above {MAX_HEAD_DIM} (q / k {head_dim}, v {head_dim_v}) runs in "
-                         f"float16 / bfloat16 on Hopper GPUs (compute capability 9.0) only; got {dtype} on compute "
-                         f"capability {cc // 10}.{cc % 10}")
+        raise ValueError(f"the {dtype} backward at head dims above {MAX_HEAD_DIM} (q / k {head_dim}, v {head_dim_v}) "
+                         f"runs on Hopper GPUs (compute capability 9.0) only, for now; this is compute capability "
+                         f"{cc // 10}.{cc % 10}: float32 inputs take the exact kernels on every GPU")
     dv = 0 if head_dim_v == head_dim else head_dim_v
     out = [_aux_config("bwd_preprocess", dtype)]
     for product in SPLIT_BWD_PRODUCTS:
