@@ -893,7 +893,7 @@ def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scal
     pre, *grads = plan
     stat_rows = -(-nq // 64) * 64
     if b * hq * 2 * stat_rows >= 2**32:
-        raise ValueError(f"batch * heads_q * seqlen_q must stay below 2^31 / 64 rows at head dims above "
+        raise ValueError(f"batch * heads_q * seqlen_q (rounded up to 64) must stay below 2^31 at head dims above "
                          f"{head_dims.MAX_HEAD_DIM} (the stats rows are indexed in 32 bits); got {b} * {hq} * {nq}")
     # The tensor maps of each kernel: the rows' two tiles (64-row boxes) and the steps' two (block_n rows).
     tiles = {"dv": (k, k, q, dout), "dk": (k, v, q, dout), "dq": (q, dout, k, v)}

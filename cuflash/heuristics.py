@@ -283,8 +283,9 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
 
 
 # The large head dims the CPU compile tests build: 512, MLA's (576, 512), uneven column-block splits (320, 448), a
-# narrow V and a V wider than q ((q / k, v), 0: v's is q's).
-LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512))
+# narrow V, a V wider than q, and a q / k of one column block (dK / dQ in one warpgroup's columns) ((q / k, v), 0:
+# v's is q's).
+LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512), (64, 512))
 
 
 def large_fwd_configs() -> list[KernelConfig]:

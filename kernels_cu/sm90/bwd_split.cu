@@ -47,7 +47,9 @@ struct BwdSplitTile {
     static constexpr int kC0Bytes = kBlockN * kPadQK * 2;
     static constexpr int kC1Bytes = kBlockN * kPadV * 2;
     static constexpr int kAccPad = kProduct == kProductDv ? kPadV : kPadQK;
-    static constexpr int kAccCols0 = (kAccPad / 64 + 1) / 2 * 64;   // warpgroup 0's columns; 1 has the rest
+    // Warpgroup 0's columns; 1 has the rest: none for dK / dQ at q / k head dims up to 64 (v's above 256), where
+    // warpgroup 1 computes dP and the weights only.
+    static constexpr int kAccCols0 = (kAccPad / 64 + 1) / 2 * 64;
     static constexpr int kAccCols1 = kAccPad - kAccCols0;
     static constexpr int kWBytes = kBlockM * 64 * 2;               // the weights: one 128-byte row block
     static constexpr int kPBytes = kHasDp ? kBlockM * kBlockN * 4 : 0;   // warpgroup 0 -> 1, float32
@@ -57,7 +59,8 @@ struct BwdSplitTile {
     static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
     static_assert(kBlockM == 64 && kNWarps == 12, "64 rows, a producer and two consumer warpgroups");
     static_assert(kBlockN == 64 || kBlockN == 32, "steps of 64 or 32 rows");
-    static_assert(kAccCols1 > 0 && kAccCols0 <= 320, "two column halves (at q / k head dim 576: 320 + 256)");
+    static_assert((kAccCols1 > 0 || kProduct != kProductDv) && kAccCols0 <= 320,
+                  "two column halves (at q / k head dim 576: 320 + 256); dV's v head dim above 64");
     static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
@@ -174,7 +177,7 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
     const int g = lane >> 2, t4 = lane & 3;
     const BwdSplitSteps<Tile, Mask> steps(p, row_block, head);
     const int n = steps.count();
-    float acc[kCols / 2];
+    float acc[kCols > 0 ? kCols / 2 : 1];
 #pragma unroll
     for (int i = 0; i < kCols / 2; ++i) acc[i] = 0.f;
     if (n > 0) mbar_wait(smem.rows_full(), 0);
@@ -253,7 +256,7 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
         const u32 x_empty = kProduct == kProductDv ? smem.c1_empty() : smem.c0_empty();
         const u32 x_tile = kProduct == kProductDv ? smem.c1 : smem.c0;
         mbar_wait(x_full, parity);
-        {
+        if constexpr (kCols > 0) {
             // In pieces of at most 256 columns (wgmma's N): 320 (head dim 576's first half) as 256 + 64.
             constexpr int kPiece0 = kCols < 256 ? kCols : 256, kPiece1 = kCols - kPiece0;
             const SmemDesc<> w_desc(smem.w, 16, 1024);
@@ -299,7 +302,7 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = r_first + 8 * h;
-        if (row < rows) {
+        if (kCols > 0 && row < rows) {
 #pragma unroll
             for (int j = 0; j < kCols / 8; ++j) {
                 const int col = kCol0 + 8 * j + 2 * t4;
