@@ -6,6 +6,7 @@ Layout as flash-attn: q (batch, seqlen_q, heads_q, head_dim), k and v
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import numpy as np
@@ -359,8 +360,10 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             buffers=("dq", "dk", "dv"), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
             deterministic=deterministic, check_offsets=check_offsets)
+    opts = options.current()
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
+                              large_head_dims=opts.large_head_dims)
     dev = lay.device_id
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     _checks.check_like("dout", dout, "q", q, out_shape)
@@ -379,7 +382,8 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
-    if lay.head_dim_v != lay.head_dim_qk:   # as backward: zero padding to one head dim (head_dims.py)
+    large = head_dims.is_large(lay.head_dim_qk, lay.head_dim_v) and q.dtype != np.float32   # the split kernels
+    if lay.head_dim_v != lay.head_dim_qk and not large:   # as backward: zero padding to one head dim (head_dims.py)
         (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
         grads = backward_varlen(dout_p, q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
@@ -406,8 +410,10 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
                 lse = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
                 if dlse is not None and not dlse.flags.c_contiguous:
                     dlse = cupy.ascontiguousarray(dlse)
-                delta = _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay, causal=bool(causal),
-                                           scale=scale, deterministic=deterministic, var=var, dlse=dlse)
+                launch_fn = _launch_bwd_varlen_large if large else \
+                    functools.partial(_launch_bwd_varlen, deterministic=deterministic)
+                delta = launch_fn(dout, q, k, v, out, lse, dq, dk, dv, lay, causal=bool(causal), scale=scale, var=var,
+                                  dlse=dlse)
                 if dsinks is not None:   # as the dense backward: sum over rows of P(sink) (dlse - delta)
                     dsinks = -(cupy.exp(var.sinks[:, None] - lse) * delta).sum(axis=1)
             elif dsinks is not None and dlse is not None and lay.total_q:
@@ -872,6 +878,46 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     return dsinks, tuple(launches), tuple(workspaces)
 
 
+def _split_bwd_plan(dtype, head_dim: int, head_dim_v: int, causal: bool, device_id: int,
+                    variant: variants.MaskVariant, opts: options.Options):
+    """The large head dims' backward kernels (preprocess, dV, dK, dQ) as (kernel, config, shared memory), cached."""
+    key = ("large", dtype, head_dim, head_dim_v, causal, device_id, opts.token, variant)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        cfgs = heuristics.large_bwd_configs(_checks.dtype_name(dtype), head_dim, head_dim_v, causal, cc, variant)
+        plan = _bwd_plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
+                                        smem_bytes(c, device_id, opts.nvrtc_defines)) for c in cfgs)
+    return plan
+
+
+def _run_split_bwd(plan, arrays: tuple, p: bytes, pre_grid: tuple, grids: dict) -> None:
+    """Launches the preprocess and the three split kernels: ``arrays`` (q, k, v, dout) as the tensor maps see them
+    (4-D; varlen: a batch of one), ``grids`` product -> grid. ValueError where TMA cannot address an input."""
+    q, k, v, dout = arrays
+    pre, *grads = plan
+    # The tensor maps of each kernel: the rows' two tiles (64-row boxes) and the steps' two (block_n rows).
+    tiles = {"dv": (k, k, q, dout), "dk": (k, v, q, dout), "dq": (q, dout, k, v)}
+    maps = []
+    for product, (_, cfg, _) in zip(heuristics.SPLIT_BWD_PRODUCTS, grads):
+        found = sm90._maps(tiles[product], cfg.dtype, (64, 64, cfg.block_n, cfg.block_n))
+        if found is None:
+            raise ValueError("q, k, v, out and dout must be addressable by TMA (a contiguous last dim, 16-byte aligned "
+                             f"strides) at head dims above {head_dims.MAX_HEAD_DIM}, where only the Hopper kernels "
+                             "run; pass contiguous copies")
+        maps.append(found)
+    pkern, pcfg, psmem = pre
+    launch.launch(pkern, pcfg, pre_grid, p, psmem)
+    for product, (kern, cfg, smem), found in zip(heuristics.SPLIT_BWD_PRODUCTS, grads, maps):
+        launch.launch(kern, cfg, grids[product], p, smem, (found,))
+
+
+def _check_stat_rows(rows: int) -> None:
+    if rows >= 2**32:
+        raise ValueError(f"heads_q * the stats rows ({rows // 2}: batch * seqlen_q, or total_q, padded to 64-row tiles) "
+                         f"must stay below 2^31 at head dims above {head_dims.MAX_HEAD_DIM} (indexed in 32 bits)")
+
+
 def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, dims, device_id: int,
                       var: variants.Variants, variant: variants.MaskVariant, dlse=None,
                       mask_offsets: Optional[Tuple[int, int]] = None, opts: Optional[options.Options] = None):
@@ -883,28 +929,9 @@ def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scal
 
     b, nq, nk, hq, hkv, d = dims
     opts = opts or options.current()
-    key = ("large", q.dtype, d, v.shape[3], causal, device_id, opts.token, variant)
-    plan = _bwd_plans.get(key)
-    if plan is None:
-        cc, _ = device_info(device_id)
-        cfgs = heuristics.large_bwd_configs(_checks.dtype_name(q.dtype), d, v.shape[3], causal, cc, variant)
-        plan = _bwd_plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
-                                        smem_bytes(c, device_id, opts.nvrtc_defines)) for c in cfgs)
-    pre, *grads = plan
+    plan = _split_bwd_plan(q.dtype, d, v.shape[3], causal, device_id, variant, opts)
     stat_rows = -(-nq // 64) * 64
-    if b * hq * 2 * stat_rows >= 2**32:
-        raise ValueError(f"batch * heads_q * seqlen_q (rounded up to 64) must stay below 2^31 at head dims above "
-                         f"{head_dims.MAX_HEAD_DIM} (the stats rows are indexed in 32 bits); got {b} * {hq} * {nq}")
-    # The tensor maps of each kernel: the rows' two tiles (64-row boxes) and the steps' two (block_n rows).
-    tiles = {"dv": (k, k, q, dout), "dk": (k, v, q, dout), "dq": (q, dout, k, v)}
-    maps = []
-    for product, (_, cfg, _) in zip(heuristics.SPLIT_BWD_PRODUCTS, grads):
-        found = sm90._maps(tiles[product], cfg.dtype, (64, 64, cfg.block_n, cfg.block_n))
-        if found is None:
-            raise ValueError("q, k, v, out and dout must be addressable by TMA (a contiguous last dim, 16-byte aligned "
-                             f"strides) at head dims above {head_dims.MAX_HEAD_DIM}, where only the Hopper kernels "
-                             "run; pass contiguous copies")
-        maps.append(found)
+    _check_stat_rows(b * hq * 2 * stat_rows)
     stats = cupy.empty(b * hq * 2 * stat_rows, dtype=np.float32)
     # head_dim: v's, the width of the preprocess's rowsum(dout * out); the split kernels take both head dims as
     # template arguments.
@@ -917,17 +944,50 @@ def _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scal
         b, nq, nk, hq, hq // hkv, v.shape[3], scale, scale * LOG2E, 0, 0, 0, 0, stats.data.ptr, stat_rows,
         *var.param_values(nq, nk, scale, *(mask_offsets or ())), dlse.data.ptr if dlse is not None else 0,
         *params.DENSE_VARLEN_VALUES))
-    pkern, pcfg, psmem = pre
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, stat_rows), p, psmem)
+    # dQ: the query tiles of each head; dK, dV: the key tiles of each kv head.
+    grids = {"dv": (-(-nk // 64), hkv, b), "dk": (-(-nk // 64), hkv, b), "dq": (-(-nq // 64), hq, b)}
+    _run_split_bwd(plan, (q, k, v, dout), p, launch.bwd_row_grid(plan[0][1], b, hq, stat_rows), grids)
     dsinks = None
     if var.sinks is not None:   # as _launch_bwd: from delta as the preprocess wrote it beside lse2
         rows = stats.reshape(b, hq, 2, stat_rows)[:, :, 1, :nq]
         dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * rows).sum(axis=(0, 2))
-    for product, (kern, cfg, smem), found in zip(heuristics.SPLIT_BWD_PRODUCTS, grads, maps):
-        rows, heads = (nq, hq) if product == "dq" else (nk, hkv)   # dQ: query tiles of each head; else key tiles
-        launch.launch(kern, cfg, (-(-rows // 64), heads, b), p, smem, (found,))
     capture.keep_if_capturing(stats)
     return dsinks, None, None
+
+
+def _launch_bwd_varlen_large(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLayout, *, causal: bool,
+                             scale: float, var: variants.Variants, dlse=None, opts: Optional[options.Options] = None):
+    """_launch_bwd_varlen at head dims above 256: _launch_bwd_large's kernels on the packed rows (a batch of one for
+    the tensor maps), each sequence's stats rows in whole 64-row tiles from its padded row (varlen.cuh:
+    padded_row0). Returns delta ``(heads_q, total_q)`` float32 (with sinks, 0 outside the used rows)."""
+    import cupy
+
+    opts = opts or options.current()
+    variant = dataclasses.replace(var.kernel, sink=False, varlen=True)   # no sink code in the backward
+    hq, b = lay.heads_q, lay.batch
+    plan = _split_bwd_plan(q.dtype, lay.head_dim_qk, lay.head_dim_v, causal, lay.device_id, variant, opts)
+    padded = sm90.varlen_padded_rows(lay.total_q, b, 64)
+    _check_stat_rows(hq * 2 * padded)
+    stats = cupy.empty(hq * 2 * padded, dtype=np.float32)
+    # delta's rows outside every sequence are never written: zeros where dsinks sums over all rows (with sinks).
+    delta = (cupy.zeros if var.sinks is not None else cupy.empty)((hq, lay.total_q), dtype=np.float32)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
+        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out), *_packed_strides(dout),
+        *_packed_strides(dq), *_packed_strides(dk), *_packed_strides(dv),
+        b, lay.max_seqlen_q, lay.max_seqlen_k, hq, hq // lay.heads_kv, lay.head_dim_v, scale, scale * LOG2E,
+        0, 0, 0, 0, stats.data.ptr, padded,
+        *var.param_values(lay.max_seqlen_q, lay.max_seqlen_k, scale), dlse.data.ptr if dlse is not None else 0,
+        *_varlen_values(lay, 64, None)))
+    max_q, max_k = lay.max_seqlen_q, lay.max_seqlen_k
+    grids = {"dv": (-(-max_k // 64), lay.heads_kv, b), "dk": (-(-max_k // 64), lay.heads_kv, b),
+             "dq": (-(-max_q // 64), hq, b)}
+    # The preprocess covers each sequence's whole tiles (its stats rows).
+    _run_split_bwd(plan, (q[None], k[None], v[None], dout[None]), p,
+                   launch.bwd_row_grid(plan[0][1], b, hq, -(-max_q // 64) * 64), grids)
+    capture.keep_if_capturing(delta, stats)
+    return delta
 
 
 class AttentionVJP:

@@ -6,8 +6,8 @@ Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 
 on Hopper's split-V kernel (kernels_cu/sm90/fwd_split.cuh) and elsewhere on the portable kernel with O's columns
 split over warps (kernels_cu/sm80/fwd.cu: kColSplit), the backward on Hopper only (one kernel per gradient,
 kernels_cu/sm90/bwd_split.cu); in float32 the exact kernels, forward and backward, anywhere. An experimental path,
-taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense
-batches only in the backward (the varlen backward keeps to 256).
+taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense and
+varlen alike.
 
 The backward kernels take one head dim. Padding the narrower side with zero columns to ``D = max(Dqk, Dv)``
 leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero columns, so ``dO V^T``, ``rowsum(dO *

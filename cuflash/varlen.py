@@ -97,7 +97,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     ``check_offsets`` is True (None: True unless the current stream of q's device is capturing a CUDA
     graph), one device-to-host copy of the offsets and seqused and :func:`validate_offsets` on it.
     ``allow_dv``: v's head dim may differ from q's (any multiple of 8 up to 256); ``head_dims``: the head
-    dims of q and k the caller's kernels support; ``large_head_dims``: instead, the forward's large head dims
+    dims of q and k the caller's kernels support; ``large_head_dims``: instead, the large head dims
     (head_dims.check, Options.large_head_dims). A max_seqlen above the total is accepted: flash-attn
     takes it as an upper bound, and a captured graph passes a fixed one (only the grid grows)."""
     for name, x, rows, heads in (("q", q, "total_q", "heads_q"), ("k", k, "total_k", "heads_kv"),

@@ -140,6 +140,17 @@ def test_backward_kernels_compile_without_spills():
     assert_all_compile(BWD, "90a", no_warnings=True)
 
 
+def test_backward_varlen_and_variants_compile_without_spills():
+    """The varlen build (the sequence's params and rows) and the mask policy's variants (window, softcap, ALiBi)."""
+    from cuflash.variants import MaskVariant
+
+    variants = (MaskVariant(varlen=True), MaskVariant(varlen=True, local=True, softcap=True, alibi=True),
+                MaskVariant(local=True, chunk=True, softcap=True, alibi=True))
+    cfgs = [replace(c, variant=v) for c in BWD if c.dtype == "bfloat16" and c.head_dim in (576, 64)
+            for v in variants]
+    assert_all_compile(cfgs, "90a", no_warnings=True)
+
+
 def test_backward_shared_memory():
     """Each kernel's size as it reports it is heuristics.split_bwd_smem's, within the H100's limit; 64-row steps
     where they fit, else 32 (dK and dQ at 512 and 576)."""

@@ -311,17 +311,29 @@ def test_backward_is_deterministic(rng):
         assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16)))
 
 
-def test_varlen_backward_refused(rng):
-    """The varlen backward keeps to head dims up to 256."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dqk,dv", [(512, 512), (576, 512)])
+def test_varlen_backward(rng, dtype, dqk, dv):
+    """The split kernels on packed sequences (each sequence's stats rows from its padded row), float32 by zero
+    padding: empty, single-token and odd sequences, GQA, causal and not, outputs poisoned."""
     import cupy
     import cuflash
+    from cuflash.reference import attention_reference_varlen_backward
 
-    _needs("bfloat16")
-    cu = cupy.asarray(np.array([0, 30, 70], dtype=np.int32))
-    qb, kb, vb = (_rand(rng, (70, 2, 512), "bfloat16") for _ in range(3))
-    o, lse = cuflash.forward_varlen(qb, kb, vb, cu, cu, 40, 40, return_lse=True)
-    with pytest.raises(ValueError, match="head_dim"):
-        cuflash.backward_varlen(o, qb, kb, vb, o, lse, cu, cu, 40, 40)
+    _needs(dtype)
+    lq, lk = [0, 1, 13, 131, 64, 257], [3, 1, 0, 131, 200, 257]
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
+    q, k = _rand(rng, (sum(lq), 4, dqk), dtype), _rand(rng, (sum(lk), 2, dqk), dtype)
+    v, dout = _rand(rng, (sum(lk), 2, dv), dtype), _rand(rng, (sum(lq), 4, dv), dtype)
+    for causal in (False, True):
+        o, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True)
+        bufs = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+        grads = cuflash.backward_varlen(dout, q, k, v, o, lse, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                        dq=bufs[0], dk=bufs[1], dv=bufs[2])
+        refs = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=causal)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+            assert_close_on_every_row(name, got, cupy.asarray(ref), dtype, BWD_TOL)
 
 
 def test_torch_and_jax_wrappers(rng):

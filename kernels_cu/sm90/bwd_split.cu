@@ -18,12 +18,15 @@
 // buffer each: a 64 x 576 tile alone is 72 KB) by TMA. lse2 and delta come from the preprocess's stats rows
 // (BwdParams.stats, padded to whole 64-row tiles with lse2 = +inf, so that rows past the end get P = 0). The mask
 // policy (common/mask.cuh) gives each row tile its steps and the hidden elements; a score modifier applies before
-// the mask, its derivative multiplies dS. Dense batches only (no varlen), 16-bit.
+// the mask, its derivative multiplies dS. Varlen (MaskVariant::kVarlen): the CTA's row tile of its sequence as a
+// dense problem of batch 1 (common/varlen.cuh), the tensor maps over the packed rows, the stats rows of each
+// sequence in whole 64-row tiles from its padded row (padded_row0). 16-bit.
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/bwd_math.cuh"
 #include "../common/smem.cuh"
+#include "../common/varlen.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
@@ -87,6 +90,13 @@ struct BwdSplitSmem {
 // done; B, the step's weights are in shared memory.
 constexpr int kBwdSplitBarrierA = 1, kBwdSplitBarrierB = 2;
 
+// A CTA's row tile: its index, head (kv head for dK / dV, query head for dQ) and batch (varlen: 0), and where its
+// sequence starts: its first packed q and k rows (the tensor maps' coordinates) and its stats rows' padded start.
+struct BwdSplitCta {
+    int row_block, head, batch;
+    int q_row0, k_row0, stat_row0;
+};
+
 // The steps of a row tile, in order, for the producer and both consumer warpgroups alike: dK / dV, the query
 // tiles [m_block_min, m_block_max) of each query head of the group; dQ, the key tiles [n_block_min, n_block_max).
 template <class Tile, class Mask>
@@ -117,9 +127,12 @@ struct BwdSplitSteps {
 template <class Tile, class Mask>
 __device__ __forceinline__ void bwd_split_producer(const BwdParams& p, const BwdSplitSmem<Tile>& smem,
                                                    const TmaDesc& tma_r0, const TmaDesc& tma_r1,
-                                                   const TmaDesc& tma_c0, const TmaDesc& tma_c1, int row_block,
-                                                   int head, int batch) {
+                                                   const TmaDesc& tma_c0, const TmaDesc& tma_c1, const BwdSplitCta& cta) {
     constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+    const int row_block = cta.row_block, head = cta.head, batch = cta.batch;
+    // The packed rows of the row tile's side and of the steps' side.
+    const int rows_row0 = Tile::kRowsAreKeys ? cta.k_row0 : cta.q_row0;
+    const int steps_row0 = Tile::kRowsAreKeys ? cta.q_row0 : cta.k_row0;
     const BwdSplitSteps<Tile, Mask> steps(p, row_block, head);
     const int n = steps.count();
     if (n <= 0) return;   // nothing to load (the consumers store zeros): no copy may outlive the CTA
@@ -127,16 +140,17 @@ __device__ __forceinline__ void bwd_split_producer(const BwdParams& p, const Bwd
     mbar_arrive_expect_tx(smem.rows_full(), Tile::kR0Bytes + Tile::kR1Bytes);
 #pragma unroll
     for (int cb = 0; cb < Tile::kPadQK / 64; ++cb)
-        tma_load_4d(smem.r0 + cb * kBlockM * 128, &tma_r0, smem.rows_full(), cb * 64, row_block * kBlockM, head, batch);
+        tma_load_4d(smem.r0 + cb * kBlockM * 128, &tma_r0, smem.rows_full(), cb * 64, rows_row0 + row_block * kBlockM,
+                    head, batch);
     if constexpr (Tile::kHasDp) {
 #pragma unroll
         for (int cb = 0; cb < Tile::kPadV / 64; ++cb)
-            tma_load_4d(smem.r1 + cb * kBlockM * 128, &tma_r1, smem.rows_full(), cb * 64, row_block * kBlockM, head,
-                        batch);
+            tma_load_4d(smem.r1 + cb * kBlockM * 128, &tma_r1, smem.rows_full(), cb * 64,
+                        rows_row0 + row_block * kBlockM, head, batch);
     }
     for (int i = 0; i < n; ++i) {
         const PipelineState<1> ring(i);
-        const int row = steps.tile(i) * kBlockN;
+        const int row = steps_row0 + steps.tile(i) * kBlockN;
         // The step's head: a query head of the group (dK / dV), or the kv head of the query head (dQ).
         const int step_head = Tile::kRowsAreKeys ? steps.step_head(i) : head / p.heads_per_kv;
         auto load_c0 = [&]() {
@@ -166,8 +180,9 @@ __device__ __forceinline__ void bwd_split_producer(const BwdParams& p, const Bwd
 
 // One consumer warpgroup (cw 0 or 1): its column half of the gradient over every step, then its store.
 template <typename Tag, class Tile, class Mask, int kProduct, int kCw>
-__device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const BwdSplitSmem<Tile>& smem, int row_block,
-                                                   int head, int batch) {
+__device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const BwdSplitSmem<Tile>& smem,
+                                                   const BwdSplitCta& cta) {
+    const int row_block = cta.row_block, head = cta.head, batch = cta.batch;
     constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
     constexpr int kCols = kCw == 0 ? Tile::kAccCols0 : Tile::kAccCols1;
     constexpr int kCol0 = kCw == 0 ? 0 : Tile::kAccCols0;
@@ -199,7 +214,7 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
             const Mask mod(p, batch, q_head);
             const bool masked = mask.needs_mask(Tile::kRowsAreKeys ? c_block : row_block,
                                                 Tile::kRowsAreKeys ? row_block : c_block);
-            const float* lse2 = p.stats + (static_cast<i64>(batch) * p.heads_q + q_head) * 2 * p.stat_rows;
+            const float* lse2 = p.stats + (static_cast<i64>(batch) * p.heads_q + q_head) * 2 * p.stat_rows + cta.stat_row0;
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -229,7 +244,7 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
         if constexpr (kCw == (kProduct == kProductDv ? 0 : 1)) {
             if constexpr (Tile::kHasDp) {   // dS = P (dP - delta)
                 const float* delta = p.stats + (static_cast<i64>(batch) * p.heads_q + q_head) * 2 * p.stat_rows
-                                     + p.stat_rows;
+                                     + p.stat_rows + cta.stat_row0;
 #pragma unroll
                 for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
@@ -316,16 +331,27 @@ __device__ __forceinline__ void bwd_split_consumer(const BwdParams& p, const Bwd
 
 // The kernel body: the row tile's coordinates, the barriers, then the producer and the two consumer warpgroups.
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV, int kProduct>
-__device__ __forceinline__ void bwd_split_body(const BwdParams& p, const TmaDesc& tma_r0, const TmaDesc& tma_r1,
+__device__ __forceinline__ void bwd_split_body(const BwdParams& params, const TmaDesc& tma_r0, const TmaDesc& tma_r1,
                                                const TmaDesc& tma_c0, const TmaDesc& tma_c1) {
     using Tile = BwdSplitTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV, kProduct>;
     // dK / dV: key tiles of 64 against query tiles of kBlockN rows; dQ: query tiles of 64 against key tiles.
     using Mask = MaskPolicy<Tile::kRowsAreKeys ? kBlockN : kBlockM, Tile::kRowsAreKeys ? kBlockM : kBlockN, Variant>;
-    static_assert(!Variant::kVarlen && !Variant::kSink, "dense batches; sinks need no code in the backward");
+    static_assert(!Variant::kSink, "sinks need no code in the backward");
     extern __shared__ char smem_raw[];
     const BwdSplitSmem<Tile> smem(smem_raw);
-    // Grid: (row tiles, heads: kv heads for dK / dV, query heads for dQ, batch).
-    const int row_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // Grid: (row tiles, heads: kv heads for dK / dV, query heads for dQ, batch / sequences).
+    BwdSplitCta cta{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), 0, 0, 0};
+    BwdParams seq;
+    if constexpr (Variant::kVarlen) {   // the grid covers the longest sequence: a tile past this one's leaves
+        const SeqSpan span = seq_span(params, cta.batch);
+        if (cta.row_block * kBlockM >= (Tile::kRowsAreKeys ? span.seqlen_k : span.seqlen_q)) return;
+        seq = seq_params<2>(params, span, cta.batch);
+        cta.q_row0 = span.q_start;
+        cta.k_row0 = span.k_start;
+        cta.stat_row0 = padded_row0(span.q_start, cta.batch, kBlockM);
+        cta.batch = 0;
+    }
+    const BwdParams& p = Variant::kVarlen ? seq : params;
     const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
     if (threadIdx.x == 0) {
         mbar_init(smem.rows_full(), 1);
@@ -341,11 +367,11 @@ __device__ __forceinline__ void bwd_split_body(const BwdParams& p, const TmaDesc
     if (wg == 0) {
         setmaxnreg_dec<Tile::kProducerRegs>();
         if (threadIdx.x == 0)
-            bwd_split_producer<Tile, Mask>(p, smem, tma_r0, tma_r1, tma_c0, tma_c1, row_block, head, batch);
+            bwd_split_producer<Tile, Mask>(p, smem, tma_r0, tma_r1, tma_c0, tma_c1, cta);
     } else {
         setmaxnreg_inc<Tile::kConsumerRegs>();
-        if (wg == 1) bwd_split_consumer<Tag, Tile, Mask, kProduct, 0>(p, smem, row_block, head, batch);
-        else bwd_split_consumer<Tag, Tile, Mask, kProduct, 1>(p, smem, row_block, head, batch);
+        if (wg == 1) bwd_split_consumer<Tag, Tile, Mask, kProduct, 0>(p, smem, cta);
+        else bwd_split_consumer<Tag, Tile, Mask, kProduct, 1>(p, smem, cta);
     }
 }
 
