@@ -10,7 +10,9 @@ cuflash.distributions at q's head dim, v cut to its own), with:
 
 - ``cuflash``: ``cuflash.forward`` / ``backward`` (with ``Options.large_head_dims`` for the large rows);
 - ``own``: cuflash on the row's reference head dim (``ref_dim`` for q, k and v alike), the same distribution;
-- ``cudnn``: PyTorch SDPA's cuDNN backend on torch views of cuflash's arrays, where it takes the shape;
+- ``cudnn``: cuDNN's SDPA through cudnn-frontend's graph API (bench_variants.cudnn_adapter, which takes a v head dim
+  of its own), where ``import cudnn`` works, else PyTorch SDPA's cuDNN backend, on torch views of cuflash's arrays,
+  where it takes the shape;
 - ``fa4``: FlashAttention-4's ``flash_attn_func`` on the same views, where it imports and takes the shape.
 
 A peer that does not import or raises gets "n/a" with the reason. Before timing, each peer's forward output is
@@ -203,11 +205,24 @@ def cuflash_fns(q, k, v, dout, causal: bool, passes, large: bool) -> dict:
     return fns
 
 
+def _dtype_name(x) -> str:
+    from ._checks import dtype_name
+
+    return dtype_name(x.dtype)
+
+
 def peer_fns(peer: str, q, k, v, dout, causal: bool, passes) -> dict:
     """pass -> callable (and "_out") for a peer on torch views of cuflash's arrays; raises where it cannot run."""
     from .bench import fa4_fn, torch_pass_fns, torch_sdpa, torch_views
 
     if peer == "cudnn":
+        from .bench_variants import VariantRow, cudnn_adapter
+
+        build = cudnn_adapter()
+        if build is not None:   # cudnn-frontend: takes Dv != Dqk
+            row = VariantRow("head-dims", Shape(q.shape[0], q.shape[2], q.shape[1], q.shape[3], _dtype_name(q), causal,
+                                                heads_kv=k.shape[2]), Variant(causal=causal))
+            return build(row, q, k, v, dout, passes=tuple(passes))
         fn = torch_sdpa("cudnn")
         layout = True
     else:

@@ -389,7 +389,8 @@ def cudnn_adapter():
         io = {"bfloat16": cudnn.data_type.BFLOAT16, "float16": cudnn.data_type.HALF}[str(row.shape.dtype)]
         f32 = cudnn.data_type.FLOAT
         tq, tk, tv, tdo = torch_views((q, k, v, dout), sdpa_layout=True)      # (B, H, N, D) views
-        to = torch.empty_like(torch_views((q,))[0]).transpose(1, 2)          # cuflash's layout, as a BHND view
+        # cuflash's layout (q's with v's head dim), as a BHND view
+        to = torch.empty((b, nq, hq, v.shape[3]), dtype=tq.dtype, device=tq.device).transpose(1, 2)
         stats = torch.empty(b, hq, nq, 1, dtype=torch.float32, device=tq.device)
         grads = [torch.empty_like(torch_views((x,))[0]).transpose(1, 2) for x in (q, k, v)]
         sink = dsink = None

@@ -34,10 +34,11 @@
 #              .fa4b. Extra ARGS to python -m cuflash, e.g. --varlen-dists normal --repeats 5, or a quick batch
 #              --varlen-shape B=8,lens=128:1024. The header's commit reads "unknown" there (the copy has no .git):
 #              name it by hand. Not part of all
-#   large [ARGS...] : head dims above 256 (issue #43; CUFLASH_LARGE_HEAD_DIMS): tests/test_large_head_dims.py and the
-#              forced split-V forward in tests/test_fwd_sm90.py, then the head-dim table (python -m cuflash --head-dims
-#              --markdown: (192, 128), 512, (576, 512) beside cuDNN and FA4 if $FA4_SITE exists, installed first from
-#              .fa4b if that was carried); extra ARGS to python -m cuflash. Not part of all
+#   large [setup] [ARGS...] : head dims above 256 (issue #43; CUFLASH_LARGE_HEAD_DIMS): tests/test_large_head_dims.py
+#              and the forced split-V forward in tests/test_fwd_sm90.py, then the head-dim table (python -m cuflash
+#              --head-dims --markdown: (192, 128), 512, (576, 512) beside cuDNN through cudnn-frontend and FA4),
+#              FA4 and cudnn-frontend installed as for varlen (two calls: `large setup` carrying .fa4a and .cudnnfe,
+#              then `large` carrying .fa4b); extra ARGS to python -m cuflash. Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -130,8 +131,14 @@ case $phase in
       | tee "$OUT/varlen.log" | tail -n 120 || status=1
     ;;
   large)
-    if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
+    # FA4 and cudnn-frontend as for varlen: `large setup` carrying .fa4a and .cudnnfe first, then `large` carrying .fa4b
+    if [ -f .fa4a/cu13part00 ] || { [ -d .fa4b ] && [ ! -d $FA4_SITE ]; }; then fa4_setup || status=1; fi
     fa4_env
+    cudnnfe_env || status=1
+    if [ "${1:-}" = setup ]; then
+      echo "large setup: done; now \`bash dev/device_run.sh large\` carrying .fa4b, while this machine is warm"
+      exit $status
+    fi
     python3 -m pytest -q -x tests/test_large_head_dims.py 2>&1 | tee "$OUT/large-tests.log" | tail -n 30 || status=1
     python3 -m pytest -q tests/test_fwd_sm90.py -k sm90_split 2>&1 | tail -n 5 || status=1
     python3 -m cuflash --head-dims --markdown --json "$OUT/head-dims.json" "$@" 2>&1 \
