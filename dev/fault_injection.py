@@ -91,6 +91,18 @@ FAULTS = {f.name: f for f in (
     Fault("bwd_prob_scale", "the backward recomputes P with the scale 1% off (every backward family)",
           (Edit("common/bwd_math.cuh", "return exp2f(fmaf(s, scale_log2, -lse2));",
                 "return exp2f(fmaf(s, scale_log2 * 1.01f, -lse2));   // FAULT"),), ("bwd",)),
+    # The large head dims' kernels (head_dims.py).
+    Fault("split_rescale_dropped", "the Hopper split-V forward's second warpgroup ignores the rescale factors (its "
+          "half of O keeps the old running max's scale)",
+          (Edit("sm90/fwd_split.cuh",
+                "        if (__any_sync(0xffffffff, r0 != 1.f || r1 != 1.f)) Split::template rescale_o<kCols>(acc_o, r0, r1);\n",
+                "        (void)r0; (void)r1;   // FAULT: warpgroup 1 keeps O's old scale\n"),), ("fwd_split",)),
+    Fault("split_bwd_delta_dropped", "the Hopper split backward forms dS = P dP (delta dropped)",
+          (Edit("sm90/bwd_split.cu", "* (s[4 * j + e] - dl);", "* (s[4 * j + e] + 0.f * dl);   // FAULT"),),
+          ("bwd_split",)),
+    Fault("col_split_same_columns", "the portable forward's column split gives every warp O's first columns",
+          (Edit("sm80/fwd.cu", "    const int col0 = Tile::kColSplit == 1 ? 0 : warp / Tile::kRowWarps * Tile::kNTilesO * 8;\n",
+                "    const int col0 = 0;   // FAULT: every warp on the first columns\n"),), ("fwd_kernel",)),
 )}
 
 
@@ -113,6 +125,7 @@ TESTS = {t.name: t for t in (
     TestRun("test_torch", ("tests/test_torch.py", "-k", "against_sdpa")),
     TestRun("test_jax", ("tests/test_jax.py", "-k", "gpu")),
     TestRun("test_variants", ("tests/test_variants.py", "-k", "tuned or portable or float32")),
+    TestRun("test_large", ("tests/test_large_head_dims.py", "-k", "dense or distributions or test_backward")),
 )}
 DEFAULT_TESTS = ("test_fwd", "test_bwd", "test_fuzz", "test_interop", "test_torch", "test_jax")
 
@@ -203,8 +216,11 @@ def check_compile(faults: list, workdir: Path, jobs: int) -> int:
     from cuflash import heuristics, options
     from cuflash.compile import load_source
 
-    portable = heuristics.all_fwd_configs(80) + heuristics.all_bwd_configs(80)
-    hopper = heuristics.all_sm90_fwd_configs() + heuristics.all_sm90_bwd_configs()
+    large = heuristics.large_fwd_configs() + heuristics.all_large_bwd_configs()
+    portable = heuristics.all_fwd_configs(80) + heuristics.all_bwd_configs(80) + \
+        [c for c in large if not c.fam.arch_specific]
+    hopper = heuristics.all_sm90_fwd_configs() + heuristics.all_sm90_bwd_configs() + \
+        [c for c in large if c.fam.arch_specific]
     jobs_list = []
     for fault in faults:
         copy = patched_copy(fault, workdir / fault.name / "kernels_cu")

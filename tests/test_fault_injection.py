@@ -26,7 +26,8 @@ def test_fault_applies_to_the_sources(tmp_path, name):
     for path in changed:
         assert (copy / path).read_text() != (package_kernel_dir() / path).read_text()
     with options.override(kernel_dir=str(copy)):   # the edits reach the inlined sources the compiles read
-        assert any("FAULT" in load_source(src) for src in ("sm80/fwd.cu", "sm80/bwd.cu"))
+        assert any("FAULT" in load_source(src) for src in ("sm80/fwd.cu", "sm80/bwd.cu", "sm90/fwd.cu",
+                                                            "sm90/bwd_split.cu"))
 
 
 def test_a_stale_edit_is_refused(tmp_path):
