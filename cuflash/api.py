@@ -203,7 +203,7 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                    seqused_k: Optional[ndarray] = None, causal: bool = False, softmax_scale: Optional[float] = None,
                    window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
                    alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None, return_lse: bool = False,
-                   out: Optional[ndarray] = None, check_offsets: Optional[bool] = None
+                   out: Optional[ndarray] = None, check_offsets: Optional[bool] = None, lse: Optional[ndarray] = None
                    ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Attention over a packed batch of sequences of different lengths (flash-attn's ``flash_attn_varlen_func``).
 
@@ -233,16 +233,19 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
             capturing a CUDA graph; pass False under ``torch.compile`` / ``jax.jit`` or wherever no
             synchronization is allowed. Unchecked, a bad offset gives wrong results for its sequence but
             never a read or a write outside the arrays.
+        lse: optional buffer for the log-sum-exp (with ``return_lse=True``): float32 ``(heads_q, total_q)``,
+            C-contiguous, sharing no memory with the inputs or ``out`` (a framework's preallocated output).
 
     Returns:
         ``out`` ``(total_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``lse`` float32 ``(heads_q,
         total_q)`` (flash-attn's packed layout).
     """
-    if interop.needs_conversion(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks):
+    if interop.needs_conversion(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks,
+                                lse):
         return interop.call(forward_varlen, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                                              "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q,
                                              "seqused_k": seqused_k, "alibi_slopes": alibi_slopes, "sinks": sinks,
-                                             "out": out}, buffers=("out",), max_seqlen_q=max_seqlen_q,
+                                             "out": out, "lse": lse}, buffers=("out", "lse"), max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                             return_lse=return_lse, check_offsets=check_offsets)
@@ -259,13 +262,20 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                                   batch=lay.batch, heads_q=lay.heads_q, device_id=dev, q_dtype=q.dtype)
     if out is not None:
         _checks.check_out("out", out, out_shape, q.dtype, dev)
-        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
+    if lse is not None:   # the kernels write it as (heads_q, total_q) rows
+        if not return_lse:
+            raise ValueError("lse is the buffer of the log-sum-exp that return_lse=True returns; pass return_lse=True")
+        _checks.check_lse(lse, (lay.heads_q, lay.total_q), dev, layout="(heads_q, total_q)")
+        if not lse.flags.c_contiguous:
+            raise ValueError(f"lse must be C-contiguous (heads_q, total_q) float32, got strides {lse.strides}")
+    _checks.check_no_overlap((("out", out), ("lse", lse)), (("q", q), ("k", k), ("v", v)))
     import cupy
 
     try:
         with cupy.cuda.Device(dev):
             out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
-            lse = cupy.empty((lay.heads_q, lay.total_q), dtype=np.float32) if return_lse else None
+            if return_lse and lse is None:
+                lse = cupy.empty((lay.heads_q, lay.total_q), dtype=np.float32)
             if seqused_q is not None:   # rows past a sequence's used ones: no kernel writes them
                 out.fill(0)
                 if lse is not None:

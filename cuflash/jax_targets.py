@@ -186,17 +186,10 @@ def cuda_backward(call: Call) -> None:
 
 
 def _forward_varlen_into(q, k, v, out, lse, **kwargs) -> None:
-    """``cuflash.forward_varlen`` writing ``out`` into XLA's buffer, with the offsets unchecked.
-
-    ``forward_varlen`` takes ``out=`` but no lse buffer, so its lse (heads_q * total_q float32s from CuPy's
-    pool, on XLA's stream) is copied into XLA's: a copy O(total_q * heads_q), against O(total_q * heads_q *
-    head_dim) for out, that keeps this body on the public function (no copy of its varlen-specific fills
-    here). A public ``lse=`` argument of ``forward_varlen`` would remove it.
-    """
+    """``cuflash.forward_varlen`` writing ``out`` and ``lse`` into XLA's buffers, with the offsets unchecked."""
     from .api import forward_varlen
 
-    _, written = forward_varlen(q, k, v, return_lse=True, out=out, check_offsets=False, **kwargs)
-    lse[...] = written
+    forward_varlen(q, k, v, return_lse=True, out=out, lse=lse, check_offsets=False, **kwargs)
 
 
 def _device_arrays(call: Call, dev: int) -> list:

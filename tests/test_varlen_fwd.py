@@ -220,3 +220,34 @@ def kernel_configs(cc: int = 90) -> list:
         out.append(one("float16", 64, False, backend, alibi=True))
         out.append(one("float16", 64, True, backend, alibi=True, sink=True))
     return list({c.key(): c for c in out}.values())
+
+
+def test_lse_buffer(rng):
+    """lse= (with return_lse): the log-sum-exp written into the caller's (heads_q, total_q) buffer, poisoned first,
+    equal to the one forward_varlen allocates; seqused's unused rows get -inf there too. Refused: without
+    return_lse, another shape or dtype, a non-contiguous view, a buffer overlapping q."""
+    import cupy
+    import cuflash
+
+    lq, lk = [40, 7, 130, 5], [50, 9, 140, 3]
+    q, k, v, cu_q, cu_k = _packed(rng, lq, lk, 2, 1, 64, "bfloat16")
+    used_q = cupy.asarray(np.array([33, 7, 130, 2], np.int32))
+    for seqused in (None, used_q):
+        buf = cupy.full((2, sum(lq)), np.nan, dtype=np.float32)
+        o, lse = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, lse=buf,
+                                        seqused_q=seqused)
+        o2, lse2 = cuflash.forward_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, seqused_q=seqused)
+        assert lse is buf and bool(cupy.all((lse == lse2) | (cupy.isinf(lse) & cupy.isinf(lse2))))
+        assert not bool(cupy.any(cupy.isnan(lse)))
+    args = (q, k, v, cu_q, cu_k, max(lq), max(lk))
+    good = cupy.empty((2, sum(lq)), dtype=np.float32)
+    with pytest.raises(ValueError, match="return_lse=True"):
+        cuflash.forward_varlen(*args, lse=good)
+    with pytest.raises(ValueError, match="shape"):
+        cuflash.forward_varlen(*args, return_lse=True, lse=cupy.empty((sum(lq), 2), dtype=np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        cuflash.forward_varlen(*args, return_lse=True, lse=good.astype(np.float16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuflash.forward_varlen(*args, return_lse=True, lse=cupy.empty((sum(lq), 2), dtype=np.float32).T)
+    with pytest.raises(ValueError, match="overlaps"):
+        cuflash.forward_varlen(*args, return_lse=True, lse=q.view(np.float32).reshape(-1)[:2 * sum(lq)].reshape(2, -1))
