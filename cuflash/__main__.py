@@ -335,12 +335,7 @@ def _parse_head_dim_rows(text: str) -> tuple:
     """"d512,mla192" -> ("d512", "mla192") (the head-dim table's rows)."""
     from .bench_shapes import rows_by_name
 
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    try:
-        rows_by_name(names)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return names
+    return _row_names(text, rows_by_name)
 
 
 def _given(argv, option: str) -> bool:

@@ -85,11 +85,10 @@ QUICK_ROWS = ("mla192-causal", "d512-causal")
 
 
 def rows_by_name(names) -> list:
-    by_name = {r.name: r for r in HEAD_DIM_ROWS}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown head-dim rows {unknown}; the rows are {', '.join(ROW_NAMES)}")
-    return [by_name[n] for n in names]
+    """The head-dim rows named (ValueError naming the unknown ones), in the order given."""
+    from .bench_variants import pick_rows
+
+    return pick_rows(HEAD_DIM_ROWS, names, "head-dim")
 
 
 def pass_flops(row: HeadDimRow, pass_: str, head_dim: Optional[int] = None, head_dim_v: Optional[int] = None) -> float:

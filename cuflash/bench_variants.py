@@ -127,13 +127,19 @@ ROW_NAMES = tuple(r.name for r in VARIANT_ROWS)
 QUICK_ROWS = ("window8k", "softcap-causal")
 
 
-def rows_by_name(names) -> list:
-    """The rows named (ValueError naming the unknown ones), in the order given."""
-    table = {r.name: r for r in VARIANT_ROWS}
+def pick_rows(rows, names, what: str) -> list:
+    """The ``rows`` (objects with a ``name``) named, in the order given, each once; ValueError naming the unknown
+    ones (``what``: the table's kind of row)."""
+    table = {r.name: r for r in rows}
     bad = [n for n in names if n not in table]
     if bad:
-        raise ValueError(f"unknown variant row(s) {', '.join(bad)}; choose from {', '.join(ROW_NAMES)}")
+        raise ValueError(f"unknown {what} row(s) {', '.join(bad)}; choose from {', '.join(table)}")
     return [table[n] for n in dict.fromkeys(names)]
+
+
+def rows_by_name(names) -> list:
+    """The variant rows named (ValueError naming the unknown ones), in the order given."""
+    return pick_rows(VARIANT_ROWS, names, "variant")
 
 
 # ---------------------------------------------------------------------------

@@ -137,11 +137,9 @@ DEFAULT_ROWS = ("varlen", "varlen-causal")   # issue #43's bar
 
 def rows_by_name(names) -> list:
     """The rows named (ValueError naming the unknown ones), in the order given, without repeats."""
-    table = {r.name: r for r in VARLEN_ROWS}
-    bad = [n for n in names if n not in table]
-    if bad:
-        raise ValueError(f"unknown varlen row(s) {', '.join(bad)}; choose from {', '.join(ROW_NAMES)}")
-    return [table[n] for n in dict.fromkeys(names)]
+    from .bench_variants import pick_rows
+
+    return pick_rows(VARLEN_ROWS, names, "varlen")
 
 
 _OVERRIDE_KEYS = {"b": "batch", "batch": "batch", "h": "heads", "heads": "heads", "hkv": "heads_kv",

@@ -14,7 +14,7 @@ def test_rows():
     assert (by["mla192"].head_dim, by["mla192"].head_dim_v, by["mla192"].ref_dim) == (192, 128, 128)
     assert (by["d512"].head_dim, by["d512"].ref_dim) == (512, 256) and by["d512"].large
     assert not by["mla192"].large and by["mla576"].passes == ("fwd",)
-    with pytest.raises(ValueError, match="unknown head-dim rows"):
+    with pytest.raises(ValueError, match="unknown head-dim row"):
         bs.rows_by_name(["d1024"])
 
 
