@@ -16,6 +16,7 @@ from .options import Options
 
 TUNED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = head_dims.MAX_HEAD_DIM
+SM90_SMEM_OPTIN = 232448   # opt-in shared memory per block on sm_90 (the split kernels' tiles are sized to it)
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
 _SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TILES
@@ -78,8 +79,29 @@ SM90_FWD_KINDS = {"overlap": ("overlap", False, 1), "simple_p": ("simple", True,
                   "overlap_x2": ("overlap", False, 2), "overlap_x2_p": ("overlap", True, 2),
                   "split": ("split", False, 1)}
 # The split-V kernel's tile (head dims above 256; forced, any head dim whose V has two 64-column blocks): 64 query
-# rows, 64 keys (one 128-byte row of P), a producer and two consumer warpgroups (kernels_cu/sm90/fwd_split.cuh).
+# rows, 64 keys (one 128-byte row of P; one K / V stage at head dim 512), a producer and two consumer warpgroups
+# (kernels_cu/sm90/fwd_split.cuh). Options.sm90_fwd_tiles may give it 32-key tiles instead (two stages), for A/B.
 SM90_SPLIT_TILE = (64, 64, 12)
+SM90_SPLIT_TILES = ((64, 64, 12), (64, 32, 12))
+
+
+def split_tile(opts: Options) -> tuple:
+    """The split-V kernel's tile: Options.sm90_fwd_tiles where it is one of SM90_SPLIT_TILES, else the default."""
+    return opts.sm90_fwd_tiles if opts.sm90_fwd_tiles in SM90_SPLIT_TILES else SM90_SPLIT_TILE
+
+
+def split_fwd_smem(head_dim: int, head_dim_v: int, block_n: int) -> tuple:
+    """(bytes, K / V stages, P buffers) of the split-V kernel (Sm90FwdTile: split_bytes, kStages, kPBuffers): two
+    stages where they fit beside one P buffer, then two P buffers where they fit too."""
+    pad_qk, pad_v = (head_dim + 63) // 64 * 64, (head_dim_v + 63) // 64 * 64
+
+    def base(stages):
+        return 1024 + 64 * pad_qk * 2 + stages * block_n * (pad_qk + pad_v) * 2 + 128 * 8 + 8 * (3 + 4 * stages)
+
+    p_slot = 64 * 128 + 128 * 8
+    stages = 2 if base(2) + p_slot <= SM90_SMEM_OPTIN else 1
+    buffers = 2 if base(stages) + 2 * p_slot <= SM90_SMEM_OPTIN else 1
+    return base(stages) + buffers * p_slot, stages, buffers
 
 
 def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool = False) -> str:
@@ -247,7 +269,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
             if schedule == "split":   # V must give each consumer warpgroup a 64-column block: else the overlap kernel
                 if (head_dim_v or head_dim) > 64:
-                    block_m, block_n, warps = SM90_SPLIT_TILE
+                    block_m, block_n, warps = split_tile(opts)
                 else:
                     schedule = "overlap"
         elif schedule == "overlap" and not head_dim_v and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
@@ -276,7 +298,7 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD_LARGE
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
     if cc == 90 and (backend == "auto" or backend in SM90_FWD_BACKENDS):
-        return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *SM90_SPLIT_TILE, variant,
+        return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *split_tile(opts), variant,
                             head_dim_v)
     block_m, block_n, warps = opts.sm80_fwd_tiles or _SM80_FWD_LARGE
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
@@ -485,7 +507,6 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
 
 # The Hopper backward of the large head dims (kernels_cu/sm90/bwd_split.cu): one kernel per gradient, 64 rows.
 SPLIT_BWD_PRODUCTS = ("dv", "dk", "dq")
-SPLIT_BWD_SMEM_LIMIT = 232448   # the H100's opt-in shared memory per block
 
 
 def split_bwd_smem(product: str, head_dim: int, head_dim_v: int, block_n: int) -> int:
@@ -508,7 +529,7 @@ def large_bwd_configs(dtype: str, head_dim: int, head_dim_v: int, causal: bool, 
     dv = 0 if head_dim_v == head_dim else head_dim_v
     out = [_aux_config("bwd_preprocess", dtype)]
     for product in SPLIT_BWD_PRODUCTS:
-        block_n = 64 if split_bwd_smem(product, head_dim, head_dim_v, 64) <= SPLIT_BWD_SMEM_LIMIT else 32
+        block_n = 64 if split_bwd_smem(product, head_dim, head_dim_v, 64) <= SM90_SMEM_OPTIN else 32
         out.append(KernelConfig(f"sm90_bwd_split_{product}", dtype, head_dim, causal, 64, block_n, 12, variant, dv))
     return tuple(out)
 

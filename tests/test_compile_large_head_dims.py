@@ -56,17 +56,31 @@ def test_float32_kernels_compile_without_spills():
 
 
 def test_shared_memory_fits():
-    """Q, one K and one V slot and P: two P buffers where they fit, one at (576, 512) (Sm90FwdTile::kPBuffers);
-    the float32 tiles fit 115 KB (within the opt-in limits of sm_80, sm_90 and sm_100)."""
-    sizes = kernel_smem(LARGE, "90a")
-    for c in SPLIT:
-        pad = lambda d: (d + 63) // 64 * 64   # noqa: E731
-        dv = c.head_dim_v or c.head_dim
-        body = 1024 + 64 * pad(c.head_dim) * 2 * 2 + 64 * pad(dv) * 2 + 128 * 8
-        one, two = body + 64 * 64 * 2 + 1024, body + 2 * (64 * 64 * 2 + 1024)
-        assert sizes[c] - 8 * 7 in ((two,) if two + 56 <= H100_SMEM_OPTIN else (one,)), (c.key(), sizes[c])
-        assert sizes[c] <= H100_SMEM_OPTIN
+    """The split-V kernel's size as it reports it is heuristics.split_fwd_smem's (two K / V stages where they fit
+    beside one P buffer, then two P buffers where they fit), 64- and 32-key tiles, within the H100's limit: one
+    stage and two P buffers at 512 with 64 keys, two stages at 512 with 32 keys, one P buffer at (576, 512); the
+    float32 tiles fit 115 KB (within the opt-in limits of sm_80, sm_90 and sm_100)."""
+    narrow = [replace(c, block_n=32) for c in SPLIT]
+    sizes = kernel_smem(LARGE + narrow, "90a")
+    for c in SPLIT + narrow:
+        size, stages, buffers = heuristics.split_fwd_smem(c.head_dim, c.head_dim_v or c.head_dim, c.block_n)
+        assert sizes[c] == size <= H100_SMEM_OPTIN, (c.key(), sizes[c], size)
+    assert heuristics.split_fwd_smem(512, 512, 64)[1:] == (1, 2)
+    assert heuristics.split_fwd_smem(512, 512, 32)[1:] == (2, 2)
+    assert heuristics.split_fwd_smem(576, 512, 64)[1:] == (1, 1)
+    assert heuristics.split_fwd_smem(576, 512, 32)[1:] == (2, 1)
     assert max(sizes[c] for c in SIMT) <= 115 * 1024
+
+
+def test_split_32_key_tiles_compile():
+    """The 32-key tile that Options.sm90_fwd_tiles may choose (A/B on the device) compiles without spills."""
+    narrow = [replace(c, block_n=32) for c in SPLIT if c.dtype == "bfloat16"]
+    assert_all_compile(narrow, "90a", no_warnings=True)
+    options.use(options.Options(sm90_fwd_tiles=(64, 32, 12)))
+    assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 32
+    options.use(options.Options(sm90_fwd_tiles=(128, 128, 12)))   # not a split tile: the default
+    assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 64
+    options.use(options.Options())
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,

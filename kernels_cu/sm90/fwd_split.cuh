@@ -4,8 +4,9 @@
 // softmax, then hands P (16-bit, 128-byte swizzled, the wgmma A layout) and each row's rescale factor to
 // warpgroup 1 through shared memory, and computes O[:, :kVCols0] += P V with P from its registers; warpgroup
 // 1 computes O[:, kVCols0:] += P V from the shared P. Two P buffers (where they fit: Tile::kPBuffers) let
-// warpgroup 0 go on to the next key tile's S while warpgroup 1 still reads the last P. Shared memory holds one K and one V slot (a 64 x 576
-// K tile alone is 72 KB): the producer refills K once S has read it and V once both warpgroups are done.
+// warpgroup 0 go on to the next key tile's S while warpgroup 1 still reads the last P. The K / V ring has two
+// stages where they fit (32-key tiles), else one (64-key tiles at head dim 512: a 64 x 576 K tile alone is 72 KB):
+// the producer refills a K slot once S has read it and a V slot once both warpgroups are done.
 #pragma once
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
@@ -117,13 +118,15 @@ __device__ __forceinline__ void split_softmax_warpgroup(const FwdParams& p, cons
     if (n_tiles > 0) mbar_wait(smem.q_full(0), 0);
     for (int i = 0; i < n_tiles; ++i) {
         const int n_block = key_tiles.tile(i);
-        const u32 parity = PipelineState<1>(i).phase();
+        const PipelineState<Tile::kStages> ring(i);
+        const int stage = ring.stage();
+        const u32 parity = ring.phase();
         float acc_s[kBlockN / 2];
-        mbar_wait(smem.k_full(0), parity);
-        Math::issue_qk(acc_s, smem.k, qa_unused, smem.q, 0, 0);
+        mbar_wait(smem.k_full(stage), parity);
+        Math::issue_qk(acc_s, smem.k + stage * Tile::kKSlotBytes, qa_unused, smem.q, 0, 0);
         wgmma_wait<0>();
         fence_operand(acc_s);
-        mbar_arrive(smem.k_empty(0));
+        mbar_arrive(smem.k_empty(stage));
         Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head);
         float rescale[2];
         const bool moved = __any_sync(0xffffffff, softmax.step(Math::s3_of(acc_s), p.scale_log2, rescale));
@@ -143,11 +146,11 @@ __device__ __forceinline__ void split_softmax_warpgroup(const FwdParams& p, cons
         fence_proxy_async_smem();   // P, visible to warpgroup 1's wgmma
         named_barrier_arrive(kSplitPFullBarrier + buf, 256);
         if (moved) Split::template rescale_o<kCols>(acc_o, rescale[0], rescale[1]);
-        mbar_wait(smem.v_full(0), parity);
-        Split::template issue_pv<kCols, true>(acc_o, pa, 0, smem.v, 0);
+        mbar_wait(smem.v_full(stage), parity);
+        Split::template issue_pv<kCols, true>(acc_o, pa, 0, smem.v + stage * Tile::kVSlotBytes, 0);
         wgmma_wait<0>();
         fence_operand(acc_o);
-        mbar_arrive(smem.v_empty(0));
+        mbar_arrive(smem.v_empty(stage));
     }
     float inv_sum[2], lse[2];
     softmax.template finalize<Mask::kHasSink>(inv_sum, lse, sink_log2<Variant>(p, head));
@@ -184,11 +187,13 @@ __device__ __forceinline__ void split_pv_warpgroup(const FwdParams& p, const Fwd
         float r0, r1;
         ld_shared_f2(slots.rescale_slot(buf, tid), r0, r1);
         if (__any_sync(0xffffffff, r0 != 1.f || r1 != 1.f)) Split::template rescale_o<kCols>(acc_o, r0, r1);
-        mbar_wait(smem.v_full(0), PipelineState<1>(i).phase());
-        Split::template issue_pv<kCols, false>(acc_o, pa_unused, slots.p_buf(buf), smem.v, Tile::kVCols0);
+        const PipelineState<Tile::kStages> ring(i);
+        mbar_wait(smem.v_full(ring.stage()), ring.phase());
+        Split::template issue_pv<kCols, false>(acc_o, pa_unused, slots.p_buf(buf),
+                                               smem.v + ring.stage() * Tile::kVSlotBytes, Tile::kVCols0);
         wgmma_wait<0>();
         fence_operand(acc_o);
-        mbar_arrive(smem.v_empty(0));
+        mbar_arrive(smem.v_empty(ring.stage()));
         // Warpgroup 0 waits for this buffer again only if it has a later tile for it.
         if (i + Tile::kPBuffers < n_tiles) named_barrier_arrive(kSplitPFreeBarrier + buf, 256);
     }

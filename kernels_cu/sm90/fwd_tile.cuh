@@ -40,25 +40,28 @@ struct Sm90FwdTile {
     // and hands P to warpgroup 1 through shared memory; warpgroup c computes O's columns [kVCol0[c], +kVCols[c]).
     static constexpr bool kSplitV = kConsumerWGs * 64 > kBlockM;
     static constexpr int kThreads = kNWarps_ * 32;
-    // Split V: one K and one V slot (a 64-row tile of head dim 512 leaves room for no more).
-    static constexpr int kStages = kSplitV ? 1 : 2;
     static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
     static constexpr int kKBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVBytes = kBlockN * kHeadDimV * kElemBytes;   // V (fp16) or V^T (fp8) tile
     static constexpr int kKVBytes = kKBytes > kVBytes ? kKBytes : kVBytes;
+    // Split V: kPBuffers P buffers (64 rows of up to 64 keys: one 128-byte swizzled row block each), then per
+    // consumer thread a rescale slot per P buffer and one slot for the row sums' inverses, two floats each.
+    // Two K / V stages where they fit beside one P buffer (64-key tiles of head dim 512 leave room for one), then
+    // two P buffers where they fit too.
+    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int kPBytes = kBlockM * 128;
+    static constexpr int kPSlotBytes = kPBytes + 128 * 8;
+    __host__ __device__ static constexpr int split_bytes(int stages) {   // all but the P buffers and their slots
+        return 1024 + kQBytes + stages * (kKBytes + kVBytes) + 128 * 8 + 8 * (3 + 4 * stages);
+    }
+    static constexpr int kStages = !kSplitV ? 2 : split_bytes(2) + kPSlotBytes <= kSmemLimit ? 2 : 1;
+    static constexpr int kPBuffers = split_bytes(kStages) + 2 * kPSlotBytes <= kSmemLimit ? 2 : 1;
     // A ring slot of K and of V: the larger tile for both, or (split V) each its own.
     static constexpr int kKSlotBytes = kSplitV ? kKBytes : kKVBytes;
     static constexpr int kVSlotBytes = kSplitV ? kVBytes : kKVBytes;
     static constexpr int kVCols0 = kSplitV ? (kColBlocksV + 1) / 2 * kBlockCols : kHeadDimV;
     static constexpr int kVCols1 = kHeadDimV - kVCols0;
-    // Split V: kPBuffers P buffers (64 rows of kBlockN keys, 128-byte swizzled), then per consumer thread a
-    // rescale slot per P buffer and one slot for the row sums' inverses, two floats each. Two buffers where
-    // they fit (Q and K of head dim 576 leave room for one).
-    static constexpr int kSmemLimit = 232448;   // opt-in shared memory per block on sm_90
-    static constexpr int kPBytes = kBlockM * kBlockN * kElemBytes;
-    static constexpr int kSplitBytes = 1024 + kQBytes + kKBytes + kVBytes + 128 * 8 + 8 * 8;   // all but P's buffers
-    static constexpr int kPBuffers = kSplitBytes + 2 * (kPBytes + 128 * 8) <= kSmemLimit ? 2 : 1;
-    static constexpr int kExtraBytes = kSplitV ? kPBuffers * (kPBytes + 128 * 8) + 128 * 8 : 0;
+    static constexpr int kExtraBytes = kSplitV ? kPBuffers * kPSlotBytes + 128 * 8 : 0;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
     // Persistent kernels: two Q buffers where shared memory allows (fwd_smem_bytes), so that
@@ -69,8 +72,8 @@ struct Sm90FwdTile {
     static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "kBlockM: 64, 128 or 192");
     static_assert(kConsumerWGs * 64 == kBlockM || (kBlockM == 64 && kConsumerWGs == 2),
                   "one producer and kBlockM / 64 consumer warpgroups, or two on 64 rows (split V)");
-    static_assert(!kSplitV || (!kFp8 && kBlockN == 64 && kVCols1 > 0),
-                  "split V: 16-bit, 64-key tiles (one 128-byte row of P), V of at least two column blocks");
+    static_assert(!kSplitV || (!kFp8 && (kBlockN == 64 || kBlockN == 32) && kVCols1 > 0),
+                  "split V: 16-bit, 32- or 64-key tiles (P in one 128-byte row block), V of two column blocks or more");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN");
     static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: V^T tiles are whole 128-key (128-byte) rows");
     static_assert(!kFp8 || kHeadDimV_ == 0, "fp8: v has q's head dim");
