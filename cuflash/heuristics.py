@@ -257,7 +257,9 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         if short_tile is not None:
             block_m, block_n, warps, kind = short_tile
             kind_causal = kind
-        block_m, block_n, warps = opts.sm90_fwd_tiles or (block_m, block_n, warps)
+        # A tile override of the split-V kernel's shape (64 rows, 12 warps: split_tile) is that kernel's alone.
+        override = opts.sm90_fwd_tiles if opts.sm90_fwd_tiles not in SM90_SPLIT_TILES else None
+        block_m, block_n, warps = override or (block_m, block_n, warps)
         schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if skips else kind]
         if backend != "sm90":
             schedule, persistent, cluster = SM90_FWD_KINDS[backend[len("sm90_"):]]
@@ -276,7 +278,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
             mode = opts.sm90_fwd_cluster
             if mode == "1" or (mode == "auto" and long_seqs):
                 cluster = 2
-        if block_m == 192 and not variant.plain and not opts.sm90_fwd_tiles:
+        if block_m == 192 and not variant.plain and not override:
             # Three consumer warpgroups at 160 registers have none to spare for a variant's per-element work
             # (window bounds, score modifiers, the sink spill there): two warpgroups of 128 rows instead.
             block_m, warps = 128, 12
@@ -305,9 +307,10 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
 
 
 # The large head dims the CPU compile tests build: 512, MLA's (576, 512), uneven column-block splits (320, 448), a
-# narrow V, a V wider than q, and a q / k of one column block (dK / dQ in one warpgroup's columns) ((q / k, v), 0:
-# v's is q's).
-LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512), (64, 512))
+# narrow V, a V wider than q, a q / k of one column block (dK / dQ in one warpgroup's columns), and head dims that
+# are no whole number of 16-column pairs per warp of the portable column split (272, v 80) ((q / k, v), 0: v's is
+# q's).
+LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512), (64, 512), (272, 0), (512, 80))
 
 
 def large_fwd_configs() -> list[KernelConfig]:

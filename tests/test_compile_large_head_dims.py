@@ -25,7 +25,7 @@ PORTABLE_NARROW = [replace(c, block_n=16) for c in PORTABLE] + [replace(c, block
 
 
 def test_configs():
-    assert len(SPLIT) == 2 * 7 * 2 and len(SIMT) == 7 * 2 and len(PORTABLE) == 2 * 7 * 2
+    assert len(SPLIT) == 2 * 9 * 2 and len(SIMT) == 9 * 2 and len(PORTABLE) == 2 * 9 * 2
     assert len(LARGE) == len(SPLIT) + len(SIMT) + len(PORTABLE)
     assert all((c.block_m, c.block_n, c.num_warps) == (64, 32, 8) for c in PORTABLE)
     assert all((c.block_m, c.block_n, c.num_warps) == heuristics.SM90_SPLIT_TILE for c in SPLIT)
@@ -80,6 +80,11 @@ def test_split_32_key_tiles_compile():
     assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 32
     options.use(options.Options(sm90_fwd_tiles=(128, 128, 12)))   # not a split tile: the default
     assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 64
+    # A split tile override leaves the other kernels' tiles alone (a 64-row, 12-warp overlap tile cannot build).
+    options.use(options.Options(sm90_fwd_tiles=(64, 32, 12)))
+    for d in (64, 128, 256):
+        cfg = heuristics.fwd_config("bfloat16", d, False, 90)
+        assert cfg.fam.schedule != "split" and (cfg.block_m, cfg.num_warps) != (64, 12), cfg.key()
     options.use(options.Options())
 
 
@@ -150,7 +155,7 @@ def test_option(monkeypatch):
 
 
 def test_backward_kernels_compile_without_spills():
-    assert len(BWD) == 2 * 7 * 2 * 3
+    assert len(BWD) == 2 * 9 * 2 * 3
     assert_all_compile(BWD, "90a", no_warnings=True)
 
 
@@ -175,7 +180,8 @@ def test_backward_shared_memory():
         assert sizes[c] <= H100_SMEM_OPTIN, c.key()
         wider = heuristics.split_bwd_smem(product, c.head_dim, c.head_dim_v or c.head_dim, 64)
         assert c.block_n == (64 if wider <= H100_SMEM_OPTIN else 32), c.key()
-    assert {c.block_n for c in BWD if c.head_dim == 512 and c.family.endswith(("_dk", "_dq"))} == {32}
+    assert {c.block_n for c in BWD if (c.head_dim, c.head_dim_v) == (512, 0) and c.family.endswith(("_dk", "_dq"))} \
+        == {32}
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,

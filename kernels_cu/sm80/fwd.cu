@@ -24,7 +24,6 @@ struct FwdTile {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kHeadDimPad = (kHeadDim + 15) / 16 * 16;  // MMA k-steps are 16 wide
     static constexpr int kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim;
-    static constexpr int kHeadDimPadV = (kHeadDimV + 15) / 16 * 16;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
@@ -33,6 +32,8 @@ struct FwdTile {
     // registers a thread in one warp): kColSplit warps share each row slice, each computing its S and softmax
     // again (bitwise the same) and P V over its share of the columns.
     static constexpr int kColSplit = 16 * kNWarps > kBlockM ? 16 * kNWarps / kBlockM : 1;
+    // V's and O's columns padded to whole 16-column pairs per warp (the P V product takes two n8 tiles at once).
+    static constexpr int kHeadDimPadV = (kHeadDimV + 16 * kColSplit - 1) / (16 * kColSplit) * (16 * kColSplit);
     static constexpr int kRowWarps = kNWarps / kColSplit;          // warps along the rows
     static constexpr int kMTiles = kBlockM / (16 * kRowWarps);     // 16-row slices per warp
     static constexpr int kNTilesO = kHeadDimPadV / 8 / kColSplit;  // n8 tiles of O per warp
@@ -125,7 +126,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     softmax.init();
 
     if (n_block_max > n_block_min) {
-        if constexpr (Tile::kHeadDimV == kHeadDim) {
+        if constexpr (Tile::kHeadDimV == kHeadDim && Tile::kHeadDimPadV == Tile::kHeadDimPad) {
             zero_pad_cols<kBlockM + 2 * Tile::kStages * kBlockN, kHeadDim, Tile::kHeadDimPad, kStride, Tile::kThreads>(
                 smem, tid);
         } else {   // each tile's own pad columns (a load may write the others meanwhile)
