@@ -610,7 +610,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
              attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
              sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
              dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
-             dv: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None) -> Tuple[ndarray, ...]:
+             dv: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None,
+             _padded: bool = False) -> Tuple[ndarray, ...]:
     """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
 
     FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
@@ -665,7 +666,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims,
+                                                     head_dims_checked=_padded)
     out_shape = (b, nq, hq, v.shape[3])
     _checks.check_like_cached("dout", dout, "q", q, out_shape)
     _checks.check_like_cached("out", out, "q", q, out_shape)
@@ -690,7 +692,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         grads = backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal, softmax_scale=scale,
                          window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                          alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse, deterministic=deterministic,
-                         _mask_offsets=_mask_offsets)
+                         _mask_offsets=_mask_offsets, _padded=True)
         return head_dims.deliver(unpad(*grads[:3]), (dq, dk, dv)) + tuple(grads[3:])
     try:
         grads, recorded = _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic,

@@ -560,17 +560,17 @@ def cudnn_ragged_adapter():
             return torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=dev)
 
         def inputs(g, pack):
-            """The ragged offsets of q, k, v, o and the q, k, v tensors of a new graph."""
+            """The ragged offsets (o, q, k, v) and the q, k, v tensors of a new graph."""
             rq = small(g, "ragged_q", b + 1, off_type, off_q, pack)
             rk = small(g, "ragged_k", b + 1, off_type, off_kv, pack)
             rv = small(g, "ragged_v", b + 1, off_type, off_kv, pack)
             ro = small(g, "ragged_o", b + 1, off_type, off_q, pack)
-            return ro, (ragged(g, "q", hq, rq, tq, pack), ragged(g, "k", hkv, rk, tk, pack),
-                        ragged(g, "v", hkv, rv, tv, pack))
+            return (ro, rq, rk, rv), (ragged(g, "q", hq, rq, tq, pack), ragged(g, "k", hkv, rk, tk, pack),
+                                      ragged(g, "v", hkv, rv, tv, pack))
 
         def forward_graph(gen_stats):
             g, pack = new_graph(), {}
-            ro, (cq, ck, cv) = inputs(g, pack)
+            (ro, _, _, _), (cq, ck, cv) = inputs(g, pack)
             kw = dict(name="sdpa", q=cq, k=ck, v=cv, attn_scale=scale, **lengths(g, pack), **mask)
             try:
                 o, st = g.sdpa(**kw, generate_stats=gen_stats)
@@ -587,7 +587,7 @@ def cudnn_ragged_adapter():
             """The training forward (stats) and the backward, as one call."""
             fwd_train = forward_graph(True)
             g, pack = new_graph(), {}
-            ro, (cq, ck, cv) = inputs(g, pack)
+            (ro, rq, rk, rv), (cq, ck, cv) = inputs(g, pack)
             co, cdo = ragged(g, "o", hq, ro, to, pack), ragged(g, "dO", hq, ro, tdo, pack)
             cst = g.tensor(name="stats", dim=[b, hq, s, 1], stride=[hq * s, s, 1, 1], data_type=f32)
             pack[cst] = stats
