@@ -71,19 +71,18 @@ def check_same(name: str, x, ref_name: str, ref) -> None:
         raise ValueError(f"{name} is on device {x.device.id} but {ref_name} is on device {ref.device.id}")
 
 
-def check_qkv(q, k, v, allow_dv: bool = False, large_head_dims: bool = False,
+def check_qkv(q, k, v, allow_dv: bool = False,
               head_dims_checked: bool = False) -> tuple[int, int, int, int, int, int]:
     """Validate q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) (``allow_dv``: v (B, Nk, Hkv, Dv)), the head dims as
-    head_dims.check says (``large_head_dims``: the forward's large ones; ``head_dims_checked``: not again, for
-    arrays that the API zero-padded after checking the caller's, head_dims.padded). Returns (B, Nq, Nk, Hq, Hkv,
-    D)."""
+    head_dims.check says (``head_dims_checked``: not again, for arrays that the API zero-padded after checking
+    the caller's, head_dims.padded). Returns (B, Nq, Nk, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x, aligned=False)  # shape errors first: they say more than alignment
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
     dims = check_qkv_shapes(q, k, v, allow_dv)
     if not head_dims_checked:
-        head_dims.check(dims[-1], v.shape[3], large=large_head_dims)
+        head_dims.check(dims[-1], v.shape[3])
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_aligned(name, x)
     return dims
@@ -173,20 +172,20 @@ _validated_qkv: dict = {}
 _VALIDATED_MAX = 1024
 
 
-def check_qkv_cached(q, k, v, allow_dv: bool = False, large_head_dims: bool = False,
+def check_qkv_cached(q, k, v, allow_dv: bool = False,
                      head_dims_checked: bool = False) -> tuple[int, int, int, int, int, int]:
     """``check_qkv`` remembered per signature: everything the checks read (types, shapes, strides,
     dtypes, devices, pointer alignment) is in the key, so a hit is exactly a call that passed."""
     cupy = _cupy()
     if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
-        return check_qkv(q, k, v, allow_dv, large_head_dims, head_dims_checked)
+        return check_qkv(q, k, v, allow_dv, head_dims_checked)
     qm, km, vm = q.data, k.data, v.data
     key = (q.shape, q.strides, q.dtype, qm.device_id, k.shape, k.strides, k.dtype, km.device_id,
-           v.shape, v.strides, v.dtype, vm.device_id, (qm.ptr | km.ptr | vm.ptr) % ALIGN_BYTES, allow_dv, large_head_dims,
+           v.shape, v.strides, v.dtype, vm.device_id, (qm.ptr | km.ptr | vm.ptr) % ALIGN_BYTES, allow_dv,
            head_dims_checked)
     dims = _validated_qkv.get(key)
     if dims is None:
-        dims = check_qkv(q, k, v, allow_dv, large_head_dims, head_dims_checked)
+        dims = check_qkv(q, k, v, allow_dv, head_dims_checked)
         if len(_validated_qkv) >= _VALIDATED_MAX:
             _validated_qkv.clear()
         _validated_qkv[key] = dims

@@ -35,9 +35,11 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         q: ``(batch, seqlen_q, heads_q, head_dim)`` CuPy array, float16, bfloat16 or float32, or a
             CUDA array of another framework (torch, JAX: read in place through DLPack; results come
             back in that framework, see :mod:`cuflash.interop`).
+            head_dim a multiple of 8 up to 576 (above 256: cuflash/head_dims.py).
         k: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0.
         v: ``(batch, seqlen_k, heads_kv, head_dim_v)``: like ``k``, with a head dim of its own (a multiple of 8
-            up to 256; e.g. 128 beside q's 192, as DeepSeek's MLA trains). The output then has head_dim_v.
+            up to 512, above 64 where either is above 256; e.g. 128 beside q's 192, as DeepSeek's MLA trains).
+            The output then has head_dim_v.
         causal: mask keys after the query, aligned to the bottom-right corner: query i sees
             keys j <= i + seqlen_k - seqlen_q.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
@@ -86,7 +88,7 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
     out_shape = (b, nq, hq, v.shape[3])
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
@@ -249,10 +251,8 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                             max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                             return_lse=return_lse, check_offsets=check_offsets)
-    opts = options.current()
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
-                              large_head_dims=opts.large_head_dims)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     scale = _checks.check_scale(softmax_scale, lay.head_dim_qk)
     causal = _checks.check_flag("causal", causal)
@@ -370,10 +370,8 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             buffers=("dq", "dk", "dv"), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
             deterministic=deterministic, check_offsets=check_offsets)
-    opts = options.current()
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
-                              large_head_dims=opts.large_head_dims)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
     dev = lay.device_id
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     _checks.check_like("dout", dout, "q", q, out_shape)
@@ -666,8 +664,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, large_head_dims=opts.large_head_dims,
-                                                     head_dims_checked=_padded)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, head_dims_checked=_padded)
     out_shape = (b, nq, hq, v.shape[3])
     _checks.check_like_cached("dout", dout, "q", q, out_shape)
     _checks.check_like_cached("out", out, "q", q, out_shape)

@@ -8,7 +8,7 @@ too (forward only: no peer takes it here; its own reference is D=256).
 Each row (:class:`HeadDimRow`) is timed on each score distribution (default ``normal`` and ``sharp``; drawn by
 cuflash.distributions at q's head dim, v cut to its own), with:
 
-- ``cuflash``: ``cuflash.forward`` / ``backward`` (with ``Options.large_head_dims`` for the large rows);
+- ``cuflash``: ``cuflash.forward`` / ``backward``;
 - ``own``: cuflash on the row's reference head dim (``ref_dim`` for q, k and v alike), the same distribution;
 - ``cudnn``: cuDNN's SDPA through cudnn-frontend's graph API (bench_variants.cudnn_adapter, which takes a v head dim
   of its own), where ``import cudnn`` works, else PyTorch SDPA's cuDNN backend, on torch views of cuflash's arrays,
@@ -173,28 +173,19 @@ def row_inputs(row: HeadDimRow, dist: str, head_dim: Optional[int] = None, head_
     return q, k, v, dout
 
 
-def cuflash_fns(q, k, v, dout, causal: bool, passes, large: bool) -> dict:
+def cuflash_fns(q, k, v, dout, causal: bool, passes) -> dict:
     """pass -> callable (and "_out": the forward's output) for cuflash on these arrays, outputs preallocated."""
     import cupy
 
-    from . import backward, forward, options
+    from . import backward, forward
 
     out = cupy.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
     grads = [cupy.empty_like(x) for x in (q, k, v)]
-
-    def run(fn):
-        if not large:
-            return fn()
-        with options.override(large_head_dims=True):
-            return fn()
-
-    fns = {"fwd": lambda: run(lambda: forward(q, k, v, causal=causal, out=out))}
+    fns = {"fwd": lambda: forward(q, k, v, causal=causal, out=out)}
 
     def fwd_bwd():
-        def both():
-            o, lse = forward(q, k, v, causal=causal, return_lse=True, out=out)
-            backward(dout, q, k, v, o, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
-        run(both)
+        o, lse = forward(q, k, v, causal=causal, return_lse=True, out=out)
+        backward(dout, q, k, v, o, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
 
     if "fwd+bwd" in passes:
         fns["fwd+bwd"] = fwd_bwd
@@ -254,13 +245,13 @@ def benchmark_row(row: HeadDimRow, dist: str, *, repeats: int = DEFAULT_REPEATS,
 
     q, k, v, dout = row_inputs(row, dist)
     try:
-        fns["cuflash"] = cuflash_fns(q, k, v, dout, row.causal, passes, row.large)
+        fns["cuflash"] = cuflash_fns(q, k, v, dout, row.causal, passes)
         outs["cuflash"] = fns["cuflash"].pop("_out")
     except Exception as e:  # noqa: BLE001 - reported in the table, fails the run
         na("cuflash", _short(e))
     ref = row_inputs(row, dist, row.ref_dim, row.ref_dim)
     try:
-        fns["own"] = cuflash_fns(*ref, row.causal, passes, False)
+        fns["own"] = cuflash_fns(*ref, row.causal, passes)
         fns["own"].pop("_out")
     except Exception as e:  # noqa: BLE001
         na("own", _short(e))

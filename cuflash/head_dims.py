@@ -5,9 +5,8 @@ Every kernel family takes head dims that are multiples of 8 up to 256, forward a
 Above that, q / k up to 576 and v up to 512 (head dim 512, MLA's absorbed 576 / 512): in fp16 / bf16 the forward
 on Hopper's split-V kernel (kernels_cu/sm90/fwd_split.cuh) and elsewhere on the portable kernel with O's columns
 split over warps (kernels_cu/sm80/fwd.cu: kColSplit), the backward on Hopper only (one kernel per gradient,
-kernels_cu/sm90/bwd_split.cu); in float32 the exact kernels, forward and backward, anywhere. An experimental path,
-taken only with ``Options.large_head_dims`` (``CUFLASH_LARGE_HEAD_DIMS=1``) until it is tested on a GPU. Dense and
-varlen alike.
+kernels_cu/sm90/bwd_split.cu); in float32 the exact kernels, forward and backward, anywhere. Dense and varlen
+alike (tests/test_large_head_dims.py, on an H200).
 
 The backward kernels take one head dim. Padding the narrower side with zero columns to ``D = max(Dqk, Dv)``
 leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero columns, so ``dO V^T``, ``rowsum(dO *
@@ -25,9 +24,7 @@ from __future__ import annotations
 from typing import Callable, Tuple
 
 MAX_HEAD_DIM = 256                          # every kernel family, forward and backward
-LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V = 576, 512   # the forward's large head dims (Options.large_head_dims)
-_LARGE_HINT = (" (q / k head dims up to 576 and v's up to 512 run with CUFLASH_LARGE_HEAD_DIMS=1: experimental; the "
-               "fp16 / bf16 backward on Hopper only)")
+LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V = 576, 512   # the large head dims' limits (q / k, v)
 
 
 def is_large(head_dim: int, head_dim_v: int) -> bool:
@@ -35,16 +32,14 @@ def is_large(head_dim: int, head_dim_v: int) -> bool:
     return max(head_dim, head_dim_v) > MAX_HEAD_DIM
 
 
-def check(head_dim: int, head_dim_v: int, *, large: bool = False) -> None:
-    """ValueError unless q's / k's head dim ``head_dim`` and v's ``head_dim_v`` are multiples of 8 from 8 to 256,
-    or (``large``: with Options.large_head_dims) to 576 and 512, v's then above 64 where either is
-    above 256 (the split-V kernel gives each of its two warpgroups at least one 64-column block of V)."""
-    top_qk, top_v = (LARGE_HEAD_DIM_QK, LARGE_HEAD_DIM_V) if large else (MAX_HEAD_DIM, MAX_HEAD_DIM)
-    for name, value, top, large_top in (("head_dim", head_dim, top_qk, LARGE_HEAD_DIM_QK),
-                                        ("v's head_dim", head_dim_v, top_v, LARGE_HEAD_DIM_V)):
+def check(head_dim: int, head_dim_v: int) -> None:
+    """ValueError unless q's / k's head dim ``head_dim`` is a multiple of 8 from 8 to 576 and v's ``head_dim_v``
+    one from 8 to 512, v's above 64 where either is above 256 (the split-V kernel gives each of its two
+    warpgroups at least one 64-column block of V)."""
+    for name, value, top in (("head_dim", head_dim, LARGE_HEAD_DIM_QK),
+                             ("v's head_dim", head_dim_v, LARGE_HEAD_DIM_V)):
         if value % 8 or not 8 <= value <= top:
-            hint = _LARGE_HINT if not large and value % 8 == 0 and top < value <= large_top else ""
-            raise ValueError(f"{name} must be a multiple of 8 from 8 to {top}, got {value}{hint}")
+            raise ValueError(f"{name} must be a multiple of 8 from 8 to {top}, got {value}")
     if is_large(head_dim, head_dim_v) and head_dim_v <= 64:
         raise ValueError(f"v's head_dim must be above 64 where q's is above {MAX_HEAD_DIM} (got q / k {head_dim}, "
                          f"v {head_dim_v}): the split-V kernel gives each of its two warpgroups 64 columns of V")

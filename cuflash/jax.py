@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, head_dims, jax_targets, options, variants, varlen, xla_ffi
+from . import _checks, head_dims, jax_targets, variants, varlen, xla_ffi
 from .varlen import INDEX_DTYPE
 
 _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -40,7 +40,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
 
     Args:
         q: ``(batch, seqlen_q, heads_q, head_dim)``, float16, bfloat16 or float32 (the layout of
-            ``jax.nn.dot_product_attention``); head_dim a multiple of 8 up to 256.
+            ``jax.nn.dot_product_attention``); head_dim a multiple of 8 up to 576 (v's up to 512;
+            cuflash/head_dims.py).
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, q's dtype; heads_q % heads_kv == 0 (GQA / MQA).
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned; the same as
             ``jax.nn.dot_product_attention(is_causal=True)`` when seqlen_q == seqlen_k).
@@ -112,9 +113,9 @@ def _check_inputs(q, k, v) -> int:
 
 
 def _check_head_dims(d: int, dv: int) -> None:
-    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims (head_dims.check;
-    the large ones with Options.large_head_dims)."""
-    head_dims.check(d, dv, large=options.current().large_head_dims)
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims
+    (head_dims.check)."""
+    head_dims.check(d, dv)
 
 
 def _out_shape(q, v) -> tuple:
@@ -204,7 +205,8 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
     that sequence alone; no work is spent on padding.
 
     Args:
-        q: ``(total_q, heads_q, head_dim)``, float16, bfloat16 or float32; head_dim a multiple of 8 up to 256.
+        q: ``(total_q, heads_q, head_dim)``, float16, bfloat16 or float32; head_dim a multiple of 8 up to 576
+            (v's up to 512; cuflash/head_dims.py).
         k, v: ``(total_k, heads_kv, head_dim)``, q's dtype; heads_q % heads_kv == 0 (GQA / MQA).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, the offsets of the sequences' first rows: 0
             first, non-decreasing, the totals last (not differentiated).

@@ -133,10 +133,9 @@ def _forward_into(q, k, v, out, lse, *, causal: bool, softmax_scale: float, wind
     (``api._run_forward`` / ``api._launch_fwd``) so that lse is written into XLA's buffer rather than
     copied there. A public ``lse=`` argument of ``forward`` would replace it.
     """
-    from . import _checks, api, options, variants
+    from . import _checks, api, variants
 
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True,
-                                                     large_head_dims=options.current().large_head_dims)
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
     out_shape = (b, nq, hq, v.shape[3])
     scale = _checks.check_scale(softmax_scale, d)
     dev = q.data.device_id

@@ -14,10 +14,6 @@ CUFLASH_FWD_BACKEND                       fwd_backend ("auto")        "auto": th
                                                                       Hopper tuned table; "sm90_<kind>" one
                                                                       Hopper kernel kind forced (FWD_BACKENDS)
 CUFLASH_BWD_BACKEND                       bwd_backend ("auto")        "auto" | "sm80" | "sm90", as above
-CUFLASH_LARGE_HEAD_DIMS                   large_head_dims (False)     "1": the forward takes q / k head dims
-                                                                      up to 576 and v's up to 512 (Hopper fp16 /
-                                                                      bf16, float32; head_dims.py):
-                                                                      experimental
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -73,7 +69,6 @@ LAUNCH_PATHS = ("packed", "cupy")
 ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
-    "large_head_dims": "CUFLASH_LARGE_HEAD_DIMS",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -132,7 +127,6 @@ class Options:
 
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
-    large_head_dims: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -155,7 +149,6 @@ class Options:
     def __post_init__(self) -> None:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
-        _check_flag("large_head_dims", self.large_head_dims, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -186,7 +179,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "large_head_dims"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

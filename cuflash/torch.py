@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks, api, head_dims, options, variants
+from . import _checks, api, head_dims, variants
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):   # pragma: no cover
     raise ImportError(f"cuflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), found {torch.__version__}")
@@ -37,8 +37,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 
     Args:
         q: ``(batch, seqlen_q, heads_q, head_dim)`` CUDA tensor, float16, bfloat16 or float32;
-            head_dim a multiple of 8 up to 256. Any strides (a copy is made only where the last
-            dimension is not contiguous or a stride is not a multiple of 16 bytes).
+            head_dim a multiple of 8 up to 576 (v's up to 512; cuflash/head_dims.py). Any strides (a copy
+            is made only where the last dimension is not contiguous or a stride is not a multiple of 16 bytes).
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device;
             heads_q % heads_kv == 0 (GQA / MQA); v may have a head dim of its own (the output then has it).
         dropout_p: must be 0.0 (no dropout in cuflash's kernels).
@@ -96,9 +96,9 @@ def _check_inputs(q, k, v) -> int:
 
 
 def _check_head_dims(head_dim: int, head_dim_v: int) -> None:
-    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims (head_dims.check;
-    the large ones with Options.large_head_dims)."""
-    head_dims.check(head_dim, head_dim_v, large=options.current().large_head_dims)
+    """q's head dim and v's (which may differ: the output has v's) are both kernels' head dims
+    (head_dims.check)."""
+    head_dims.check(head_dim, head_dim_v)
 
 
 def _out_shape(q: Tensor, v: Tensor) -> tuple:
@@ -143,7 +143,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
     Args:
         q: ``(total_q, heads_q, head_dim)`` CUDA tensor, float16, bfloat16 or float32; head_dim a
-            multiple of 8 up to 256. Any strides (a copy is made only where the last dimension is not
+            multiple of 8 up to 576 (v's up to 512). Any strides (a copy is made only where the last dimension is not
             contiguous or a stride is not a multiple of 16 bytes).
         k, v: ``(total_k, heads_kv, head_dim)``, same dtype and device; heads_q % heads_kv == 0; v may have
             a head dim of its own (the output then has it).

@@ -49,12 +49,6 @@ import numpy as np
 
 from . import _checks, capture
 from . import head_dims as head_dims_rule
-from .heuristics import MAX_HEAD_DIM
-
-# The dense API's head dims (api.HEAD_DIMS, not imported: api will import this module).
-HEAD_DIMS = range(8, MAX_HEAD_DIM + 1, 8)
-# v's head dim where it may differ from q's (allow_dv=True): any multiple of 8 up to 256.
-V_HEAD_DIMS = range(8, 256 + 1, 8)
 
 INDEX_DTYPE = np.dtype(np.int32)
 
@@ -89,17 +83,17 @@ class VarlenLayout:
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                  seqused_q=None, seqused_k=None, check_offsets: Optional[bool] = None, allow_dv: bool = False,
-                 head_dims: range | tuple = HEAD_DIMS, large_head_dims: bool = False) -> VarlenLayout:
+                 head_dims: Optional[range | tuple] = None) -> VarlenLayout:
     """Checks a varlen call's arguments (shapes in the module docstring) and returns their layout.
 
     Always, without touching the device: TypeError for a wrong type or dtype, ValueError for a wrong
     shape, stride, device or value, each naming the argument and what it must be. Then, when
     ``check_offsets`` is True (None: True unless the current stream of q's device is capturing a CUDA
     graph), one device-to-host copy of the offsets and seqused and :func:`validate_offsets` on it.
-    ``allow_dv``: v's head dim may differ from q's (any multiple of 8 up to 256); ``head_dims``: the head
-    dims of q and k the caller's kernels support; ``large_head_dims``: instead, the large head dims
-    (head_dims.check, Options.large_head_dims). A max_seqlen above the total is accepted: flash-attn
-    takes it as an upper bound, and a captured graph passes a fixed one (only the grid grows)."""
+    The head dims as head_dims.check says (q / k up to 576, v up to 512); ``allow_dv``: v's head dim may
+    differ from q's; ``head_dims``: where given, the only head dims of q and k the caller's kernels support.
+    A max_seqlen above the total is accepted: flash-attn takes it as an upper bound, and a captured graph
+    passes a fixed one (only the grid grows)."""
     for name, x, rows, heads in (("q", q, "total_q", "heads_q"), ("k", k, "total_k", "heads_kv"),
                                  ("v", v, "total_k", "heads_kv")):
         _check_packed(name, x, rows, heads)
@@ -114,17 +108,11 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         raise ValueError(f"k must have the head_dim of q ({d}), got {dk}")
     _checks.check_heads(hq, hkv)
     dv = v.shape[2]
-    if large_head_dims:
-        if not _checks.check_flag("allow_dv", allow_dv) and dv != d:
-            raise ValueError(f"v must have the head_dim of q ({d}), got {dv}")
-        head_dims_rule.check(d, dv, large=True)
-    elif d not in head_dims:
+    if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim must be {_describe(head_dims)}, got {d}")
-    elif not _checks.check_flag("allow_dv", allow_dv):
-        if dv != d:
-            raise ValueError(f"v must have the head_dim of q ({d}), got {dv}")
-    elif dv not in V_HEAD_DIMS:
-        raise ValueError(f"v's head_dim must be {_describe(V_HEAD_DIMS)}, got {dv}")
+    if not _checks.check_flag("allow_dv", allow_dv) and dv != d:
+        raise ValueError(f"v must have the head_dim of q ({d}), got {dv}")
+    head_dims_rule.check(d, dv)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_aligned(name, x)   # after the shapes, as the dense checks: those say more
 

@@ -34,7 +34,7 @@
 #              .fa4b. Extra ARGS to python -m cuflash, e.g. --varlen-dists normal --repeats 5, or a quick batch
 #              --varlen-shape B=8,lens=128:1024. The header's commit reads "unknown" there (the copy has no .git):
 #              name it by hand. Not part of all
-#   large [setup] [ARGS...] : head dims above 256 (issue #43; CUFLASH_LARGE_HEAD_DIMS): tests/test_large_head_dims.py
+#   large [setup] [ARGS...] : head dims above 256 (issue #43): tests/test_large_head_dims.py
 #              and the forced split-V forward in tests/test_fwd_sm90.py, then the head-dim table (python -m cuflash
 #              --head-dims --markdown: (192, 128), 512, (576, 512) beside cuDNN through cudnn-frontend and FA4),
 #              FA4 and cudnn-frontend installed as for varlen (two calls: `large setup` carrying .fa4a and .cudnnfe,

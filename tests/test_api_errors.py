@@ -68,7 +68,10 @@ SHAPE_ERRORS = [
     ((1, 4, 3, 64), (1, 4, 2, 64), (1, 4, 2, 64), ValueError, "multiple of heads_kv"),
     ((1, 4, 0, 64), (1, 4, 0, 64), (1, 4, 0, 64), ValueError, "heads must be >= 1"),
     ((1, 4, 2, 60), (1, 4, 2, 60), (1, 4, 2, 60), ValueError, "multiple of 8"),
-    ((1, 4, 2, 264), (1, 4, 2, 264), (1, 4, 2, 264), ValueError, "from 8 to 256"),
+    ((1, 4, 2, 584), (1, 4, 2, 584), (1, 4, 2, 584), ValueError, "head_dim must be a multiple of 8 from 8 to 576"),
+    ((1, 4, 2, 512), (1, 4, 2, 512), (1, 4, 2, 520), ValueError, "v's head_dim must be a multiple of 8 from 8 to 512"),
+    ((1, 4, 2, 516), (1, 4, 2, 516), (1, 4, 2, 516), ValueError, "multiple of 8 from 8 to 576, got 516"),
+    ((1, 4, 2, 512), (1, 4, 2, 512), (1, 4, 2, 64), ValueError, "v's head_dim must be above 64"),
     ((1, 4, 2, 64), (1, 4, 2, 64), (1, 5, 2, 64), ValueError, "same shape"),
 ]
 

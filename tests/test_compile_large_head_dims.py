@@ -124,34 +124,27 @@ def test_selection():
 
 def test_head_dim_rule():
     head_dims.check(256, 256)
-    head_dims.check(512, 512, large=True)
-    head_dims.check(576, 512, large=True)
-    head_dims.check(64, 512, large=True)
-    head_dims.check(64, 64, large=True)   # ordinary head dims stay ordinary
-    with pytest.raises(ValueError, match=r"from 8 to 256, got 512 \(.*CUFLASH_LARGE_HEAD_DIMS=1"):
-        head_dims.check(512, 512)
-    with pytest.raises(ValueError, match=r"v's head_dim must be a multiple of 8 from 8 to 256, got 512 \("):
-        head_dims.check(128, 512)
-    with pytest.raises(ValueError, match=r"from 8 to 256, got 640$"):
-        head_dims.check(640, 128)   # past the large ones too: no hint
-    with pytest.raises(ValueError, match="from 8 to 576, got 584"):
-        head_dims.check(584, 512, large=True)
-    with pytest.raises(ValueError, match="from 8 to 512, got 576"):
-        head_dims.check(576, 576, large=True)
-    with pytest.raises(ValueError, match="above 64"):
-        head_dims.check(512, 64, large=True)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        head_dims.check(516, 512, large=True)
-
-
-def test_option(monkeypatch):
-    monkeypatch.setenv("CUFLASH_LARGE_HEAD_DIMS", "1")
-    assert options.reload().large_head_dims is True
-    monkeypatch.setenv("CUFLASH_LARGE_HEAD_DIMS", "yes")
-    with pytest.raises(ValueError, match="CUFLASH_LARGE_HEAD_DIMS"):
-        options.reload()
-    monkeypatch.delenv("CUFLASH_LARGE_HEAD_DIMS")
-    assert options.reload().large_head_dims is False
+    head_dims.check(512, 512)
+    head_dims.check(576, 512)
+    head_dims.check(64, 512)
+    head_dims.check(128, 512)
+    head_dims.check(272, 80)
+    head_dims.check(64, 64)
+    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 584$"):
+        head_dims.check(584, 512)
+    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 640$"):
+        head_dims.check(640, 128)
+    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 520$"):
+        head_dims.check(512, 520)
+    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 576$"):
+        head_dims.check(576, 576)
+    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 516$"):
+        head_dims.check(516, 512)
+    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 516$"):
+        head_dims.check(512, 516)
+    with pytest.raises(ValueError,
+                       match=r"^v's head_dim must be above 64 where q's is above 256 \(got q / k 512, v 64\)"):
+        head_dims.check(512, 64)
 
 
 def test_backward_kernels_compile_without_spills():

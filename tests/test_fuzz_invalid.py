@@ -202,7 +202,7 @@ def _no_query_heads(draw):
 
 
 def _unsupported_head_dim(draw):
-    bad = (8, 24, 40, 264) if draw.dims["dtype"] == "uint8" else (4, 12, 20, 264, 300)
+    bad = (8, 24, 40, 264) if draw.dims["dtype"] == "uint8" else (4, 12, 20, 300, 584)
     names = [n for n in draw.args if n in _shapes(draw.dims) and (draw.args[n] is not None or n in "qkv")]
     return _reshape(draw, names, d=int(draw.rng.choice(bad))), ("head_dim",)
 

@@ -21,14 +21,6 @@ pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 PAIRS = [(512, 512), (576, 512), (320, 320), (448, 448), (576, 128), (128, 512), (64, 512), (272, 272), (512, 80)]
 
 
-@pytest.fixture(autouse=True)
-def large_head_dims():
-    from cuflash import options
-
-    with options.override(large_head_dims=True):
-        yield
-
-
 def _rand(rng, shape, dtype):
     import cupy
 

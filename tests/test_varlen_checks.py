@@ -72,12 +72,14 @@ ERRORS = [
     ("heads-0", _set(q=arr((10, 0, 64)), k=arr((12, 0, 64)), v=arr((12, 0, 64))), ValueError, "heads must be >= 1"),
     ("gqa", _set(q=arr((10, 3, 64))), ValueError, r"heads_q \(3\) must be a multiple of heads_kv \(2\)"),
     ("head-dim-60", lambda a: a.update(_args(d=60)), ValueError,
-     "head_dim must be a multiple of 8 from 8 to 256, got 60"),
-    ("head-dim-264", lambda a: a.update(_args(d=264)), ValueError,
-     "head_dim must be a multiple of 8 from 8 to 256, got 264"),
+     "head_dim must be a multiple of 8 from 8 to 576, got 60"),
+    ("head-dim-584", lambda a: a.update(_args(d=584)), ValueError,
+     "head_dim must be a multiple of 8 from 8 to 576, got 584"),
     ("dv-without-allow", _set(v=arr((12, 2, 32))), ValueError, r"v must have the head_dim of q \(64\), got 32"),
     ("dv-260", _set(v=arr((12, 2, 260)), allow_dv=True), ValueError,
-     "v's head_dim must be a multiple of 8 from 8 to 256, got 260"),
+     "v's head_dim must be a multiple of 8 from 8 to 512, got 260"),
+    ("dv-520", _set(v=arr((12, 2, 520)), allow_dv=True), ValueError,
+     "v's head_dim must be a multiple of 8 from 8 to 512, got 520"),
     ("dv-36", _set(v=arr((12, 2, 36)), allow_dv=True), ValueError, "v's head_dim must be a multiple of 8 .*got 36"),
     ("allow-dv-str", _set(allow_dv="yes"), TypeError, "allow_dv must be a bool"),
     ("q-misaligned", _set(q=arr((10, 4, 64), offset=2)), ValueError, "q must start on a 16-byte boundary"),
@@ -148,6 +150,7 @@ VALID = [
     ("mqa-bf16", dict(hq=8, hkv=1, dtype=ml_dtypes.bfloat16), dict(heads_q=8, heads_kv=1)),
     ("float32-d8", dict(d=8, dtype=np.float32), dict(head_dim_qk=8, head_dim_v=8)),
     ("d256", dict(d=256), dict(head_dim_qk=256)),
+    ("d512", dict(d=512), dict(head_dim_qk=512, head_dim_v=512)),
     ("batch-0", dict(total_q=0, total_k=0, batch=0, max_q=0, max_k=0), dict(batch=0, total_q=0, total_k=0)),
     ("empty-q-and-k", dict(total_q=0, total_k=0, max_q=0, max_k=0), dict(batch=2, total_q=0, total_k=0)),
     ("single-tokens", dict(total_q=3, total_k=3, batch=3, max_q=1, max_k=1), dict(max_seqlen_q=1, max_seqlen_k=1)),
@@ -176,6 +179,12 @@ def test_valid_dv_and_seqused(no_device):
     assert layout.seqused_q is su_q and layout.seqused_k is su_k
 
 
+@pytest.mark.parametrize("d,dv", [(576, 512), (64, 512), (512, 80)])
+def test_valid_head_dims_above_256(no_device, d, dv):
+    layout = _call(_args(d=d, dv=dv), allow_dv=True, check_offsets=False)
+    assert (layout.head_dim_qk, layout.head_dim_v) == (d, dv)
+
+
 def test_numpy_ints_and_flags(no_device):
     layout = _call(dict(_args(), max_seqlen_q=np.int64(8), max_seqlen_k=np.int32(6)), check_offsets=np.False_)
     assert (layout.max_seqlen_q, layout.max_seqlen_k) == (8, 6)
@@ -188,6 +197,8 @@ def test_head_dims_parameter(no_device):
     with pytest.raises(ValueError, match="head_dim must be one of 64, 128, got 96"):
         _call(_args(d=96), head_dims=(64, 128), check_offsets=False)
     assert _call(_args(d=128), head_dims=(64, 128), check_offsets=False).head_dim_qk == 128
+    with pytest.raises(ValueError, match="v's head_dim must be a multiple of 8 from 8 to 512, got 520"):
+        _call(_args(d=128, dv=520), head_dims=(64, 128), allow_dv=True, check_offsets=False)
 
 
 def test_layout_is_frozen_and_compares_by_identity(no_device):
