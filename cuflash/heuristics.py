@@ -80,14 +80,9 @@ SM90_FWD_KINDS = {"overlap": ("overlap", False, 1), "simple_p": ("simple", True,
                   "split": ("split", False, 1)}
 # The split-V kernel's tile (head dims above 256; forced, any head dim whose V has two 64-column blocks): 64 query
 # rows, 64 keys (one 128-byte row of P; one K / V stage at head dim 512), a producer and two consumer warpgroups
-# (kernels_cu/sm90/fwd_split.cuh). Options.sm90_fwd_tiles may give it 32-key tiles instead (two stages), for A/B.
+# (kernels_cu/sm90/fwd_split.cuh). 32-key tiles with two stages read 10-25 % slower at 512 and (576, 512)
+# (BENCHMARKS.md, head dims above 256), so the tile is fixed.
 SM90_SPLIT_TILE = (64, 64, 12)
-SM90_SPLIT_TILES = ((64, 64, 12), (64, 32, 12))
-
-
-def split_tile(opts: Options) -> tuple:
-    """The split-V kernel's tile: Options.sm90_fwd_tiles where it is one of SM90_SPLIT_TILES, else the default."""
-    return opts.sm90_fwd_tiles if opts.sm90_fwd_tiles in SM90_SPLIT_TILES else SM90_SPLIT_TILE
 
 
 def split_fwd_smem(head_dim: int, head_dim_v: int, block_n: int) -> tuple:
@@ -257,8 +252,8 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
         if short_tile is not None:
             block_m, block_n, warps, kind = short_tile
             kind_causal = kind
-        # A tile override of the split-V kernel's shape (64 rows, 12 warps: split_tile) is that kernel's alone.
-        override = opts.sm90_fwd_tiles if opts.sm90_fwd_tiles not in SM90_SPLIT_TILES else None
+        # An override of the split-V kernel's shape is ignored: 64 rows on 12 warps do not suit the other kernels.
+        override = opts.sm90_fwd_tiles if opts.sm90_fwd_tiles != SM90_SPLIT_TILE else None
         block_m, block_n, warps = override or (block_m, block_n, warps)
         schedule, persistent, cluster = SM90_FWD_KINDS[kind_causal if skips else kind]
         if backend != "sm90":
@@ -271,7 +266,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
                 block_m, warps = 128, 12   # 3 x 160 registers: spills under the mask
             if schedule == "split":   # V must give each consumer warpgroup a 64-column block: else the overlap kernel
                 if (head_dim_v or head_dim) > 64:
-                    block_m, block_n, warps = split_tile(opts)
+                    block_m, block_n, warps = SM90_SPLIT_TILE
                 else:
                     schedule = "overlap"
         elif schedule == "overlap" and not head_dim_v and fwd_cluster_ok(dtype, head_dim, skips or variant.varlen):
@@ -300,7 +295,7 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD_LARGE
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
     if cc == 90 and (backend == "auto" or backend in SM90_FWD_BACKENDS):
-        return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *split_tile(opts), variant,
+        return KernelConfig(sm90_fwd_family("split", False), dtype, head_dim, causal, *SM90_SPLIT_TILE, variant,
                             head_dim_v)
     block_m, block_n, warps = opts.sm80_fwd_tiles or _SM80_FWD_LARGE
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)

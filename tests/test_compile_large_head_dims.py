@@ -57,35 +57,32 @@ def test_float32_kernels_compile_without_spills():
 
 def test_shared_memory_fits():
     """The split-V kernel's size as it reports it is heuristics.split_fwd_smem's (two K / V stages where they fit
-    beside one P buffer, then two P buffers where they fit), 64- and 32-key tiles, within the H100's limit: one
-    stage and two P buffers at 512 with 64 keys, two stages at 512 with 32 keys, one P buffer at (576, 512); the
-    float32 tiles fit 115 KB (within the opt-in limits of sm_80, sm_90 and sm_100)."""
-    narrow = [replace(c, block_n=32) for c in SPLIT]
-    sizes = kernel_smem(LARGE + narrow, "90a")
-    for c in SPLIT + narrow:
+    beside one P buffer, then two P buffers where they fit), within the H100's limit: one stage and two P buffers
+    at 512, one P buffer at (576, 512); the float32 tiles fit 115 KB (within the opt-in limits of sm_80, sm_90 and
+    sm_100)."""
+    sizes = kernel_smem(LARGE, "90a")
+    for c in SPLIT:
         size, stages, buffers = heuristics.split_fwd_smem(c.head_dim, c.head_dim_v or c.head_dim, c.block_n)
         assert sizes[c] == size <= H100_SMEM_OPTIN, (c.key(), sizes[c], size)
     assert heuristics.split_fwd_smem(512, 512, 64)[1:] == (1, 2)
-    assert heuristics.split_fwd_smem(512, 512, 32)[1:] == (2, 2)
     assert heuristics.split_fwd_smem(576, 512, 64)[1:] == (1, 1)
-    assert heuristics.split_fwd_smem(576, 512, 32)[1:] == (2, 1)
+    assert heuristics.split_fwd_smem(320, 320, 64)[1] == 2
     assert max(sizes[c] for c in SIMT) <= 115 * 1024
 
 
-def test_split_32_key_tiles_compile():
-    """The 32-key tile that Options.sm90_fwd_tiles may choose (A/B on the device) compiles without spills."""
-    narrow = [replace(c, block_n=32) for c in SPLIT if c.dtype == "bfloat16"]
-    assert_all_compile(narrow, "90a", no_warnings=True)
-    options.use(options.Options(sm90_fwd_tiles=(64, 32, 12)))
-    assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 32
-    options.use(options.Options(sm90_fwd_tiles=(128, 128, 12)))   # not a split tile: the default
-    assert heuristics.fwd_config("bfloat16", 512, False, 90).block_n == 64
-    # A split tile override leaves the other kernels' tiles alone (a 64-row, 12-warp overlap tile cannot build).
-    options.use(options.Options(sm90_fwd_tiles=(64, 32, 12)))
-    for d in (64, 128, 256):
-        cfg = heuristics.fwd_config("bfloat16", d, False, 90)
-        assert cfg.fam.schedule != "split" and (cfg.block_m, cfg.num_warps) != (64, 12), cfg.key()
-    options.use(options.Options())
+def test_split_tile_override_leaves_other_kernels_alone():
+    """A tile override of the split-V kernel's shape (64 rows, 12 warps) does not reach the other Hopper kernels,
+    where a 64-row, 12-warp tile cannot build; the split kernel keeps its one tile under any override."""
+    options.use(options.Options(sm90_fwd_tiles=heuristics.SM90_SPLIT_TILE))
+    try:
+        for d in (64, 128, 256):
+            cfg = heuristics.fwd_config("bfloat16", d, False, 90)
+            assert cfg.fam.schedule != "split" and (cfg.block_m, cfg.num_warps) != (64, 12), cfg.key()
+        options.use(options.Options(sm90_fwd_tiles=(128, 128, 12)))
+        cfg = heuristics.fwd_config("bfloat16", 512, False, 90)
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == heuristics.SM90_SPLIT_TILE
+    finally:
+        options.use(options.Options())
 
 
 @pytest.mark.skipif(sass.tools_available() is not None,

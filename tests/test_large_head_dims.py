@@ -70,26 +70,6 @@ def test_dense(rng, family, dtype, runs, dqk, dv, causal):
     assert_lse_matches(lse, ref_lse, (b, hq, nq))
 
 
-@pytest.mark.parametrize("dqk,dv", [(512, 512), (576, 512), (320, 320)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_split_32_key_tiles(rng, dqk, dv, causal):
-    """The split-V kernel's 32-key tile (two K / V stages; Options.sm90_fwd_tiles, for A/B) on lengths that end
-    inside a tile."""
-    import cupy
-    import cuflash
-    from cuflash.reference import attention_reference
-
-    _needs("bfloat16")
-    with cuflash.options.override(sm90_fwd_tiles=(64, 32, 12)):
-        q, k, v = (_rand(rng, (1, n, 2, d), "bfloat16") for n, d in ((333, dqk), (301, dqk), (301, dv)))
-        assert _family(q, dv, causal) == "sm90_fwd_split"
-        out = poisoned((1, 333, 2, dv), "bfloat16")
-        o, lse = cuflash.forward(q, k, v, causal=causal, return_lse=True, out=out)
-    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
-    assert_close_on_every_row("out", o, cupy.asarray(ref_o), "bfloat16", FWD_TOL)
-    assert_lse_matches(lse, ref_lse, (1, 2, 333))
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (1, 300), (300, 1), (64, 64), (65, 129), (2000, 2000), (777, 3001)])
 def test_lengths(rng, dtype, nq, nk):

@@ -5,8 +5,8 @@
 // warpgroup 1 through shared memory, and computes O[:, :kVCols0] += P V with P from its registers; warpgroup
 // 1 computes O[:, kVCols0:] += P V from the shared P. Two P buffers (where they fit: Tile::kPBuffers) let
 // warpgroup 0 go on to the next key tile's S while warpgroup 1 still reads the last P. The K / V ring has two
-// stages where they fit (32-key tiles), else one (64-key tiles at head dim 512: a 64 x 576 K tile alone is 72 KB):
-// the producer refills a K slot once S has read it and a V slot once both warpgroups are done.
+// stages where they fit, else one (head dim 512: a 64 x 576 K tile alone is 72 KB): the producer refills a K slot
+// once S has read it and a V slot once both warpgroups are done.
 #pragma once
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
