@@ -342,7 +342,7 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
                     attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
                     sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
                     dq: Optional[ndarray] = None, dk: Optional[ndarray] = None, dv: Optional[ndarray] = None,
-                    check_offsets: Optional[bool] = None) -> Tuple[ndarray, ...]:
+                    check_offsets: Optional[bool] = None, _padded: bool = False) -> Tuple[ndarray, ...]:
     """Gradients of :func:`forward_varlen` with respect to q, k and v.
 
     Args:
@@ -371,7 +371,8 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
             deterministic=deterministic, check_offsets=check_offsets)
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
-                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
+                              seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
+                              head_dims_checked=_padded)
     dev = lay.device_id
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
     _checks.check_like("dout", dout, "q", q, out_shape)
@@ -397,7 +398,7 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
                                 max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
                                 softmax_scale=scale, window_size=window_size, attention_chunk=attention_chunk,
                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse,
-                                deterministic=deterministic, check_offsets=False)   # checked above
+                                deterministic=deterministic, check_offsets=False, _padded=True)   # checked above
         return head_dims.deliver(unpad(*grads[:3]), (dq, dk, dv)) + tuple(grads[3:])
     import cupy
 

@@ -83,7 +83,7 @@ class VarlenLayout:
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                  seqused_q=None, seqused_k=None, check_offsets: Optional[bool] = None, allow_dv: bool = False,
-                 head_dims: Optional[range | tuple] = None) -> VarlenLayout:
+                 head_dims: Optional[range | tuple] = None, head_dims_checked: bool = False) -> VarlenLayout:
     """Checks a varlen call's arguments (shapes in the module docstring) and returns their layout.
 
     Always, without touching the device: TypeError for a wrong type or dtype, ValueError for a wrong
@@ -91,7 +91,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     ``check_offsets`` is True (None: True unless the current stream of q's device is capturing a CUDA
     graph), one device-to-host copy of the offsets and seqused and :func:`validate_offsets` on it.
     The head dims as head_dims.check says (q / k up to 576, v up to 512); ``allow_dv``: v's head dim may
-    differ from q's; ``head_dims``: where given, the only head dims of q and k the caller's kernels support.
+    differ from q's; ``head_dims``: where given, the only head dims of q and k the caller's kernels support;
+    ``head_dims_checked``: the rule not applied again (arrays the API zero-padded after checking the caller's).
     A max_seqlen above the total is accepted: flash-attn takes it as an upper bound, and a captured graph
     passes a fixed one (only the grid grows)."""
     for name, x, rows, heads in (("q", q, "total_q", "heads_q"), ("k", k, "total_k", "heads_kv"),
@@ -112,7 +113,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         raise ValueError(f"head_dim must be {_describe(head_dims)}, got {d}")
     if not _checks.check_flag("allow_dv", allow_dv) and dv != d:
         raise ValueError(f"v must have the head_dim of q ({d}), got {dv}")
-    head_dims_rule.check(d, dv)
+    if not head_dims_checked:
+        head_dims_rule.check(d, dv)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_aligned(name, x)   # after the shapes, as the dense checks: those say more
 
