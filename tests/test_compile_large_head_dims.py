@@ -119,29 +119,23 @@ def test_selection():
     options.use(options.Options())
 
 
-def test_head_dim_rule():
-    head_dims.check(256, 256)
-    head_dims.check(512, 512)
-    head_dims.check(576, 512)
-    head_dims.check(64, 512)
-    head_dims.check(128, 512)
-    head_dims.check(272, 80)
-    head_dims.check(64, 64)
-    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 584$"):
-        head_dims.check(584, 512)
-    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 640$"):
-        head_dims.check(640, 128)
-    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 520$"):
-        head_dims.check(512, 520)
-    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 576$"):
-        head_dims.check(576, 576)
-    with pytest.raises(ValueError, match=r"^head_dim must be a multiple of 8 from 8 to 576, got 516$"):
-        head_dims.check(516, 512)
-    with pytest.raises(ValueError, match=r"^v's head_dim must be a multiple of 8 from 8 to 512, got 516$"):
-        head_dims.check(512, 516)
-    with pytest.raises(ValueError,
-                       match=r"^v's head_dim must be above 64 where q's is above 256 \(got q / k 512, v 64\)"):
-        head_dims.check(512, 64)
+@pytest.mark.parametrize("dqk,dv", [(256, 256), (512, 512), (576, 512), (64, 512), (128, 512), (272, 80), (64, 64)])
+def test_head_dim_rule_accepts(dqk, dv):
+    head_dims.check(dqk, dv)
+
+
+@pytest.mark.parametrize("dqk,dv,message", [
+    (584, 512, "head_dim must be a multiple of 8 from 8 to 576, got 584"),
+    (640, 128, "head_dim must be a multiple of 8 from 8 to 576, got 640"),
+    (512, 520, "v's head_dim must be a multiple of 8 from 8 to 512, got 520"),
+    (576, 576, "v's head_dim must be a multiple of 8 from 8 to 512, got 576"),
+    (516, 512, "head_dim must be a multiple of 8 from 8 to 576, got 516"),
+    (512, 516, "v's head_dim must be a multiple of 8 from 8 to 512, got 516"),
+    (512, 64, "v's head_dim must be above 64 where q's is above 256 (got q / k 512, v 64)")])
+def test_head_dim_rule_refuses(dqk, dv, message):
+    with pytest.raises(ValueError) as e:
+        head_dims.check(dqk, dv)
+    assert str(e.value).startswith(message)
 
 
 def test_backward_kernels_compile_without_spills():
