@@ -65,13 +65,13 @@ def test_sm90_bwd_sass_uses_hgmma_without_local_memory(cfg):
     pad = (cfg.head_dim + 63) // 64 * 64
     # Per query tile and consumer warpgroup: S^T, dP^T (pad / 16 k-steps each), dV, dK
     # (block_m / 16 each) and dQ (block_n / 16), times the wgmma pieces of a column slice (split-D
-    # tiles, block_n = 64 and two consumer warpgroups: half of the head dim per warpgroup, in
-    # 32-column pieces at d=192).
+    # tiles, block_n = 64 and two consumer warpgroups: half of the head dim per warpgroup; at d=192 dK / dV
+    # in an n64 and an n32 piece, dQ in three n32 ones).
     consumer_wgs = cfg.num_warps // 4 - 1
     split_d = cfg.block_n == 64 and consumer_wgs == 2
     kv_cols = pad // 2 if split_d else pad
     dq_cols = pad // consumer_wgs if cfg.block_m == 64 else pad
-    kv_pieces = 1 if kv_cols % 64 == 0 else kv_cols // 32
+    kv_pieces = 1 if kv_cols % 64 == 0 else kv_cols // 64 + 1
     dq_pieces = 1 if dq_cols % 64 == 0 or dq_cols < 64 else dq_cols // 32
     per_step = 2 * (pad // 16) + 2 * (cfg.block_m // 16) * kv_pieces + cfg.block_n // 16 * dq_pieces
     assert ops["HGMMA"] == per_step, f"{cfg.key()}: {ops['HGMMA']} HGMMA, expected {per_step}"

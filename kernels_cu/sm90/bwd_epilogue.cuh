@@ -30,7 +30,7 @@ struct BwdEpilogue {
             const int row = thr.key_local + 8 * h;
 #pragma unroll
             for (int j = 0; j < kKvCols / 8; ++j) {
-                const int chunk = thr.kv_col0 / 8 + j;
+                const int chunk = Tile::kKvAtomPieces ? Tile::kv_chunk_col(thr.cw, j) / 8 : thr.kv_col0 / 8 + j;
                 *reinterpret_cast<u32*>(staged_chunk(base, row, chunk) + 4 * thr.t4) =
                     ElemTraits<Tag>::pack2(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
             }

@@ -204,23 +204,35 @@ struct BwdMainloop {
     // shared memory (other_a), stored [query][key] (an MN-major A: 8-query row groups 1024 bytes apart).
     // Column c of the B tile: 64-column block c / 64 (kBlockM * 128 bytes apart), byte (c % 64) * 2.
     __device__ void kv_product(KvAcc& acc, const Frags& frag, u32 b_tile, u32 other_a) const {
+        if constexpr (Tile::kKvAtomPieces) {   // pieces of their own widths and columns (Tile::KvPiece)
+            static_assert(Tile::kKvPieces == 2, "n64 + n32: head dim 192");
+            using P0 = typename Tile::template KvPiece<0>;
+            using P1 = typename Tile::template KvPiece<1>;
+            kv_piece<P0::kWidth>(acc + P0::kAccOffset, P0::kColBase + thr.cw * P0::kColStep, frag, b_tile, other_a);
+            kv_piece<P1::kWidth>(acc + P1::kAccOffset, P1::kColBase + thr.cw * P1::kColStep, frag, b_tile, other_a);
+        } else {
 #pragma unroll
-        for (int pc = 0; pc < kKvCols / kKvPiece; ++pc) {
-            const int col = thr.kv_col0 + pc * kKvPiece;
-            auto& d = *reinterpret_cast<float(*)[kKvPiece / 2]>(acc + pc * (kKvPiece / 2));
-            const u32 b_cols = b_tile + (col / 64) * kBlockM * 128 + (col % 64) * 2;
-            const SmemDesc<> b_desc(b_cols, kBlockM * 128, 1024);
+            for (int pc = 0; pc < kKvCols / kKvPiece; ++pc)
+                kv_piece<kKvPiece>(acc + pc * (kKvPiece / 2), thr.kv_col0 + pc * kKvPiece, frag, b_tile, other_a);
+        }
+    }
+    // One piece: acc_piece (kWidth / 2 registers) += the product over columns col .. col + kWidth of b_tile.
+    template <int kWidth>
+    __device__ __forceinline__ void kv_piece(float* acc_piece, int col, const Frags& frag, u32 b_tile,
+                                             u32 other_a) const {
+        auto& d = *reinterpret_cast<float(*)[kWidth / 2]>(acc_piece);
+        const u32 b_cols = b_tile + (col / 64) * kBlockM * 128 + (col % 64) * 2;
+        const SmemDesc<> b_desc(b_cols, kBlockM * 128, 1024);
 #pragma unroll
-            for (int kk = 0; kk < kQCols / 16; ++kk)
-                WgmmaRS<Tag, kKvPiece>::template run<true>(d, frag[kk], b_desc.at((thr.q_off + 16 * kk) * 128), 1);
-            if constexpr (kSplitSdP) {
-                const int other = kQCols - thr.q_off;   // the other warpgroup's first query
-                const SmemDesc<> a_desc(other_a, 64 * 128, 1024);
+        for (int kk = 0; kk < kQCols / 16; ++kk)
+            WgmmaRS<Tag, kWidth>::template run<true>(d, frag[kk], b_desc.at((thr.q_off + 16 * kk) * 128), 1);
+        if constexpr (kSplitSdP) {
+            const int other = kQCols - thr.q_off;   // the other warpgroup's first query
+            const SmemDesc<> a_desc(other_a, 64 * 128, 1024);
 #pragma unroll
-                for (int kk = 0; kk < kQCols / 16; ++kk) {
-                    const int q = other + 16 * kk;
-                    WgmmaSS<Tag, kKvPiece>::template run<true, true>(d, a_desc.at(q * 128), b_desc.at(q * 128), 1);
-                }
+            for (int kk = 0; kk < kQCols / 16; ++kk) {
+                const int q = other + 16 * kk;
+                WgmmaSS<Tag, kWidth>::template run<true, true>(d, a_desc.at(q * 128), b_desc.at(q * 128), 1);
             }
         }
     }

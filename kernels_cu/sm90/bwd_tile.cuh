@@ -50,6 +50,27 @@ struct Sm90BwdTile {
     static constexpr int kDqCols = kBlockM == 64 ? kHeadDimPad / kConsumerWGs : kHeadDimPad;
     static constexpr int kKvPiece = kKvCols % 64 == 0 ? kKvCols : 32;
     static constexpr int kDqPiece = kDqCols % 64 == 0 || kDqCols < 64 ? kDqCols : 32;
+    // Split-D warpgroups whose dK / dV columns are no whole number of 64-column atoms (head dim 192: 96 each)
+    // take columns 64c .. 64c + 63 and 128 + 32c .. 128 + 32c + 31: two pieces that each start an atom (n64 +
+    // n32) rather than 96c .. 96c + 95 in three n32 pieces (the SS half of the products reads its A operand
+    // once per piece).
+    static constexpr bool kKvAtomPieces = kSplitD && kKvCols % 64 != 0;
+    static constexpr int kKvPieces = kKvAtomPieces ? kKvCols / 64 + 1 : kKvCols / kKvPiece;
+    // With kKvAtomPieces, piece kPc of warpgroup c: kWidth columns from kColBase + c * kWidth, its accumulators
+    // from register kAccOffset (the whole 64-column blocks first, then the tails).
+    template <int kPc>
+    struct KvPiece {
+        static constexpr bool kTail = kPc == kKvPieces - 1;
+        static constexpr int kWidth = kTail ? kKvCols % 64 : 64;
+        static constexpr int kColBase = kPc * kConsumerWGs * 64;
+        static constexpr int kColStep = kWidth;
+        static constexpr int kAccOffset = kPc * 32;
+    };
+    // With kKvAtomPieces: the first column of warpgroup cw's accumulator chunk j (8 columns: registers 4j .. 4j + 3).
+    static __device__ __forceinline__ int kv_chunk_col(int cw, int j) {
+        return j < 8 * (kKvCols / 64) ? (j / 8) * kConsumerWGs * 64 + cw * 64 + (j % 8) * 8
+                                      : (kKvCols / 64) * kConsumerWGs * 64 + cw * (kKvCols % 64) + (j % 8) * 8;
+    }
     // One float32 staging slice (64 rows x kDqCols) per consumer warpgroup, in the accumulator order:
     // chunk j (registers 4j..4j+3) of thread t at float 512 j + 4 t.
     static constexpr int kDqMode = kDqMode_;
