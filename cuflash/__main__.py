@@ -61,16 +61,21 @@ def self_check(device_id: int) -> list[tuple[str, float, float]]:
     bwd_bounds = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-5}
     dts = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32}
     rows = []
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, causal): odd lengths, GQA, and MLA's
+    # training shape (192, 128)
+    cases = [(2, 257, 257, 4, 2, 64, 64, True), (1, 100, 333, 2, 2, 128, 128, False),
+             (1, 130, 197, 4, 2, 192, 128, True)]
     for dtype in ("float16", "bfloat16", "float32"):
-        for (b, nq, nk, hq, hkv, d, causal) in [(2, 257, 257, 4, 2, 64, True), (1, 100, 333, 2, 2, 128, False)]:
+        for (b, nq, nk, hq, hkv, d, dv, causal) in cases:
             q = cupy.asarray(rng.standard_normal((b, nq, hq, d)).astype(dts[dtype]))
             k = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(dts[dtype]))
-            v = cupy.asarray(rng.standard_normal((b, nk, hkv, d)).astype(dts[dtype]))
+            v = cupy.asarray(rng.standard_normal((b, nk, hkv, dv)).astype(dts[dtype]))
             out, lse = forward(q, k, v, causal=causal, return_lse=True)
-            label = f"{dtype} Nq={nq} Nk={nk} Hq={hq} Hkv={hkv} D={d}{' causal' if causal else ''}"
+            dims = f"{d}" if dv == d else f"{d}/{dv}"
+            label = f"{dtype} Nq={nq} Nk={nk} Hq={hq} Hkv={hkv} D={dims}{' causal' if causal else ''}"
             rows.append((f"fwd {label}", rel_err(out, attention_reference(q, k, v, causal=causal)[0]),
                          bounds[dtype]))
-            dout = cupy.asarray(rng.standard_normal(q.shape).astype(dts[dtype]))
+            dout = cupy.asarray(rng.standard_normal(out.shape).astype(dts[dtype]))
             grads = backward(dout, q, k, v, out, lse, causal=causal)
             refs = attention_reference_backward(dout, q, k, v, causal=causal)
             err = max(rel_err(g, r) for g, r in zip(grads, refs))
