@@ -392,7 +392,8 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     large = head_dims.is_large(lay.head_dim_qk, lay.head_dim_v) and q.dtype != np.float32   # the split kernels
-    if lay.head_dim_v != lay.head_dim_qk and not large:   # as backward: zero padding to one head dim (head_dims.py)
+    narrow_v = lay.head_dim_v < lay.head_dim_qk and q.dtype != np.float32   # _launch_bwd_varlen: head_dims.NarrowV
+    if lay.head_dim_v != lay.head_dim_qk and not (large or narrow_v):   # as backward: zero padding (head_dims.py)
         (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
         grads = backward_varlen(dout_p, q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
@@ -466,6 +467,9 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
             tile_rows = padded = 0
         else:
             extra = (maps,)
+    narrow = head_dims.NarrowV(dout, q, k, v, out, dv, sm90_reads=bool(extra), zero_workspace=True)
+    if narrow:
+        dout, q, k, v, out, dv = narrow.arrays()
     kern, cfg, smem = dkdv
     # delta's rows outside every sequence are never written: zeros where dsinks sums over all rows (with sinks).
     delta = (cupy.zeros if var.sinks is not None else cupy.empty)((hq, total_q), dtype=np.float32)
@@ -484,7 +488,7 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
             dq_accum.fill(np.nan)
             if semaphores is not None and cfg.fam.dq_mode != "ordered":
                 semaphores.fill((1 << 24) + 3)
-    p = params.pack_bytes(params.BWD_PARAMS, (
+    values = (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr,
         dq_accum.data.ptr if dq_accum is not None else 0, dq.data.ptr, dk.data.ptr, dv.data.ptr,
         semaphores.data.ptr if semaphores is not None else 0,
@@ -494,16 +498,21 @@ def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLa
         accum_rows, accum_cols, accum_rows, n_semaphores,   # every dQ row of a sequence zeroed (varlen.cuh)
         stats.data.ptr if stats is not None else 0, padded,
         *var.param_values(lay.max_seqlen_q, lay.max_seqlen_k, scale), dlse.data.ptr if dlse is not None else 0,
-        *_varlen_values(lay, tile_rows, offsets_bad)))
+        *_varlen_values(lay, tile_rows, offsets_bad))
+    p = params.pack_bytes(params.BWD_PARAMS, values)
     max_q = lay.max_seqlen_q
     pkern, pcfg, psmem = pre
-    # The preprocess covers each sequence's whole tiles (Hopper: its stats rows).
+    # The preprocess covers each sequence's whole tiles (Hopper: its stats rows), reading out and dout over
+    # their own width.
     pre_rows = -(-max_q // tile_rows) * tile_rows if tile_rows else max_q
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, pre_rows), p, psmem)
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, pre_rows), narrow.preprocess_params(values)
+                  if narrow else p, psmem)
     launch.launch(kern, cfg, launch.bwd_dkdv_grid(cfg, b, lay.heads_kv, lay.max_seqlen_k), p, smem, extra)
     kern, cfg, smem = post if post is not None else dq_kernel
     launch.launch(kern, cfg, launch.bwd_row_grid(cfg, b, hq, max_q), p, smem)
     capture.keep_if_capturing(delta, dq_accum, stats, semaphores, offsets_bad)
+    if narrow:
+        narrow.deliver_dv()
     return delta
 
 
@@ -684,8 +693,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     # A value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py); the large head dims'
-    # 16-bit kernels take both.
-    if v.shape[3] != d and not (head_dims.is_large(d, v.shape[3]) and q.dtype != np.float32):
+    # 16-bit kernels take both, and the 16-bit kernels a narrower v (_launch_bwd: head_dims.NarrowV).
+    if v.shape[3] != d and not (q.dtype != np.float32 and (head_dims.is_large(d, v.shape[3]) or v.shape[3] < d)):
         (dout_p, q_p, k_p, v_p, out_p), unpad = head_dims.padded(dout, q, k, v, out)
         grads = backward(dout_p, q_p, k_p, v_p, out_p, lse, causal=causal, softmax_scale=scale,
                          window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
@@ -820,6 +829,10 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
             stat_rows = 0
         else:
             extra = (maps,)
+    narrow = head_dims.NarrowV(dout, q, k, v, out, dv, sm90_reads=bool(extra))
+    if narrow:
+        dout, q, k, v, out, dv = narrow.arrays()
+        record = False   # the copy into the caller's dv is no recorded launch
     # delta (rowsum(dout * out)) for the portable kernels; the sm90 kernel reads it from the stats rows.
     stats = workspace(b * hq * 2 * stat_rows, np.float32) if stat_rows else None
     delta = None if stat_rows else workspace((b, hq, nq), np.float32)
@@ -858,21 +871,23 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr,
                 delta.data.ptr if delta is not None else 0)
     outputs = (dq.data.ptr, dk.data.ptr, dv.data.ptr, semaphores.data.ptr if semaphores is not None else 0)
-    p = params.pack_bytes(params.BWD_PARAMS, (
-        *pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout))
+    values = (*pointers, dq_accum.data.ptr if dq_accum is not None else 0, *outputs, *layout)
+    p = params.pack_bytes(params.BWD_PARAMS, values)
+    # The preprocess reads out and dout over their own width (BwdParams.head_dim is Dqk for the other kernels).
+    p_pre = narrow.preprocess_params(values) if narrow else p
     launches = [] if record else None
 
-    def run(kern_, cfg_, grid, smem_, extra_=()):
-        prepared = launch.prepare(kern_, cfg_, grid, p, smem_, extra_) if launches is not None else None
+    def run(kern_, cfg_, grid, smem_, extra_=(), p_=p):
+        prepared = launch.prepare(kern_, cfg_, grid, p_, smem_, extra_) if launches is not None else None
         if prepared is None:
-            launch.launch(kern_, cfg_, grid, p, smem_, extra_)
+            launch.launch(kern_, cfg_, grid, p_, smem_, extra_)
             return None
         prepared.on_current_stream()
         launches.append(prepared)
         return prepared
 
     pkern, pcfg, psmem = pre
-    run(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows, stat_rows)), psmem)
+    run(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max(nq, accum_rows, stat_rows)), psmem, p_=p_pre)
     dsinks = None
     if var.sinks is not None:
         # d loss / d sink = sum over rows of P(sink) (dlse - delta), with delta = rowsum(dout * out) - dlse as
@@ -883,6 +898,8 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
     kern, cfg, smem = post if post is not None else dq_kernel
     run(kern, cfg, launch.bwd_row_grid(cfg, b, hq, nq), smem)
     capture.keep_if_capturing(delta, dq_accum, semaphores, stats)   # the workspaces of a captured graph's kernels
+    if narrow:
+        narrow.deliver_dv()
     if launches is None or len(launches) != 3 or dsinks is not None:
         return dsinks, None, None
     return dsinks, tuple(launches), tuple(workspaces)

@@ -13,8 +13,10 @@ leaves every product the same: with ``Dv < Dqk``, v, out and dout gain zero colu
 O)`` and ``P^T dO`` are unchanged and dv's padded columns come out 0; with ``Dv > Dqk``, q and k gain zero
 columns, so ``Q K^T`` is unchanged (the softmax scale stays ``1 / sqrt(Dqk)``, passed explicitly) and dq's and dk's
 padded columns come out 0. The cost: the copies, and the padded side's share of the products run at ``D``
-(at (192, 128): dP and dV at 192 columns instead of 128, a sixth more of the backward's tensor work). Kernels
-that take ``Dv`` natively would remove both; the forward already does (``kHeadDimV``).
+(at (192, 128): dP and dV at 192 columns instead of 128, a sixth more of the backward's tensor work). In
+fp16 / bf16 with ``Dv < Dqk`` the Hopper backward makes no copies (:class:`NarrowV`: TMA's zero fill pads
+v and dout as they are loaded; 10-20 % faster at (192, 128), BENCHMARKS.md); kernels that take ``Dv``
+natively would remove the padded products too; the forward already does (``kHeadDimV``).
 
 Works on NumPy and CuPy arrays alike (``tests/test_head_dims.py`` checks the identity on the float64 reference,
 without a GPU).
@@ -89,3 +91,48 @@ def deliver(grads: tuple, buffers: tuple) -> tuple:
             buf[...] = g
             out.append(buf)
     return tuple(out)
+
+
+class NarrowV:
+    """The 16-bit backward with v narrower than q (``Dv < Dqk``, head dims up to 256) and no padded copies of v,
+    out and dout where the Hopper kernel reads them: its tensor maps span v's and dout's own ``Dv`` columns and
+    TMA fills the columns past them with zeros, so every product is that of the padded arrays (module docstring),
+    and the preprocess reads out and dout over ``Dv`` columns (its own BwdParams with ``head_dim = Dv``). The dK/dV
+    kernel writes ``Dqk`` columns of dV: into a workspace, whose first ``Dv`` columns :meth:`deliver_dv` copies
+    into the caller's dv. Where the portable kernels run instead (``sm90_reads`` False) v, out and dout are
+    padded here. False (``bool``) where v is as wide as q."""
+
+    def __init__(self, dout, q, k, v, out, dv, *, sm90_reads: bool, zero_workspace: bool = False):
+        self.width, self.head_dim = v.shape[-1], q.shape[-1]
+        self._dv = dv
+        if not self:
+            return
+        if not sm90_reads:
+            (dout, q, k, v, out), _ = padded(dout, q, k, v, out)
+        xp = _module(dv)
+        alloc = xp.zeros if zero_workspace else xp.empty   # zeros: keys that no kernel writes (varlen seqused_k)
+        self.dv_wide = alloc(dv.shape[:-1] + (self.head_dim,), dtype=dv.dtype)
+        self._arrays = (dout, q, k, v, out, self.dv_wide)
+        self._preprocess_width = out.shape[-1]
+
+    def __bool__(self) -> bool:
+        return self.width < self.head_dim
+
+    def arrays(self) -> tuple:
+        """(dout, q, k, v, out, dv) as the kernels take them."""
+        return self._arrays
+
+    def preprocess_params(self, values: tuple) -> bytes:
+        """The preprocess's BwdParams: ``values`` (every field) with head_dim out's width."""
+        from . import params
+
+        return params.pack_bytes(params.BWD_PARAMS, params.replaced(params.BWD_PARAMS, values,
+                                                                    head_dim=self._preprocess_width))
+
+    def deliver_dv(self) -> None:
+        """dV's first ``Dv`` columns into the caller's dv (on the current stream); the workspaces kept alive
+        under CUDA graph capture."""
+        from . import capture
+
+        self._dv[...] = self.dv_wide[..., :self.width]
+        capture.keep_if_capturing(*self._arrays)

@@ -107,6 +107,15 @@ def pack_values(dtype: np.dtype, values) -> np.ndarray:
     return np.frombuffer(_packer(dtype)[0].pack(*values), dtype=void)
 
 
+def replaced(dtype: np.dtype, values: tuple, **changes) -> tuple:
+    """``values`` (every field of ``dtype``, in declaration order) with the named fields changed."""
+    names = tuple(dtype.names)
+    out = list(values)
+    for name, value in changes.items():
+        out[names.index(name)] = value
+    return tuple(out)
+
+
 def pack_bytes(dtype: np.dtype, values) -> bytes:
     """The struct's bytes, every field given positionally (the launch path takes them as they are)."""
     return _packer(dtype)[0].pack(*values)

@@ -45,3 +45,36 @@ def test_packed_shapes_and_buffers():
     given = np.zeros((13, 2, 32))
     dq, dk, dv = head_dims.deliver(grads, (None, None, given))
     assert dq.shape == (11, 4, 64) and dq.flags.c_contiguous and dv is given and np.all(given == 3.0)
+
+
+@pytest.mark.parametrize("sm90_reads", [True, False])
+def test_narrow_v_arrays_and_preprocess_width(monkeypatch, sm90_reads):
+    """head_dims.NarrowV: the Hopper kernel takes v, out and dout as they are and the preprocess reads Dv columns;
+    the portable kernels take them padded (the preprocess then reads Dqk); dV comes through a Dqk-wide workspace
+    whose first Dv columns reach the caller's dv."""
+    from cuflash import capture, params
+
+    monkeypatch.setattr(capture, "keep_if_capturing", lambda *arrays: None)
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 5, 3, 192)), rng.standard_normal((2, 7, 3, 192))
+    v, out, dout = (rng.standard_normal(s) for s in ((2, 7, 3, 128), (2, 5, 3, 128), (2, 5, 3, 128)))
+    dv = np.full(v.shape, np.nan)
+    narrow = head_dims.NarrowV(dout, q, k, v, out, dv, sm90_reads=sm90_reads)
+    assert narrow
+    dout_k, q_k, k_k, v_k, out_k, dv_k = narrow.arrays()
+    assert q_k is q and k_k is k and dv_k.shape == (2, 7, 3, 192)
+    if sm90_reads:
+        assert dout_k is dout and v_k is v and out_k is out
+    else:
+        for wide, narrow_x in ((dout_k, dout), (v_k, v), (out_k, out)):
+            assert wide.shape[-1] == 192 and not wide[..., 128:].any() and (wide[..., :128] == narrow_x).all()
+    names = params.BWD_PARAMS.names
+    values = tuple(range(len(names)))
+    unpacked = np.frombuffer(narrow.preprocess_params(values), dtype=params.BWD_PARAMS)[0]
+    assert unpacked["head_dim"] == (128 if sm90_reads else 192)
+    assert all(unpacked[n] == i for i, n in enumerate(names) if n not in ("head_dim", "softmax_scale", "scale_log2",
+                                                                           "softcap_in", "softcap_out", "alibi_scale"))
+    dv_k[...] = rng.standard_normal(dv_k.shape)
+    narrow.deliver_dv()
+    assert (dv == dv_k[..., :128]).all()
+    assert not head_dims.NarrowV(dout, q, k, rng.standard_normal((2, 7, 3, 192)), out, dv, sm90_reads=True)
