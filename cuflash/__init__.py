@@ -4,9 +4,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import options  # noqa: E402 - cuflash.options: the settings (Options, set, override, reload)
-from .api import (backward, backward_varlen, forward, forward_fp8, forward_varlen, quantize_fp8,  # noqa: E402
-                  vjp)
+from .api import (backward, backward_varlen, combine, forward, forward_fp8, forward_kvcache,  # noqa: E402
+                  forward_varlen, quantize_fp8, vjp)
 from .reference import attention_reference, attention_reference_backward, attention_reference_chunked  # noqa: E402
 
-__all__ = ["forward", "backward", "vjp", "forward_varlen", "backward_varlen", "forward_fp8", "quantize_fp8", "attention_reference",
+__all__ = ["forward", "backward", "vjp", "forward_varlen", "backward_varlen", "forward_kvcache", "combine",
+           "forward_fp8", "quantize_fp8", "attention_reference",
            "attention_reference_backward", "attention_reference_chunked", "options", "__version__"]

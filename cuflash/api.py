@@ -1055,3 +1055,139 @@ def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
                         alibi_slopes=alibi_slopes, sinks=sinks)
     out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **variant_args)
     return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, deterministic, variant_args)
+
+
+# ---------------------------------------------------------------------------
+# Decoding over a KV cache
+
+
+def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[ndarray] = None,
+                    v: Optional[ndarray] = None, *, cache_seqlens, rotary_cos: Optional[ndarray] = None,
+                    rotary_sin: Optional[ndarray] = None, rotary_interleaved: bool = True,
+                    cache_batch_idx: Optional[ndarray] = None, cache_leftpad: Optional[ndarray] = None,
+                    block_table: Optional[ndarray] = None, page_table: Optional[ndarray] = None,
+                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None,
+                    attention_chunk: int = 0, softmax_scale: Optional[float] = None, num_splits: int = 0,
+                    batch_invariant: bool = False, return_lse: bool = False
+                    ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
+    """Attention of a few new query tokens per sequence over a KV cache, appending new keys first (flash-attn 2's
+    ``flash_attn_with_kvcache``): decoding, chunked prefill and speculative decoding.
+
+    Args:
+        q: ``(batch, seqlen_q, heads_q, head_dim)``, float16 or bfloat16.
+        k_cache, v_cache: the cache, contiguous ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` (v:
+            ``head_dim_v``), or paged ``(num_pages, page_size, heads_kv, head_dim)`` with ``block_table``; q's
+            dtype; heads_q a multiple of heads_kv (GQA: the query heads that share a KV head read it once).
+        k, v: optional new keys and values ``(batch, seqlen_new, heads_kv, head_dim / head_dim_v)``, written into
+            the caches in place at positions ``cache_seqlens[b] .. + seqlen_new`` (``cache_seqlens`` itself is
+            not changed); attention then covers ``cache_seqlens[b] + seqlen_new`` keys.
+        cache_seqlens: int32 ``(batch,)`` device array (or a Python int for every sequence): the keys already in
+            the cache.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` tables: q and the new k are rotated
+            (rotary embedding) before use, the new keys at positions ``cache_seqlens[b] + i``, the queries at
+            ``cache_seqlens[b] + t`` with causal or a window, else all at ``cache_seqlens[b]`` (flash-attn's
+            convention); ``rotary_interleaved``: pairs ``(2i, 2i + 1)`` (GPT-J) or ``(i, i + rotary_dim / 2)``
+            (GPT-NeoX).
+        cache_batch_idx: optional int32 ``(batch,)``: the cache row of each sequence (contiguous cache).
+        cache_leftpad: not supported yet (ValueError).
+        block_table (or ``page_table``, FlashAttention-3's name): int32 ``(batch, max_blocks)``: sequence b's key
+            j is row ``j % page_size`` of page ``block_table[b, j // page_size]``; page sizes: multiples of 16.
+        causal, window_size, softcap, alibi_slopes, sinks, attention_chunk, softmax_scale: as :func:`forward`,
+            the new tokens aligned to the end of each sequence's keys (bottom-right); a sink joins each row's
+            softmax once however the keys are split.
+        num_splits: key splits per sequence (split-KV, merged through lse); 0 picks from the work and the GPU.
+        batch_invariant: a fixed number of keys per split (cuflash/kvcache.py: BATCH_INVARIANT_KEYS), so that a
+            row's result is bitwise the same whatever else is in the batch.
+        return_lse: also return lse ``(batch, heads_q, seqlen_q)`` float32.
+
+    Returns:
+        out ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype, and lse with ``return_lse``.
+
+    No device sync: ``cache_seqlens`` and ``block_table`` are read by the kernels only. Values they cannot check
+    never lead outside the cache (cuflash/kvcache.py): keys are clamped to the cache's capacity, appended tokens
+    past it are dropped, a block-table entry out of range reads the nearest page and is skipped by the append.
+    """
+    if page_table is not None:
+        if block_table is not None:
+            raise ValueError("pass block_table or page_table (its other name), not both")
+        block_table = page_table
+    if interop.needs_conversion(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                                block_table, alibi_slopes, sinks):
+        seqlens_is_int = isinstance(cache_seqlens, (int, np.integer))
+        arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
+                  "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "block_table": block_table,
+                  "alibi_slopes": alibi_slopes, "sinks": sinks}
+        if not seqlens_is_int:
+            arrays["cache_seqlens"] = cache_seqlens
+        return interop.call(
+            forward_kvcache, arrays, buffers=("k_cache", "v_cache"),
+            **({"cache_seqlens": cache_seqlens} if seqlens_is_int else {}), rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad, causal=causal,
+            window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, softmax_scale=softmax_scale,
+            num_splits=num_splits, batch_invariant=batch_invariant, return_lse=return_lse)
+    from . import kvcache
+
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported yet by forward_kvcache")
+    lay, cache_seqlens = kvcache.check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                       rotary_cos, rotary_sin)
+    scale = _checks.check_scale(softmax_scale, lay.head_dim)
+    causal = _checks.check_flag("causal", causal)
+    batch_invariant = _checks.check_flag("batch_invariant", batch_invariant)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen from the work), got {num_splits!r}")
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=lay.batch, heads_q=lay.heads_q, device_id=lay.device_id, q_dtype=q.dtype)
+    import cupy
+
+    try:
+        with cupy.cuda.Device(lay.device_id):
+            out, lse = kvcache.run(q, k_cache, v_cache, k, v, cache_seqlens, lay, rotary_cos=rotary_cos,
+                                   rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                                   cache_batch_idx=cache_batch_idx, block_table=block_table, var=var, scale=scale,
+                                   num_splits=int(num_splits), batch_invariant=batch_invariant,
+                                   return_lse=return_lse)
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
+    return (out, lse) if return_lse else out
+
+
+def combine(outs: ndarray, lses: ndarray) -> Tuple[ndarray, ndarray]:
+    """Merges partial attention results through their log-sum-exps (flash-attn's ``flash_attn_combine``): the
+    results of one set of queries over disjoint parts of the keys (split-KV, cascade / shared-prefix attention,
+    ring attention's steps).
+
+    Args:
+        outs: ``(num_splits, batch, seqlen, heads, head_dim)``, float32, float16 or bfloat16: each part's
+            normalised output.
+        lses: ``(num_splits, batch, heads, seqlen)`` float32: each part's lse (natural log); ``-inf`` marks a part
+            with no key for that row, whose outs rows are not read (they may hold anything).
+
+    Returns:
+        ``(out, lse)``: out ``(batch, seqlen, heads, head_dim)`` in outs' dtype, ``sum_s exp(lses[s] - lse)
+        outs[s]``, and lse ``(batch, heads, seqlen)`` float32, ``log sum_s exp(lses[s])`` (a row with no key
+        anywhere: out 0, lse -inf). Fixed order over the parts: deterministic.
+    """
+    if interop.needs_conversion(outs, lses):
+        return interop.call(combine, {"outs": outs, "lses": lses})
+    from . import kvcache
+
+    outs, lses = kvcache.check_combine(outs, lses)
+    import cupy
+
+    s, b, n, h, d = outs.shape
+    try:
+        with cupy.cuda.Device(outs.data.device_id):
+            out = cupy.empty((b, n, h, d), dtype=outs.dtype)
+            lse = cupy.empty((b, h, n), dtype=np.float32)
+            if s == 0:
+                out.fill(0)
+                lse.fill(-np.inf)
+            else:
+                kvcache.combine_into(outs, lses, out, lse)
+    except RuntimeError as e:
+        device_check.reraise_explained(e)
+        raise
+    return out, lse

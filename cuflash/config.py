@@ -9,7 +9,7 @@ from .variants import PLAIN, MaskVariant
 DTYPE_TAGS = {"float16": "f16_tag", "bfloat16": "bf16_tag", "float32": "float", "float8_e4m3fn": "e4m3_tag"}
 
 
-DIRECTIONS = ("fwd", "bwd", "aux")
+DIRECTIONS = ("fwd", "bwd", "decode", "aux")
 BACKENDS = ("sm80", "simt", "sm90", "aux")
 SCHEDULES = ("simple", "overlap", "split")
 DQ_MODES = ("atomic", "kernel", "tile", "ordered")
@@ -33,7 +33,7 @@ class Family:
     # KernelConfig fields passed as template arguments, in order ("tag" is the dtype's tag, "mask" the
     # MaskVariant type built from causal and variant: kernels_cu/common/mask.cuh).
     template: tuple = ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask")
-    direction: str = "aux"        # "fwd" | "bwd" | "aux" (helpers: pre/postprocess, fp8, ring)
+    direction: str = "aux"        # "fwd" | "bwd" | "decode" (KV cache) | "aux" (helpers: pre/postprocess, fp8, ring)
     backend: str = "aux"          # "sm80" (mma.sync) | "simt" (float32) | "sm90" (wgmma, TMA) | "aux"
     schedule: str | None = None   # sm90 forward consumer schedule: "simple" | "overlap" | "split"
     persistent: bool = False      # one CTA per SM walking the tiles (grid = min(tiles, SMs))
@@ -113,6 +113,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _aux("ring_merge", "aux/ring.cu", "ring_merge_kernel", 80, ("tag", "num_warps")),
     _aux("ring_accumulate", "aux/ring.cu", "ring_accumulate_kernel", 80, ("tag", "num_warps")),
     _aux("ring_convert", "aux/ring.cu", "ring_convert_kernel", 80, ("tag", "num_warps")),
+    # Decoding over a KV cache (cuflash/kvcache.py): split-KV, paged, GQA packed (block_m: packed query rows
+    # per CTA; head_dim / head_dim_v: 64-column buckets), and the merge of split results (tag: the output's).
+    Family("decode", "decode/decode.cu", "decode_kernel", 80, False, direction="decode"),
+    _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
+    _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     _aux("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, ("tag", "num_warps")),
     _aux("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, ("tag", "num_warps")),

@@ -60,10 +60,17 @@ def test_param_struct_layout_matches_numpy(struct):
         assert decl, body
         assert int(decl.group(2)) == dt.itemsize, f"sizeof({struct}) {decl.group(2)} != {dt.itemsize}"
         assert int(decl.group(1)) == dt.alignment, f"alignof({struct}) {decl.group(1)} != {dt.alignment}"
-        loads = re.findall(r"ld\.param\.([usbf])(\d+)\s+%\w+, \[probe_\w+_param_0(?:\+(\d+))?\]", body)
+        # The compiler may widen the read into a vector load (ld.param.v2.u32 {%r1, %r2}): the field is the
+        # element whose register the probe then uses.
+        loads = re.findall(r"ld\.param(?:\.v[24])?\.([usbf])(\d+)\s+(%\w+|\{[^}]*\}), "
+                           r"\[probe_\w+_param_0(?:\+(\d+))?\]", body)
         assert len(loads) == 1, f"{name}: {loads}"
-        kind, bits, c_off = loads[0]
-        assert int(c_off or 0) == off, f"{struct}.{name}: C offset {c_off or 0}, NumPy offset {off}"
+        kind, bits, regs, c_off = loads[0]
+        regs = [r.strip() for r in regs.strip("{}").split(",")]
+        rest = body[body.index(regs[-1]) + len(regs[-1]):]
+        used = [i for i, r in enumerate(regs) if re.search(re.escape(r) + r"\b", rest)]
+        c_off = int(c_off or 0) + (used[0] if used else 0) * int(bits) // 8
+        assert c_off == off, f"{struct}.{name}: C offset {c_off}, NumPy offset {off}"
         assert int(bits) == 8 * fdt.itemsize, f"{struct}.{name}: C size {bits} bits, NumPy {fdt.itemsize} bytes"
 
 

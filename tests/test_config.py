@@ -12,7 +12,7 @@ from cuflash.config import FAMILIES, Family, KernelConfig, find_family
 
 
 def test_shared_memory_comes_from_the_kernels():
-    """The fwd / bwd kernels name their shared-memory variable (read from the module by dispatch.smem_bytes);
+    """The fwd / bwd / decode kernels name their shared-memory variable (read from the module by dispatch.smem_bytes);
     the aux kernels take none; nothing in launch.py sizes shared memory by hand any more."""
     for fam in FAMILIES.values():
         assert fam.dynamic_smem == (fam.direction != "aux"), fam.name

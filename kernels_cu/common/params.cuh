@@ -109,3 +109,95 @@ struct BwdParams {
     const float* dlse;      // the gradient of lse (null: none): the preprocess takes it off delta
     CUFLASH_VARLEN_PARAMS
 };
+
+// Decoding over a KV cache (kernels_cu/decode/decode.cu): a few query tokens per sequence against a cache of
+// keys, contiguous (batch_cache, cache rows, heads_kv, head_dim) or paged (num_pages, page_size, heads_kv,
+// head_dim) through block_table. Sequence b attends to keys [0, seqlen_k) with seqlen_k = cache_seqlens[b] +
+// seqlen_new (clamped to the cache's capacity), its key range split into CTAs of keys_per_split keys.
+struct DecodeParams {
+    const void* q;              // (batch, seqlen_q, heads_q, head_dim)
+    const void* k;              // the K cache (see above)
+    const void* v;              // the V cache, head_dim_v wide
+    void* o;                    // (batch, seqlen_q, heads_q, head_dim_v), written where o_partial is null
+    float* lse;                 // (batch, heads_q, seqlen_q) or null, written where o_partial is null
+    float* o_partial;           // (num_splits, batch, seqlen_q, heads_q, head_dim_v) float32, or null: each split's
+    float* lse_partial;         // result and its lse (num_splits, batch, heads_q, seqlen_q), merged by combine
+    const int* cache_seqlens;   // (batch,) keys already in the cache
+    const int* cache_batch_idx; // (batch,) the cache row of each sequence (contiguous cache), or null
+    const int* block_table;     // (batch, block_table_batch_stride) pages of each sequence, or null
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;   // batch: a cache row, or a page
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 block_table_batch_stride;
+    int batch;
+    int seqlen_q;
+    int seqlen_k;               // set per sequence in the kernel (the mask policy reads it)
+    int heads_q;
+    int heads_per_kv;
+    int head_dim;
+    int head_dim_v;
+    int seqlen_new;             // tokens appended before the call (their keys count in every sequence)
+    int cache_capacity;         // keys a sequence can hold: cache rows, or max_blocks * page_size
+    int cache_rows;             // contiguous: batch_cache, the cache_batch_idx clamp; paged: num_pages
+    int page_size;              // 0: contiguous
+    int keys_per_split;         // a multiple of the kernel's key tile
+    int num_splits;
+    float softmax_scale;
+    float scale_log2;
+    CUFLASH_MASK_PARAMS
+};
+
+// Merging partial attention results through their lse (kernels_cu/decode/combine.cu, cuflash.combine):
+// out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s), a split whose lse_s is -inf skipped.
+struct CombineParams {
+    const void* outs;           // (num_splits, batch, seqlen, heads, head_dim), contiguous
+    const float* lses;          // (num_splits, batch, heads, seqlen), contiguous
+    void* out;                  // (batch, seqlen, heads, head_dim), rows out_row_stride apart (a row: one (b, t, h))
+    float* lse;                 // (batch, heads, seqlen) or null
+    i64 out_batch_stride, out_row_stride, out_head_stride;
+    int num_splits;
+    int batch;
+    int seqlen;
+    int heads;
+    int head_dim;
+    int outs_float32;           // 1: outs are float32; 0: the output's type
+};
+
+// Appending new keys and values to a KV cache, with the rotary embedding of the new keys and of the queries
+// (kernels_cu/decode/append.cu; cuflash.forward_kvcache runs it before decode_kernel). Positions: new token i of
+// sequence b at cache_seqlens[b] + i; query token t at cache_seqlens[b] + t (q_positions_step 1: causal or a
+// window) or at cache_seqlens[b] (0), as flash-attn.
+struct AppendParams {
+    const void* k_new;          // (batch, seqlen_new, heads_kv, head_dim), or null (rotary of q only)
+    const void* v_new;          // (batch, seqlen_new, heads_kv, head_dim_v)
+    void* k_cache;              // as DecodeParams.k / v
+    void* v_cache;
+    const void* q;              // (batch, seqlen_q, heads_q, head_dim), or null (no rotary)
+    void* q_rot;                // q rotated, contiguous like q's shape
+    const float* rotary_cos;    // (seqlen_ro, rotary_dim / 2) float32, contiguous, or null
+    const float* rotary_sin;
+    const int* cache_seqlens;
+    const int* cache_batch_idx;
+    const int* block_table;
+    i64 k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+    i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 block_table_batch_stride;
+    int batch;
+    int seqlen_new;
+    int seqlen_q;
+    int heads_kv;
+    int heads_q;
+    int head_dim;
+    int head_dim_v;
+    int rotary_dim;             // 0: none
+    int rotary_interleaved;     // 1: pairs (2i, 2i + 1); 0: pairs (i, i + rotary_dim / 2)
+    int seqlen_ro;              // rows of the cos / sin tables (a position past them takes the last row)
+    int q_positions_step;
+    int cache_capacity;
+    int cache_rows;
+    int page_size;              // 0: contiguous
+};

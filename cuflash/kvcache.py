@@ -1,0 +1,351 @@
+"""Decoding over a KV cache: the checks, plan and launches behind :func:`cuflash.forward_kvcache` and
+:func:`cuflash.combine` (kernels in kernels_cu/decode/).
+
+A call runs up to three kernels on the current stream:
+
+1. ``kvcache_append`` (only with new ``k`` / ``v`` or a rotary table): the new keys and values into the cache at
+   ``cache_seqlens[b] + i``, the new keys and the queries rotated on the way (the queries into a workspace);
+2. ``decode``: the attention, a CTA per (key split, KV head and packed query-row tile, sequence);
+3. ``combine`` (with more than one split, or ``batch_invariant``): the splits' float32 results merged through
+   their lse.
+
+Split-KV. The key range of every sequence is cut into splits of ``keys_per_split`` keys (a multiple of the
+64-key tile). ``num_splits=0`` picks the count from the work: one split where the CTAs of one split already fill
+the GPU twice over, else enough splits for two CTAs per SM, each of at least 512 keys of the cache's capacity.
+The host never reads ``cache_seqlens`` (no sync): splits are cut from the capacity, and a split past a shorter
+sequence's keys costs one empty CTA. ``batch_invariant=True`` fixes ``keys_per_split`` (BATCH_INVARIANT_KEYS) and
+always merges through ``combine``, so a row's result depends on its own sequence only, bitwise.
+
+What is checked without a device sync, before any kernel: every shape, dtype, device and stride. What is not
+(documented, never unsafe): ``cache_seqlens[b]`` beyond the cache's capacity (the keys are clamped to the
+capacity, appended tokens past it are dropped), and block-table entries out of range (a read takes the nearest
+page that exists, an append skips the token): no read or write leaves the cache.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _checks, launch, options, params, variants
+from .config import KernelConfig
+from .dispatch import get_kernel, smem_bytes
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64                 # keys per tile of the decode kernel (kernels_cu/decode/decode.cu)
+NUM_WARPS = 4
+MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
+MAX_SPLITS = 128
+BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
+MAX_HEAD_DIM = 256
+
+
+def _bucket(d: int) -> int:
+    """The kernel's head-dim bucket: d rounded up to 64 columns (loads zero-fill the columns past d)."""
+    return -(-d // 64) * 64
+
+
+def block_m_for(rows: int) -> int:
+    """Packed query rows (seqlen_q * heads_per_kv) per CTA: the smallest of 16, 32, 64 that holds them (64 at most,
+    more rows take more tiles)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def split_plan(capacity: int, ctas: int, sm_count: int, num_splits: int, batch_invariant: bool) -> tuple[int, int]:
+    """``(splits, keys_per_split)`` for a cache of ``capacity`` keys per sequence and ``ctas`` CTAs per split."""
+    if capacity <= 0:
+        return 1, BLOCK_N
+    if batch_invariant:
+        kps = BATCH_INVARIANT_KEYS
+    elif num_splits > 0:
+        kps = -(-capacity // num_splits)
+    elif ctas >= 2 * sm_count:
+        kps = capacity
+    else:
+        want = -(-2 * sm_count // max(ctas, 1))
+        splits = max(1, min(want, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+        kps = -(-capacity // splits)
+    kps = -(-kps // BLOCK_N) * BLOCK_N
+    return -(-capacity // kps), kps
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A checked call's shapes. q ``(batch, seqlen_q, heads_q, head_dim)``; the cache contiguous ``(cache_rows,
+    capacity, heads_kv, D)`` or paged ``(cache_rows = num_pages, page_size, heads_kv, D)`` with ``capacity =
+    max_blocks * page_size``."""
+
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    seqlen_new: int
+    capacity: int
+    cache_rows: int
+    page_size: int       # 0: contiguous
+    device_id: int
+
+
+def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray of int32 {what}, got {type(x).__name__}")
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must be int32 {what}, got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} {what}, got {tuple(x.shape)}")
+    if x.data.device_id != device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device_id}")
+    if x.size and x.strides[-1] != 4:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
+    return x
+
+
+def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin):
+    """The checks of :func:`cuflash.forward_kvcache` (TypeError / ValueError naming the argument); returns
+    ``(layout, cache_seqlens)`` (a Python int becomes an int32 array)."""
+    import cupy
+
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_array(name, x)
+    if q.dtype not in (np.float16, _checks.BFLOAT16):
+        raise TypeError(f"q must be float16 or bfloat16 (the decode kernels' types), got {q.dtype}")
+    _checks.check_same("k_cache", k_cache, "q", q)
+    _checks.check_same("v_cache", v_cache, "q", q)
+    b, nq, hq, d = q.shape
+    rows, cap, hkv, dk = k_cache.shape
+    dv = v_cache.shape[3]
+    if dk != d:
+        raise ValueError(f"k_cache's head_dim must be q's ({d}), got {dk}")
+    if tuple(v_cache.shape[:3]) != (rows, cap, hkv):
+        raise ValueError(f"v_cache must have the shape of k_cache but for its head_dim: {(rows, cap, hkv, '*')}, "
+                         f"got {tuple(v_cache.shape)}")
+    for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
+        if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM} in forward_kvcache, got {value}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of the cache's heads ({hkv})")
+    dev = q.data.device_id
+    page_size = 0
+    if block_table is not None:
+        max_blocks = block_table.shape[1] if getattr(block_table, "ndim", 0) == 2 else -1
+        _int_array("block_table", block_table, (b, max_blocks), dev, "(batch, max_blocks)")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache maps each "
+                             "sequence through its block-table row)")
+        page_size = cap
+        if page_size % 16 or page_size == 0:
+            raise ValueError(f"the page size (k_cache.shape[1] with block_table) must be a multiple of 16, got {page_size}")
+        capacity = max_blocks * page_size
+    else:
+        capacity = cap
+    if cache_batch_idx is not None:
+        _int_array("cache_batch_idx", cache_batch_idx, (b,), dev, "(batch,)")
+    elif block_table is None and rows < b:
+        raise ValueError(f"k_cache has {rows} rows for a batch of {b}: pass cache_batch_idx to map them")
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        with cupy.cuda.Device(dev):
+            cache_seqlens = cupy.full((b,), int(cache_seqlens), dtype=np.int32)
+    else:
+        _int_array("cache_seqlens", cache_seqlens, (b,), dev, "(batch,)")
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values), or neither")
+    if k is not None:
+        _checks.check_array("k", k)
+        _checks.check_array("v", v)
+        _checks.check_same("k", k, "q", q)
+        _checks.check_same("v", v, "q", q)
+        seqlen_new = k.shape[1]
+        if tuple(k.shape) != (b, seqlen_new, hkv, d):
+            raise ValueError(f"k must have shape (batch, seqlen_new, heads_kv, head_dim) = {(b, seqlen_new, hkv, d)}, "
+                             f"got {tuple(k.shape)}")
+        if tuple(v.shape) != (b, seqlen_new, hkv, dv):
+            raise ValueError(f"v must have shape {(b, seqlen_new, hkv, dv)}, got {tuple(v.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(x, cupy.ndarray) or x.ndim != 2:
+                raise TypeError(f"{name} must be a 2-D cupy.ndarray (seqlen_ro, rotary_dim // 2)")
+            if x.dtype not in (np.float16, _checks.BFLOAT16, np.float32):
+                raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+            if x.data.device_id != dev:
+                raise ValueError(f"{name} is on device {x.data.device_id}, q on device {dev}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {rotary_cos.shape} and "
+                             f"{rotary_sin.shape}")
+        if not 0 < 2 * rotary_cos.shape[1] <= d or rotary_cos.shape[0] == 0:
+            raise ValueError(f"rotary_cos must be (seqlen_ro >= 1, rotary_dim // 2) with 0 < rotary_dim <= head_dim "
+                             f"({d}), got {rotary_cos.shape}")
+    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev)
+    return layout, cache_seqlens
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+
+
+def _strides(x) -> tuple:
+    return params.element_strides(x)
+
+
+def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
+    return get_kernel(cfg, device_id, opts.nvrtc_defines), smem_bytes(cfg, device_id, opts.nvrtc_defines)
+
+
+def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant) -> list:
+    """The decode kernels for a call, best first: block_m from the packed rows, 64-column head-dim buckets, 64-key
+    tiles over 4 warps; then, for devices with less shared memory than the first needs, 32-key tiles (a warp per
+    16 keys) and 32-row tiles."""
+    d, dv = _bucket(lay.head_dim), _bucket(lay.head_dim_v)
+    rows = lay.seqlen_q * (lay.heads_q // lay.heads_kv)
+    bm = block_m_for(rows)
+    tiles = [(bm, BLOCK_N, NUM_WARPS), (bm, 32, 2 * bm // 16)]
+    if bm > 32:
+        tiles.append((32, 32, 4))
+    if bm > 16:
+        tiles.append((16, 32, 2))
+    return [KernelConfig("decode", dtype, d, causal, m, n, w, variant, 0 if dv == d else dv) for m, n, w in tiles]
+
+
+def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant,
+                  opts: Optional[options.Options] = None) -> KernelConfig:
+    """The first of decode_configs whose shared memory fits the device."""
+    from .dispatch import device_info
+
+    opts = opts or options.current()
+    limit = device_info(lay.device_id)[1]
+    configs = decode_configs(dtype, lay, causal, variant)
+    for cfg in configs:
+        if smem_bytes(cfg, lay.device_id, opts.nvrtc_defines) <= limit:
+            return cfg
+    raise ValueError(f"no decode kernel fits this device's {limit} bytes of shared memory at head dims "
+                     f"({lay.head_dim}, {lay.head_dim_v})")
+
+
+def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_cos, rotary_sin,
+        rotary_interleaved: bool, cache_batch_idx, block_table, var: variants.Variants, scale: float,
+        num_splits: int, batch_invariant: bool, return_lse: bool):
+    """Launches the append (if any), the decode kernel and the merge; returns ``(out, lse or None)``."""
+    import cupy
+
+    from . import capture
+
+    opts = options.current()
+    dtype = _checks.dtype_name(q.dtype)
+    dev = lay.device_id
+    b, nq, hq, hkv = lay.batch, lay.seqlen_q, lay.heads_q, lay.heads_kv
+    out = cupy.empty((b, nq, hq, lay.head_dim_v), dtype=q.dtype)
+    lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
+    if b == 0 or nq == 0:
+        return out, lse
+    bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
+    keep = []
+    # 1. The new tokens into the cache, and the rotary embedding.
+    rotary = rotary_cos is not None
+    if k is not None or rotary:
+        cos = sin = None
+        if rotary:
+            cos = cupy.ascontiguousarray(rotary_cos, dtype=np.float32)
+            sin = cupy.ascontiguousarray(rotary_sin, dtype=np.float32)
+            keep += [cos, sin]
+        q_rot = cupy.empty(q.shape, dtype=q.dtype) if rotary else None
+        k_new = k if k is not None else None
+        append_cfg = KernelConfig("kvcache_append", dtype, 0, False, 0, 0, NUM_WARPS)
+        kern, smem = _kernel(append_cfg, dev, opts)
+        p = params.pack_bytes(params.APPEND_PARAMS, (
+            k_new.data.ptr if k_new is not None else 0, v.data.ptr if v is not None else 0,
+            k_cache.data.ptr, v_cache.data.ptr, q.data.ptr if rotary else 0, q_rot.data.ptr if rotary else 0,
+            cos.data.ptr if rotary else 0, sin.data.ptr if rotary else 0, cache_seqlens.data.ptr,
+            cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
+            block_table.data.ptr if block_table is not None else 0,
+            *(_strides(k_new) if k_new is not None else (0, 0, 0)), *(_strides(v) if v is not None else (0, 0, 0)),
+            *_strides(k_cache), *_strides(v_cache), *_strides(q), bt_stride,
+            b, lay.seqlen_new, nq, hkv, hq, lay.head_dim, lay.head_dim_v, 2 * cos.shape[1] if rotary else 0,
+            int(bool(rotary_interleaved)), cos.shape[0] if rotary else 0,
+            int(var.causal or var.local), lay.capacity, lay.cache_rows, lay.page_size))
+        warps = (b * lay.seqlen_new * hkv if k is not None else 0) + (b * nq * hq if rotary else 0)
+        launch.launch(kern, append_cfg, (-(-warps // NUM_WARPS), 1, 1), p, smem)
+        if rotary:
+            q = q_rot
+            keep.append(q_rot)
+    # 2. The attention, split over the keys.
+    cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
+    kern, smem = _kernel(cfg, dev, opts)
+    m_tiles = -(-(nq * (hq // hkv)) // cfg.block_m)
+    sm_count = _sm_count(dev)
+    splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, sm_count, num_splits, batch_invariant)
+    merged = splits > 1 or batch_invariant
+    o_part = lse_part = None
+    if merged:
+        o_part = cupy.empty((splits, b, nq, hq, lay.head_dim_v), dtype=np.float32)
+        lse_part = cupy.empty((splits, b, hq, nq), dtype=np.float32)
+        keep += [o_part, lse_part]
+    mask_values = var.param_values(nq, nq + lay.capacity, scale, diag=0)
+    p = params.pack_bytes(params.DECODE_PARAMS, (
+        q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr,
+        lse.data.ptr if lse is not None else 0, o_part.data.ptr if merged else 0,
+        lse_part.data.ptr if merged else 0, cache_seqlens.data.ptr,
+        cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
+        block_table.data.ptr if block_table is not None else 0,
+        *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(out), bt_stride,
+        b, nq, 0, hq, hq // hkv, lay.head_dim, lay.head_dim_v, lay.seqlen_new, lay.capacity, lay.cache_rows,
+        lay.page_size, kps, splits, scale, scale * LOG2E, *mask_values))
+    launch.launch(kern, cfg, (splits, m_tiles * hkv, b), p, smem)
+    # 3. The splits merged.
+    if merged:
+        combine_into(o_part, lse_part, out, lse, opts=opts)
+    capture.keep_if_capturing(*keep)
+    return out, lse
+
+
+def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None) -> None:
+    """Launches the merge of ``outs`` (num_splits, batch, seqlen, heads, head_dim) (float32 or out's dtype,
+    contiguous) and ``lses`` (num_splits, batch, heads, seqlen) float32 into ``out`` (batch, seqlen, heads,
+    head_dim) and ``lse`` (batch, heads, seqlen) or None."""
+    opts = opts or options.current()
+    s, b, n, h, d = outs.shape
+    cfg = KernelConfig("combine", _checks.dtype_name(out.dtype), 0, False, 0, 0, NUM_WARPS)
+    kern, smem = _kernel(cfg, out.data.device_id, opts)
+    p = params.pack_bytes(params.COMBINE_PARAMS, (
+        outs.data.ptr, lses.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0, *_strides(out),
+        s, b, n, h, d, int(outs.dtype == np.float32)))
+    rows = b * n * h
+    if rows:
+        launch.launch(kern, cfg, (-(-rows // NUM_WARPS), 1, 1), p, smem)
+
+
+def check_combine(outs, lses):
+    """The checks of :func:`cuflash.combine`; returns ``(outs, lses)`` contiguous."""
+    import cupy
+
+    for name, x in (("outs", outs), ("lses", lses)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
+    if outs.ndim != 5:
+        raise ValueError(f"outs must have 5 dimensions (num_splits, batch, seqlen, heads, head_dim), got shape "
+                         f"{tuple(outs.shape)}")
+    if outs.dtype not in (np.float32, np.float16, _checks.BFLOAT16):
+        raise TypeError(f"outs must be float32, float16 or bfloat16, got {outs.dtype}")
+    s, b, n, h, d = outs.shape
+    if lses.dtype != np.float32:
+        raise TypeError(f"lses must be float32, got {lses.dtype}")
+    if tuple(lses.shape) != (s, b, h, n):
+        raise ValueError(f"lses must have shape (num_splits, batch, heads, seqlen) = {(s, b, h, n)}, got "
+                         f"{tuple(lses.shape)}")
+    if d % 4:
+        raise ValueError(f"outs' head_dim must be a multiple of 4, got {d}")
+    if lses.data.device_id != outs.data.device_id:
+        raise ValueError(f"lses is on device {lses.data.device_id}, outs on device {outs.data.device_id}")
+    return cupy.ascontiguousarray(outs), cupy.ascontiguousarray(lses)

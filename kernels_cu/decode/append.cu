@@ -1,0 +1,81 @@
+// The new tokens' keys and values into the KV cache, rotated (rotary embedding) on the way, and the queries
+// rotated into q_rot (cuflash.forward_kvcache: AppendParams). One warp per row (a new token's KV head, or a
+// query token's head); memory-bound and small beside the attention that follows.
+//
+// A position past the cache's capacity, or a block-table entry out of range, is skipped: nothing is written
+// outside the cache.
+#include "../common/numeric.cuh"
+#include "../common/params.cuh"
+
+template <typename Tag>
+__device__ __forceinline__ float load_elem(const void* x, i64 i) {
+    return ElemTraits<Tag>::to_float(static_cast<const u16*>(x)[i]);
+}
+template <typename Tag>
+__device__ __forceinline__ u16 to_elem(float x) {
+    return static_cast<u16>(ElemTraits<Tag>::pack2(x, 0.f) & 0xffff);
+}
+
+// Row `src` (head_dim wide) into row `dst`, its first rotary_dim columns rotated to position `pos`.
+template <typename Tag>
+__device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src, u16* dst, int width, int pos,
+                                           bool rotate, int lane) {
+    const int half = rotate ? p.rotary_dim / 2 : 0;
+    if (half > 0) {
+        const int row = min(max(pos, 0), p.seqlen_ro - 1);
+        for (int i = lane; i < half; i += 32) {
+            const float c = p.rotary_cos[static_cast<i64>(row) * half + i];
+            const float s = p.rotary_sin[static_cast<i64>(row) * half + i];
+            const int i0 = p.rotary_interleaved ? 2 * i : i, i1 = p.rotary_interleaved ? 2 * i + 1 : i + half;
+            const float x0 = ElemTraits<Tag>::to_float(src[i0]), x1 = ElemTraits<Tag>::to_float(src[i1]);
+            dst[i0] = to_elem<Tag>(x0 * c - x1 * s);
+            dst[i1] = to_elem<Tag>(x0 * s + x1 * c);
+        }
+    }
+    for (int i = 2 * half + lane; i < width; i += 32) dst[i] = src[i];
+}
+
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const AppendParams p) {
+    const i64 warp = blockIdx.x * static_cast<i64>(kNWarps) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    const i64 kv_rows = p.k_new != nullptr ? static_cast<i64>(p.batch) * p.seqlen_new * p.heads_kv : 0;
+    const i64 q_rows = p.q != nullptr ? static_cast<i64>(p.batch) * p.seqlen_q * p.heads_q : 0;
+    if (warp < kv_rows) {
+        const int h = static_cast<int>(warp % p.heads_kv);
+        const int i = static_cast<int>((warp / p.heads_kv) % p.seqlen_new);
+        const int b = static_cast<int>(warp / (static_cast<i64>(p.heads_kv) * p.seqlen_new));
+        const int pos = max(p.cache_seqlens[b], 0) + i;
+        if (pos >= p.cache_capacity) return;
+        i64 k_off, v_off;
+        if (p.block_table != nullptr) {
+            const int page = p.block_table[b * p.block_table_batch_stride + pos / p.page_size];
+            if (page < 0 || page >= p.cache_rows) return;
+            const int slot = pos % p.page_size;
+            k_off = page * p.k_batch_stride + slot * p.k_row_stride;
+            v_off = page * p.v_batch_stride + slot * p.v_row_stride;
+        } else {
+            const int row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+            if (row < 0 || row >= p.cache_rows) return;
+            k_off = row * p.k_batch_stride + static_cast<i64>(pos) * p.k_row_stride;
+            v_off = row * p.v_batch_stride + static_cast<i64>(pos) * p.v_row_stride;
+        }
+        const u16* k_src = static_cast<const u16*>(p.k_new) + b * p.k_new_batch_stride + i * p.k_new_row_stride
+                           + h * p.k_new_head_stride;
+        const u16* v_src = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + i * p.v_new_row_stride
+                           + h * p.v_new_head_stride;
+        rotate_row<Tag>(p, k_src, static_cast<u16*>(p.k_cache) + k_off + h * p.k_head_stride, p.head_dim, pos,
+                        p.rotary_cos != nullptr, lane);
+        rotate_row<Tag>(p, v_src, static_cast<u16*>(p.v_cache) + v_off + h * p.v_head_stride, p.head_dim_v, pos,
+                        false, lane);
+    } else if (warp < kv_rows + q_rows) {
+        const i64 r = warp - kv_rows;
+        const int h = static_cast<int>(r % p.heads_q);
+        const int t = static_cast<int>((r / p.heads_q) % p.seqlen_q);
+        const int b = static_cast<int>(r / (static_cast<i64>(p.heads_q) * p.seqlen_q));
+        const int pos = max(p.cache_seqlens[b], 0) + t * p.q_positions_step;
+        const u16* src = static_cast<const u16*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride + h * p.q_head_stride;
+        u16* dst = static_cast<u16*>(p.q_rot) + ((static_cast<i64>(b) * p.seqlen_q + t) * p.heads_q + h) * p.head_dim;
+        rotate_row<Tag>(p, src, dst, p.head_dim, pos, true, lane);
+    }
+}

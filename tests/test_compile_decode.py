@@ -1,0 +1,70 @@
+"""CPU only: the KV-cache kernels (kernels_cu/decode/: decode, combine, append) compile for sm_80 and sm_90a without
+register spills, over the tiles cuflash/kvcache.py picks (packed rows of 16 / 32 / 64, 64- and 32-key tiles), the
+head-dim buckets, a value head dim of its own and the mask variants; and every bucket has a tile that fits a
+99 KB-shared-memory device. Each distinct instantiation is compiled once."""
+from __future__ import annotations
+
+import pytest
+
+from cuflash import kvcache
+from cuflash.config import KernelConfig
+from cuflash.variants import MaskVariant
+
+from compile_checks import assert_all_compile, smem_bytes_offline_many
+
+pytest.importorskip("cupy")
+
+VARIANTS = [MaskVariant(), MaskVariant(local=True, softcap=True, alibi=True, sink=True, chunk=True)]
+
+
+def _layout(seqlen_q: int, heads_q: int, heads_kv: int, d: int, dv: int) -> kvcache.CacheLayout:
+    return kvcache.CacheLayout(1, seqlen_q, heads_q, heads_kv, d, dv, 0, 4096, 1, 0, 0)
+
+
+def _configs() -> list:
+    out = {}
+    for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64), (72, 40)):
+        for rows in ((1, 8, 1), (4, 8, 1), (16, 32, 8)):   # packed rows 8, 32, 64
+            for causal, variant in ((False, VARIANTS[0]), (True, VARIANTS[0]), (False, VARIANTS[1])):
+                if variant is VARIANTS[1] and (d, rows) != (128, (1, 8, 1)):
+                    continue
+                for c in kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), causal, variant):
+                    out[c.key()] = c
+    out.update({c.key(): c for c in kvcache.decode_configs("float16", _layout(1, 32, 8, 128, 128), False, VARIANTS[0])})
+    for dtype in ("float16", "bfloat16", "float32"):
+        c = KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+        out[c.key()] = c
+    for dtype in ("float16", "bfloat16"):
+        c = KernelConfig("kvcache_append", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+        out[c.key()] = c
+    return list(out.values())
+
+
+@pytest.mark.parametrize("cc", ["80", "90a"])
+def test_decode_kernels_compile_without_spills(cc):
+    assert_all_compile(_configs(), cc)
+
+
+def test_every_head_dim_bucket_fits_a_99kb_device():
+    """decode_config's fallbacks: for each head-dim pair and packed-row count, some tile fits 99 KB."""
+    for d, dv in ((64, 64), (128, 128), (256, 256), (256, 64)):
+        for rows in ((1, 8, 1), (16, 32, 8)):
+            configs = kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), False, VARIANTS[0])
+            sizes = smem_bytes_offline_many(configs, "80")
+            assert min(sizes.values()) <= 99 * 1024, (d, dv, rows, sizes)
+            # and the first, the H100's, fits two CTAs per SM at head dims up to 128 with one 16-row tile (decoding)
+            if max(d, dv) <= 128 and rows == (1, 8, 1):
+                assert sizes[configs[0]] <= 113 * 1024, (d, dv, rows, sizes[configs[0]])
+
+
+def test_split_plan():
+    # One split where the CTAs already fill the GPU twice over; else enough splits for two CTAs per SM, each of
+    # at least MIN_KEYS_PER_SPLIT keys; an explicit count and batch-invariant mode as asked.
+    assert kvcache.split_plan(32768, 512, 132, 0, False) == (1, 32768)
+    splits, kps = kvcache.split_plan(131072, 8, 132, 0, False)
+    assert splits * kps >= 131072 and kps % kvcache.BLOCK_N == 0 and splits == 33
+    assert kvcache.split_plan(1000, 8, 132, 0, False)[0] == 1          # 1000 keys: less than two splits' worth
+    assert kvcache.split_plan(4096, 8, 132, 3, False) == (3, 1408)
+    assert kvcache.split_plan(5000, 1, 132, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
+    assert kvcache.split_plan(5000, 999, 132, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
+    assert kvcache.split_plan(0, 8, 132, 0, False) == (1, kvcache.BLOCK_N)
