@@ -37,6 +37,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64                 # keys per tile of the decode kernel (kernels_cu/decode/decode.cu)
 NUM_WARPS = 4
 MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
+SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_plan's estimate)
 MAX_SPLITS = 128
 BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
 MAX_HEAD_DIM = 256
@@ -53,22 +54,29 @@ def block_m_for(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def split_plan(capacity: int, ctas: int, sm_count: int, num_splits: int, batch_invariant: bool) -> tuple[int, int]:
-    """``(splits, keys_per_split)`` for a cache of ``capacity`` keys per sequence and ``ctas`` CTAs per split."""
+def split_plan(capacity: int, ctas: int, slots: int, num_splits: int, batch_invariant: bool) -> tuple[int, int]:
+    """``(splits, keys_per_split)`` for a cache of ``capacity`` keys per sequence, ``ctas`` CTAs per split and
+    ``slots`` CTAs resident on the GPU at once. Automatic (``num_splits=0``): the count with the least estimated
+    time, whole waves of CTAs times the keys each reads (plus SPLIT_OVERHEAD_KEYS for its prologue, epilogue and
+    share of the merge), each split at least MIN_KEYS_PER_SPLIT keys."""
     if capacity <= 0:
         return 1, BLOCK_N
+
+    def rounded(kps: int) -> tuple[int, int]:
+        kps = -(-kps // BLOCK_N) * BLOCK_N
+        return -(-capacity // kps), kps
+
     if batch_invariant:
-        kps = BATCH_INVARIANT_KEYS
-    elif num_splits > 0:
-        kps = -(-capacity // num_splits)
-    elif ctas >= 2 * sm_count:
-        kps = capacity
-    else:
-        want = -(-2 * sm_count // max(ctas, 1))
-        splits = max(1, min(want, capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
-        kps = -(-capacity // splits)
-    kps = -(-kps // BLOCK_N) * BLOCK_N
-    return -(-capacity // kps), kps
+        return rounded(BATCH_INVARIANT_KEYS)
+    if num_splits > 0:
+        return rounded(-(-capacity // num_splits))
+    best = None
+    for want in range(1, max(1, min(capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS)) + 1):
+        splits, kps = rounded(-(-capacity // want))
+        cost = -(-ctas * splits // max(slots, 1)) * (kps + SPLIT_OVERHEAD_KEYS)
+        if best is None or cost < best[0]:
+            best = (cost, splits, kps)
+    return best[1], best[2]
 
 
 @dataclass(frozen=True)
@@ -190,10 +198,19 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
+def _device_shape(device_id: int) -> tuple[int, int]:
+    """(SMs, shared memory bytes per SM)."""
     import cupy
 
-    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return props["multiProcessorCount"], props["sharedMemPerMultiprocessor"]
+
+
+def _resident_ctas(device_id: int, smem: int) -> int:
+    """Decode CTAs resident on the GPU at once, by shared memory (1 KB of it per CTA for the system), at most 4 per
+    SM (their 128 threads' registers)."""
+    sms, per_sm = _device_shape(device_id)
+    return sms * max(1, min(4, per_sm // (smem + 1024)))
 
 
 def _strides(x) -> tuple:
@@ -284,8 +301,8 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
     kern, smem = _kernel(cfg, dev, opts)
     m_tiles = -(-(nq * (hq // hkv)) // cfg.block_m)
-    sm_count = _sm_count(dev)
-    splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, sm_count, num_splits, batch_invariant)
+    splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, _resident_ctas(dev, smem), num_splits,
+                             batch_invariant)
     merged = splits > 1 or batch_invariant
     o_part = lse_part = None
     if merged:

@@ -58,13 +58,17 @@ def test_every_head_dim_bucket_fits_a_99kb_device():
 
 
 def test_split_plan():
-    # One split where the CTAs already fill the GPU twice over; else enough splits for two CTAs per SM, each of
-    # at least MIN_KEYS_PER_SPLIT keys; an explicit count and batch-invariant mode as asked.
-    assert kvcache.split_plan(32768, 512, 132, 0, False) == (1, 32768)
-    splits, kps = kvcache.split_plan(131072, 8, 132, 0, False)
-    assert splits * kps >= 131072 and kps % kvcache.BLOCK_N == 0 and splits == 33
-    assert kvcache.split_plan(1000, 8, 132, 0, False)[0] == 1          # 1000 keys: less than two splits' worth
-    assert kvcache.split_plan(4096, 8, 132, 3, False) == (3, 1408)
-    assert kvcache.split_plan(5000, 1, 132, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
-    assert kvcache.split_plan(5000, 999, 132, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
-    assert kvcache.split_plan(0, 8, 132, 0, False) == (1, kvcache.BLOCK_N)
+    # Automatic: whole waves of resident CTAs (264: two per SM on 132 SMs), splits of at least MIN_KEYS_PER_SPLIT.
+    assert kvcache.split_plan(32768, 512, 264, 0, False) == (1, 32768)         # two full waves already
+    splits, kps = kvcache.split_plan(131072, 8, 264, 0, False)                  # batch 1: one wave of 8 * 33 CTAs
+    assert (splits, kps) == (33, 3972 // 64 * 64 + 64)
+    assert kvcache.split_plan(32768, 64, 264, 0, False)[0] == 4                 # 256 of 264 slots, not 320 of 528
+    assert kvcache.split_plan(1000, 8, 264, 0, False)[0] == 1                   # under two splits' worth of keys
+    for capacity, ctas in ((4096, 64), (131072, 8), (32768, 512), (7777, 3)):
+        splits, kps = kvcache.split_plan(capacity, ctas, 264, 0, False)
+        assert kps % kvcache.BLOCK_N == 0 and (splits - 1) * kps < capacity <= splits * kps
+    # As asked: an explicit count, batch-invariant mode's fixed split.
+    assert kvcache.split_plan(4096, 8, 264, 3, False) == (3, 1408)
+    assert kvcache.split_plan(5000, 1, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
+    assert kvcache.split_plan(5000, 999, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
+    assert kvcache.split_plan(0, 8, 264, 0, False) == (1, kvcache.BLOCK_N)
