@@ -343,6 +343,13 @@ def _parse_head_dim_rows(text: str) -> tuple:
     return _row_names(text, rows_by_name)
 
 
+def _parse_decode_rows(text: str) -> tuple:
+    """"b8-32k-paged64,b64-*" -> ("b8-32k-paged64", "b64-*") (the decode table's rows: names or patterns)."""
+    from .bench_decode import rows_by_name
+
+    return _row_names(text, rows_by_name)
+
+
 def _given(argv, option: str) -> bool:
     """Whether ``option`` (or an abbreviation argparse took for it) is on the command line."""
     return any(len(t.split("=")[0]) > 3 and option.startswith(t.split("=")[0]) for t in argv if t.startswith("--"))
@@ -399,6 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --head-dims: these rows (mla192, mla192-causal, d512, d512-causal, mla576)")
     ap.add_argument("--head-dim-dists", type=_parse_dist_names, metavar="NAME[,NAME...]",
                     help="with --head-dims: the input distributions (default normal,sharp; --quick: normal)")
+    ap.add_argument("--decode", action="store_true",
+                    help="instead of the standard table, the decode table (cuflash/bench_decode.py, issue #44): "
+                         "forward_kvcache at seqlen_q=1, bf16, D=128, 32/8 heads, batch 1, 8, 64 x cache 4k, 32k, "
+                         "128k x contiguous and paged (page 64), as GB/s beside the measured copy bandwidth, PyTorch "
+                         "SDPA, FlashInfer and FlashAttention-4 where they run; default distributions normal, mixed")
+    ap.add_argument("--decode-rows", type=_parse_decode_rows, metavar="NAME[,NAME...]",
+                    help="with --decode: these rows, by name (b8-32k-paged64, b1-128k-contiguous, ...) or shell "
+                         "pattern (b64-*, *-paged64; the ragged rows, lengths ~U[N/2, N]: *-ragged), or default "
+                         "(the 18 rows; --quick: four)")
+    ap.add_argument("--decode-dists", type=_parse_dist_names, metavar="NAME[,NAME...]",
+                    help="with --decode: the input distributions (default normal,mixed; --quick: normal)")
     return ap
 
 
@@ -448,6 +466,21 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.repeats = bsh.DEFAULT_REPEATS
         if not _given(argv_list, "--warmup"):
             args.warmup = bsh.DEFAULT_WARMUP
+    if not args.decode and (args.decode_rows or args.decode_dists):
+        parser.error("--decode-rows and --decode-dists apply to --decode only")
+    if args.decode:   # rows, distributions, repeats of the decode table (bench_decode)
+        from . import bench_decode as bdc
+
+        if args.variants or args.varlen or args.head_dims or args.shape or args.dists is not None:
+            parser.error("--decode does not combine with --variants, --varlen, --head-dims, --shape or --dists "
+                         "(use --decode-rows, --decode-dists)")
+        args.decode_rows = args.decode_rows or (bdc.QUICK_ROWS if args.quick else bdc.DEFAULT_ROWS)
+        args.decode_dists = tuple(dict.fromkeys(args.decode_dists or
+                                                (bdc.QUICK_DISTS if args.quick else bdc.DEFAULT_DISTS)))
+        if not _given(argv_list, "--repeats"):
+            args.repeats = bdc.DEFAULT_REPEATS
+        if not _given(argv_list, "--warmup"):
+            args.warmup = bdc.DEFAULT_WARMUP
     if args.variants:   # rows and distributions of the variant table (bench_variants)
         from . import bench_variants as bv
 
@@ -465,6 +498,8 @@ def table_shapes(args: argparse.Namespace) -> list:
     distribution table's shapes with --dists and the standard table's without."""
     from .bench import DIST_SHAPES, QUICK_SHAPES, STANDARD_SHAPES
 
+    if getattr(args, "decode", False):   # no dense shapes: forward_kvcache compiles on each row's first (untimed) call
+        return []
     if getattr(args, "varlen", False):   # the dense calls at the rows' mean lengths
         from .bench_varlen import rows_from_args
 
@@ -608,6 +643,10 @@ def main(argv=None) -> int:
         from . import bench_varlen
 
         return bench_varlen.run(args, name, cc)
+    if args.decode:
+        from . import bench_decode
+
+        return bench_decode.run(args, name, cc)
     if args.head_dims:
         from . import bench_shapes
 

@@ -223,12 +223,14 @@ def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
 
 def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant) -> list:
     """The decode kernels for a call, best first: block_m from the packed rows, 64-column head-dim buckets, 64-key
-    tiles over 4 warps; then, for devices with less shared memory than the first needs, 32-key tiles (a warp per
-    16 keys) and 32-row tiles."""
+    tiles over 4 warps (32-key tiles for 32- and 64-row tiles above 128 columns); then, for devices with less shared
+    memory than the first needs, 32-key tiles (a warp per 16 keys) and shorter row tiles."""
     d, dv = _bucket(lay.head_dim), _bucket(lay.head_dim_v)
     rows = lay.seqlen_q * (lay.heads_q // lay.heads_kv)
     bm = block_m_for(rows)
     tiles = [(bm, BLOCK_N, NUM_WARPS), (bm, 32, 2 * bm // 16)]
+    if max(d, dv) > 128 and bm > 16:   # taller tiles of wide rows: 32-key steps keep S and O in registers
+        tiles = tiles[1:]
     if bm > 32:
         tiles.append((32, 32, 4))
     if bm > 16:

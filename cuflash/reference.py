@@ -14,6 +14,11 @@ take q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv), int32
 cu_seqlens_q / cu_seqlens_k (batch + 1,) and optional seqused_q / seqused_k
 (batch,); lse is packed (Hq, total_q). Each sequence is the dense reference on
 its own slice; packed rows outside every used range give 0 and lse -inf.
+
+Decoding over a KV cache (flash-attn's ``flash_attn_with_kvcache``, issue #44):
+:func:`attention_reference_kvcache` appends the new keys and values to a contiguous or paged cache (after
+:func:`rotary_reference`) and runs the dense reference on each sequence's keys; :func:`combine_reference`
+merges split-KV partial results by their log-sum-exp.
 """
 from __future__ import annotations
 
@@ -416,3 +421,239 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
 
 def _host_f64(x, name: str) -> np.ndarray:
     return _as_f64(x, name)
+
+
+# ---------------------------------------------------------------------------
+# Decoding with a KV cache (issue #44): flash-attn 2's ``flash_attn_with_kvcache``, and the combination of
+# split-KV partial results.
+
+
+def _int_array(x, name: str, ndim: int | None) -> np.ndarray:
+    """``x`` (NumPy, CuPy or a list) as an int64 NumPy array of ``ndim`` dimensions (None: any); TypeError / ValueError
+    naming it. Any integer dtype is taken here (the kernels' int32 is the API's rule, not the reference's)."""
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):  # a CuPy array
+        x = x.get()
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an array of integers: {e}") from None
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an array of integers (int32 for the kernels), got dtype {a.dtype}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    return a.astype(np.int64)
+
+
+def rotary_reference(x, cos, sin, positions, interleaved: bool = True) -> np.ndarray:
+    """Rotary embedding in float64: x (..., seqlen, heads, d), cos / sin (seqlen_ro, rotary_dim // 2),
+    integer ``positions`` broadcastable to x.shape[:-2] (for instance (batch, seqlen)): the position of each
+    token, the row of cos / sin it takes. Returns x rotated (float64, x's shape).
+
+    Pair i of a token at position p turns by the angle whose cosine and sine are cos[p, i] and sin[p, i]:
+    (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). ``interleaved`` (GPT-J): the pairs are (x[2i], x[2i + 1]);
+    otherwise (GPT-NeoX, half split) (x[i], x[i + rotary_dim / 2]). Columns from rotary_dim on are untouched."""
+    x, cos, sin = _as_f64(x, "x"), _as_f64(cos, "rotary_cos"), _as_f64(sin, "rotary_sin")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (..., heads, head_dim), got shape {x.shape}")
+    if cos.ndim != 2 or cos.shape[1] < 1:
+        raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim // 2) with rotary_dim >= 2, "
+                         f"got {cos.shape}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin must have the shape of rotary_cos {cos.shape}, got {sin.shape}")
+    half = cos.shape[1]
+    rd = 2 * half
+    if rd > x.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rd}) must be <= head_dim ({x.shape[-1]})")
+    pos = _int_array(positions, "positions", None)
+    try:
+        shape = np.broadcast_shapes(pos.shape, x.shape[:-2])
+    except ValueError:
+        shape = None
+    if shape != x.shape[:-2]:
+        raise ValueError(f"positions {pos.shape} must broadcast to x's leading dims {x.shape[:-2]}")
+    if pos.size and (pos.min() < 0 or pos.max() >= cos.shape[0]):
+        raise ValueError(f"positions must lie in [0, seqlen_ro = {cos.shape[0]}) (the rows of rotary_cos), got "
+                         f"[{int(pos.min())}, {int(pos.max())}]")
+    c, s = cos[pos][..., None, :], sin[pos][..., None, :]   # (..., seqlen, 1, rotary_dim // 2): every head
+    out = x.copy()
+    first, second = (slice(0, rd, 2), slice(1, rd, 2)) if interleaved else (slice(0, half), slice(half, rd))
+    x0, x1 = x[..., first], x[..., second]
+    out[..., first] = x0 * c - x1 * s
+    out[..., second] = x0 * s + x1 * c
+    return out
+
+
+def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, rotary_cos=None,
+                                rotary_sin=None, rotary_interleaved: bool = True, cache_batch_idx=None,
+                                block_table=None, causal: bool = False, window_size=(-1, -1),
+                                softcap: float = 0.0, alibi_slopes=None, sinks=None, attention_chunk: int = 0,
+                                softmax_scale: float | None = None, rotary_dtype=None,
+                                round_rotated_q: bool = True):
+    """Float64 decoding attention over a KV cache, as flash-attn 2's ``flash_attn_with_kvcache``
+    -> ``(out, lse, k_cache_after, v_cache_after)``.
+
+    q (B, Nq, Hq, Dqk). Contiguous cache: k_cache (B_cache, S_cache, Hkv, Dqk), v_cache (..., Dv), sequence b
+    in row b (or ``cache_batch_idx[b]``). Paged cache (``block_table`` (B, max_blocks) given): k_cache
+    (num_blocks, page_size, Hkv, Dqk), key j of sequence b at k_cache[block_table[b, j // page_size],
+    j % page_size]. ``cache_seqlens``: an int or integers (B,), the keys already cached per sequence.
+    ``k``, ``v`` (B, Nnew, Hkv, Dqk / Dv), optional together: appended at positions cache_seqlens[b] ..
+    cache_seqlens[b] + Nnew - 1 (in the returned caches; the arguments are not modified). Attention then
+    runs over the cache_seqlens[b] + Nnew first keys of each sequence, as :func:`attention_reference` on
+    that sequence alone (bottom-right causal / window / chunk alignment, ALiBi slopes (Hq,) or row b of
+    (B, Hq), sinks (Hq,)); a sequence with no key gives out 0 and lse -inf (its sink's logit with ``sinks``).
+
+    ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim // 2): :func:`rotary_reference` on q and on the
+    new k (style ``rotary_interleaved``). New key i sits at position cache_seqlens[b] + i; query t at
+    cache_seqlens[b] + t when causal or a window is set (any window bound >= 0), else every query at
+    cache_seqlens[b]. ``rotary_dtype`` (a NumPy dtype, e.g. float16 or ml_dtypes.bfloat16): the rotated new k
+    are rounded to it, as the cache stores them, and so is the rotated q unless ``round_rotated_q`` is False
+    (flash-attn's kernels keep it in q's dtype; a kernel may keep it in float32); None: exact.
+
+    Returns out (B, Nq, Hq, Dv), lse (B, Hq, Nq) and the caches after the append, in their own layout, all
+    float64 NumPy. Two sequences may not write the same cache slot, nor may a sequence read a slot that
+    another one writes (a paged cache shared between sequences): ValueError, as for keys past a
+    sequence's capacity."""
+    q, kc, vc = _as_f64(q, "q"), _as_f64(k_cache, "k_cache"), _as_f64(v_cache, "v_cache")
+    for name, x in (("q", q), ("k_cache", kc), ("v_cache", vc)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {x.shape}")
+    b, nq, hq, d = q.shape
+    if kc.shape[:3] != vc.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must agree in all but the head dim, got {kc.shape} and {vc.shape}")
+    if kc.shape[3] != d:
+        raise ValueError(f"k_cache must have the head_dim of q ({d}), got {kc.shape[3]}")
+    hkv, dv = kc.shape[2], vc.shape[3]
+    from ._checks import check_heads
+
+    check_heads(hq, hkv)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values) or not at all")
+    nnew = 0
+    if k is not None:
+        k, v = _as_f64(k, "k"), _as_f64(v, "v")
+        if k.ndim != 4 or k.shape != (b, k.shape[1], hkv, d):
+            raise ValueError(f"k must have shape (batch {b}, seqlen_new, heads_kv {hkv}, head_dim {d}), "
+                             f"got {k.shape}")
+        if v.shape != (b, k.shape[1], hkv, dv):
+            raise ValueError(f"v must have shape {(b, k.shape[1], hkv, dv)}, got {v.shape}")
+        nnew = k.shape[1]
+
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lens = np.full(b, int(cache_seqlens), np.int64)
+    else:
+        lens = _int_array(cache_seqlens, "cache_seqlens", 1)
+        if lens.shape != (b,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got {lens.shape}")
+    if np.any(lens < 0):
+        raise ValueError(f"cache_seqlens must be >= 0, got {lens.tolist()}")
+    total = lens + nnew
+
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx applies to a contiguous cache, not with block_table")
+        table = _int_array(block_table, "block_table", 2)
+        if table.shape[0] != b:
+            raise ValueError(f"block_table must have shape (batch {b}, max_blocks), got {table.shape}")
+        page = kc.shape[1]
+        if page < 1:
+            raise ValueError("k_cache's page_size (dim 1) must be >= 1")
+        capacity = table.shape[1] * page
+    else:
+        rows = np.arange(b) if cache_batch_idx is None else _int_array(cache_batch_idx, "cache_batch_idx", 1)
+        if rows.shape != (b,):
+            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({b},), got {rows.shape}")
+        if b and (rows.min() < 0 or rows.max() >= kc.shape[0]):
+            raise ValueError(f"cache_batch_idx must lie in [0, batch_cache = {kc.shape[0]}), got {rows.tolist()}")
+        capacity = kc.shape[1]
+    if np.any(total > capacity):
+        raise ValueError(f"cache_seqlens + seqlen_new ({total.tolist()}) must be <= the cache's capacity per "
+                         f"sequence ({capacity})")
+
+    def slots(bi: int, lo: int, hi: int) -> np.ndarray:
+        """Flat cache slots (cache row or block) * slots per row + offset of keys lo .. hi - 1 of sequence bi."""
+        j = np.arange(lo, hi)
+        if not paged:
+            return rows[bi] * kc.shape[1] + j
+        blocks = table[bi, j // page]
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= kc.shape[0]):
+            raise ValueError(f"block_table[{bi}] names blocks outside [0, num_blocks = {kc.shape[0]}): "
+                             f"{sorted(set(blocks.tolist()))}")
+        return blocks * page + j % page
+
+    written = [slots(bi, int(lens[bi]), int(total[bi])) for bi in range(b)]
+    read = [slots(bi, 0, int(total[bi])) for bi in range(b)]
+    if nnew:
+        every = np.concatenate(written)
+        if np.unique(every).size != every.size:
+            raise ValueError("two sequences append to the same cache slot (cache_batch_idx / block_table)")
+        owner = np.full(kc.shape[0] * kc.shape[1], -1, np.int64)
+        for bi in range(b):
+            owner[written[bi]] = bi
+        for bi in range(b):
+            who = owner[read[bi]]
+            if np.any((who >= 0) & (who != bi)):
+                raise ValueError(f"sequence {bi} reads cache slots that another sequence appends to")
+
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary and (rotary_cos is None or rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    window = (-1, -1) if window_size is None else tuple(window_size)
+
+    def rounded(x: np.ndarray, wanted: bool = True) -> np.ndarray:
+        return x if rotary_dtype is None or not wanted else x.astype(rotary_dtype).astype(np.float64)
+
+    if rotary:
+        t = np.arange(nq)[None, :]
+        per_row = bool(causal) or any(w >= 0 for w in window)
+        q = rounded(rotary_reference(q, rotary_cos, rotary_sin, lens[:, None] + (t if per_row else 0),
+                                     rotary_interleaved), round_rotated_q)
+        if nnew:
+            k = rounded(rotary_reference(k, rotary_cos, rotary_sin, lens[:, None] + np.arange(nnew)[None, :],
+                                         rotary_interleaved))
+
+    kflat = kc.reshape(-1, hkv, d).copy()   # the caches after the append, one slot a row
+    vflat = vc.reshape(-1, hkv, dv).copy()
+    for bi in range(b):
+        if nnew:
+            kflat[written[bi]], vflat[written[bi]] = k[bi], v[bi]
+
+    slopes = None if alibi_slopes is None else _as_f64(alibi_slopes, "alibi_slopes")
+    if slopes is not None and slopes.shape not in ((hq,), (b, hq)):
+        raise ValueError(f"alibi_slopes must have shape ({hq},) or ({b}, {hq}), got {slopes.shape}")
+    out, lse = np.zeros((b, nq, hq, dv)), np.full((b, hq, nq), -np.inf)
+    for bi in range(b):
+        o, l_ = attention_reference(
+            q[bi:bi + 1], kflat[read[bi]][None], vflat[read[bi]][None], causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window, attention_chunk=attention_chunk, softcap=softcap,
+            alibi_slopes=None if slopes is None else slopes if slopes.ndim == 1 else slopes[bi:bi + 1], sinks=sinks)
+        out[bi], lse[bi] = o[0], l_[0]
+    return out, lse, kflat.reshape(kc.shape), vflat.reshape(vc.shape)
+
+
+def combine_reference(outs, lses):
+    """Float64 combination of split-KV partial results -> ``(out, lse)``.
+
+    outs (splits, B, Nq, H, D), lses (splits, B, H, Nq) (each split's log-sum-exp, natural log): lse =
+    log(sum_s exp(lses[s])), out = sum_s exp(lses[s] - lse) outs[s]. A split whose lse is -inf contributes
+    nothing, whatever its outs hold (NaN included); rows where every split is -inf give out 0, lse -inf.
+    Returns out (B, Nq, H, D) and lse (B, H, Nq), float64 NumPy."""
+    outs, lses = _as_f64(outs, "outs"), _as_f64(lses, "lses")
+    if outs.ndim != 5:
+        raise ValueError(f"outs must have 5 dimensions (splits, batch, seqlen_q, heads, head_dim), got {outs.shape}")
+    s, b, nq, h, _ = outs.shape
+    if lses.shape != (s, b, h, nq):
+        raise ValueError(f"lses must have shape (splits, batch, heads, seqlen_q) = {(s, b, h, nq)}, got {lses.shape}")
+    if np.any(np.isnan(lses)) or np.any(np.isposinf(lses)):
+        raise ValueError("lses must be finite or -inf (a split that saw no key)")
+    empty = np.isneginf(lses)
+    m = lses.max(axis=0) if s else np.full((b, h, nq), -np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.where(empty, 0.0, np.exp(np.where(empty, 0.0, lses - m)))
+    total = w.sum(axis=0)
+    seen = total > 0
+    lse = np.where(seen, np.log(np.where(seen, total, 1.0)) + m, -np.inf)
+    w = (w / np.where(seen, total, 1.0)).transpose(0, 1, 3, 2)[..., None]   # (splits, B, Nq, H, 1)
+    out = np.where(empty.transpose(0, 1, 3, 2)[..., None], 0.0, w * outs).sum(axis=0)
+    return out, lse

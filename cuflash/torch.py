@@ -429,3 +429,73 @@ def _attention_varlen_vjp(ctx, dout, dlse):
 
 
 attention_forward_varlen.register_autograd(_attention_varlen_vjp, setup_context=_save_for_backward_varlen)
+
+
+# ---------------------------------------------------------------------------
+# Decoding over a KV cache (flash-attn 2's flash_attn_with_kvcache). The op writes the new keys and values into
+# the caches (declared mutated), so a captured decode step replays with whatever the caches and cache_seqlens hold.
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None, cache_seqlens: Optional[Union[int, Tensor]] = None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: Tuple[Optional[int], Optional[int]] = (-1, -1),
+                            softcap: float = 0.0, rotary_interleaved: bool = True,
+                            alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+                            return_softmax_lse: bool = False, *, sinks: Optional[Tensor] = None,
+                            attention_chunk: int = 0, page_table: Optional[Tensor] = None,
+                            batch_invariant: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """flash-attn 2's ``flash_attn_with_kvcache`` (same arguments, order and defaults) on torch CUDA tensors, as the
+    custom op ``cuflash::attention_kvcache`` (CUDA graphs: warm up before capturing, as every op here).
+    ``cache_seqlens`` None means every cache row is full (``k_cache.shape[1]`` keys). Extra keyword arguments:
+    ``sinks``, ``attention_chunk``, ``page_table`` (FlashAttention-3's name for ``block_table``) and
+    ``batch_invariant`` (:func:`cuflash.forward_kvcache`). Not differentiable (inference).
+
+    Returns ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``return_softmax_lse``."""
+    if page_table is not None:
+        if block_table is not None:
+            raise ValueError("pass block_table or page_table (its other name), not both")
+        block_table = page_table
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported yet by cuflash")
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        full = k_cache.shape[1] if cache_seqlens is None else cache_seqlens
+        if block_table is not None and cache_seqlens is None:
+            full = block_table.shape[1] * k_cache.shape[1]
+        cache_seqlens = torch.full((q.shape[0],), full, dtype=torch.int32, device=q.device)
+    left, right = variants.check_window(window_size)
+    scale = _checks.check_scale(softmax_scale, q.shape[-1])
+    out, lse = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                 block_table, scale, bool(causal), left, right, float(softcap),
+                                 bool(rotary_interleaved), alibi_slopes, sinks, int(attention_chunk), int(num_splits),
+                                 bool(batch_invariant))
+    return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                      rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
+                      cache_batch_idx: Optional[Tensor], block_table: Optional[Tensor], softmax_scale: float,
+                      causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                      alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], attention_chunk: int, num_splits: int,
+                      batch_invariant: bool) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)``: out ``(B, Nq, Hq, Dv)`` (contiguous, q's dtype), lse float32 ``(B, Hq, Nq)``."""
+    return api.forward_kvcache(
+        _kernel_ready(q), k_cache, v_cache, None if k is None else _kernel_ready(k),
+        None if v is None else _kernel_ready(v), cache_seqlens=cache_seqlens, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+        block_table=block_table, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk, softmax_scale=softmax_scale,
+        num_splits=num_splits, batch_invariant=batch_invariant, return_lse=True)
+
+
+@attention_kvcache.register_fake
+def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                            block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                            alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant):
+    b, nq, hq, _ = q.shape
+    return q.new_empty((b, nq, hq, v_cache.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)

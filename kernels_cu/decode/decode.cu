@@ -51,47 +51,59 @@ struct CacheAddress {
     int page_size, last_page;
     i64 k_base, v_base; // contiguous: the cache row's offset; paged: 0
 
-    __device__ __forceinline__ void offsets(const DecodeParams& p, int key, i64& k_off, i64& v_off) const {
-        if (pages != nullptr) {
-            // A table entry out of range reads a page that exists (wrong keys, never a bad address).
-            const int page = min(max(pages[key / page_size], 0), last_page);
-            const int slot = key - (key / page_size) * page_size;
-            k_off = page * p.k_batch_stride + slot * p.k_row_stride;
-            v_off = page * p.v_batch_stride + slot * p.v_row_stride;
-        } else {
-            k_off = k_base + key * p.k_row_stride;
-            v_off = v_base + key * p.v_row_stride;
-        }
+    // The page of key j (paged; a table entry out of range reads a page that exists: wrong keys, never a bad
+    // address). A plain load: the loads of a tile's rows go out together (load_keys).
+    __device__ __forceinline__ int page(int key) const {
+        return pages != nullptr ? min(max(pages[key / page_size], 0), last_page) : 0;
+    }
+    __device__ __forceinline__ i64 k_offset(const DecodeParams& p, int key, int pg) const {
+        return pages != nullptr ? pg * p.k_batch_stride + (key - (key / page_size) * page_size) * p.k_row_stride
+                                : k_base + key * p.k_row_stride;
+    }
+    __device__ __forceinline__ i64 v_offset(const DecodeParams& p, int key, int pg) const {
+        return pages != nullptr ? pg * p.v_batch_stride + (key - (key / page_size) * page_size) * p.v_row_stride
+                                : v_base + key * p.v_row_stride;
     }
 };
 
-// Keys [n0, n0 + kBlockN) (those below key_end; the rest zero-filled) into ring stage `stage`.
+// Keys [n0, n0 + kBlockN) (those below key_end; the rest zero-filled) into ring stage `stage`. A paged cache's
+// block-table entries for the thread's rows are read first, all in flight at once, then the copies issued: the
+// copies are asm volatile, which the compiler does not move loads across, so interleaved each chunk would wait out
+// one table read.
+template <class Tile, int kChunks, int kStride>
+__device__ __forceinline__ void load_rows(const DecodeParams& p, const CacheAddress& at, const u16* g, u16* dst,
+                                          int n0, int key_end, int width, bool is_v, int tid) {
+    constexpr int kIters = Tile::kBlockN * kChunks / Tile::kThreads;
+    // Table reads in flight at once: fewer where the accumulators of wide rows leave few registers.
+    constexpr int kMaxGroup = Tile::kHeadDim + Tile::kHeadDimV > 256 ? 2 : 8;
+    constexpr int kGroup = kIters < kMaxGroup ? kIters : kMaxGroup;
+    static_assert(Tile::kBlockN * kChunks % Tile::kThreads == 0 && kIters % kGroup == 0, "whole rounds of chunks");
+#pragma unroll
+    for (int i0 = 0; i0 < kIters; i0 += kGroup) {
+        int page[kGroup];
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) {
+            const int key = n0 + (tid + (i0 + i) * Tile::kThreads) / kChunks;
+            page[i] = key < key_end ? at.page(key) : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) {
+            const int c = tid + (i0 + i) * Tile::kThreads;
+            const int row = c / kChunks, col = (c % kChunks) * 8;
+            const int key = n0 + row;
+            const bool valid = key < key_end && col < width;
+            const i64 off = valid ? (is_v ? at.v_offset(p, key, page[i]) : at.k_offset(p, key, page[i])) : 0;
+            cp_async_16(dst + row * kStride + col, g + off + col, valid);
+        }
+    }
+}
+
 template <class Tile>
 __device__ __forceinline__ void load_keys(const DecodeParams& p, const CacheAddress& at, const u16* gK, const u16* gV,
                                           u16* stage, int n0, int key_end, int tid) {
-    constexpr int kChunksK = Tile::kHeadDim / 8, kChunksV = Tile::kHeadDimV / 8;
-    u16* sK = stage;
-    u16* sV = stage + Tile::kBlockN * Tile::kStrideK;
-    // A thread's chunks share their columns (the chunk counts divide the thread count or the reverse), so the
-    // key rows are what each step's address needs.
-#pragma unroll
-    for (int c = tid; c < Tile::kBlockN * kChunksK; c += Tile::kThreads) {
-        const int row = c / kChunksK, col = (c % kChunksK) * 8;
-        const int key = n0 + row;
-        const bool valid = key < key_end && col < p.head_dim;
-        i64 k_off = 0, v_off = 0;
-        if (valid) at.offsets(p, key, k_off, v_off);
-        cp_async_16(sK + row * Tile::kStrideK + col, gK + k_off + col, valid);
-    }
-#pragma unroll
-    for (int c = tid; c < Tile::kBlockN * kChunksV; c += Tile::kThreads) {
-        const int row = c / kChunksV, col = (c % kChunksV) * 8;
-        const int key = n0 + row;
-        const bool valid = key < key_end && col < p.head_dim_v;
-        i64 k_off = 0, v_off = 0;
-        if (valid) at.offsets(p, key, k_off, v_off);
-        cp_async_16(sV + row * Tile::kStrideV + col, gV + v_off + col, valid);
-    }
+    load_rows<Tile, Tile::kHeadDim / 8, Tile::kStrideK>(p, at, gK, stage, n0, key_end, p.head_dim, false, tid);
+    load_rows<Tile, Tile::kHeadDimV / 8, Tile::kStrideV>(p, at, gV, stage + Tile::kBlockN * Tile::kStrideK, n0, key_end,
+                                                         p.head_dim_v, true, tid);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_ = 0>

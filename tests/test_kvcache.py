@@ -1,0 +1,469 @@
+"""GPU: decoding over a KV cache, cuflash.forward_kvcache (issue #44, flash-attn 2's flash_attn_with_kvcache), and
+the split-KV combination cuflash.combine, against the float64 references of cuflash.reference.
+
+Batches mix cache lengths 0, 1, full and ragged ones; with and without appended tokens (1 and 3); rotary in both
+styles, on the whole head dim and on part of it; contiguous caches (with and without cache_batch_idx) and paged
+ones behind shuffled block tables (pages of 16, 64 and 256); GQA 8:1 and 1:1; 1, 4 and 16 queries; causal, windows,
+softcap, ALiBi, sinks, chunks; head dims 64, 128, 72, 40 and (128, 64); fp16 and bf16; 0 (automatic), 1 and 3
+splits. Every row of out is compared with a row-wise relative bound, lse with its own; the whole caches after
+the call against the reference's (the appended slots, and bit for bit everything else); the arguments other
+than the caches are left alone. Batch-invariant mode gives a sequence bit-identical rows whatever batch it is
+in. One 32k-key cache against float64; keys past cache_seqlens (NaN there) are never read; bad arguments are
+refused naming them, before the cache is touched.
+
+Rotary: the reference rounds the rotated q and new k to the inputs' dtype (rotary_dtype), as flash-attn's
+kernels store them (k in the cache, q before its products): the kernels' rotation in float32 can still differ
+by one unit in the last place where the exact value lies near a rounding boundary, hence the cache's 1-ulp
+bound on the rotated keys and a looser lse bound (ROTARY_LSE_RTOL) with rotary. The cos / sin tables are given in
+q's dtype, as flash-attn takes them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, LSE_RTOL, assert_close_on_every_row, assert_lse_matches, dtype_of, requires_gpu, to_host
+
+pytestmark = [requires_gpu]
+
+# The spacing of the dtype's floats relative to their value, at most: the rotated keys in the cache within one
+# unit in the last place of the reference's (which rounds the float64 rotation once), or 2e-6 absolute near 0
+# (the kernels' float32 rotation of values up to ~5 has an error below 2^-21).
+ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+ROTARY_ATOL = 2e-6
+# lse with rotary: a rotated q or k element one ulp away from the reference's moves a score by up to
+# softmax_scale * ulp * |q_i k_i| (rare: about 2^-15 of the elements of float32 results straddle a boundary);
+# a wrong angle, pair or position moves the scores by O(1). Whether the kernel rounds the rotated q to q's dtype
+# (flash-attn) or keeps it in float32 is its own choice: for bf16 the two differ by ~3e-3 on rows with one key,
+# so each row's lse may match either reference.
+ROTARY_LSE_RTOL = 1e-3
+SOFTCAP_LSE_RTOL = 5e-5   # as tests/test_varlen_fwd.py
+
+
+def _host(rng, shape, dtype) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype_of(dtype))
+
+
+def _rand(rng, shape, dtype):
+    import cupy
+
+    return cupy.asarray(_host(rng, shape, dtype))
+
+
+def _rotary_tables(seqlen_ro, rotary_dim, dtype):
+    """cos / sin (seqlen_ro, rotary_dim // 2) of angles p * 100^(-2i / rotary_dim): pair 0 turns by one radian a
+    position (an off-by-one position or a swapped pair shows), the last ones slowly, as in real models."""
+    import cupy
+
+    inv = 100.0 ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
+    angles = np.arange(seqlen_ro)[:, None] * inv[None, :]
+    dt = dtype_of(dtype)
+    return cupy.asarray(np.cos(angles).astype(dt)), cupy.asarray(np.sin(angles).astype(dt))
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+def _assert_same_bits(name, got, before):
+    got = to_host(got)
+    assert got.dtype == before.dtype and got.shape == before.shape, f"{name}: dtype or shape changed"
+    assert np.array_equal(_bits(got), _bits(before)), f"{name} was modified"
+
+
+def _written_mask(shape2, lens, nnew, rows=None, table=None, page=None):
+    """bool (cache.shape[0], cache.shape[1]): the cache slots the append writes."""
+    mask = np.zeros(shape2, bool)
+    for b, n in enumerate(lens):
+        j = np.arange(n, n + nnew)
+        if table is None:
+            mask[b if rows is None else rows[b], j] = True
+        else:
+            mask[table[b, j // page], j % page] = True
+    return mask
+
+
+def _assert_cache(name, got, before, ref_after, written, dtype, rotated):
+    """The cache after the call: bit for bit its old contents outside the appended slots; there, the reference's
+    values (exactly, or within one ulp for rotated keys)."""
+    got_h = to_host(got)
+    keep = ~written
+    changed = int((_bits(got_h)[keep] != _bits(before)[keep]).any(axis=(-2, -1)).sum())
+    assert changed == 0, f"{name}: {changed} slots changed outside the appended positions"
+    g, r = got_h[written].astype(np.float64), ref_after[written]
+    assert np.all(np.isfinite(g)), f"{name}: non-finite values written"
+    if rotated:
+        err = np.abs(g - r) - (ULP[dtype] * np.abs(r) + ROTARY_ATOL)
+        assert not np.any(err > 0), f"{name}: rotated keys off by up to {float(np.abs(g - r).max()):.3e}"
+    else:
+        wrong = int((g != r).any(axis=(-2, -1)).sum())
+        assert wrong == 0, f"{name}: {wrong} appended slots differ from the new values"
+
+
+def _assert_lse_matches_either(lse, ref_a, ref_b, shape, rtol):
+    """assert_lse_matches, each row within rtol * max(1, |ref|) of either reference (rotated q rounded or not)."""
+    lse_h = to_host(lse)
+    assert lse_h.dtype == np.float32 and lse_h.shape == tuple(shape)
+    fin = np.isfinite(ref_a)
+    assert np.array_equal(np.isneginf(lse_h), ~fin), "lse must be -inf exactly for rows that see no key"
+    got = lse_h[fin].astype(np.float64)
+    err = np.minimum(np.abs(got - ref_a[fin]), np.abs(got - ref_b[fin]))
+    ratio = err / (rtol * np.maximum(1.0, np.abs(ref_a[fin])))
+    if ratio.size:
+        worst = int(np.argmax(ratio))   # the first NaN if there is one
+        assert ratio[worst] <= 1.0, (f"lse err {err[worst]:.3e} at lse {ref_a[fin][worst]:.6g} > {rtol:.0e} * "
+                                     f"max(1, |lse|) against both references")
+
+
+def _build(rng, *, dtype="float16", batch=5, capacity=512, lens=None, int_seqlens=None, nq=1, nnew=0, hq=16, hkv=2,
+           d=128, dv=None, page=None, rotary=None, rotary_dim=None, batch_idx=False, alibi=None, sinks=False,
+           table_name="block_table", fill=None, **kw):
+    """The arguments of a forward_kvcache call (device) and of its reference (host copies taken now, before
+    the call changes the caches in place)."""
+    import cupy
+
+    dv = dv or d
+    if int_seqlens is not None:
+        lens = [int_seqlens] * batch
+    elif lens is None:   # empty, one key, full after the append, and two ragged lengths
+        lens = [0, 1, capacity - nnew, (capacity * 3) // 5 + 1, 77][:batch]
+    lens = np.asarray(lens, np.int32)
+    batch = len(lens)
+    q = _rand(rng, (batch, nq, hq, d), dtype)
+    rows = table = None
+    if page is None:
+        bc = batch + 2 if batch_idx else batch
+        kc, vc = _host(rng, (bc, capacity, hkv, d), dtype), _host(rng, (bc, capacity, hkv, dv), dtype)
+        if batch_idx:
+            rows = rng.permutation(bc)[:batch].astype(np.int32)
+    else:
+        per = capacity // page
+        nblocks = batch * per + 3   # three blocks that no sequence names
+        kc, vc = _host(rng, (nblocks, page, hkv, d), dtype), _host(rng, (nblocks, page, hkv, dv), dtype)
+        table = rng.permutation(nblocks)[:batch * per].reshape(batch, per).astype(np.int32)
+    if fill is not None:   # everything past each sequence's keys replaced (the stale-cache test)
+        fill(kc, vc, lens, rows, table, page)
+    kc, vc = cupy.asarray(kc), cupy.asarray(vc)
+    k = _rand(rng, (batch, nnew, hkv, d), dtype) if nnew else None
+    v = _rand(rng, (batch, nnew, hkv, dv), dtype) if nnew else None
+    args = dict(kw)
+    if rotary:
+        args["rotary_cos"], args["rotary_sin"] = _rotary_tables(capacity + nq, rotary_dim or d, dtype)
+        args["rotary_interleaved"] = rotary == "interleaved"
+    if alibi:
+        shape = (batch, hq) if alibi == "batch" else (hq,)
+        args["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, shape).astype(np.float32))
+    if sinks:
+        args["sinks"] = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+    dev = dict(args, q=q, k_cache=kc, v_cache=vc, k=k, v=v,
+               cache_seqlens=int(lens[0]) if int_seqlens is not None else cupy.asarray(lens))
+    ref = dict(args, q=to_host(q).copy(), k_cache=to_host(kc).copy(), v_cache=to_host(vc).copy(),
+               k=None if k is None else to_host(k).copy(), v=None if v is None else to_host(v).copy(),
+               cache_seqlens=lens.copy())
+    if rows is not None:
+        dev["cache_batch_idx"], ref["cache_batch_idx"] = cupy.asarray(rows), rows.copy()
+    if table is not None:
+        dev[table_name], ref["block_table"] = cupy.asarray(table), table.copy()
+    if rotary:
+        ref["rotary_dtype"] = dtype_of(dtype)
+    meta = dict(dtype=dtype, lens=lens, nnew=nnew, rows=rows, table=table, page=page, hq=hq, nq=nq, dv=dv,
+                rotary=bool(rotary), softcap=bool(kw.get("softcap")))
+    return dev, ref, meta
+
+
+def _check(dev, ref, meta, num_splits=0, **call_kw):
+    """One forward_kvcache call against the reference: out on every row, lse, the caches, the other arguments
+    untouched. Returns (out, lse)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
+    ref_out, ref_lse, ref_k, ref_v = attention_reference_kvcache(**ref)
+    before = {name: to_host(x).copy() for name, x in dev.items()
+              if name not in ("k_cache", "v_cache") and isinstance(x, cupy.ndarray)}
+    out, lse = cuflash.forward_kvcache(**dev, num_splits=num_splits, return_lse=True, **call_kw)
+    batch, dtype = len(meta["lens"]), meta["dtype"]
+    assert isinstance(out, cupy.ndarray) and out.shape == (batch, meta["nq"], meta["hq"], meta["dv"])
+    assert out.dtype == dev["q"].dtype
+    assert_close_on_every_row("out", out, cupy.asarray(ref_out), dtype, FWD_TOL)
+    if meta["rotary"]:
+        _, exact_q_lse, _, _ = attention_reference_kvcache(**ref, round_rotated_q=False)
+        _assert_lse_matches_either(lse, ref_lse, exact_q_lse, (batch, meta["hq"], meta["nq"]), ROTARY_LSE_RTOL)
+    else:
+        rtol = SOFTCAP_LSE_RTOL if meta["softcap"] else LSE_RTOL
+        assert_lse_matches(lse, ref_lse, (batch, meta["hq"], meta["nq"]), rtol=rtol)
+    written = _written_mask(dev["k_cache"].shape[:2], meta["lens"], meta["nnew"], meta["rows"], meta["table"],
+                            meta["page"])
+    _assert_cache("k_cache", dev["k_cache"], ref["k_cache"], ref_k, written, dtype, meta["rotary"])
+    _assert_cache("v_cache", dev["v_cache"], ref["v_cache"], ref_v, written, dtype, False)
+    for name, host in before.items():   # q, k, v, cache_seqlens, block_table, rotary tables, slopes, sinks
+        _assert_same_bits(name, dev[name], host)
+    return out, lse
+
+
+# Each case is a point of the space, not a cross product: every item of issue #44 appears in a few of them.
+# Defaults: fp16, batch 5 with cache lengths (0, 1, full, ragged, 77) of 512, 16 query heads on 2 KV heads (8:1),
+# head dim 128, one query, no append, contiguous cache, automatic splits.
+CASES = {
+    "contig-fp16-decode": dict(),
+    "contig-bf16-append1-rotary-gptj-causal": dict(dtype="bfloat16", nnew=1, rotary="interleaved", causal=True),
+    "paged16-fp16-mha-d64-q4-append3-rotary-neox-half": dict(page=16, hq=4, hkv=4, d=64, nq=4, nnew=3, causal=True,
+                                                             rotary="neox", rotary_dim=32),
+    "paged64-bf16-q16-window": dict(dtype="bfloat16", page=64, nq=16, causal=True, window_size=(64, 0)),
+    "paged256-fp16-append1-softcap-rotary-gptj-half": dict(page=256, nnew=1, softcap=30.0, rotary="interleaved",
+                                                           rotary_dim=64),
+    "contig-bf16-d72-q4-append3-rotary-neox": dict(dtype="bfloat16", d=72, hq=4, nq=4, nnew=3, causal=True,
+                                                   rotary="neox"),
+    "contig-fp16-dv64-append1": dict(dv=64, nnew=1),
+    "paged64-bf16-dv64-q4-causal": dict(dtype="bfloat16", page=64, dv=64, nq=4, causal=True),
+    "contig-fp16-alibi-batch-q4-append1-causal": dict(alibi="batch", nq=4, nnew=1, causal=True),
+    "paged16-bf16-alibi-heads": dict(dtype="bfloat16", page=16, alibi="heads"),
+    "contig-bf16-sinks-append1": dict(dtype="bfloat16", sinks=True, nnew=1),
+    "paged64-fp16-sinks-window-q16-append3": dict(page=64, sinks=True, causal=True, window_size=(64, 0), nq=16,
+                                                  nnew=3),
+    "contig-fp16-batch-idx-append1": dict(batch_idx=True, nnew=1),
+    "contig-bf16-batch-idx-rotary-q4-append3": dict(dtype="bfloat16", batch_idx=True, rotary="interleaved",
+                                                    causal=True, nq=4, nnew=3),
+    "contig-fp16-splits1": dict(num_splits=1, capacity=2048),
+    "paged16-bf16-splits3-q4-append1-causal": dict(dtype="bfloat16", page=16, num_splits=3, nq=4, nnew=1,
+                                                   causal=True),
+    "contig-fp16-splits3-sinks-window-rotary": dict(num_splits=3, sinks=True, window_size=(100, 0), nq=4, nnew=1,
+                                                    rotary="neox"),
+    "paged64-fp16-chunk-q4-append1": dict(page=64, causal=True, attention_chunk=128, nq=4, nnew=1),
+    "contig-bf16-int-seqlens-append1": dict(dtype="bfloat16", int_seqlens=300, nnew=1),
+    "paged16-fp16-d40-q16-append3-rotary-noncausal": dict(page=16, d=40, hq=2, hkv=1, nq=16, nnew=3,
+                                                          rotary="interleaved"),
+    "paged256-bf16-page-table-q16-append3-causal": dict(dtype="bfloat16", page=256, nq=16, nnew=3, causal=True,
+                                                        table_name="page_table"),
+    "contig-bf16-mha-4k": dict(dtype="bfloat16", hq=2, hkv=2, capacity=4096, nnew=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kvcache(rng, name):
+    case = dict(CASES[name])
+    num_splits = case.pop("num_splits", 0)
+    dev, ref, meta = _build(rng, **case)
+    _check(dev, ref, meta, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_long_cache(rng, paged):
+    """One sequence of 32k keys against float64 (automatic splits)."""
+    cap = 32768
+    if paged:
+        case = dict(dtype="float16", page=64, nq=4, nnew=3, causal=True, rotary="neox")
+    else:
+        case = dict(dtype="bfloat16", nnew=1)
+    dev, ref, meta = _build(rng, batch=1, lens=[cap - case["nnew"]], capacity=cap, hq=2, hkv=1, **case)
+    _check(dev, ref, meta)
+
+
+def test_return_lse_false_and_a_repeated_call(rng):
+    """Without return_lse the output alone; the same call again rewrites the same slots with the same values (the
+    caller's cache_seqlens did not move) and gives the same output, bit for bit."""
+    import cupy
+    import cuflash
+
+    dev, ref, meta = _build(rng, nq=4, nnew=1, causal=True, rotary="interleaved", page=16)
+    out, _ = _check(dev, ref, meta)
+    k_after, v_after = dev["k_cache"].copy(), dev["v_cache"].copy()
+    again = cuflash.forward_kvcache(**dev)
+    assert isinstance(again, cupy.ndarray)
+    assert np.array_equal(_bits(to_host(again)), _bits(to_host(out)))
+    assert np.array_equal(_bits(to_host(dev["k_cache"])), _bits(to_host(k_after)))
+    assert np.array_equal(_bits(to_host(dev["v_cache"])), _bits(to_host(v_after)))
+
+
+def _stale_nan(kc, vc, lens, rows, table, page):
+    """NaN in every slot of the host caches past the sequences' keys (appended slots included: the append
+    overwrites them)."""
+    live = np.zeros(kc.shape[:2], bool)
+    for b, n in enumerate(lens):
+        j = np.arange(n)
+        if table is None:
+            live[b if rows is None else rows[b], j] = True
+        else:
+            live[table[b, j // page], j % page] = True
+    kc[~live] = np.nan
+    vc[~live] = np.nan
+
+
+@pytest.mark.parametrize("paged,num_splits", [(False, 0), (True, 3)])
+def test_cache_past_the_keys_is_never_read(rng, paged, num_splits):
+    """Whatever lies past a sequence's keys (stale or uninitialized memory; NaN here) must not reach its output:
+    loads past cache_seqlens + seqlen_new are predicated off (or their scores masked with their values zeroed)."""
+    lens = [0, 1, 33, 130, 257]
+    dev, ref, meta = _build(rng, lens=lens, capacity=512, nq=4, nnew=1, causal=True, page=64 if paged else None,
+                            hq=4, hkv=1, fill=_stale_nan)
+    _check(dev, ref, meta, num_splits=num_splits)
+
+
+def _embed(rng, dtype, x, batch_lens, slot, paged, capacity, page, hq, hkv, d, nq, nnew):
+    """A batch of random companions with the sequence ``x`` (its q, cache contents, new k / v) at index ``slot``."""
+    import cupy
+
+    def host(shape):
+        return _host(rng, shape, dtype)
+
+    batch = len(batch_lens)
+    q, k, v = host((batch, nq, hq, d)), host((batch, nnew, hkv, d)), host((batch, nnew, hkv, d))
+    q[slot], k[slot], v[slot] = x["q"], x["k"], x["v"]
+    lens = np.asarray(batch_lens, np.int32)
+    lens[slot] = x["len"]
+    args = {}
+    if paged:
+        per = capacity // page
+        nblocks = batch * per + 1
+        kc, vc = host((nblocks, page, hkv, d)), host((nblocks, page, hkv, d))
+        table = rng.permutation(nblocks)[:batch * per].reshape(batch, per).astype(np.int32)
+        for i in range(per):
+            kc[table[slot, i]] = x["kc"][i * page:(i + 1) * page]
+            vc[table[slot, i]] = x["vc"][i * page:(i + 1) * page]
+        args["block_table"] = cupy.asarray(table)
+    else:
+        kc, vc = host((batch, capacity, hkv, d)), host((batch, capacity, hkv, d))
+        kc[slot], vc[slot] = x["kc"], x["vc"]
+    return dict(args, q=cupy.asarray(q), k_cache=cupy.asarray(kc), v_cache=cupy.asarray(vc), k=cupy.asarray(k),
+                v=cupy.asarray(v), cache_seqlens=cupy.asarray(lens))
+
+
+@pytest.mark.parametrize("paged,nq,causal", [(False, 1, False), (True, 4, True)])
+def test_batch_invariant(rng, paged, nq, causal):
+    """batch_invariant=True: one sequence alone, with one short companion, and third among four others (long, empty,
+    one key) gives bit-identical out rows and lse, each also right against float64."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
+    dtype, capacity, page, hq, hkv, d, nnew = "bfloat16", 4096, 64, 8, 2, 128, 1
+    def host(shape):
+        return _host(rng, shape, dtype)
+
+    x = dict(q=host((nq, hq, d)), k=host((nnew, hkv, d)), v=host((nnew, hkv, d)), kc=host((capacity, hkv, d)),
+             vc=host((capacity, hkv, d)), len=2500)
+    layouts = [([0], 0), ([0, 37], 0), ([4000, 0, 0, 1, 3000], 2)]
+    results = []
+    for batch_lens, slot in layouts:
+        dev = _embed(rng, dtype, x, batch_lens, slot, paged, capacity, page, hq, hkv, d, nq, nnew)
+        ref = {name: to_host(val).copy() for name, val in dev.items()}
+        out, lse = cuflash.forward_kvcache(**dev, causal=causal, batch_invariant=True, return_lse=True)
+        ref_out, ref_lse, _, _ = attention_reference_kvcache(**ref, causal=causal)
+        assert_close_on_every_row("out", out, cupy.asarray(ref_out), dtype, FWD_TOL)
+        assert_lse_matches(lse, ref_lse, (len(batch_lens), hq, nq))
+        results.append((to_host(out[slot]), to_host(lse[slot])))
+    (o0, l0) = results[0]
+    assert np.all(np.isfinite(l0))
+    for i, (o, l_) in enumerate(results[1:], 1):
+        assert np.array_equal(_bits(o), _bits(o0)), f"out of the sequence differs in batch layout {i}"
+        assert np.array_equal(_bits(l_), _bits(l0)), f"lse of the sequence differs in batch layout {i}"
+
+
+def test_bad_arguments_are_refused_before_the_cache_changes(rng):
+    import cupy
+    import cuflash
+
+    dtype, b, hq, hkv, d, cap = "float16", 2, 4, 2, 64, 64
+    q = _rand(rng, (b, 1, hq, d), dtype)
+    kc, vc = _rand(rng, (b, cap, hkv, d), dtype), _rand(rng, (b, cap, hkv, d), dtype)
+    k, v = _rand(rng, (b, 1, hkv, d), dtype), _rand(rng, (b, 1, hkv, d), dtype)
+    lens = cupy.asarray(np.array([3, 10], np.int32))
+    kp, vp = _rand(rng, (4, 16, hkv, d), dtype), _rand(rng, (4, 16, hkv, d), dtype)
+    table = cupy.asarray(np.array([[0, 1], [2, 3]], np.int32))
+    snapshot = [to_host(x).copy() for x in (kc, vc, kp, vp)]
+    cuflash.forward_kvcache(q, kc.copy(), vc.copy(), k, v, cache_seqlens=lens)   # the good call runs
+
+    def refused(errors, match, *args, **kw):
+        with pytest.raises(errors, match=match):
+            cuflash.forward_kvcache(*args, **kw)
+
+    either = (TypeError, ValueError)
+    refused(either, "cache_seqlens", q, kc, vc, k, v, cache_seqlens=lens.astype(cupy.int64))
+    refused(ValueError, "cache_seqlens", q, kc, vc, k, v, cache_seqlens=cupy.zeros(3, cupy.int32))
+    refused(either, "block_table", q, kp, vp, k, v, cache_seqlens=lens, block_table=table.astype(cupy.int64))
+    kp24, vp24 = _rand(rng, (4, 24, hkv, d), dtype), _rand(rng, (4, 24, hkv, d), dtype)
+    refused(ValueError, "(?i)page|block|k_cache", q, kp24, vp24, k, v, cache_seqlens=lens, block_table=table)
+    refused(ValueError, "(?i)head", _rand(rng, (b, 1, 3, d), dtype), kc, vc, k, v, cache_seqlens=lens)
+    refused(either, r"\bv\b", q, kc, vc, k, None, cache_seqlens=lens)
+    refused(either, r"\bk\b", q, kc, vc, _rand(rng, (b, 1, hkv, d + 8), dtype), v, cache_seqlens=lens)
+    refused(either, "k_cache|v_cache", q, _rand(rng, (b, cap, hkv, d), "bfloat16"), vc, cache_seqlens=lens)
+    refused(ValueError, "cache_batch_idx|block_table", q, kp, vp, cache_seqlens=lens, block_table=table,
+            cache_batch_idx=cupy.asarray(np.array([0, 1], np.int32)))
+    cos, _ = _rotary_tables(cap + 1, d, dtype)
+    refused(either, "rotary", q, kc, vc, k, v, cache_seqlens=lens, rotary_cos=cos)
+    refused(either, "num_splits", q, kc, vc, k, v, cache_seqlens=lens, num_splits=-1)
+    for x, before in zip((kc, vc, kp, vp), snapshot):
+        _assert_same_bits("a cache given with a bad argument", x, before)
+
+
+# ---------------------------------------------------------------------------
+# cuflash.combine
+
+
+@pytest.mark.parametrize("dtype,splits", [("float32", 5), ("float32", 1), ("bfloat16", 4), ("float16", 3)])
+def test_combine(rng, dtype, splits):
+    """Random partial results with lse up to +-80 (exp overflows float32 there), splits that saw no key in
+    whole or in part (lse -inf, their outs NaN), and a row that no split saw (out 0, lse -inf)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import combine_reference
+
+    b, nq, h, d = 3, 4, 8, 128
+    outs = _host(rng, (splits, b, nq, h, d), dtype)
+    lses = rng.normal(0.0, 4.0, (splits, b, h, nq))
+    lses[:, 0] += 80.0
+    lses[:, 1, :4] -= 80.0
+    lses = lses.astype(np.float32)
+    if splits > 1:
+        lses[1] = -np.inf
+        outs[1] = np.nan
+    lses[-1, 0, 2, :] = -np.inf
+    outs[-1, 0, :, 2] = np.nan
+    lses[:, 2, 5, 1] = -np.inf   # no split saw row 1 of head 5 in batch 2
+    outs[:, 2, 1, 5] = np.nan
+    ref_out, ref_lse = combine_reference(outs, lses)
+    out, lse = cuflash.combine(cupy.asarray(outs), cupy.asarray(lses))
+    assert out.shape == (b, nq, h, d) and out.dtype == outs.dtype
+    assert_close_on_every_row("combine out", out, cupy.asarray(ref_out), dtype, FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (b, h, nq))
+
+
+def test_combine_refuses_bad_shapes(rng):
+    import cupy
+    import cuflash
+
+    outs = cupy.zeros((2, 1, 3, 4, 64), cupy.float32)
+    with pytest.raises(ValueError, match="lses"):
+        cuflash.combine(outs, cupy.zeros((2, 1, 3, 4), cupy.float32))   # (splits, batch, seqlen_q, heads)
+    with pytest.raises(ValueError, match="lses"):
+        cuflash.combine(outs, cupy.zeros((3, 1, 4, 3), cupy.float32))
+    with pytest.raises((TypeError, ValueError), match="outs"):
+        cuflash.combine(outs[0], cupy.zeros((1, 4, 3), cupy.float32))
+
+
+@requires_gpu
+def test_torch_flash_attn_with_kvcache_appends_in_place(rng):
+    """cuflash.torch.flash_attn_with_kvcache (flash-attn 2's signature) on torch tensors: the same result as
+    cuflash.forward_kvcache on the same data, the caches written in place, lse returned on request."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash
+    from cuflash.torch import flash_attn_with_kvcache
+
+    b, cap, hq, hkv, d = 2, 192, 8, 2, 64
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    gen = torch.Generator(device=dev).manual_seed(7)
+    mk = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16)
+    q, k_cache, v_cache, k, v = mk(b, 2, hq, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d), mk(b, 2, hkv, d), mk(b, 2, hkv, d)
+    lens = torch.tensor([5, 150], dtype=torch.int32, device=dev)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                       return_softmax_lse=True)
+    for i, n in enumerate((5, 150)):
+        assert torch.equal(k_cache[i, n:n + 2], k[i]) and torch.equal(v_cache[i, n:n + 2], v[i])
+        assert torch.equal(k_cache[i, :n], k0[i, :n]) and torch.equal(k_cache[i, n + 2:], k0[i, n + 2:])
+    ref_out, ref_lse = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_cache), cupy.from_dlpack(v_cache),
+                                               cache_seqlens=cupy.asarray([7, 152], dtype=np.int32), causal=True,
+                                               return_lse=True)
+    assert torch.equal(out, torch.from_dlpack(ref_out)) and torch.equal(lse, torch.from_dlpack(ref_lse))
+    assert out.shape == (b, 2, hq, d) and lse.shape == (b, hq, 2)
