@@ -39,6 +39,7 @@ NUM_WARPS = 4
 MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
 SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_plan's estimate)
 MAX_SPLITS = 128
+MAX_GRID_SPLITS = 65535      # the launch grid's y dimension
 BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
 MAX_HEAD_DIM = 256
 
@@ -68,8 +69,8 @@ def split_plan(capacity: int, ctas: int, slots: int, num_splits: int, batch_inva
 
     if batch_invariant:
         return rounded(BATCH_INVARIANT_KEYS)
-    if num_splits > 0:
-        return rounded(-(-capacity // num_splits))
+    if num_splits > 0:   # (at most MAX_GRID_SPLITS: the grid's y dimension)
+        return rounded(-(-capacity // min(num_splits, MAX_GRID_SPLITS)))
     best = None
     for want in range(1, max(1, min(capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS)) + 1):
         splits, kps = rounded(-(-capacity // want))
@@ -136,6 +137,8 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
         if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
             raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM} in forward_kvcache, got {value}")
+    if b > 65535:
+        raise ValueError(f"q's batch must be at most 65535 in forward_kvcache (the launch grid), got {b}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q's heads ({hq}) must be a multiple of the cache's heads ({hkv})")
     dev = q.data.device_id
@@ -204,6 +207,11 @@ def _device_shape(device_id: int) -> tuple[int, int]:
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     return props["multiProcessorCount"], props["sharedMemPerMultiprocessor"]
+
+
+def _page_shift(page_size: int) -> int:
+    """log2(page_size) where it is a power of two (the kernel shifts), else -1 (it divides); 0 pages: -1."""
+    return page_size.bit_length() - 1 if page_size > 0 and page_size & (page_size - 1) == 0 else -1
 
 
 def _resident_ctas(device_id: int, smem: int) -> int:
@@ -320,8 +328,10 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         block_table.data.ptr if block_table is not None else 0,
         *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(out), bt_stride,
         b, nq, 0, hq, hq // hkv, lay.head_dim, lay.head_dim_v, lay.seqlen_new, lay.capacity, lay.cache_rows,
-        lay.page_size, kps, splits, scale, scale * LOG2E, *mask_values))
-    launch.launch(kern, cfg, (splits, m_tiles * hkv, b), p, smem)
+        lay.page_size, _page_shift(lay.page_size), kps, splits, scale, scale * LOG2E, *mask_values))
+    # Heads fastest: the CTAs reading one key range of every KV head start together, and a key's rows of all heads
+    # (adjacent in memory) are read at about the same time.
+    launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem)
     # 3. The splits merged.
     if merged:
         combine_into(o_part, lse_part, out, lse, opts=opts)

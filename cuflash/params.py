@@ -61,8 +61,8 @@ DECODE_PARAMS = _struct(
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + [("block_table_batch_stride", _I64), ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
        ("heads_q", _I32), ("heads_per_kv", _I32), ("head_dim", _I32), ("head_dim_v", _I32), ("seqlen_new", _I32),
-       ("cache_capacity", _I32), ("cache_rows", _I32), ("page_size", _I32), ("keys_per_split", _I32),
-       ("num_splits", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
+       ("cache_capacity", _I32), ("cache_rows", _I32), ("page_size", _I32), ("page_shift", _I32),
+       ("keys_per_split", _I32), ("num_splits", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
     + _MASK_FIELDS
 )
 

@@ -141,6 +141,7 @@ struct DecodeParams {
     int cache_capacity;         // keys a sequence can hold: cache rows, or max_blocks * page_size
     int cache_rows;             // contiguous: batch_cache, the cache_batch_idx clamp; paged: num_pages
     int page_size;              // 0: contiguous
+    int page_shift;             // log2(page_size) where it is a power of two, else -1 (a division per row)
     int keys_per_split;         // a multiple of the kernel's key tile
     int num_splits;
     float softmax_scale;

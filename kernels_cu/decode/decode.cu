@@ -5,7 +5,7 @@
 //   - GQA packed: a CTA takes one KV head of one sequence and every query row that reads it, the
 //     seqlen_q x heads_per_kv rows (token t, head h_kv * heads_per_kv + g) packed into kBlockM-row tiles, so a
 //     key is loaded once for all the query heads that share it.
-//   - Split-KV: the sequence's keys are split over gridDim.x CTAs of keys_per_split keys; each writes its
+//   - Split-KV: the sequence's keys are split over gridDim.y CTAs of keys_per_split keys; each writes its
 //     normalised partial result and lse (float32), merged by combine.cu. With one split the CTA writes the
 //     output itself.
 //   - Inside a CTA the warps are a kWarpsM x kWarpsN grid: warp (wm, wn) owns 16 packed rows and a kSliceN-key
@@ -48,21 +48,24 @@ __device__ const int decode_kernel_smem_bytes = DecodeTile<kHeadDim, kHeadDimV, 
 // Where sequence `batch`'s keys live: key j's row offset (in elements) in the K and V caches.
 struct CacheAddress {
     const int* pages;   // the sequence's block-table row (paged), else null
-    int page_size, last_page;
+    int page_size, page_shift, last_page;
     i64 k_base, v_base; // contiguous: the cache row's offset; paged: 0
 
+    // Key j's page index in the table (a shift for power-of-two page sizes) and its row in the page.
+    __device__ __forceinline__ int page_index(int key) const { return page_shift >= 0 ? key >> page_shift : key / page_size; }
+    __device__ __forceinline__ int slot(int key) const {
+        return page_shift >= 0 ? key & (page_size - 1) : key - (key / page_size) * page_size;
+    }
     // The page of key j (paged; a table entry out of range reads a page that exists: wrong keys, never a bad
     // address). A plain load: the loads of a tile's rows go out together (load_keys).
     __device__ __forceinline__ int page(int key) const {
-        return pages != nullptr ? min(max(pages[key / page_size], 0), last_page) : 0;
+        return pages != nullptr ? min(max(pages[page_index(key)], 0), last_page) : 0;
     }
     __device__ __forceinline__ i64 k_offset(const DecodeParams& p, int key, int pg) const {
-        return pages != nullptr ? pg * p.k_batch_stride + (key - (key / page_size) * page_size) * p.k_row_stride
-                                : k_base + key * p.k_row_stride;
+        return pages != nullptr ? pg * p.k_batch_stride + slot(key) * p.k_row_stride : k_base + key * p.k_row_stride;
     }
     __device__ __forceinline__ i64 v_offset(const DecodeParams& p, int key, int pg) const {
-        return pages != nullptr ? pg * p.v_batch_stride + (key - (key / page_size) * page_size) * p.v_row_stride
-                                : v_base + key * p.v_row_stride;
+        return pages != nullptr ? pg * p.v_batch_stride + slot(key) * p.v_row_stride : v_base + key * p.v_row_stride;
     }
 };
 
@@ -121,9 +124,9 @@ decode_kernel(const DecodeParams p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-    const int split = blockIdx.x;
+    const int split = blockIdx.y;   // grid: (KV head x row tile, split, sequence), heads fastest
     const int m_tiles = ceil_div(p.seqlen_q * p.heads_per_kv, kBlockM);
-    const int m_block = blockIdx.y % m_tiles, head_kv = blockIdx.y / m_tiles;
+    const int m_block = blockIdx.x % m_tiles, head_kv = blockIdx.x / m_tiles;
     const int batch = blockIdx.z;
     const int group = p.heads_per_kv;
     const int rows = p.seqlen_q * group;
@@ -136,6 +139,7 @@ decode_kernel(const DecodeParams p) {
 
     CacheAddress at;
     at.page_size = p.page_size;
+    at.page_shift = p.page_shift;
     at.last_page = p.cache_rows - 1;
     at.pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
     {
