@@ -14,6 +14,9 @@ Packed batches of sequences of their own lengths (flash-attn's varlen layout) go
     f = jax.jit(cuflash.jax.dot_product_attention_varlen, static_argnames=("max_seqlen_q", "max_seqlen_k"))
     out = f(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=512, max_seqlen_k=512)
 
+Decoding over a KV cache goes through ``flash_attn_with_kvcache`` (one more custom call; the caches it appends
+to come back as results aliased to the cache operands).
+
 Importing ``cuflash`` does not import this module (nor JAX); ``import cuflash.jax`` does.
 """
 from __future__ import annotations
@@ -431,6 +434,122 @@ def _backward_varlen(dout, dlse, q, k, v, offsets: tuple, alibi_slopes, sinks, o
     return grads[0], grads[1], grads[2], dsinks
 
 
+# ---------------------------------------------------------------------------
+# Decoding over a KV cache
+
+
+def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: Optional[jax.Array] = None,
+                            v: Optional[jax.Array] = None, *, cache_seqlens, rotary_cos: Optional[jax.Array] = None,
+                            rotary_sin: Optional[jax.Array] = None, rotary_interleaved: bool = True,
+                            cache_batch_idx: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
+                            causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            alibi_slopes: Optional[jax.Array] = None, sinks: Optional[jax.Array] = None,
+                            attention_chunk: int = 0, softmax_scale: Optional[float] = None, num_splits: int = 0,
+                            batch_invariant: bool = False, return_lse: bool = False) -> tuple:
+    """``cuflash.forward_kvcache`` for JAX arrays, under ``jax.jit`` (one XLA custom call, not differentiable).
+
+    JAX arrays are values, so the append is functional: with new ``k`` / ``v`` the call returns the caches after
+    it, ``(out, k_cache, v_cache)`` (``(out, lse, k_cache, v_cache)`` with ``return_lse``), as results aliased to
+    the cache operands: donate them (``jax.jit(..., donate_argnums=...)``) and XLA writes in place, else it copies
+    them first. Without ``k`` / ``v``: ``out`` (``(out, lse)``).
+
+    Arguments as ``cuflash.forward_kvcache``: q ``(batch, seqlen_q, heads_q, head_dim)`` float16 / bfloat16; the
+    caches contiguous ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` or paged ``(num_pages, page_size,
+    heads_kv, head_dim)`` with ``block_table`` int32 ``(batch, max_blocks)``; ``cache_seqlens`` int32 ``(batch,)``
+    (or a Python int); the other options static Python values. On the CPU backend the float64 reference computes
+    the same results (slow; for tests)."""
+    from .kvcache import MAX_HEAD_DIM
+
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {x.shape}")
+        if x.dtype not in (jnp.float16, jnp.bfloat16):
+            raise TypeError(f"{name} must be float16 or bfloat16 (the decode kernels' types), got {x.dtype}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    b, nq, hq, d = q.shape
+    rows, cap, hkv, dk = k_cache.shape
+    dv = v_cache.shape[3]
+    if dk != d or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"k_cache must be (rows, seqlen_cache, heads_kv, {d}) and v_cache share its first three "
+                         f"dims, got {k_cache.shape} and {v_cache.shape}")
+    for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
+        if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {value}")
+    _checks.check_heads(hq, hkv)
+
+    def int_array(name, x, shape):
+        x = jnp.asarray(x)
+        if x.dtype != INDEX_DTYPE or x.shape != shape:
+            raise ValueError(f"{name} must be int32 of shape {shape}, got {x.dtype} {x.shape}")
+        return x
+
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = jnp.full((b,), int(cache_seqlens), INDEX_DTYPE)
+    cache_seqlens = int_array("cache_seqlens", cache_seqlens, (b,))
+    if block_table is not None:
+        block_table = jnp.asarray(block_table)
+        block_table = int_array("block_table", block_table, (b, block_table.shape[-1] if block_table.ndim else -1))
+        if cap % 16:
+            raise ValueError(f"the page size (k_cache.shape[1] with block_table) must be a multiple of 16, got {cap}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table")
+    if cache_batch_idx is not None:
+        cache_batch_idx = int_array("cache_batch_idx", cache_batch_idx, (b,))
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values), or neither")
+    if k is not None:
+        k, v = jnp.asarray(k), jnp.asarray(v)
+        n_new = k.shape[1] if k.ndim == 4 else -1
+        if k.shape != (b, n_new, hkv, d) or v.shape != (b, n_new, hkv, dv) or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"k, v must be {q.dtype} of shapes (batch, seqlen_new, heads_kv, head_dim / head_dim_v) = "
+                             f"({b}, n, {hkv}, {d}) / ({b}, n, {hkv}, {dv}), got {k.dtype} {k.shape}, {v.dtype} {v.shape}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        rotary_cos, rotary_sin = jnp.asarray(rotary_cos, jnp.float32), jnp.asarray(rotary_sin, jnp.float32)
+        if rotary_cos.ndim != 2 or rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= d:
+            raise ValueError(f"rotary_cos / rotary_sin must be one (seqlen_ro, rotary_dim // 2) shape with rotary_dim "
+                             f"<= head_dim ({d}), got {rotary_cos.shape} and {rotary_sin.shape}")
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    left, right = variants.check_window(window_size)
+    if causal and right > 0:
+        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
+    chunk = variants.check_chunk(attention_chunk)
+    cap_ = variants.check_softcap(softcap)
+    alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    has_kv = k is not None
+    out_shape, lse_shape = (b, nq, hq, dv), (b, hq, nq)
+    if q.size == 0:
+        out, lse = jnp.zeros(out_shape, q.dtype), jnp.zeros(lse_shape, jnp.float32)
+        results = (out, lse) if return_lse else (out,)
+        return (*results, k_cache, v_cache) if has_kv else (results if return_lse else out)
+    register_targets()
+    operands = [q, k_cache, v_cache, cache_seqlens]
+    for group in ((k, v), (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,)):
+        operands += [x for x in group if x is not None]
+    extra, flags = _extras(alibi_slopes, sinks)
+    results = [jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
+    if has_kv:
+        results += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    call = jax.ffi.ffi_call(jax_targets.KVCACHE, tuple(results), vmap_method="sequential",
+                            input_output_aliases={1: 2, 2: 3} if has_kv else {})
+    res = call(*operands, *extra, causal=causal, softmax_scale=scale, window_left=np.int32(left),
+               window_right=np.int32(right), attention_chunk=np.int32(chunk), softcap=np.float32(cap_),
+               rotary_interleaved=bool(rotary_interleaved), num_splits=np.int32(num_splits),
+               batch_invariant=bool(batch_invariant), has_kv=has_kv, has_rotary=rotary_cos is not None,
+               has_cache_batch_idx=cache_batch_idx is not None, has_block_table=block_table is not None, **flags)
+    out, lse = res[0], res[1]
+    head = (out, lse) if return_lse else (out,)
+    if has_kv:
+        return (*head, res[2], res[3])
+    return head if return_lse else out
+
+
 # The ctypes handlers given to XLA: XLA keeps their addresses, so they are kept for the life of the
 # process (from before their registration: one that fails partway must not free the ones before it).
 _handlers: list = []
@@ -464,4 +583,5 @@ def register_targets() -> None:
         _registered = True
 
 
-__all__ = ["dot_product_attention", "dot_product_attention_varlen", "register_targets", "ffi_api_version"]
+__all__ = ["dot_product_attention", "dot_product_attention_varlen", "flash_attn_with_kvcache", "register_targets",
+           "ffi_api_version"]

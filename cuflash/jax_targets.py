@@ -40,6 +40,7 @@ FORWARD = "cuflash_attention_fwd"
 BACKWARD = "cuflash_attention_bwd"
 FORWARD_VARLEN = "cuflash_attention_varlen_fwd"
 BACKWARD_VARLEN = "cuflash_attention_varlen_bwd"
+KVCACHE = "cuflash_attention_kvcache"
 
 # Tests set this to a list: each call then appends (target, [argument pointers], [result pointers], stream),
 # so that they can check that the kernels read and wrote JAX's own buffers on XLA's stream.
@@ -234,6 +235,49 @@ def cuda_backward_varlen(call: Call) -> None:
             rets[3][...] = grads[3]
 
 
+def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
+    """``cuflash.forward_kvcache``'s arguments from a KV-cache call: the operands after (q, k_cache, v_cache)
+    ``cache_seqlens[, k, v][, rotary_cos, rotary_sin][, cache_batch_idx][, block_table][, alibi_slopes][, sinks]``
+    (as the has_* attributes say) and the attributes. Returns (kwargs, k, v)."""
+    a = call.attrs
+    rest = list(operands)
+    kwargs = dict(cache_seqlens=rest.pop(0))
+    k = v = None
+    if a.get("has_kv"):
+        k, v = rest.pop(0), rest.pop(0)
+    if a.get("has_rotary"):
+        kwargs.update(rotary_cos=rest.pop(0), rotary_sin=rest.pop(0))
+    if a.get("has_cache_batch_idx"):
+        kwargs["cache_batch_idx"] = rest.pop(0)
+    if a.get("has_block_table"):
+        kwargs["block_table"] = rest.pop(0)
+    kwargs.update(_variant_kwargs(call, rest), causal=bool(a["causal"]), softmax_scale=float(a["softmax_scale"]),
+                  rotary_interleaved=bool(a["rotary_interleaved"]))
+    return kwargs, k, v
+
+
+def cuda_kvcache(call: Call) -> None:
+    """(q, k_cache, v_cache, cache_seqlens[, k, v][, cos, sin][, cache_batch_idx][, block_table][, slopes][, sinks])
+    -> (out, lse[, k_cache, v_cache]) with cuflash's decode kernels on XLA's stream; the cache results are aliased
+    to the cache operands (XLA hands the same buffers, or copies of them made before the call), and the append
+    writes into them."""
+    from .api import forward_kvcache
+
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        n_args = len(call.args)
+        q, k_cache, v_cache = arrays[:3]
+        kwargs, k, v = _kvcache_kwargs(call, arrays[3:n_args])
+        rets = arrays[n_args:]
+        if k is not None:   # the results are the caches to write
+            k_cache, v_cache = rets[2], rets[3]
+        _log(KVCACHE, call, stream)
+        out, lse = forward_kvcache(q, k_cache, v_cache, k, v, num_splits=int(call.attrs["num_splits"]),
+                                   batch_invariant=bool(call.attrs["batch_invariant"]), return_lse=True, **kwargs)
+        rets[0][...] = out
+        rets[1][...] = lse
+
+
 # ---------------------------------------------------------------------------
 # Host: the float64 reference on XLA:CPU's buffers
 
@@ -326,16 +370,39 @@ def host_backward_varlen(call: Call) -> None:
         buf[...] = g.astype(buf.dtype)
 
 
+def host_kvcache(call: Call) -> None:
+    """The KV-cache call by ``cuflash.reference.attention_reference_kvcache`` (float64; the rotated keys rounded to
+    the cache's dtype, as the cache stores them), the caches' results written whole."""
+    from .reference import attention_reference_kvcache
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    n_args = len(call.args)
+    q, k_cache, v_cache = arrays[:3]
+    kwargs, k, v = _kvcache_kwargs(call, arrays[3:n_args])
+    rets = arrays[n_args:]
+    _log(KVCACHE, call, 0)
+    out, lse, k_after, v_after = attention_reference_kvcache(
+        q, k_cache, v_cache, k, v, rotary_dtype=q.dtype if kwargs.get("rotary_cos") is not None else None,
+        **kwargs)
+    rets[0][...] = out.astype(rets[0].dtype)
+    rets[1][...] = lse.astype(np.float32)
+    if k is not None:
+        rets[2][...] = k_after.astype(rets[2].dtype)
+        rets[3][...] = v_after.astype(rets[3].dtype)
+
+
 # (target name, platform as jax.ffi.register_ffi_target names it) -> body
 BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (FORWARD, "CUDA"): cuda_forward,
     (BACKWARD, "CUDA"): cuda_backward,
     (FORWARD_VARLEN, "CUDA"): cuda_forward_varlen,
     (BACKWARD_VARLEN, "CUDA"): cuda_backward_varlen,
+    (KVCACHE, "CUDA"): cuda_kvcache,
     (FORWARD, "cpu"): host_forward,
     (BACKWARD, "cpu"): host_backward,
     (FORWARD_VARLEN, "cpu"): host_forward_varlen,
     (BACKWARD_VARLEN, "cpu"): host_backward_varlen,
+    (KVCACHE, "cpu"): host_kvcache,
 }
 
 

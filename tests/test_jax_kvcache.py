@@ -1,0 +1,129 @@
+"""cuflash.jax.flash_attn_with_kvcache: decoding over a KV cache through its XLA custom call (tests skip where JAX is
+not installed).
+
+CPU: the whole path (jit, donation, the functional append aliased to the cache operands, paged caches, rotary,
+variants, GQA) run by XLA:CPU on the host target, whose body is the float64 KV-cache reference; argument errors
+while tracing. GPU (skip without a usable GPU and a CUDA JAX backend): out, lse and the caches after the append
+against the float64 reference, the kernels on XLA's buffers and stream.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, assert_lse_matches, requires_gpu
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import cuflash.jax as cj  # noqa: E402
+from cuflash.reference import attention_reference_kvcache, rel_err  # noqa: E402
+
+
+def _jax_gpu():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return gpus[0] if gpus else None
+
+
+GPU = _jax_gpu()
+requires_jax_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA JAX backend (jax.devices('gpu'))")
+CPU = jax.devices("cpu")[0]
+PLATFORMS = [pytest.param(CPU, id="cpu"), pytest.param(GPU, id="gpu", marks=[requires_gpu, requires_jax_gpu])]
+B, HQ, HKV, D, CAP = 2, 8, 2, 64, 96
+
+
+def _put(x, device, dtype=None):
+    x = jnp.asarray(x) if dtype is None else jnp.asarray(np.asarray(x, np.float32)).astype(dtype)
+    return jax.device_put(x, device)
+
+
+def _case(rng, device, *, paged: bool, nq: int = 2, n_new: int = 2):
+    """q, caches, new k / v, cache_seqlens, block table (paged: pages of 16 in a shuffled order)."""
+    dt = jnp.bfloat16
+    q = _put(rng.standard_normal((B, nq, HQ, D)), device, dt)
+    k_new = _put(rng.standard_normal((B, n_new, HKV, D)), device, dt)
+    v_new = _put(rng.standard_normal((B, n_new, HKV, D)), device, dt)
+    lens = np.array([5, CAP - n_new], np.int32)
+    if paged:
+        pages = B * CAP // 16
+        k_cache = _put(rng.standard_normal((pages, 16, HKV, D)), device, dt)
+        v_cache = _put(rng.standard_normal((pages, 16, HKV, D)), device, dt)
+        table = _put(rng.permutation(pages).astype(np.int32).reshape(B, -1), device)
+    else:
+        k_cache = _put(rng.standard_normal((B, CAP, HKV, D)), device, dt)
+        v_cache = _put(rng.standard_normal((B, CAP, HKV, D)), device, dt)
+        table = None
+    return q, k_cache, v_cache, k_new, v_new, _put(lens, device), table
+
+
+def _host(x):
+    return np.asarray(jax.device_get(x)).astype(np.float64)
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_append_and_attend_under_jit(rng, device, paged, rotary):
+    q, k_cache, v_cache, k_new, v_new, lens, table = _case(rng, device, paged=paged)
+    extra = {}
+    if rotary:
+        ang = np.arange(CAP + 4)[:, None] * (0.05 * np.arange(1, D // 4 + 1))[None]   # rotary_dim = D / 2
+        extra = dict(rotary_cos=_put(np.cos(ang).astype(np.float32), device),
+                     rotary_sin=_put(np.sin(ang).astype(np.float32), device), rotary_interleaved=False)
+
+    def step(q, k_cache, v_cache, k_new, v_new, lens, table):
+        return cj.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                          causal=True, return_lse=True, **extra)
+
+    out, lse, k_after, v_after = jax.jit(step)(q, k_cache, v_cache, k_new, v_new, lens, table)
+    ref_extra = {name: (np.asarray(jax.device_get(x)) if name != "rotary_interleaved" else x)
+                 for name, x in extra.items()}
+    ro, rl, rk, rv = attention_reference_kvcache(
+        _host(q), _host(k_cache), _host(v_cache), _host(k_new), _host(v_new), cache_seqlens=np.asarray(lens),
+        block_table=None if table is None else np.asarray(table), causal=True,
+        rotary_dtype=jnp.bfloat16 if rotary else None, **ref_extra)
+    assert out.shape == (B, 2, HQ, D) and lse.shape == (B, HQ, 2)
+    assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
+    assert_lse_matches(lse, rl, (B, HQ, 2), **({"rtol": 2e-3} if rotary else {}))
+    # The caches after the call: the appended slots as the reference wrote them, the rest as they were.
+    assert rel_err(_host(k_after), rk) <= 1e-2 and rel_err(_host(v_after), rv) == 0.0
+    unchanged = rk == _host(k_cache)
+    assert np.array_equal(_host(k_after)[unchanged], _host(k_cache)[unchanged])
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+def test_donated_caches_and_no_append(rng, device):
+    """Donated caches come back as the results (written in place); without k / v only out (and lse) return."""
+    q, k_cache, v_cache, k_new, v_new, lens, _ = _case(rng, device, paged=False, nq=1, n_new=1)
+    k0, v0 = _host(k_cache), _host(v_cache)
+    f = jax.jit(lambda q, kc, vc, k, v, n: cj.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=n),
+                donate_argnums=(1, 2))
+    out, k_after, v_after = f(q, k_cache, v_cache, k_new, v_new, lens)
+    _, _, rk, rv = attention_reference_kvcache(_host(q), k0, v0, _host(k_new), _host(v_new), cache_seqlens=np.asarray(lens))
+    assert np.array_equal(_host(k_after), rk) and np.array_equal(_host(v_after), rv)
+    only = cj.flash_attn_with_kvcache(q, k_after, v_after, cache_seqlens=np.asarray(lens) + 1)
+    ro, _, _, _ = attention_reference_kvcache(_host(q), rk, rv, cache_seqlens=np.asarray(lens) + 1)
+    assert not isinstance(only, tuple) and rel_err(_host(only), ro) <= FWD_TOL["bfloat16"]
+    assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
+
+
+def test_argument_errors_while_tracing(rng):
+    q, k_cache, v_cache, k_new, v_new, lens, _ = _case(rng, CPU, paged=False)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        cj.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens.astype(jnp.int64) if jax.config.jax_enable_x64
+                                   else lens.astype(jnp.int16))
+    with pytest.raises(ValueError, match="k and v"):
+        cj.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, cache_seqlens=lens)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        cj.flash_attn_with_kvcache(q.astype(jnp.float32), k_cache, v_cache, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="page size"):
+        cj.flash_attn_with_kvcache(q, k_cache[:, :40], v_cache[:, :40], cache_seqlens=lens,
+                                   block_table=jnp.zeros((B, 3), jnp.int32))
+    with pytest.raises(ValueError, match="block_table"):
+        cj.flash_attn_with_kvcache(q, k_cache[:, :32], v_cache[:, :32], cache_seqlens=lens,
+                                   block_table=jnp.zeros((B, 3), jnp.float32))
+    with pytest.raises(ValueError, match="multiple"):
+        cj.flash_attn_with_kvcache(q[:, :, :7], k_cache, v_cache, cache_seqlens=lens)
