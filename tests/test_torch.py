@@ -473,3 +473,36 @@ def test_variants_and_lse_gradients(kwargs):
     for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
         err = rel_err(got.double().cpu().numpy(), ref)
         assert err <= 2e-2, f"{name} rel err {err:.3e}"
+
+
+def test_kvcache_op_schema_and_fake_shapes():
+    """cuflash::attention_kvcache declares the caches it writes; its fake gives out (B, Nq, Hq, Dv) and lse; the
+    wrapper traces as one node under torch.compile(fullgraph=True), cache_seqlens given as an int too."""
+    import torch._dynamo
+
+    schema = str(torch.ops.cuflash.attention_kvcache.default._schema)
+    assert schema.startswith("cuflash::attention_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor? k,")
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    mode, (q, kc, vc, kn, vn) = _fake_cuda((2, 1, 8, 64), (2, 128, 2, 64), (2, 128, 2, 32), (2, 1, 2, 64),
+                                           (2, 1, 2, 32), dtype=torch.bfloat16)
+    with mode:
+        out, lse = ct.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=5, causal=True, return_softmax_lse=True)
+    assert out.shape == (2, 1, 8, 32) and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 1)
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda q, kc, vc, n: ct.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n),
+                          fullgraph=True, backend=record)
+        with mode:
+            n = torch.empty((2,), dtype=torch.int32, device="cuda")
+        f(q, kc, vc, n)
+    finally:
+        torch._dynamo.reset()
+    (gm,) = graphs
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function" and "cuflash" in str(n.target)]
+    assert ops == [torch.ops.cuflash.attention_kvcache.default]
