@@ -154,6 +154,32 @@ def time_interleaved(fns: dict, *, warmup: int = 5, repeats: int = 30) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _short(e: BaseException) -> str:
+    """An exception in one line for the tables: its type and the first 160 characters of its text."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def time_interleaved_or_alone(fns: dict, result, *, warmup: int, repeats: int, log: Callable[[str], None],
+                              what: str, fatal=("cuflash",)) -> dict:
+    """key -> median ms of ``fns`` (key -> callable), interleaved (time_interleaved). Where a call raises during
+    the timing, ``log`` says so (``what``: the case timed) and each is timed alone instead: one that raises then is
+    recorded in ``result.na`` (as FAILED for the keys in ``fatal``) and left out, and ``result.notes`` says the
+    timing was not interleaved."""
+    try:
+        return time_interleaved(fns, warmup=warmup, repeats=repeats)
+    except Exception as e:  # noqa: BLE001 - find which one
+        log(f"  timing {what} raised ({_short(e)}): timing each alone")
+    out = {}
+    for key, f in fns.items():
+        try:
+            out.update(time_interleaved({key: f}, warmup=warmup, repeats=repeats))
+        except Exception as e:  # noqa: BLE001
+            result.na[key] = ("FAILED " if key in fatal else "") + f"while timed: {_short(e)}"
+    result.notes.append("timed one implementation at a time (not interleaved): one raised")
+    return out
+
+
 def host_overhead_us(fn: Callable[[], object], *, repeats: int = 2000) -> float:
     """Median host (Python) time of one ``fn()`` call in microseconds, the device kept busy."""
     import time
@@ -258,6 +284,17 @@ def torch_sdpa(backend: str):
     return run
 
 
+def torch_cuda():
+    """(torch, None) where PyTorch imports and has a CUDA device, else (None, why not)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - PyTorch is optional
+        return None, f"PyTorch not importable ({_short(e)})"
+    if not torch.cuda.is_available():
+        return None, "PyTorch has no CUDA device"
+    return torch, None
+
+
 def torch_inputs(shape: Shape, requires_grad: bool = False):
     """(B, H, N, D) torch tensors of random values, as SDPA takes them."""
     import torch
@@ -350,6 +387,18 @@ def fa4_fn():
         return None
     fn, _ = _import_fa4()
     return None if fn is None else _first_output(fn)
+
+
+def fa4_torch():
+    """(torch, None) where PyTorch has a CUDA device (torch_cuda) and FlashAttention-4 imports (_import_fa4:
+    $CUFLASH_FA4_PATH), else (None, why not)."""
+    torch, why = torch_cuda()
+    if torch is None:
+        return None, why
+    fn, why = _import_fa4()
+    if fn is None:
+        return None, f"FlashAttention-4 not importable ({why}; $CUFLASH_FA4_PATH)"
+    return torch, None
 
 
 def fa4_status() -> str:

@@ -68,7 +68,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .bench import Shape, free_memory
+from .bench import Shape, fa4_torch, free_memory, torch_cuda
+from .bench_report import fa4_version, markdown_report, print_results, run_header, text_report
 from .bench_variants import _ratio, _short
 
 SEED = 44                          # block tables and ragged lengths (issue #44)
@@ -603,29 +604,13 @@ def _descriptions(results) -> list:
 
 
 def format_table(results) -> str:
-    rows = [list(TABLE_HEAD)] + [_cells(r) for r in results]
-    widths = [max(len(x[i]) for x in rows) for i in range(len(TABLE_HEAD))]
-    left = {2, 3, len(TABLE_HEAD) - 1}
-    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
-             for x in rows]
-    lines += ["", "rows:"] + [f"  {x}" for x in _descriptions(results)]
-    notes = _notes(results)
-    if notes:
-        lines += ["peers, checks, skips and n/a:"] + [f"  {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return text_report(TABLE_HEAD, [_cells(r) for r in results], {2, 3, len(TABLE_HEAD) - 1}, _descriptions(results),
+                       "peers, checks, skips and n/a:", _notes(results), CONVENTIONS)
 
 
 def markdown_table(results, header: str = "") -> str:
-    lines = [header, ""] if header else []
-    lines += ["| " + " | ".join(TABLE_HEAD) + " |", "|" + " --- |" * len(TABLE_HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
-    lines += [""] + [f"- {x}" for x in _descriptions(results)]
-    notes = _notes(results)
-    if notes:
-        lines += ["", "Peers, checks, skips and n/a:", ""] + [f"- {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return markdown_report(TABLE_HEAD, [_cells(r) for r in results], _descriptions(results),
+                           "Peers, checks, skips and n/a:", _notes(results), CONVENTIONS, header)
 
 
 # ---------------------------------------------------------------------------
@@ -810,17 +795,6 @@ def torch_views(p: Prepared) -> dict:
     return t
 
 
-def _torch_cuda():
-    """(torch, None) or (None, why not)."""
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001 - PyTorch is optional
-        return None, f"PyTorch not importable ({_short(e)})"
-    if not torch.cuda.is_available():
-        return None, "PyTorch has no CUDA device"
-    return torch, None
-
-
 def _sdpa_has_gqa(torch) -> bool:
     try:
         x = torch.zeros(1, 2, 1, 8, device="cuda")
@@ -836,7 +810,7 @@ def sdpa_adapter():
     """PyTorch SDPA with its flash, cuDNN and memory-efficient backends, each in the GQA form (enable_gqa, or the KV
     heads repeated where torch lacks it) and the query-rows form (MHA over the KV heads, a KV head's query heads as
     query rows); on the contiguous cache (marked on the paged rows)."""
-    torch, why = _torch_cuda()
+    torch, why = torch_cuda()
     if torch is None:
         return None, why
     try:
@@ -891,7 +865,7 @@ def sdpa_adapter():
 
 def flashinfer_adapter():
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper (NHD), with and without tensor cores."""
-    torch, why = _torch_cuda()
+    torch, why = torch_cuda()
     if torch is None:
         return None, why
     try:
@@ -938,14 +912,9 @@ def flashinfer_adapter():
 
 def fa4_adapter():
     """FlashAttention-4 (flash_attn.cute, through bench._import_fa4: $CUFLASH_FA4_PATH)."""
-    torch, why = _torch_cuda()
+    torch, why = fa4_torch()
     if torch is None:
         return None, why
-    from .bench import _import_fa4
-
-    fn, why = _import_fa4()
-    if fn is None:
-        return None, f"FlashAttention-4 not importable ({why}; $CUFLASH_FA4_PATH)"
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001
@@ -1017,22 +986,12 @@ def _sync() -> None:
 
 
 def _time_all(fns: dict, result: DecodeResult, warmup: int, repeats: int, log) -> dict:
-    """key -> median ms, interleaved (bench.time_interleaved); where a call raises during the timing, each is timed
-    alone and the one that raises recorded in ``result.na`` (FAILED for cuflash)."""
-    from .bench import time_interleaved
+    """key -> median ms, interleaved (bench.time_interleaved_or_alone: where a call raises during the timing, each
+    is timed alone and the one that raises recorded in ``result.na``, FAILED for cuflash)."""
+    from .bench import time_interleaved_or_alone
 
-    try:
-        return time_interleaved(fns, warmup=warmup, repeats=repeats)
-    except Exception as e:  # noqa: BLE001 - find which one
-        log(f"  timing {result.row} [{result.dist}] raised ({_short(e)}): timing each alone")
-    out = {}
-    for key, f in fns.items():
-        try:
-            out.update(time_interleaved({key: f}, warmup=warmup, repeats=repeats))
-        except Exception as e:  # noqa: BLE001
-            result.na[key] = ("FAILED " if key == "cuflash" else "") + f"while timed: {_short(e)}"
-    result.notes.append("timed one implementation at a time (not interleaved): one raised")
-    return out
+    return time_interleaved_or_alone(fns, result, warmup=warmup, repeats=repeats, log=log,
+                                     what=f"{result.row} [{result.dist}]")
 
 
 def benchmark_case(row: DecodeRow, dist: str, prepared: Optional[Prepared] = None, *,
@@ -1194,36 +1153,24 @@ def peer_versions(adapters: dict) -> str:
         parts.append(f"FlashInfer {getattr(flashinfer, '__version__', '?')}")
     except Exception:  # noqa: BLE001
         parts.append("FlashInfer not importable")
-    try:
-        from .bench import fa4_status
-
-        parts.append(fa4_status())
-    except Exception as e:  # noqa: BLE001
-        parts.append(f"FlashAttention-4: {_short(e)}")
+    parts.append(fa4_version())
     return "; ".join(parts)
 
 
 def header(device: str, cc: int, repeats: int, warmup: int, copy: Optional[dict], adapters: dict) -> str:
-    import datetime
-
-    from . import __version__
-    from .bench_varlen import git_commit
-
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if copy:
         rates = ", ".join(f"{k} {v:.0f}" for k, v in copy["gbps"].items())
         cp = (f"copy bandwidth {copy['copy_gbps']:.0f} GB/s ({rates} GB/s; {copy['bytes'] / 2**30:.0f} GiB, read + "
               f"written, median of {COPY_REPEATS})")
     else:
         cp = "copy bandwidth not measured"
-    return (f"decode table (issue #44): {device} (sm_{cc}), {date}, cuflash {__version__} commit {git_commit()}; "
-            f"{peer_versions(adapters)}; {cp}; {warmup} warm-ups, {repeats} interleaved repeats (one run)")
+    return run_header("decode table (issue #44)", device, cc, [peer_versions(adapters), cp], warmup, repeats)
 
 
 def run(args, device: str, cc: int) -> int:
     """The decode table: printed (and as Markdown, JSON); 1 if cuflash failed a call or its check, or a peer's
     output differs from the reference."""
-    import json
+    from .bench_report import git_commit
 
     rows = rows_by_name(args.decode_rows)
     try:
@@ -1239,19 +1186,11 @@ def run(args, device: str, cc: int) -> int:
         print(f"  {name}: {'found' if build else why}")
     results = benchmark_decode(rows, args.decode_dists, copy_gbps=copy["copy_gbps"] if copy else None,
                                repeats=args.repeats, warmup=args.warmup, adapters=adapters)
-    print(format_table(results))
-    if args.markdown:
-        print()
-        print(markdown_table(results, head))
-    if args.json:
-        from .bench_varlen import git_commit
 
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "device": device, "cc": cc, "commit": git_commit(), "copy": copy,
-                       "rows": [{"name": r.name, "label": r.label(), "lengths": r.lengths().tolist(),
-                                 "kv_bytes": r.kv_bytes(), "bytes": r.bytes_read()} for r in rows],
-                       "dists": list(args.decode_dists), "results": [r.to_json() for r in results]}, f, indent=1)
-    bad = failures(results)
-    for line in bad:
-        print(f"FAILED {line}")
-    return 1 if bad else 0
+    def doc():
+        return {"header": head, "device": device, "cc": cc, "commit": git_commit(), "copy": copy,
+                "rows": [{"name": r.name, "label": r.label(), "lengths": r.lengths().tolist(),
+                          "kv_bytes": r.kv_bytes(), "bytes": r.bytes_read()} for r in rows],
+                "dists": list(args.decode_dists), "results": [r.to_json() for r in results]}
+
+    return print_results(args, format_table(results), lambda: markdown_table(results, head), doc, failures(results))

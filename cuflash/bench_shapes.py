@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from .bench import Shape, free_memory
+from .bench_report import aligned_rows, markdown_rows, print_results, run_header
 from .bench_variants import CHECK_BOUND, Variant, _ms, _ratio, _short, _tf, tflops, visible_pairs
 
 SHAPE_PASSES = ("fwd", "fwd+bwd")
@@ -312,9 +313,7 @@ def _notes(results) -> list:
 
 
 def format_table(results) -> str:
-    rows = [TABLE_HEAD] + [tuple(_cells(r)) for r in results]
-    widths = [max(len(str(x[i])) for x in rows) for i in range(len(TABLE_HEAD))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(x, widths)) for x in rows]
+    lines = aligned_rows(TABLE_HEAD, [_cells(r) for r in results], range(len(TABLE_HEAD)))
     descriptions = {r.row: r.label for r in results}
     lines += [f"{name}: {label}" for name, label in descriptions.items()] + _notes(results)
     return "\n".join(lines)
@@ -322,8 +321,7 @@ def format_table(results) -> str:
 
 def markdown_table(results, header: str = "") -> str:
     lines = [header] if header else []
-    lines += ["| " + " | ".join(TABLE_HEAD) + " |", "|" + " --- |" * len(TABLE_HEAD)]
-    lines += ["| " + " | ".join(str(c) for c in _cells(r)) + " |" for r in results]
+    lines += markdown_rows(TABLE_HEAD, [_cells(r) for r in results])
     return "\n".join(lines)
 
 
@@ -351,29 +349,15 @@ def replace_row(row: HeadDimRow, **kw) -> HeadDimRow:
 
 def run(args, device: str, cc: int) -> int:
     """The head-dim table: printed (and as Markdown, JSON); 1 if cuflash failed a call or an output differs."""
-    import datetime
-    import json
-
-    from . import __version__
-    from .bench_varlen import git_commit, peer_versions
+    from .bench_varlen import peer_versions
 
     rows = rows_by_name(args.head_dim_rows)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = (f"head-dim table (issue #43): {device} (sm_{cc}), {date}, cuflash {__version__} commit {git_commit()}; "
-            f"{peer_versions()}; {args.warmup} warm-ups, {args.repeats} interleaved repeats (one run); rows "
-            f"{', '.join(args.head_dim_rows)} x {', '.join(args.head_dim_dists)}")
+    head = (run_header("head-dim table (issue #43)", device, cc, [peer_versions()], args.warmup, args.repeats)
+            + f"; rows {', '.join(args.head_dim_rows)} x {', '.join(args.head_dim_dists)}")
     print(head)
     results = benchmark_shapes(rows, args.head_dim_dists, repeats=args.repeats, warmup=args.warmup,
                                backward=not args.forward_only)
-    print(format_table(results))
-    if args.markdown:
-        print()
-        print(markdown_table(results, head))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "device": device, "cc": cc, "results": [r.to_json() for r in results]}, f,
-                      indent=1)
-    bad = failures(results)
-    for line in bad:
-        print(f"FAILED {line}")
-    return 1 if bad else 0
+    return print_results(args, format_table(results), lambda: markdown_table(results, head),
+                         lambda: {"header": head, "device": device, "cc": cc,
+                                  "results": [r.to_json() for r in results]},
+                         failures(results))

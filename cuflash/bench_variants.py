@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .bench import PASS_FLOPS, Shape, free_memory
+from .bench import PASS_FLOPS, Shape, _short, free_memory
+from .bench_report import markdown_report, text_report
 
 TILE = 128                       # the accounting convention: 128 x 128 tiles
 VARIANT_PASSES = ("fwd", "fwd+bwd")
@@ -600,11 +601,6 @@ class CaseResult:
                 "vs_plain_tiles": self.vs_plain(), "notes": self.notes}
 
 
-def _short(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:160]}"
-
-
 def benchmark_case(row: VariantRow, dist: str, *, repeats: int = 20, warmup: int = 3, backward: bool = True,
                    adapters: Optional[dict] = None, log: Callable[[str], None] = print) -> list:
     """The CaseResults (one per pass) of one row on one input distribution: cuflash with the variant, plain
@@ -792,27 +788,13 @@ def _row_descriptions(results) -> list:
 
 
 def format_table(results) -> str:
-    rows = [list(TABLE_HEAD)] + [_cells(r) for r in results]
-    widths = [max(len(x[i]) for x in rows) for i in range(len(TABLE_HEAD))]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths)))
-             for x in rows]
-    lines += ["", "rows:"] + [f"  {x}" for x in _row_descriptions(results)]
-    notes = _row_notes(results)
-    if notes:
-        lines += ["n/a and notes:"] + [f"  {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return text_report(TABLE_HEAD, [_cells(r) for r in results], range(3), _row_descriptions(results),
+                       "n/a and notes:", _row_notes(results), CONVENTIONS)
 
 
 def markdown_table(results) -> str:
-    lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + " --- |" * len(TABLE_HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
-    lines += [""] + [f"- {x}" for x in _row_descriptions(results)]
-    notes = _row_notes(results)
-    if notes:
-        lines += ["", "n/a and notes:", ""] + [f"- {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return markdown_report(TABLE_HEAD, [_cells(r) for r in results], _row_descriptions(results), "n/a and notes:",
+                           _row_notes(results), CONVENTIONS)
 
 
 # ---------------------------------------------------------------------------

@@ -38,9 +38,7 @@ each sample), the median of ``repeats`` samples after ``warmup`` calls of each.
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -48,6 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .bench import PASS_FLOPS, Shape, free_memory
+from .bench_report import fa4_version, markdown_report, print_results, run_header, text_report
 from .bench_variants import CHECK_BOUND, Variant, _ms, _ratio, _short, _tf, tflops, visible_pairs
 
 SEED = 43                          # the lengths' seed (issue #43)
@@ -432,17 +431,11 @@ def dense_check(p: Packed, out, causal: bool) -> float:
 def fa4_varlen_adapter():
     """FlashAttention-4's ``flash_attn_varlen_func`` (imported through bench._import_fa4, the path of
     bench_variants.fa4_adapter: $CUFLASH_FA4_PATH), on torch views of the packed arrays."""
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001 - PyTorch is optional
-        return None, f"PyTorch not importable ({_short(e)})"
-    if not torch.cuda.is_available():
-        return None, "PyTorch has no CUDA device"
-    from .bench import _import_fa4
+    from .bench import fa4_torch
 
-    fn, why = _import_fa4()
-    if fn is None:
-        return None, f"FlashAttention-4 not importable ({why}; $CUFLASH_FA4_PATH)"
+    torch, why = fa4_torch()
+    if torch is None:
+        return None, why
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001 - an FA4 without the varlen entry point
@@ -753,23 +746,14 @@ def _sync() -> None:
 
 
 def _time_pass(fns: dict, result: VarlenResult, warmup: int, repeats: int, log) -> dict:
-    """impl -> median ms of ``fns`` (impl -> callable), interleaved (bench.time_interleaved). Where a call raises
-    during the timing, each implementation is timed alone instead and the one that raises is recorded in
-    ``result.na`` (FAILED for cuflash and dense)."""
-    from .bench import time_interleaved
+    """impl -> median ms of ``fns`` (impl -> callable), interleaved (bench.time_interleaved_or_alone: where a call
+    raises during the timing, each implementation is timed alone instead and the one that raises is recorded in
+    ``result.na``, FAILED for cuflash and dense)."""
+    from .bench import time_interleaved_or_alone
 
-    try:
-        return time_interleaved(fns, warmup=warmup, repeats=repeats)
-    except Exception as e:  # noqa: BLE001 - find which one
-        log(f"  timing {result.row} [{result.dist}] {result.pass_name} raised ({_short(e)}): timing each alone")
-    out = {}
-    for impl, f in fns.items():
-        try:
-            out.update(time_interleaved({impl: f}, warmup=warmup, repeats=repeats))
-        except Exception as e:  # noqa: BLE001
-            result.na[impl] = ("FAILED " if impl in ("cuflash", "dense") else "") + f"while timed: {_short(e)}"
-    result.notes.append("timed one implementation at a time (not interleaved): one raised")
-    return out
+    return time_interleaved_or_alone(fns, result, warmup=warmup, repeats=repeats, log=log,
+                                     what=f"{result.row} [{result.dist}] {result.pass_name}",
+                                     fatal=("cuflash", "dense"))
 
 
 def benchmark_varlen(rows, dists, *, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP,
@@ -870,65 +854,22 @@ def _checks_and_notes(results) -> list:
 
 
 def format_table(results) -> str:
-    rows = [list(TABLE_HEAD)] + [_cells(r) for r in results]
-    widths = [max(len(x[i]) for x in rows) for i in range(len(TABLE_HEAD))]
-    lines = ["  ".join(c.ljust(w) if i < 3 or i == len(TABLE_HEAD) - 1 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(x, widths))) for x in rows]
-    lines += ["", "rows:"] + [f"  {x}" for x in _descriptions(results)]
-    notes = _checks_and_notes(results)
-    if notes:
-        lines += ["checks, overheads and n/a:"] + [f"  {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return text_report(TABLE_HEAD, [_cells(r) for r in results], {0, 1, 2, len(TABLE_HEAD) - 1},
+                       _descriptions(results), "checks, overheads and n/a:", _checks_and_notes(results), CONVENTIONS)
 
 
 def markdown_table(results, header: str = "") -> str:
-    lines = [header, ""] if header else []
-    lines += ["| " + " | ".join(TABLE_HEAD) + " |", "|" + " --- |" * len(TABLE_HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in results]
-    lines += [""] + [f"- {x}" for x in _descriptions(results)]
-    notes = _checks_and_notes(results)
-    if notes:
-        lines += ["", "Checks, overheads and n/a:", ""] + [f"- {x}" for x in notes]
-    lines += ["", CONVENTIONS]
-    return "\n".join(lines)
+    return markdown_report(TABLE_HEAD, [_cells(r) for r in results], _descriptions(results),
+                           "Checks, overheads and n/a:", _checks_and_notes(results), CONVENTIONS, header)
 
 
 # ---------------------------------------------------------------------------
 # Run metadata
 
 
-def git_commit() -> str:
-    """The short commit of the checkout this cuflash runs from (``+dirty`` with uncommitted changes to tracked
-    files), else "unknown (...)": a copy without .git (the device machine's), or an installed package."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-
-    def git(*cmd):
-        r = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    try:
-        top = git("rev-parse", "--show-toplevel")
-        if not top or os.path.realpath(top) != os.path.realpath(root):   # not this project's own checkout
-            return "unknown (no git checkout here)"
-        sha = git("rev-parse", "--short", "HEAD")
-        if not sha:
-            return "unknown (no commit)"
-        return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except Exception:  # noqa: BLE001 - no git here
-        return "unknown (no git here)"
-
-
 def peer_versions() -> str:
     """FA4's and cudnn-frontend's versions (or why not), for the header."""
-    from .bench import fa4_status
-
-    parts = []
-    try:
-        parts.append(fa4_status())
-    except Exception as e:  # noqa: BLE001
-        parts.append(f"FlashAttention-4: {_short(e)}")
+    parts = [fa4_version()]
     try:
         import cudnn
 
@@ -939,13 +880,7 @@ def peer_versions() -> str:
 
 
 def header(device: str, cc: int, repeats: int, warmup: int) -> str:
-    import datetime
-
-    from . import __version__
-
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"varlen table (issue #43): {device} (sm_{cc}), {date}, cuflash {__version__} commit {git_commit()}; "
-            f"{peer_versions()}; {warmup} warm-ups, {repeats} interleaved repeats (one run)")
+    return run_header("varlen table (issue #43)", device, cc, [peer_versions()], warmup, repeats)
 
 
 # ---------------------------------------------------------------------------
@@ -1005,7 +940,7 @@ def rows_from_args(names, shape: Optional[str]) -> list:
 
 def run(args, device: str, cc: int) -> int:
     """The varlen table: printed (and as Markdown, JSON); 1 if cuflash failed a call or an output differs."""
-    import json
+    from .bench_report import git_commit
 
     rows = rows_from_args(args.varlen_rows, args.varlen_shape)
     head = header(device, cc, args.repeats, args.warmup)
@@ -1016,17 +951,11 @@ def run(args, device: str, cc: int) -> int:
         print(f"  {name}: {'found' if build else why}")
     results = benchmark_varlen(rows, args.varlen_dists, repeats=args.repeats, warmup=args.warmup,
                                backward=not args.forward_only, adapters=adapters)
-    print(format_table(results))
-    if args.markdown:
-        print()
-        print(markdown_table(results, head))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "device": device, "cc": cc, "commit": git_commit(),
-                       "rows": [{"name": r.name, "label": r.label(), "lengths": r.lengths().tolist(),
-                                 "dense": r.dense_shape().label()} for r in rows],
-                       "dists": list(args.varlen_dists), "results": [r.to_json() for r in results]}, f, indent=1)
-    bad = failures(results)
-    for line in bad:
-        print(f"FAILED {line}")
-    return 1 if bad else 0
+
+    def doc():
+        return {"header": head, "device": device, "cc": cc, "commit": git_commit(),
+                "rows": [{"name": r.name, "label": r.label(), "lengths": r.lengths().tolist(),
+                          "dense": r.dense_shape().label()} for r in rows],
+                "dists": list(args.varlen_dists), "results": [r.to_json() for r in results]}
+
+    return print_results(args, format_table(results), lambda: markdown_table(results, head), doc, failures(results))

@@ -9,8 +9,10 @@ import json
 import numpy as np
 import pytest
 
+from bench_checks import run_table
 from conftest import requires_gpu
 from cuflash import bench_decode as bd
+from cuflash import bench_report
 from cuflash.__main__ import parse_args, table_shapes
 from cuflash.bench_decode import DecodeResult, DecodeRow
 
@@ -422,9 +424,7 @@ def test_command_line():
 
 
 def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
-    from cuflash import bench_varlen as bvl
-
-    monkeypatch.setattr(bvl, "git_commit", lambda: "abc1234")
+    monkeypatch.setattr(bench_report, "git_commit", lambda: "abc1234")
     monkeypatch.setattr(bd, "copy_bandwidth", lambda: {"bytes": 1 << 30, "ms": {"memcpy": 1.0},
                                                       "gbps": {"memcpy": 2400.0, "elementwise": 2300.0},
                                                       "copy_gbps": 2400.0})
@@ -438,10 +438,8 @@ def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(bd, "benchmark_decode", fake)
     out = tmp_path / "d.json"
-    args = parse_args(["--decode", "--markdown", "--json", str(out), "--decode-rows", "b8-32k-*",
-                       "--decode-dists", "normal"])
-    assert bd.run(args, "Fake GPU", 90) == 0
-    text = capsys.readouterr().out
+    text = run_table(bd, ["--decode", "--markdown", "--json", str(out), "--decode-rows", "b8-32k-*",
+                          "--decode-dists", "normal"], capsys)
     assert "decode table (issue #44): Fake GPU (sm_90)" in text and "commit abc1234" in text
     assert "copy bandwidth 2400 GB/s (memcpy 2400, elementwise 2300 GB/s; 1 GiB" in text
     assert "sdpa: no torch" in text and "| batch | cache len |" in text
@@ -451,8 +449,7 @@ def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
     assert j["commit"] == "abc1234" and j["copy"]["copy_gbps"] == 2400.0 and len(j["rows"]) == 2
     assert j["rows"][1]["bytes"] == bd.rows_by_name(["b8-32k-paged64"])[0].bytes_read()
     monkeypatch.setattr(bd, "benchmark_decode", lambda rows, dists, **kw: _fake_results()[1:])
-    assert bd.run(parse_args(["--decode"]), "Fake GPU", 90) == 1
-    assert "FAILED b8-32k-paged64 [mixed]: cuflash's output differs" in capsys.readouterr().out
+    assert "FAILED b8-32k-paged64 [mixed]: cuflash's output differs" in run_table(bd, ["--decode"], capsys, rc=1)
 
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from bench_checks import run_table
 from conftest import requires_gpu
+from cuflash import bench_report
 from cuflash import bench_varlen as bvl
 from cuflash.__main__ import parse_args, table_shapes
 from cuflash.bench import PASS_FLOPS
@@ -202,12 +204,12 @@ def test_tables_and_json():
 
 
 def test_header_names_device_date_commit(monkeypatch):
-    monkeypatch.setattr(bvl, "git_commit", lambda: "deadbee")
+    monkeypatch.setattr(bench_report, "git_commit", lambda: "deadbee")
     h = bvl.header("NVIDIA H200", 90, 10, 2)
     assert h.startswith("varlen table (issue #43): NVIDIA H200 (sm_90), 20") and "commit deadbee" in h
     assert "10 interleaved repeats" in h
     monkeypatch.undo()
-    c = bvl.git_commit()   # a sha in a checkout, "unknown (...)" in a copy without .git
+    c = bench_report.git_commit()   # a sha in a checkout, "unknown (...)" in a copy without .git
     assert c.startswith("unknown (") or len(c.split("+")[0]) >= 7
 
 
@@ -408,7 +410,7 @@ def test_command_line():
 
 
 def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bvl, "git_commit", lambda: "abc1234")
+    monkeypatch.setattr(bench_report, "git_commit", lambda: "abc1234")
     seen = {}
 
     def fake(rows, dists, **kw):
@@ -418,10 +420,8 @@ def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bvl, "benchmark_varlen", fake)
     monkeypatch.setattr(bvl, "peer_adapters", lambda: {"fa4": (None, "not here"), "cudnn": (None, "nor here")})
     out = tmp_path / "v.json"
-    args = parse_args(["--varlen", "--markdown", "--json", str(out), "--varlen-shape", "B=2,lens=8:16",
-                       "--varlen-dists", "normal"])
-    assert bvl.run(args, "Fake GPU", 90) == 0
-    text = capsys.readouterr().out
+    text = run_table(bvl, ["--varlen", "--markdown", "--json", str(out), "--varlen-shape", "B=2,lens=8:16",
+                           "--varlen-dists", "normal"], capsys)
     assert "varlen table (issue #43): Fake GPU (sm_90)" in text and "commit abc1234" in text
     assert "fa4: not here" in text and "| row | dist | pass |" in text
     assert [r.batch for r in seen["rows"]] == [2, 2] and seen["dists"] == ("normal",)
@@ -430,8 +430,7 @@ def test_run_prints_the_tables_and_writes_json(monkeypatch, tmp_path, capsys):
     assert j["commit"] == "abc1234" and len(j["rows"][0]["lengths"]) == 2 and len(j["results"]) == 2
     monkeypatch.setattr(bvl, "benchmark_varlen", lambda rows, dists, **kw: [_result("fwd", {"dense": 1.0},
                                                                                     na={"cuflash": "FAILED x"})])
-    assert bvl.run(parse_args(["--varlen"]), "Fake GPU", 90) == 1
-    assert "FAILED small [normal] fwd: cuflash FAILED x" in capsys.readouterr().out
+    assert "FAILED small [normal] fwd: cuflash FAILED x" in run_table(bvl, ["--varlen"], capsys, rc=1)
 
 
 # ---------------------------------------------------------------------------

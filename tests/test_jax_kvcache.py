@@ -11,27 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FWD_TOL, assert_lse_matches, requires_gpu
+from conftest import FWD_TOL, assert_lse_matches
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import cuflash.jax as cj  # noqa: E402
 from cuflash.reference import attention_reference_kvcache, rel_err  # noqa: E402
+from jax_platforms import CPU, PLATFORMS  # noqa: E402
 
-
-def _jax_gpu():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return gpus[0] if gpus else None
-
-
-GPU = _jax_gpu()
-requires_jax_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA JAX backend (jax.devices('gpu'))")
-CPU = jax.devices("cpu")[0]
-PLATFORMS = [pytest.param(CPU, id="cpu"), pytest.param(GPU, id="gpu", marks=[requires_gpu, requires_jax_gpu])]
 B, HQ, HKV, D, CAP = 2, 8, 2, 64, 96
 
 

@@ -25,6 +25,7 @@ jnp = pytest.importorskip("jax.numpy")
 import cuflash.jax as cj  # noqa: E402
 from cuflash import jax_targets, xla_ffi  # noqa: E402
 from cuflash.reference import attention_reference_varlen, attention_reference_varlen_backward, rel_err  # noqa: E402
+from jax_platforms import CPU, GPU, PLATFORMS, requires_jax_gpu  # noqa: E402
 
 JNP_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -33,20 +34,6 @@ JNP_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.f
 LENGTHS_Q = [0, 1, 13, 131, 64]
 LENGTHS_K = [3, 1, 17, 131, 0]
 HQ, HKV, D = 4, 2, 64
-
-
-def _jax_gpu():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return gpus[0] if gpus else None
-
-
-GPU = _jax_gpu()
-requires_jax_gpu = pytest.mark.skipif(GPU is None, reason="needs a CUDA JAX backend (jax.devices('gpu'))")
-CPU = jax.devices("cpu")[0]
-PLATFORMS = [pytest.param(CPU, id="cpu"), pytest.param(GPU, id="gpu", marks=[requires_gpu, requires_jax_gpu])]
 
 
 def _offsets(lengths, device=CPU):
