@@ -39,6 +39,11 @@
 #              --head-dims --markdown: (192, 128), 512, (576, 512) beside cuDNN through cudnn-frontend and FA4),
 #              FA4 and cudnn-frontend installed as for varlen (two calls: `large setup` carrying .fa4a and .cudnnfe,
 #              then `large` carrying .fa4b); extra ARGS to python -m cuflash. Not part of all
+#   decode [setup] [ARGS...] : issue #44: the KV-cache tests (tests/test_kvcache.py, the JAX and torch wrappers', the
+#              decode table's), then the decode table (python -m cuflash --decode --markdown: batch 1 / 8 / 64, caches of
+#              4k / 32k / 128k, contiguous and paged 64, beside SDPA, FlashInfer and FA4 where they import); FA4 as
+#              for varlen (`decode setup` carrying .fa4a, then `decode` carrying .fa4b); extra ARGS to python -m cuflash,
+#              e.g. --decode-rows 'b8-*' --decode-dists normal. Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -95,6 +100,7 @@ case $phase in
   variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
   varlen) python3 $HERE/precompile.py fwd bwd varlen_bench | tail -n 12 ;;  # a kernel that fails is named here
   large) python3 $HERE/precompile.py large | tail -n 12 ;;
+  decode) ;;  # the tests compile the few decode kernels they take
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -143,6 +149,20 @@ case $phase in
     python3 -m pytest -q tests/test_fwd_sm90.py -k sm90_split 2>&1 | tail -n 5 || status=1
     python3 -m cuflash --head-dims --markdown --json "$OUT/head-dims.json" "$@" 2>&1 \
       | tee "$OUT/head-dims.log" | tail -n 60 || status=1
+    ;;
+  decode)
+    # FA4 as for varlen (`decode setup` carrying .fa4a, then `decode` carrying .fa4b), for its paged decode column
+    if [ -f .fa4a/cu13part00 ] || { [ -d .fa4b ] && [ ! -d $FA4_SITE ]; }; then fa4_setup || status=1; fi
+    fa4_env
+    if [ "${1:-}" = setup ]; then
+      echo "decode setup: done; now \`bash dev/device_run.sh decode\` carrying .fa4b, while this machine is warm"
+      exit $status
+    fi
+    python3 -m pytest -q -p no:cacheprovider --require-gpu tests/test_kvcache.py tests/test_jax_kvcache.py \
+      tests/test_bench_decode.py tests/test_torch.py -k "kvcache or decode or KvCache" 2>&1 \
+      | tee "$OUT/decode-tests.log" | tail -n 12 || status=1
+    python3 -m cuflash --decode --markdown --json "$OUT/decode.json" "$@" 2>&1 \
+      | tee "$OUT/decode.log" | tail -n 60 || status=1
     ;;
   tests)
     [ -f .fa4a/cu13part00 ] && fa4_setup
