@@ -1090,7 +1090,9 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
             convention); ``rotary_interleaved``: pairs ``(2i, 2i + 1)`` (GPT-J) or ``(i, i + rotary_dim / 2)``
             (GPT-NeoX).
         cache_batch_idx: optional int32 ``(batch,)``: the cache row of each sequence (contiguous cache).
-        cache_leftpad: not supported yet (ValueError).
+        cache_leftpad: optional int32 ``(batch,)``: where each sequence's keys start in its cache row (left-padded
+            batches; contiguous caches, as flash-attn): it has ``cache_seqlens[b] + seqlen_new - cache_leftpad[b]`` keys, its positions (rotary,
+            causal alignment) count from there, and appends still land at ``cache_seqlens[b]``.
         block_table (or ``page_table``, FlashAttention-3's name): int32 ``(batch, max_blocks)``: sequence b's key
             j is row ``j % page_size`` of page ``block_table[b, j // page_size]``; page sizes: multiples of 16.
         causal, window_size, softcap, alibi_slopes, sinks, attention_chunk, softmax_scale: as :func:`forward`,
@@ -1117,20 +1119,18 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
         seqlens_is_int = isinstance(cache_seqlens, (int, np.integer))
         arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
                   "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "block_table": block_table,
-                  "alibi_slopes": alibi_slopes, "sinks": sinks}
+                  "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes, "sinks": sinks}
         if not seqlens_is_int:
             arrays["cache_seqlens"] = cache_seqlens
         return interop.call(
             forward_kvcache, arrays, buffers=("k_cache", "v_cache"),
-            **({"cache_seqlens": cache_seqlens} if seqlens_is_int else {}), rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad, causal=causal,
-            window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, softmax_scale=softmax_scale,
-            num_splits=num_splits, batch_invariant=batch_invariant, return_lse=return_lse)
+            **({"cache_seqlens": cache_seqlens} if seqlens_is_int else {}), rotary_interleaved=rotary_interleaved,
+            causal=causal, window_size=window_size, softcap=softcap, attention_chunk=attention_chunk,
+            softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=return_lse)
     from . import kvcache
 
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad is not supported yet by forward_kvcache")
     lay, cache_seqlens = kvcache.check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                       rotary_cos, rotary_sin)
+                                       rotary_cos, rotary_sin, cache_leftpad)
     scale = _checks.check_scale(softmax_scale, lay.head_dim)
     causal = _checks.check_flag("causal", causal)
     batch_invariant = _checks.check_flag("batch_invariant", batch_invariant)
@@ -1147,7 +1147,7 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table, var=var, scale=scale,
                                    num_splits=int(num_splits), batch_invariant=batch_invariant,
-                                   return_lse=return_lse)
+                                   return_lse=return_lse, cache_leftpad=cache_leftpad)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise

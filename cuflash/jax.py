@@ -442,7 +442,7 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                             v: Optional[jax.Array] = None, *, cache_seqlens, rotary_cos: Optional[jax.Array] = None,
                             rotary_sin: Optional[jax.Array] = None, rotary_interleaved: bool = True,
                             cache_batch_idx: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
-                            causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            cache_leftpad: Optional[jax.Array] = None, causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             alibi_slopes: Optional[jax.Array] = None, sinks: Optional[jax.Array] = None,
                             attention_chunk: int = 0, softmax_scale: Optional[float] = None, num_splits: int = 0,
                             batch_invariant: bool = False, return_lse: bool = False) -> tuple:
@@ -497,6 +497,10 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
             raise ValueError("cache_batch_idx cannot be combined with block_table")
     if cache_batch_idx is not None:
         cache_batch_idx = int_array("cache_batch_idx", cache_batch_idx, (b,))
+    if cache_leftpad is not None:
+        if block_table is not None:
+            raise ValueError("cache_leftpad cannot be combined with block_table")
+        cache_leftpad = int_array("cache_leftpad", cache_leftpad, (b,))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and their values), or neither")
     if k is not None:
@@ -530,7 +534,7 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         return (*results, k_cache, v_cache) if has_kv else (results if return_lse else out)
     register_targets()
     operands = [q, k_cache, v_cache, cache_seqlens]
-    for group in ((k, v), (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,)):
+    for group in ((k, v), (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,), (cache_leftpad,)):
         operands += [x for x in group if x is not None]
     extra, flags = _extras(alibi_slopes, sinks)
     results = [jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
@@ -542,7 +546,8 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                window_right=np.int32(right), attention_chunk=np.int32(chunk), softcap=np.float32(cap_),
                rotary_interleaved=bool(rotary_interleaved), num_splits=np.int32(num_splits),
                batch_invariant=bool(batch_invariant), has_kv=has_kv, has_rotary=rotary_cos is not None,
-               has_cache_batch_idx=cache_batch_idx is not None, has_block_table=block_table is not None, **flags)
+               has_cache_batch_idx=cache_batch_idx is not None, has_block_table=block_table is not None,
+               has_cache_leftpad=cache_leftpad is not None, **flags)
     out, lse = res[0], res[1]
     head = (out, lse) if return_lse else (out,)
     if has_kv:

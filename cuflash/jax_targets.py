@@ -237,7 +237,8 @@ def cuda_backward_varlen(call: Call) -> None:
 
 def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
     """``cuflash.forward_kvcache``'s arguments from a KV-cache call: the operands after (q, k_cache, v_cache)
-    ``cache_seqlens[, k, v][, rotary_cos, rotary_sin][, cache_batch_idx][, block_table][, alibi_slopes][, sinks]``
+    ``cache_seqlens[, k, v][, rotary_cos, rotary_sin][, cache_batch_idx][, block_table][, cache_leftpad]
+    [, alibi_slopes][, sinks]``
     (as the has_* attributes say) and the attributes. Returns (kwargs, k, v)."""
     a = call.attrs
     rest = list(operands)
@@ -251,6 +252,8 @@ def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
         kwargs["cache_batch_idx"] = rest.pop(0)
     if a.get("has_block_table"):
         kwargs["block_table"] = rest.pop(0)
+    if a.get("has_cache_leftpad"):
+        kwargs["cache_leftpad"] = rest.pop(0)
     kwargs.update(_variant_kwargs(call, rest), causal=bool(a["causal"]), softmax_scale=float(a["softmax_scale"]),
                   rotary_interleaved=bool(a["rotary_interleaved"]))
     return kwargs, k, v

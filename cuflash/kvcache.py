@@ -18,8 +18,13 @@ always merges through ``combine``, so a row's result depends on its own sequence
 
 What is checked without a device sync, before any kernel: every shape, dtype, device and stride. What is not
 (documented, never unsafe): ``cache_seqlens[b]`` beyond the cache's capacity (the keys are clamped to the
-capacity, appended tokens past it are dropped), and block-table entries out of range (a read takes the nearest
-page that exists, an append skips the token): no read or write leaves the cache.
+capacity, appended tokens past it are dropped), ``cache_leftpad[b]`` outside [0, capacity] (clamped), and
+block-table entries out of range (a read takes the nearest page that exists, an append skips the token): no read
+or write leaves the cache.
+
+``cache_leftpad`` (flash-attn's meaning, contiguous caches): sequence b's keys start at cache position
+``cache_leftpad[b]``; it has ``cache_seqlens[b] + seqlen_new - cache_leftpad[b]`` keys, and positions (rotary, causal
+alignment, windows, ALiBi) count from there; appends still land at cache position ``cache_seqlens[b]``.
 """
 from __future__ import annotations
 
@@ -115,7 +120,8 @@ def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
     return x
 
 
-def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin):
+def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+          cache_leftpad=None):
     """The checks of :func:`cuflash.forward_kvcache` (TypeError / ValueError naming the argument); returns
     ``(layout, cache_seqlens)`` (a Python int becomes an int32 array)."""
     import cupy
@@ -151,12 +157,18 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                              "sequence through its block-table row)")
         page_size = cap
         if page_size % 16 or page_size == 0:
-            raise ValueError(f"the page size (k_cache.shape[1] with block_table) must be a multiple of 16, got {page_size}")
+            raise ValueError(f"the page size (k_cache.shape[1] with block_table) must be a multiple of 16, "
+                             f"got {page_size}")
         capacity = max_blocks * page_size
     else:
         capacity = cap
     if cache_batch_idx is not None:
         _int_array("cache_batch_idx", cache_batch_idx, (b,), dev, "(batch,)")
+    if cache_leftpad is not None:
+        if block_table is not None:
+            raise ValueError("cache_leftpad cannot be combined with block_table (as flash-attn: a paged cache starts "
+                             "each sequence at its first page)")
+        _int_array("cache_leftpad", cache_leftpad, (b,), dev, "(batch,)")
     elif block_table is None and rows < b:
         raise ValueError(f"k_cache has {rows} rows for a batch of {b}: pass cache_batch_idx to map them")
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
@@ -263,7 +275,7 @@ def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.
 
 def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_cos, rotary_sin,
         rotary_interleaved: bool, cache_batch_idx, block_table, var: variants.Variants, scale: float,
-        num_splits: int, batch_invariant: bool, return_lse: bool):
+        num_splits: int, batch_invariant: bool, return_lse: bool, cache_leftpad=None):
     """Launches the append (if any), the decode kernel and the merge; returns ``(out, lse or None)``."""
     import cupy
 
@@ -297,6 +309,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
             cos.data.ptr if rotary else 0, sin.data.ptr if rotary else 0, cache_seqlens.data.ptr,
             cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
             block_table.data.ptr if block_table is not None else 0,
+            cache_leftpad.data.ptr if cache_leftpad is not None else 0,
             *(_strides(k_new) if k_new is not None else (0, 0, 0)), *(_strides(v) if v is not None else (0, 0, 0)),
             *_strides(k_cache), *_strides(v_cache), *_strides(q), bt_stride,
             b, lay.seqlen_new, nq, hkv, hq, lay.head_dim, lay.head_dim_v, 2 * cos.shape[1] if rotary else 0,
@@ -326,6 +339,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         lse_part.data.ptr if merged else 0, cache_seqlens.data.ptr,
         cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
         block_table.data.ptr if block_table is not None else 0,
+        cache_leftpad.data.ptr if cache_leftpad is not None else 0,
         *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(out), bt_stride,
         b, nq, 0, hq, hq // hkv, lay.head_dim, lay.head_dim_v, lay.seqlen_new, lay.capacity, lay.cache_rows,
         lay.page_size, _page_shift(lay.page_size), kps, splits, scale, scale * LOG2E, *mask_values))

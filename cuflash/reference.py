@@ -488,7 +488,7 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
                                 block_table=None, causal: bool = False, window_size=(-1, -1),
                                 softcap: float = 0.0, alibi_slopes=None, sinks=None, attention_chunk: int = 0,
                                 softmax_scale: float | None = None, rotary_dtype=None,
-                                round_rotated_q: bool = True):
+                                round_rotated_q: bool = True, cache_leftpad=None):
     """Float64 decoding attention over a KV cache, as flash-attn 2's ``flash_attn_with_kvcache``
     -> ``(out, lse, k_cache_after, v_cache_after)``.
 
@@ -508,6 +508,11 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
     cache_seqlens[b]. ``rotary_dtype`` (a NumPy dtype, e.g. float16 or ml_dtypes.bfloat16): the rotated new k
     are rounded to it, as the cache stores them, and so is the rotated q unless ``round_rotated_q`` is False
     (flash-attn's kernels keep it in q's dtype; a kernel may keep it in float32); None: exact.
+
+    ``cache_leftpad`` (integers (B,), 0 <= cache_leftpad[b] <= cache_seqlens[b]): sequence b's keys start at cache
+    position cache_leftpad[b] (flash-attn's left-padded caches): it attends to positions cache_leftpad[b] ..
+    cache_seqlens[b] + Nnew - 1, and its rotary positions count from cache_leftpad[b]; appends still go to
+    cache_seqlens[b] ..
 
     Returns out (B, Nq, Hq, Dv), lse (B, Hq, Nq) and the caches after the append, in their own layout, all
     float64 NumPy. Two sequences may not write the same cache slot, nor may a sequence read a slot that
@@ -547,6 +552,11 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
     if np.any(lens < 0):
         raise ValueError(f"cache_seqlens must be >= 0, got {lens.tolist()}")
     total = lens + nnew
+    pads = np.zeros(b, np.int64)
+    if cache_leftpad is not None:
+        pads = _int_array(cache_leftpad, "cache_leftpad", 1)
+        if pads.shape != (b,) or np.any(pads < 0) or np.any(pads > lens):
+            raise ValueError(f"cache_leftpad must be (batch,) integers in [0, cache_seqlens], got {pads.tolist()}")
 
     paged = block_table is not None
     if paged:
@@ -582,7 +592,7 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
         return blocks * page + j % page
 
     written = [slots(bi, int(lens[bi]), int(total[bi])) for bi in range(b)]
-    read = [slots(bi, 0, int(total[bi])) for bi in range(b)]
+    read = [slots(bi, int(pads[bi]), int(total[bi])) for bi in range(b)]
     if nnew:
         every = np.concatenate(written)
         if np.unique(every).size != every.size:
@@ -606,10 +616,11 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
     if rotary:
         t = np.arange(nq)[None, :]
         per_row = bool(causal) or any(w >= 0 for w in window)
-        q = rounded(rotary_reference(q, rotary_cos, rotary_sin, lens[:, None] + (t if per_row else 0),
+        start = (lens - pads)[:, None]   # positions count from the left pad
+        q = rounded(rotary_reference(q, rotary_cos, rotary_sin, start + (t if per_row else 0),
                                      rotary_interleaved), round_rotated_q)
         if nnew:
-            k = rounded(rotary_reference(k, rotary_cos, rotary_sin, lens[:, None] + np.arange(nnew)[None, :],
+            k = rounded(rotary_reference(k, rotary_cos, rotary_sin, start + np.arange(nnew)[None, :],
                                          rotary_interleaved))
 
     kflat = kc.reshape(-1, hkv, d).copy()   # the caches after the append, one slot a row

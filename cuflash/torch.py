@@ -458,8 +458,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if block_table is not None:
             raise ValueError("pass block_table or page_table (its other name), not both")
         block_table = page_table
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad is not supported yet by cuflash")
     if not isinstance(q, Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if cache_seqlens is None or isinstance(cache_seqlens, int):
@@ -470,7 +468,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     left, right = variants.check_window(window_size)
     scale = _checks.check_scale(softmax_scale, q.shape[-1])
     out, lse = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                 block_table, scale, bool(causal), left, right, float(softcap),
+                                 cache_leftpad, block_table, scale, bool(causal), left, right, float(softcap),
                                  bool(rotary_interleaved), alibi_slopes, sinks, int(attention_chunk), int(num_splits),
                                  bool(batch_invariant))
     return (out, lse) if return_softmax_lse else out
@@ -479,7 +477,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 @torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
 def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                       rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
-                      cache_batch_idx: Optional[Tensor], block_table: Optional[Tensor], softmax_scale: float,
+                      cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                      softmax_scale: float,
                       causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], attention_chunk: int, num_splits: int,
                       batch_invariant: bool) -> Tuple[Tensor, Tensor]:
@@ -488,14 +487,14 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[T
         _kernel_ready(q), k_cache, v_cache, None if k is None else _kernel_ready(k),
         None if v is None else _kernel_ready(v), cache_seqlens=cache_seqlens, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, causal=causal, window_size=(window_left, window_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk, softmax_scale=softmax_scale,
-        num_splits=num_splits, batch_invariant=batch_invariant, return_lse=True)
+        cache_leftpad=cache_leftpad, block_table=block_table, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk,
+        softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=True)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                            block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                            alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant):
+                            cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                            rotary_interleaved, alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant):
     b, nq, hq, _ = q.shape
     return q.new_empty((b, nq, hq, v_cache.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)

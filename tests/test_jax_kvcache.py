@@ -115,3 +115,17 @@ def test_argument_errors_while_tracing(rng):
                                    block_table=jnp.zeros((B, 3), jnp.float32))
     with pytest.raises(ValueError, match="multiple"):
         cj.flash_attn_with_kvcache(q[:, :, :7], k_cache, v_cache, cache_seqlens=lens)
+
+
+def test_cache_leftpad_on_the_host_target(rng):
+    """cache_leftpad travels as an operand: the host target's result is the reference's with it."""
+    q, k_cache, v_cache, k_new, v_new, lens, _ = _case(rng, CPU, paged=False)
+    pads = jnp.asarray(np.array([3, 10], np.int32))
+    out, lse, k_after, v_after = jax.jit(lambda *a: cj.flash_attn_with_kvcache(
+        a[0], a[1], a[2], a[3], a[4], cache_seqlens=a[5], cache_leftpad=a[6], causal=True, return_lse=True))(
+        q, k_cache, v_cache, k_new, v_new, lens, pads)
+    ro, rl, _, _ = attention_reference_kvcache(_host(q), _host(k_cache), _host(v_cache), _host(k_new), _host(v_new),
+                                               cache_seqlens=np.asarray(lens), cache_leftpad=np.asarray(pads),
+                                               causal=True)
+    assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
+    assert_lse_matches(lse, rl, (B, HQ, 2))

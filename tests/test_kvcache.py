@@ -454,7 +454,8 @@ def test_torch_flash_attn_with_kvcache_appends_in_place(rng):
     dev = torch.device("cuda", cupy.cuda.Device().id)
     gen = torch.Generator(device=dev).manual_seed(7)
     mk = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16)
-    q, k_cache, v_cache, k, v = mk(b, 2, hq, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d), mk(b, 2, hkv, d), mk(b, 2, hkv, d)
+    q, k_cache, v_cache = mk(b, 2, hq, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    k, v = mk(b, 2, hkv, d), mk(b, 2, hkv, d)
     lens = torch.tensor([5, 150], dtype=torch.int32, device=dev)
     k0, v0 = k_cache.clone(), v_cache.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
@@ -462,8 +463,44 @@ def test_torch_flash_attn_with_kvcache_appends_in_place(rng):
     for i, n in enumerate((5, 150)):
         assert torch.equal(k_cache[i, n:n + 2], k[i]) and torch.equal(v_cache[i, n:n + 2], v[i])
         assert torch.equal(k_cache[i, :n], k0[i, :n]) and torch.equal(k_cache[i, n + 2:], k0[i, n + 2:])
-    ref_out, ref_lse = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_cache), cupy.from_dlpack(v_cache),
-                                               cache_seqlens=cupy.asarray([7, 152], dtype=np.int32), causal=True,
-                                               return_lse=True)
+    ref_out, ref_lse = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_cache),
+                                               cupy.from_dlpack(v_cache), causal=True, return_lse=True,
+                                               cache_seqlens=cupy.asarray([7, 152], dtype=np.int32))
     assert torch.equal(out, torch.from_dlpack(ref_out)) and torch.equal(lse, torch.from_dlpack(ref_lse))
     assert out.shape == (b, 2, hq, d) and lse.shape == (b, hq, 2)
+
+
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_cache_leftpad(rng, num_splits):
+    """cache_leftpad (contiguous caches): each sequence's keys start at its pad (positions, rotary and the causal
+    diagonal count from there), appends land at cache_seqlens; against the float64 reference, every row, and the
+    caches after; refused with a block table."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
+    b, cap, hq, hkv, d, nnew, nq = 3, 256, 8, 2, 64, 2, 3
+    mk = lambda *s: cupy.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype_of("bfloat16"))
+    q, kn, vn = mk(b, nq, hq, d), mk(b, nnew, hkv, d), mk(b, nnew, hkv, d)
+    lens = np.array([40, 200, 7], np.int32)
+    pads = np.array([13, 0, 7], np.int32)   # the last sequence: no cached key left, only the new ones
+    ang = np.arange(cap + nq)[:, None] * 0.02 * np.arange(1, d // 2 + 1)[None]
+    cos, sin = (cupy.asarray(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+    kc, vc = mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    k0, v0 = to_host(kc).astype(np.float64), to_host(vc).astype(np.float64)
+    out, lse = cuflash.forward_kvcache(q, kc, vc, kn, vn, cache_seqlens=cupy.asarray(lens),
+                                       cache_leftpad=cupy.asarray(pads), rotary_cos=cos, rotary_sin=sin,
+                                       rotary_interleaved=False, causal=True, num_splits=num_splits, return_lse=True)
+    ro, rl, rk, rv = attention_reference_kvcache(
+        to_host(q), k0, v0, to_host(kn), to_host(vn), cache_seqlens=lens, cache_leftpad=pads,
+        rotary_cos=to_host(cos), rotary_sin=to_host(sin), rotary_interleaved=False, causal=True,
+        rotary_dtype=dtype_of("bfloat16"))
+    assert_close_on_every_row("out", out, cupy.asarray(ro), "bfloat16", FWD_TOL)
+    assert_lse_matches(lse, rl, (b, hq, nq), rtol=1e-3)
+    np.testing.assert_array_equal(to_host(vc).astype(np.float64), rv)
+    k_err = np.abs(to_host(kc).astype(np.float64) - rk)
+    assert np.max(k_err) <= 2 ** -6 * max(1.0, float(np.max(np.abs(rk))))   # rotated keys: one bf16 ulp
+    with pytest.raises(ValueError, match="cache_leftpad"):   # with a block table: refused, as flash-attn does
+        cuflash.forward_kvcache(q, kc.reshape(-1, 64, hkv, d), vc.reshape(-1, 64, hkv, d),
+                                cache_seqlens=cupy.asarray(lens), cache_leftpad=cupy.asarray(pads),
+                                block_table=cupy.arange(b * cap // 64, dtype=np.int32).reshape(b, -1))

@@ -400,3 +400,30 @@ def test_combine_refuses_bad_shapes():
         combine_reference(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 4, 3)))
     with pytest.raises(ValueError, match="lses"):
         combine_reference(np.zeros((1, 1, 1, 1, 8)), np.full((1, 1, 1, 1), np.nan))
+
+
+def test_leftpad_is_the_cache_shifted_left():
+    """cache_leftpad L: the same as the cache shifted left by L (cache_seqlens - L), rotary positions included; the
+    append lands at cache_seqlens either way."""
+    from cuflash.reference import attention_reference_kvcache
+
+    rng = np.random.default_rng(5)
+    b, cap, hq, hkv, d, nnew = 2, 40, 4, 2, 16, 2
+    q = rng.standard_normal((b, 3, hq, d))
+    kc, vc = rng.standard_normal((b, cap, hkv, d)), rng.standard_normal((b, cap, hkv, d))
+    kn, vn = rng.standard_normal((b, nnew, hkv, d)), rng.standard_normal((b, nnew, hkv, d))
+    lens, pads = np.array([20, 31]), np.array([7, 0])
+    ang = np.arange(cap + 4)[:, None] * 0.1 * np.arange(1, d // 2 + 1)[None]
+    kw = dict(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang), causal=True)
+    out, lse, k_after, v_after = attention_reference_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                                             cache_leftpad=pads, **kw)
+    k_shifted = np.stack([np.roll(x, -pads[i], axis=0) for i, x in enumerate(kc)])
+    v_shifted = np.stack([np.roll(x, -pads[i], axis=0) for i, x in enumerate(vc)])
+    ro, rl, rk, rv = attention_reference_kvcache(q, k_shifted, v_shifted, kn, vn, cache_seqlens=lens - pads, **kw)
+    np.testing.assert_allclose(out, ro, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, rl, rtol=1e-12)
+    for i in range(b):
+        at, shifted_at = lens[i], lens[i] - pads[i]
+        np.testing.assert_array_equal(k_after[i, at:at + nnew], rk[i, shifted_at:shifted_at + nnew])
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        attention_reference_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=np.array([21, 0]))

@@ -125,6 +125,9 @@ struct DecodeParams {
     const int* cache_seqlens;   // (batch,) keys already in the cache
     const int* cache_batch_idx; // (batch,) the cache row of each sequence (contiguous cache), or null
     const int* block_table;     // (batch, block_table_batch_stride) pages of each sequence, or null
+    const int* cache_leftpad;   // (batch,) where each sequence's keys start in its cache row, or null (0): key j of
+                                // sequence b is cache position cache_leftpad[b] + j, and it has cache_seqlens[b] +
+                                // seqlen_new - cache_leftpad[b] keys
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;   // batch: a cache row, or a page
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -181,6 +184,7 @@ struct AppendParams {
     const int* cache_seqlens;
     const int* cache_batch_idx;
     const int* block_table;
+    const int* cache_leftpad;   // as DecodeParams: rotary positions count from it (cache rows do not)
     i64 k_new_batch_stride, k_new_row_stride, k_new_head_stride;
     i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;

@@ -1,5 +1,6 @@
 // The new tokens' keys and values into the KV cache, rotated (rotary embedding) on the way, and the queries
-// rotated into q_rot (cuflash.forward_kvcache: AppendParams). One warp per row (a new token's KV head, or a
+// rotated into q_rot (cuflash.forward_kvcache: AppendParams). Positions count from the sequence's left pad
+// (cache_leftpad), as its keys do; cache rows do not. One warp per row (a new token's KV head, or a
 // query token's head); memory-bound and small beside the attention that follows.
 //
 // A position past the cache's capacity, or a block-table entry out of range, is skipped: nothing is written
@@ -45,7 +46,8 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
         const int h = static_cast<int>(warp % p.heads_kv);
         const int i = static_cast<int>((warp / p.heads_kv) % p.seqlen_new);
         const int b = static_cast<int>(warp / (static_cast<i64>(p.heads_kv) * p.seqlen_new));
-        const int pos = max(p.cache_seqlens[b], 0) + i;
+        const int pos = max(p.cache_seqlens[b], 0) + i;   // the cache position; rotary counts from the left pad
+        const int pad = p.cache_leftpad != nullptr ? max(p.cache_leftpad[b], 0) : 0;
         if (pos >= p.cache_capacity) return;
         i64 k_off, v_off;
         if (p.block_table != nullptr) {
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
                            + h * p.k_new_head_stride;
         const u16* v_src = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + i * p.v_new_row_stride
                            + h * p.v_new_head_stride;
-        rotate_row<Tag>(p, k_src, static_cast<u16*>(p.k_cache) + k_off + h * p.k_head_stride, p.head_dim, pos,
+        rotate_row<Tag>(p, k_src, static_cast<u16*>(p.k_cache) + k_off + h * p.k_head_stride, p.head_dim, pos - pad,
                         p.rotary_cos != nullptr, lane);
         rotate_row<Tag>(p, v_src, static_cast<u16*>(p.v_cache) + v_off + h * p.v_head_stride, p.head_dim_v, pos,
                         false, lane);
@@ -73,7 +75,8 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
         const int h = static_cast<int>(r % p.heads_q);
         const int t = static_cast<int>((r / p.heads_q) % p.seqlen_q);
         const int b = static_cast<int>(r / (static_cast<i64>(p.heads_q) * p.seqlen_q));
-        const int pos = max(p.cache_seqlens[b], 0) + t * p.q_positions_step;
+        const int pad = p.cache_leftpad != nullptr ? max(p.cache_leftpad[b], 0) : 0;
+        const int pos = max(p.cache_seqlens[b], 0) - pad + t * p.q_positions_step;
         const u16* src = static_cast<const u16*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride + h * p.q_head_stride;
         u16* dst = static_cast<u16*>(p.q_rot) + ((static_cast<i64>(b) * p.seqlen_q + t) * p.heads_q + h) * p.head_dim;
         rotate_row<Tag>(p, src, dst, p.head_dim, pos, true, lane);

@@ -49,7 +49,7 @@ __device__ const int decode_kernel_smem_bytes = DecodeTile<kHeadDim, kHeadDimV, 
 struct CacheAddress {
     const int* pages;   // the sequence's block-table row (paged), else null
     int page_size, page_shift, last_page;
-    i64 k_base, v_base; // contiguous: the cache row's offset; paged: 0
+    i64 k_base, v_base; // contiguous: the offset of the sequence's key 0 (its cache row and left pad); paged: 0
 
     // Key j's page index in the table (a shift for power-of-two page sizes) and its row in the page.
     __device__ __forceinline__ int page_index(int key) const { return page_shift >= 0 ? key >> page_shift : key / page_size; }
@@ -131,9 +131,12 @@ decode_kernel(const DecodeParams p) {
     const int group = p.heads_per_kv;
     const int rows = p.seqlen_q * group;
 
-    // This sequence's keys: the cache's plus the appended ones, never past what the cache holds.
+    // This sequence's keys: the cache's plus the appended ones from its left pad on (contiguous caches only: the
+    // host refuses a pad with a block table), never past what the cache holds.
     DecodeParams s = p;
-    s.seqlen_k = min(max(p.cache_seqlens[batch], 0) + p.seqlen_new, p.cache_capacity);
+    const int pad = p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), p.cache_capacity) : 0;
+    s.seqlen_k = min(max(p.cache_seqlens[batch], 0) + p.seqlen_new, p.cache_capacity) - pad;
+    s.seqlen_k = max(s.seqlen_k, 0);
     s.mask_diag = s.seqlen_k - p.seqlen_q + p.mask_diag;
     const int seqlen_k = s.seqlen_k;
 
@@ -145,8 +148,8 @@ decode_kernel(const DecodeParams p) {
     {
         int row = batch;
         if (p.cache_batch_idx != nullptr) row = min(max(p.cache_batch_idx[batch], 0), p.cache_rows - 1);
-        at.k_base = at.pages != nullptr ? 0 : row * p.k_batch_stride;
-        at.v_base = at.pages != nullptr ? 0 : row * p.v_batch_stride;
+        at.k_base = at.pages != nullptr ? 0 : row * p.k_batch_stride + pad * p.k_row_stride;
+        at.v_base = at.pages != nullptr ? 0 : row * p.v_batch_stride + pad * p.v_row_stride;
     }
     const u16* gK = static_cast<const u16*>(p.k) + head_kv * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + head_kv * p.v_head_stride;
