@@ -287,7 +287,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     b, nq, hq, hkv = lay.batch, lay.seqlen_q, lay.heads_q, lay.heads_kv
     out = cupy.empty((b, nq, hq, lay.head_dim_v), dtype=q.dtype)
     lse = cupy.empty((b, hq, nq), dtype=np.float32) if return_lse else None
-    if b == 0 or nq == 0:
+    if b == 0 or (nq == 0 and (k is None or lay.seqlen_new == 0)):
         return out, lse
     bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
     keep = []
@@ -316,10 +316,14 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
             int(bool(rotary_interleaved)), cos.shape[0] if rotary else 0,
             int(var.causal or var.local), lay.capacity, lay.cache_rows, lay.page_size))
         warps = (b * lay.seqlen_new * hkv if k is not None else 0) + (b * nq * hq if rotary else 0)
-        launch.launch(kern, append_cfg, (-(-warps // NUM_WARPS), 1, 1), p, smem)
+        if warps:   # (no new token and no query to rotate: nothing to launch)
+            launch.launch(kern, append_cfg, (-(-warps // NUM_WARPS), 1, 1), p, smem)
         if rotary:
             q = q_rot
             keep.append(q_rot)
+    if nq == 0:   # the append alone
+        capture.keep_if_capturing(*keep)
+        return out, lse
     # 2. The attention, split over the keys.
     cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
     kern, smem = _kernel(cfg, dev, opts)

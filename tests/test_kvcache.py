@@ -504,3 +504,21 @@ def test_cache_leftpad(rng, num_splits):
         cuflash.forward_kvcache(q, kc.reshape(-1, 64, hkv, d), vc.reshape(-1, 64, hkv, d),
                                 cache_seqlens=cupy.asarray(lens), cache_leftpad=cupy.asarray(pads),
                                 block_table=cupy.arange(b * cap // 64, dtype=np.int32).reshape(b, -1))
+
+
+def test_empty_appends_and_queries(rng):
+    """k / v with no new token append nothing; no query token still appends (and returns empty arrays)."""
+    import cupy
+    import cuflash
+
+    mk = lambda *s: cupy.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype_of("float16"))
+    kc, vc = mk(2, 64, 2, 64), mk(2, 64, 2, 64)
+    k0 = kc.copy()
+    lens = cupy.asarray(np.array([3, 10], np.int32))
+    out = cuflash.forward_kvcache(mk(2, 1, 4, 64), kc, vc, mk(2, 0, 2, 64), mk(2, 0, 2, 64), cache_seqlens=lens)
+    assert out.shape == (2, 1, 4, 64) and bool(cupy.isfinite(out).all()) and bool((kc == k0).all())
+    kn, vn = mk(2, 2, 2, 64), mk(2, 2, 2, 64)
+    out, lse = cuflash.forward_kvcache(mk(2, 0, 4, 64), kc, vc, kn, vn, cache_seqlens=lens, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    assert bool((kc[0, 3:5] == kn[0]).all()) and bool((vc[1, 10:12] == vn[1]).all())
+    assert bool((kc[0, :3] == k0[0, :3]).all()) and bool((kc[0, 5:] == k0[0, 5:]).all())
