@@ -463,6 +463,7 @@ def test_torch_flash_attn_with_kvcache_appends_in_place(rng):
     for i, n in enumerate((5, 150)):
         assert torch.equal(k_cache[i, n:n + 2], k[i]) and torch.equal(v_cache[i, n:n + 2], v[i])
         assert torch.equal(k_cache[i, :n], k0[i, :n]) and torch.equal(k_cache[i, n + 2:], k0[i, n + 2:])
+        assert torch.equal(v_cache[i, :n], v0[i, :n]) and torch.equal(v_cache[i, n + 2:], v0[i, n + 2:])
     ref_out, ref_lse = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_cache),
                                                cupy.from_dlpack(v_cache), causal=True, return_lse=True,
                                                cache_seqlens=cupy.asarray([7, 152], dtype=np.int32))
