@@ -69,20 +69,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
-    left, right = variants.check_window(window_size)
-    if causal and right > 0:
-        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
-    chunk = variants.check_chunk(attention_chunk)
-    cap = variants.check_softcap(softcap)
-    if alibi_slopes is not None:
-        alibi_slopes = jnp.asarray(alibi_slopes)
-        if alibi_slopes.shape not in ((hq,), (b, hq)) or alibi_slopes.dtype != jnp.float32:
-            raise ValueError(f"alibi_slopes must be float32 of shape ({hq},) or ({b}, {hq}), got "
-                             f"{alibi_slopes.dtype} {alibi_slopes.shape}")
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if sinks.shape != (hq,) or sinks.dtype not in (jnp.float32, q.dtype):
-            raise ValueError(f"sinks must be float32 or {q.dtype} of shape ({hq},), got {sinks.dtype} {sinks.shape}")
+    left, right, chunk, cap = _check_variant_options(causal, window_size, attention_chunk, softcap)
+    alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
     register_targets()
     opts = _Opts(causal, scale, deterministic, left, right, chunk, cap)
     return _attention(q, k, v, alibi_slopes, sinks, opts)
@@ -255,11 +243,7 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
     return_lse = _checks.check_flag("return_lse", return_lse)
-    left, right = variants.check_window(window_size)
-    if causal and right > 0:
-        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
-    chunk = variants.check_chunk(attention_chunk)
-    cap = variants.check_softcap(softcap)
+    left, right, chunk, cap = _check_variant_options(causal, window_size, attention_chunk, softcap)
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, batch, hq, q.dtype)
     register_targets()
     opts = _VarlenOpts(_Opts(causal, scale, deterministic, left, right, chunk, cap), max_q, max_k, return_lse)
@@ -341,6 +325,15 @@ def _check_max_seqlen(name: str, value) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return int(value)
+
+
+def _check_variant_options(causal: bool, window_size, attention_chunk, softcap) -> tuple:
+    """``(window_left, window_right, attention_chunk, softcap)`` checked as ``cuflash.forward`` checks them (static
+    Python values), with ``causal`` already a checked flag."""
+    left, right = variants.check_window(window_size)
+    if causal and right > 0:
+        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
+    return left, right, variants.check_chunk(attention_chunk), variants.check_softcap(softcap)
 
 
 def _check_alibi_and_sinks(alibi_slopes, sinks, batch: int, hq: int, dtype) -> tuple:
@@ -518,11 +511,7 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                              f"<= head_dim ({d}), got {rotary_cos.shape} and {rotary_sin.shape}")
     scale = _checks.check_scale(softmax_scale, d)
     causal = _checks.check_flag("causal", causal)
-    left, right = variants.check_window(window_size)
-    if causal and right > 0:
-        raise ValueError(f"window_size[1] must be -1 or 0 with causal=True, got {right}")
-    chunk = variants.check_chunk(attention_chunk)
-    cap_ = variants.check_softcap(softcap)
+    left, right, chunk, cap_ = _check_variant_options(causal, window_size, attention_chunk, softcap)
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")

@@ -237,8 +237,31 @@ def _strides(x) -> tuple:
     return params.element_strides(x)
 
 
+# (config, device, options token) -> (kernel, shared memory bytes); (dtype, head dims, packed rows, causal, variant,
+# device, token) -> the decode plan: chosen once, read on every call after.
+_kernels: dict = {}
+_plans: dict = {}
+
+
 def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
-    return get_kernel(cfg, device_id, opts.nvrtc_defines), smem_bytes(cfg, device_id, opts.nvrtc_defines)
+    key = (cfg, device_id, opts.token)
+    found = _kernels.get(key)
+    if found is None:
+        found = _kernels[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines),
+                                 smem_bytes(cfg, device_id, opts.nvrtc_defines))
+    return found
+
+
+def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: options.Options) -> tuple:
+    """``(config, kernel, shared memory, resident CTAs)`` of the decode kernel for a call, cached."""
+    key = (dtype, lay.head_dim, lay.head_dim_v, lay.seqlen_q * (lay.heads_q // lay.heads_kv), var.causal,
+           var.kernel, lay.device_id, opts.token)
+    plan = _plans.get(key)
+    if plan is None:
+        cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
+        kern, smem = _kernel(cfg, lay.device_id, opts)
+        plan = _plans[key] = (cfg, kern, smem, _resident_ctas(lay.device_id, smem))
+    return plan
 
 
 def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant) -> list:
@@ -325,11 +348,9 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         capture.keep_if_capturing(*keep)
         return out, lse
     # 2. The attention, split over the keys.
-    cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
-    kern, smem = _kernel(cfg, dev, opts)
+    cfg, kern, smem, slots = _decode_plan(dtype, lay, var, opts)
     m_tiles = -(-(nq * (hq // hkv)) // cfg.block_m)
-    splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, _resident_ctas(dev, smem), num_splits,
-                             batch_invariant)
+    splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, slots, num_splits, batch_invariant)
     merged = splits > 1 or batch_invariant
     o_part = lse_part = None
     if merged:

@@ -178,19 +178,26 @@ def attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_
                         attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks)
 
 
-def _index_array(x, name: str) -> np.ndarray:
-    """``x`` (NumPy, CuPy or a list) as a 1-D int64 NumPy array; TypeError / ValueError naming it."""
+def _int_array(x, name: str, ndim: int | None, kind: str = "an array") -> np.ndarray:
+    """``x`` (NumPy, CuPy or a list) as an int64 NumPy array of ``ndim`` dimensions (None: any); TypeError / ValueError
+    naming it (``kind``: how the messages call it). Any integer dtype is taken here (the kernels' int32 is the API's
+    rule, not the reference's); bool, floats and objects are refused: offsets and positions are exact integers."""
     if hasattr(x, "get") and not isinstance(x, np.ndarray):  # a CuPy array
         x = x.get()
     try:
         a = np.asarray(x)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{name} must be a 1-D array of integers: {e}") from None
-    if a.dtype.kind not in "iu":   # bool, floats and objects are refused: offsets are exact integers
-        raise TypeError(f"{name} must be a 1-D array of integers (int32 for the kernels), got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        raise TypeError(f"{name} must be {kind} of integers: {e}") from None
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be {kind} of integers (int32 for the kernels), got dtype {a.dtype}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     return a.astype(np.int64)
+
+
+def _index_array(x, name: str) -> np.ndarray:
+    """``x`` (NumPy, CuPy or a list) as a 1-D int64 NumPy array; TypeError / ValueError naming it."""
+    return _int_array(x, name, 1, "a 1-D array")
 
 
 def _varlen_ranges(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, total_q: int,
@@ -426,22 +433,6 @@ def _host_f64(x, name: str) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # Decoding with a KV cache (issue #44): flash-attn 2's ``flash_attn_with_kvcache``, and the combination of
 # split-KV partial results.
-
-
-def _int_array(x, name: str, ndim: int | None) -> np.ndarray:
-    """``x`` (NumPy, CuPy or a list) as an int64 NumPy array of ``ndim`` dimensions (None: any); TypeError / ValueError
-    naming it. Any integer dtype is taken here (the kernels' int32 is the API's rule, not the reference's)."""
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):  # a CuPy array
-        x = x.get()
-    try:
-        a = np.asarray(x)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name} must be an array of integers: {e}") from None
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an array of integers (int32 for the kernels), got dtype {a.dtype}")
-    if ndim is not None and a.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
-    return a.astype(np.int64)
 
 
 def rotary_reference(x, cos, sin, positions, interleaved: bool = True) -> np.ndarray:
