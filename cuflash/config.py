@@ -116,6 +116,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Decoding over a KV cache (cuflash/kvcache.py): split-KV, paged, GQA packed (block_m: packed query rows
     # per CTA; head_dim / head_dim_v: 64-column buckets), and the merge of split results (tag: the output's).
     Family("decode", "decode/decode.cu", "decode_kernel", 80, False, direction="decode"),
+    # The same on Hopper, its keys streamed by producer warps (num_warps: the consumers and the producers).
+    Family("decode_sm90", "decode/decode_sm90.cu", "decode_sm90_kernel", 90, True, direction="decode",
+           backend="sm90"),
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).

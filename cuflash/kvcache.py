@@ -41,6 +41,7 @@ from .dispatch import get_kernel, smem_bytes
 LOG2E = 1.4426950408889634
 BLOCK_N = 64                 # keys per tile of the decode kernel (kernels_cu/decode/decode.cu)
 NUM_WARPS = 4
+SM90_PRODUCER_WARPS = 4      # the Hopper decode kernel's producer warps (kernels_cu/decode/decode_sm90.cu)
 MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
 SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_plan's estimate)
 MAX_SPLITS = 128
@@ -226,11 +227,16 @@ def _page_shift(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size > 0 and page_size & (page_size - 1) == 0 else -1
 
 
-def _resident_ctas(device_id: int, smem: int) -> int:
-    """Decode CTAs resident on the GPU at once, by shared memory (1 KB of it per CTA for the system), at most 4 per
-    SM (their 128 threads' registers)."""
-    sms, per_sm = _device_shape(device_id)
-    return sms * max(1, min(4, per_sm // (smem + 1024)))
+def _resident_ctas(device_id: int, kern, cfg: KernelConfig, smem: int) -> int:
+    """Decode CTAs resident on the GPU at once: the driver's occupancy for the kernel's threads, registers and
+    shared memory, times the SMs."""
+    import cupy
+    from cupy.cuda import driver
+
+    with cupy.cuda.Device(device_id):
+        fptr = launch.function_ptr(kern, smem)   # (with its dynamic shared memory allowed)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fptr, cfg.threads, smem)
+    return _device_shape(device_id)[0] * max(1, per_sm)
 
 
 def _strides(x) -> tuple:
@@ -260,14 +266,31 @@ def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: o
     if plan is None:
         cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
         kern, smem = _kernel(cfg, lay.device_id, opts)
-        plan = _plans[key] = (cfg, kern, smem, _resident_ctas(lay.device_id, smem))
+        plan = _plans[key] = (cfg, kern, smem, _resident_ctas(lay.device_id, kern, cfg, smem))
     return plan
 
 
-def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant) -> list:
+def decode_backend(device_id: int, opts: options.Options) -> str:
+    """The decode kernel family's backend for a device: "sm90" (producer warps, kernels_cu/decode/decode_sm90.cu) on cc 9.0, else
+    "sm80" (the cp.async ring); Options.decode_backend forces one (ValueError for "sm90" elsewhere)."""
+    from .dispatch import device_info
+
+    cc = device_info(device_id)[0]
+    choice = opts.decode_backend
+    if choice == "auto":
+        return "sm90" if cc == 90 else "sm80"
+    if choice == "sm90" and cc != 90:
+        raise ValueError(f"CUFLASH_DECODE_BACKEND=sm90 needs a compute capability 9.0 GPU, device {device_id} has "
+                         f"{cc // 10}.{cc % 10}")
+    return choice
+
+
+def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant,
+                   backend: str = "sm80") -> list:
     """The decode kernels for a call, best first: block_m from the packed rows, 64-column head-dim buckets, 64-key
     tiles over 4 warps (32-key tiles for 32- and 64-row tiles above 128 columns); then, for devices with less shared
-    memory than the first needs, 32-key tiles (a warp per 16 keys) and shorter row tiles."""
+    memory than the first needs, 32-key tiles (a warp per 16 keys) and shorter row tiles. ``backend`` "sm90": the
+    same tiles in the Hopper family, whose num_warps counts its SM90_PRODUCER_WARPS producer warps too."""
     d, dv = _bucket(lay.head_dim), _bucket(lay.head_dim_v)
     rows = lay.seqlen_q * (lay.heads_q // lay.heads_kv)
     bm = block_m_for(rows)
@@ -278,7 +301,9 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
         tiles.append((32, 32, 4))
     if bm > 16:
         tiles.append((16, 32, 2))
-    return [KernelConfig("decode", dtype, d, causal, m, n, w, variant, 0 if dv == d else dv) for m, n, w in tiles]
+    family, extra = ("decode_sm90", SM90_PRODUCER_WARPS) if backend == "sm90" else ("decode", 0)
+    return [KernelConfig(family, dtype, d, causal, m, n, w + extra, variant, 0 if dv == d else dv)
+            for m, n, w in tiles]
 
 
 def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant,
@@ -288,7 +313,7 @@ def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.
 
     opts = opts or options.current()
     limit = device_info(lay.device_id)[1]
-    configs = decode_configs(dtype, lay, causal, variant)
+    configs = decode_configs(dtype, lay, causal, variant, decode_backend(lay.device_id, opts))
     for cfg in configs:
         if smem_bytes(cfg, lay.device_id, opts.nvrtc_defines) <= limit:
             return cfg

@@ -168,7 +168,7 @@ def _launch_counted(launch_kernel, fptr: int, grid: tuple, threads: int, smem: i
     counters.launched(ticket, stream_ptr)
 
 
-def _function_ptr(kernel, smem: int) -> int:
+def function_ptr(kernel, smem: int) -> int:
     """The CUfunction of a RawKernel, allowed ``smem`` bytes of dynamic shared memory (the
     attribute that CuPy's own launch path would apply)."""
     found = _function_ptrs.get(id(kernel))
@@ -191,7 +191,7 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
         return
     launch_kernel, current_stream = _cuda or _bind_cuda()
     args, offsets, (counters, counter_offset) = _pack_launch(params, extra_args)
-    fptr, stream_ptr = _function_ptr(kernel, smem), current_stream().ptr
+    fptr, stream_ptr = function_ptr(kernel, smem), current_stream().ptr
     if counters is not None:
         _launch_counted(launch_kernel, fptr, grid, config.threads, smem, stream_ptr, args, len(args), offsets,
                         counters, counter_offset)
@@ -229,7 +229,7 @@ class Prepared:
                  extra_args: tuple = ()) -> None:
         args, offsets, (self._counters, self._counter_offset) = _pack_launch(params, extra_args)
         self.kernel = kernel   # keeps the module (and so fptr) alive
-        self.fptr = _function_ptr(kernel, smem)
+        self.fptr = function_ptr(kernel, smem)
         self.grid, self.threads, self.smem = grid, config.threads, smem
         self._buffer = ctypes.create_string_buffer(args, len(args))
         self._offsets = offsets

@@ -14,6 +14,9 @@ CUFLASH_FWD_BACKEND                       fwd_backend ("auto")        "auto": th
                                                                       Hopper tuned table; "sm90_<kind>" one
                                                                       Hopper kernel kind forced (FWD_BACKENDS)
 CUFLASH_BWD_BACKEND                       bwd_backend ("auto")        "auto" | "sm80" | "sm90", as above
+CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kvcache's kernel: "auto" | "sm80"
+                                                                      (the cp.async ring, every GPU) | "sm90"
+                                                                      (producer warps fill the ring, cc 9.0)
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -61,6 +64,7 @@ Tiles = Tuple[int, int, int]
 FWD_BACKENDS = ("auto", "sm80", "sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p", "sm90_overlap_x2",
                 "sm90_overlap_x2_p", "sm90_split")
 BWD_BACKENDS = ("auto", "sm80", "sm90")
+DECODE_BACKENDS = ("auto", "sm80", "sm90")
 CLUSTER_MODES = ("auto", "0", "1")
 SM80_BWD_VARIANTS = (1, 2)
 LAUNCH_PATHS = ("packed", "cupy")
@@ -69,6 +73,7 @@ LAUNCH_PATHS = ("packed", "cupy")
 ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
+    "decode_backend": "CUFLASH_DECODE_BACKEND",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -127,6 +132,7 @@ class Options:
 
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
+    decode_backend: str = "auto"
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -149,6 +155,7 @@ class Options:
     def __post_init__(self) -> None:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
+        _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)

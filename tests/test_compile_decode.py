@@ -1,5 +1,5 @@
-"""CPU only: the KV-cache kernels (kernels_cu/decode/: decode, combine, append) compile for sm_80 and sm_90a without
-register spills, over the tiles cuflash/kvcache.py picks (packed rows of 16 / 32 / 64, 64- and 32-key tiles), the
+"""CPU only: the KV-cache kernels (kernels_cu/decode/: decode, combine, append) compile for sm_80 and sm_90a (and the
+Hopper decode kernel, decode_sm90.cu, for sm_90a) without register spills, over the tiles cuflash/kvcache.py picks (packed rows of 16 / 32 / 64, 64- and 32-key tiles), the
 head-dim buckets, a value head dim of its own and the mask variants; and every bucket has a tile that fits a
 99 KB-shared-memory device. Each distinct instantiation is compiled once."""
 from __future__ import annotations
@@ -21,16 +21,19 @@ def _layout(seqlen_q: int, heads_q: int, heads_kv: int, d: int, dv: int) -> kvca
     return kvcache.CacheLayout(1, seqlen_q, heads_q, heads_kv, d, dv, 0, 4096, 1, 0, 0)
 
 
-def _configs() -> list:
+def _configs(backends=("sm80",)) -> list:
     out = {}
     for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64), (72, 40)):
         for rows in ((1, 8, 1), (4, 8, 1), (16, 32, 8)):   # packed rows 8, 32, 64
             for causal, variant in ((False, VARIANTS[0]), (True, VARIANTS[0]), (False, VARIANTS[1])):
                 if variant is VARIANTS[1] and (d, rows) != (128, (1, 8, 1)):
                     continue
-                for c in kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), causal, variant):
-                    out[c.key()] = c
-    out.update({c.key(): c for c in kvcache.decode_configs("float16", _layout(1, 32, 8, 128, 128), False, VARIANTS[0])})
+                for backend in backends:
+                    for c in kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), causal, variant, backend):
+                        out[c.key()] = c
+    for backend in backends:
+        out.update({c.key(): c for c in kvcache.decode_configs("float16", _layout(1, 32, 8, 128, 128), False,
+                                                               VARIANTS[0], backend)})
     for dtype in ("float16", "bfloat16", "float32"):
         c = KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
         out[c.key()] = c
@@ -42,7 +45,7 @@ def _configs() -> list:
 
 @pytest.mark.parametrize("cc", ["80", "90a"])
 def test_decode_kernels_compile_without_spills(cc):
-    assert_all_compile(_configs(), cc)
+    assert_all_compile(_configs(("sm80", "sm90") if cc == "90a" else ("sm80",)), cc)
 
 
 def test_every_head_dim_bucket_fits_a_99kb_device():
@@ -55,6 +58,23 @@ def test_every_head_dim_bucket_fits_a_99kb_device():
             # and the first, the H100's, fits two CTAs per SM at head dims up to 128 with one 16-row tile (decoding)
             if max(d, dv) <= 128 and rows == (1, 8, 1):
                 assert sizes[configs[0]] <= 113 * 1024, (d, dv, rows, sizes[configs[0]])
+
+
+def test_sm90_decode_tiles():
+    """The Hopper family takes the portable family's tiles with SM90_PRODUCER_WARPS more warps, and its first tile
+    fits two CTAs on an H100's SM at head dims up to 128 (its shared memory: the portable kernel's and 128 bytes of
+    barriers)."""
+    for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64)):
+        for rows in ((1, 8, 1), (16, 32, 8)):
+            lay = _layout(*rows, d, dv)
+            portable = kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], "sm80")
+            hopper = kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], "sm90")
+            assert [(c.block_m, c.block_n, c.num_warps + kvcache.SM90_PRODUCER_WARPS) for c in portable] == \
+                [(c.block_m, c.block_n, c.num_warps) for c in hopper]
+            assert all(c.family == "decode_sm90" for c in hopper)
+            if max(d, dv) <= 128 and rows == (1, 8, 1):
+                (size,) = smem_bytes_offline_many(hopper[:1], "90a").values()
+                assert size <= 113 * 1024 - 1024, (d, dv, size)
 
 
 def test_split_plan():

@@ -8,7 +8,8 @@ softcap, ALiBi, sinks, chunks; head dims 64, 128, 72, 40 and (128, 64); fp16 and
 splits. Every row of out is compared with a row-wise relative bound, lse with its own; the whole caches after
 the call against the reference's (the appended slots, and bit for bit everything else); the arguments other
 than the caches are left alone. Batch-invariant mode gives a sequence bit-identical rows whatever batch it is
-in. One 32k-key cache against float64; keys past cache_seqlens (NaN there) are never read; bad arguments are
+in. Each test runs on both decode kernels (decode.cu everywhere, decode_sm90.cu on Hopper). One 32k-key cache
+against float64; keys past cache_seqlens (NaN there) are never read; bad arguments are
 refused naming them, before the cache is touched.
 
 Rotary: the reference rounds the rotated q and new k to the inputs' dtype (rotary_dtype), as flash-attn's
@@ -25,6 +26,19 @@ import pytest
 from conftest import FWD_TOL, LSE_RTOL, assert_close_on_every_row, assert_lse_matches, dtype_of, requires_gpu, to_host
 
 pytestmark = [requires_gpu]
+
+
+@pytest.fixture(params=["sm80", "sm90"], autouse=True)
+def decode_backend(request):
+    """Every test on both decode kernels: the portable cp.async ring and, on cc 9.0, the one filled by producer
+    warps (Options.decode_backend)."""
+    from cuflash import options
+    from cuflash.dispatch import device_info
+
+    if request.param == "sm90" and device_info(0)[0] != 90:
+        pytest.skip("the Hopper decode kernel (decode_sm90.cu) needs a compute capability 9.0 GPU")
+    with options.override(decode_backend=request.param):
+        yield request.param
 
 # The spacing of the dtype's floats relative to their value, at most: the rotated keys in the cache within one
 # unit in the last place of the reference's (which rounds the float64 rotation once), or 2e-6 absolute near 0

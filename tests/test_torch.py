@@ -446,7 +446,6 @@ def test_variants_and_lse_gradients(kwargs):
     """flash_attn_func with the variants (FA4's names: learnable_sink, window None), differentiable with respect to
     q, k, v, the sinks and lse (FA4's test_flash_attn_lse_grad), against float64."""
     _need_cuda()
-    import numpy as np
     from cuflash.reference import attention_reference_backward, rel_err
 
     q, k, v, dout = _inputs("bfloat16", 2, 77, 95, 4, 2, 64)
@@ -473,6 +472,50 @@ def test_variants_and_lse_gradients(kwargs):
     for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
         err = rel_err(got.double().cpu().numpy(), ref)
         assert err <= 2e-2, f"{name} rel err {err:.3e}"
+
+
+def test_cuda_graph_capture_of_a_decode_step():
+    """flash_attn_with_kvcache captured in a CUDA graph after a warm-up (one new token appended, attention over the
+    cache split over the keys and merged) and replayed as a serving loop does, cache_seqlens advanced in place
+    between replays: nothing comes from CuPy's pool in capture, and each replay writes the caches and returns the
+    output of an eager call on copies of the same caches, bit for bit."""
+    import cupy
+
+    _need_cuda()
+    b, cap, hq, hkv, d = 2, 4096, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = mk(b, 1, hq, d), mk(b, 1, hkv, d), mk(b, 1, hkv, d)
+    k_cache, v_cache = mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = torch.tensor([2900, 1200], dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return ct.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    pool_used = cupy.get_default_memory_pool().used_bytes()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(k_cache, v_cache)
+    assert cupy.get_default_memory_pool().used_bytes() == pool_used
+    for _ in range(3):
+        with torch.no_grad():
+            for x in (q, k, v):
+                x.copy_(mk(*x.shape))
+            lens.add_(1)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        expected = step(k_ref, v_ref)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        assert torch.equal(k_cache[torch.arange(b), lens.long()], k[:, 0])   # the new token at its position
 
 
 def test_kvcache_op_schema_and_fake_shapes():

@@ -1,121 +1,19 @@
-// Decoding: a few new query tokens of each sequence against its KV cache (cuflash.forward_kvcache).
+// Decoding: a few new query tokens of each sequence against its KV cache (cuflash.forward_kvcache), on every GPU.
 //
-// Memory-bound: each key is read once and used by few rows, so the kernel is organised around keeping
-// enough loads in flight on every SM, not around tensor-core occupancy.
-//   - GQA packed: a CTA takes one KV head of one sequence and every query row that reads it, the
-//     seqlen_q x heads_per_kv rows (token t, head h_kv * heads_per_kv + g) packed into kBlockM-row tiles, so a
-//     key is loaded once for all the query heads that share it.
-//   - Split-KV: the sequence's keys are split over gridDim.y CTAs of keys_per_split keys; each writes its
-//     normalised partial result and lse (float32), merged by combine.cu. With one split the CTA writes the
-//     output itself.
-//   - Inside a CTA the warps are a kWarpsM x kWarpsN grid: warp (wm, wn) owns 16 packed rows and a kSliceN-key
-//     slice of every key tile, with its own running max, sum and O; the kWarpsN partial results of a row are
-//     merged through shared memory at the end. At one 16-row tile (a single token, GQA up to 16) every warp
-//     reads different keys and no tensor-core work is repeated.
-//   - Keys stream through a kStages-deep cp.async ring; a paged cache is read through the block table row by
-//     row (any page size that is a multiple of 16 keys: a 16-key group never straddles a page).
-// The mask policy (common/mask.cuh) sees token indices as rows and key positions as columns, with the
-// diagonal at seqlen_k - seqlen_q (new tokens at the end of the cache), as the dense kernels.
-#include "../common/numeric.cuh"
-#include "../common/params.cuh"
-#include "../common/mask.cuh"
-#include "../sm80/copy.cuh"
-#include "../sm80/mma.cuh"
-
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_>
-struct DecodeTile {
-    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim_;
-    static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kThreads = kNWarps_ * 32;
-    static constexpr int kWarpsM = kBlockM / 16, kWarpsN = kNWarps / kWarpsM, kSliceN = kBlockN / kWarpsN;
-    // Rows padded by 16 bytes: ldmatrix's eight row addresses fall in distinct bank groups.
-    static constexpr int kStrideK = kHeadDim + 8, kStrideV = kHeadDimV + 8;
-    static constexpr int kStages = kHeadDim + kHeadDimV <= 256 ? 3 : 2;
-    static constexpr int kQElems = kBlockM * kStrideK;
-    static constexpr int kStageElems = kBlockN * (kStrideK + kStrideV);
-    // The end's merge of the warps' partial results (over the drained ring): O rows and (max, sum) per warp.
-    static constexpr int kRedStride = kHeadDimV + 4;
-    static constexpr int kRedBytes = kNWarps * 16 * (kRedStride + 2) * 4;
-    static constexpr int kSmemBytes = (kQElems + kStages * kStageElems) * 2 > kQElems * 2 + kRedBytes
-                                          ? (kQElems + kStages * kStageElems) * 2 : kQElems * 2 + kRedBytes;
-    static_assert(kBlockM % 16 == 0 && kNWarps % kWarpsM == 0, "16-row warps tiling the rows");
-    static_assert(kSliceN % 16 == 0, "each warp's key slice is whole 16-key MMA steps");
-    static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head-dim buckets of whole MMA steps");
-};
+// Memory-bound: each key is read once and used by few rows, so the kernel is organised around keeping enough loads
+// in flight on every SM, not around tensor-core occupancy. The work split, the consumer warps' math and the merge are
+// decode_parts.cuh's; this shell streams the keys through a kStages-deep cp.async ring that every warp fills and
+// reads in turn. A paged cache is read through the block table row by row (any page size that is a multiple of 16
+// keys: a 16-key group never straddles a page).
+#include "decode_parts.cuh"
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_kernel_smem_bytes = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>::kSmemBytes;
-
-// Where sequence `batch`'s keys live: key j's row offset (in elements) in the K and V caches.
-struct CacheAddress {
-    const int* pages;   // the sequence's block-table row (paged), else null
-    int page_size, page_shift, last_page;
-    i64 k_base, v_base; // contiguous: the offset of the sequence's key 0 (its cache row and left pad); paged: 0
-
-    // Key j's page index in the table (a shift for power-of-two page sizes) and its row in the page.
-    __device__ __forceinline__ int page_index(int key) const { return page_shift >= 0 ? key >> page_shift : key / page_size; }
-    __device__ __forceinline__ int slot(int key) const {
-        return page_shift >= 0 ? key & (page_size - 1) : key - (key / page_size) * page_size;
-    }
-    // The page of key j (paged; a table entry out of range reads a page that exists: wrong keys, never a bad
-    // address). A plain load: the loads of a tile's rows go out together (load_keys).
-    __device__ __forceinline__ int page(int key) const {
-        return pages != nullptr ? min(max(pages[page_index(key)], 0), last_page) : 0;
-    }
-    __device__ __forceinline__ i64 k_offset(const DecodeParams& p, int key, int pg) const {
-        return pages != nullptr ? pg * p.k_batch_stride + slot(key) * p.k_row_stride : k_base + key * p.k_row_stride;
-    }
-    __device__ __forceinline__ i64 v_offset(const DecodeParams& p, int key, int pg) const {
-        return pages != nullptr ? pg * p.v_batch_stride + slot(key) * p.v_row_stride : v_base + key * p.v_row_stride;
-    }
-};
-
-// Keys [n0, n0 + kBlockN) (those below key_end; the rest zero-filled) into ring stage `stage`. A paged cache's
-// block-table entries for the thread's rows are read first, all in flight at once, then the copies issued: the
-// copies are asm volatile, which the compiler does not move loads across, so interleaved each chunk would wait out
-// one table read.
-template <class Tile, int kChunks, int kStride>
-__device__ __forceinline__ void load_rows(const DecodeParams& p, const CacheAddress& at, const u16* g, u16* dst,
-                                          int n0, int key_end, int width, bool is_v, int tid) {
-    constexpr int kIters = Tile::kBlockN * kChunks / Tile::kThreads;
-    // Table reads in flight at once: fewer where the accumulators of wide rows leave few registers.
-    constexpr int kMaxGroup = Tile::kHeadDim + Tile::kHeadDimV > 256 ? 2 : 8;
-    constexpr int kGroup = kIters < kMaxGroup ? kIters : kMaxGroup;
-    static_assert(Tile::kBlockN * kChunks % Tile::kThreads == 0 && kIters % kGroup == 0, "whole rounds of chunks");
-#pragma unroll
-    for (int i0 = 0; i0 < kIters; i0 += kGroup) {
-        int page[kGroup];
-#pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            const int key = n0 + (tid + (i0 + i) * Tile::kThreads) / kChunks;
-            page[i] = key < key_end ? at.page(key) : 0;
-        }
-#pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            const int c = tid + (i0 + i) * Tile::kThreads;
-            const int row = c / kChunks, col = (c % kChunks) * 8;
-            const int key = n0 + row;
-            const bool valid = key < key_end && col < width;
-            const i64 off = valid ? (is_v ? at.v_offset(p, key, page[i]) : at.k_offset(p, key, page[i])) : 0;
-            cp_async_16(dst + row * kStride + col, g + off + col, valid);
-        }
-    }
-}
-
-template <class Tile>
-__device__ __forceinline__ void load_keys(const DecodeParams& p, const CacheAddress& at, const u16* gK, const u16* gV,
-                                          u16* stage, int n0, int key_end, int tid) {
-    load_rows<Tile, Tile::kHeadDim / 8, Tile::kStrideK>(p, at, gK, stage, n0, key_end, p.head_dim, false, tid);
-    load_rows<Tile, Tile::kHeadDimV / 8, Tile::kStrideV>(p, at, gV, stage + Tile::kBlockN * Tile::kStrideK, n0, key_end,
-                                                         p.head_dim_v, true, tid);
-}
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_ = 0>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 decode_kernel(const DecodeParams p) {
     using Tile = DecodeTile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kNWarps>;
-    using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
-    using Mma = Mma16816<Tag>;
-    constexpr int kHeadDimV = Tile::kHeadDimV, kSliceN = Tile::kSliceN, kWarpsN = Tile::kWarpsN;
     constexpr int kStages = Tile::kStages;
 
     extern __shared__ __align__(128) u16 smem[];
@@ -123,247 +21,39 @@ decode_kernel(const DecodeParams p) {
     u16* sRing = smem + Tile::kQElems;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-    const int split = blockIdx.y;   // grid: (KV head x row tile, split, sequence), heads fastest
-    const int m_tiles = ceil_div(p.seqlen_q * p.heads_per_kv, kBlockM);
-    const int m_block = blockIdx.x % m_tiles, head_kv = blockIdx.x / m_tiles;
-    const int batch = blockIdx.z;
-    const int group = p.heads_per_kv;
-    const int rows = p.seqlen_q * group;
+    const int wm = warp / Tile::kWarpsN, wn = warp % Tile::kWarpsN;
+    const DecodeWork<kBlockM, kBlockN, Variant> w(p);
+    const int n_tiles = w.n_tiles;
 
-    // This sequence's keys: the cache's plus the appended ones from its left pad on (contiguous caches only: the
-    // host refuses a pad with a block table), never past what the cache holds.
-    DecodeParams s = p;
-    const int pad = p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), p.cache_capacity) : 0;
-    s.seqlen_k = min(max(p.cache_seqlens[batch], 0) + p.seqlen_new, p.cache_capacity) - pad;
-    s.seqlen_k = max(s.seqlen_k, 0);
-    s.mask_diag = s.seqlen_k - p.seqlen_q + p.mask_diag;
-    const int seqlen_k = s.seqlen_k;
-
-    CacheAddress at;
-    at.page_size = p.page_size;
-    at.page_shift = p.page_shift;
-    at.last_page = p.cache_rows - 1;
-    at.pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
-    {
-        int row = batch;
-        if (p.cache_batch_idx != nullptr) row = min(max(p.cache_batch_idx[batch], 0), p.cache_rows - 1);
-        at.k_base = at.pages != nullptr ? 0 : row * p.k_batch_stride + pad * p.k_row_stride;
-        at.v_base = at.pages != nullptr ? 0 : row * p.v_batch_stride + pad * p.v_row_stride;
-    }
-    const u16* gK = static_cast<const u16*>(p.k) + head_kv * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + head_kv * p.v_head_stride;
-
-    // The keys this CTA visits: its split, narrowed to what the tile's first and last tokens can see.
-    const int row0 = m_block * kBlockM;
-    const int t_first = row0 / group, t_last = min(p.seqlen_q - 1, (row0 + kBlockM - 1) / group);
-    int key_lo = split * p.keys_per_split, key_hi = min(seqlen_k, key_lo + p.keys_per_split);
-    if constexpr (Mask::kSkipsTiles) {   // a row's first and last visible keys never decrease with the row
-        const Mask mask(s, p.seqlen_q, batch, 0);
-        int lo, hi;
-        mask.row_keys(t_first, lo, hi);
-        key_lo = max(key_lo, lo);
-        mask.row_keys(t_last, lo, hi);
-        key_hi = min(key_hi, hi + 1);
-    }
-    const int n_tiles = key_hi > key_lo ? ceil_div(key_hi - key_lo, kBlockN) : 0;
-
-    // Q rows of the tile (token t = row / group, head head_kv * group + row % group); rows past the tokens and
-    // columns past head_dim zero-filled.
-    for (int c = tid; c < kBlockM * (kHeadDim / 8); c += Tile::kThreads) {
-        const int r = c / (kHeadDim / 8), col = (c % (kHeadDim / 8)) * 8;
-        const int row = row0 + r;
-        const bool valid = row < rows && col < p.head_dim;
-        const int t = valid ? row / group : 0, h = head_kv * group + (valid ? row % group : 0);
-        const u16* src = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + t * p.q_row_stride
-                         + h * p.q_head_stride + col;
-        cp_async_16(sQ + r * Tile::kStrideK + col, src, valid);
-    }
+    load_q<Tile>(p, w, sQ, tid, Tile::kThreads);
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-        if (st < n_tiles) load_keys<Tile>(p, at, gK, gV, sRing + st * Tile::kStageElems, key_lo + st * kBlockN, key_hi, tid);
+        if (st < n_tiles)
+            load_keys<Tile, Tile::kThreads>(p, w.at, w.gK, w.gV, sRing + st * Tile::kStageElems, w.key_lo + st * kBlockN, w.key_hi, tid);
         cp_async_commit();   // the first group holds Q too
     }
 
-    // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16): their token, head and visible keys.
-    int row_token[2], row_head[2], row_lo[2], row_hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + wm * 16 + (lane >> 2) + 8 * h;
-        const bool valid = row < rows;
-        row_token[h] = valid ? row / group : 0;
-        row_head[h] = head_kv * group + (valid ? row % group : 0);
-        const Mask mask(s, p.seqlen_q, batch, row_head[h]);
-        int lo, hi;
-        mask.row_keys(row_token[h], lo, hi);
-        row_lo[h] = max(lo, key_lo);
-        row_hi[h] = valid ? min(hi, key_hi - 1) : -1;   // rows past the tokens see nothing
-    }
-
-    float acc_o[kHeadDimV / 8][4];
-#pragma unroll
-    for (int j = 0; j < kHeadDimV / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.f;
-    float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF}, row_sum[2] = {0.f, 0.f};
-
+    DecodeRows<Tag, Tile, Variant> rows(p, w, wm, lane);
     for (int it = 0; it < n_tiles; ++it) {
         cp_async_wait<kStages - 2>();
         __syncthreads();   // tile `it` landed for every thread; stage (it - 1) % kStages is free
         {
             const int next = it + kStages - 1;
             if (next < n_tiles)
-                load_keys<Tile>(p, at, gK, gV, sRing + (next % kStages) * Tile::kStageElems, key_lo + next * kBlockN,
-                                key_hi, tid);
+                load_keys<Tile, Tile::kThreads>(p, w.at, w.gK, w.gV, sRing + (next % kStages) * Tile::kStageElems,
+                                w.key_lo + next * kBlockN, w.key_hi, tid);
             cp_async_commit();
         }
         const u16* sK = sRing + (it % kStages) * Tile::kStageElems;
         const u16* sV = sK + kBlockN * Tile::kStrideK;
-        const int n0 = key_lo + it * kBlockN + wn * kSliceN;   // this warp's first key
-
-        // S = Q K^T over the warp's 16 rows and kSliceN keys.
-        float acc_s[kSliceN / 8][4];
-#pragma unroll
-        for (int j = 0; j < kSliceN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            u32 a[4];
-            load_a_frag<Tile::kStrideK>(a, sQ, wm * 16, kk * 16, lane);
-#pragma unroll
-            for (int nn = 0; nn < kSliceN / 16; ++nn) {
-                u32 b[4];
-                load_b_frag_nk<Tile::kStrideK>(b, sK, wn * kSliceN + nn * 16, kk * 16, lane);
-                Mma::run(acc_s[2 * nn], a, b[0], b[1]);
-                Mma::run(acc_s[2 * nn + 1], a, b[2], b[3]);
-            }
-        }
-
-        // The score modifier and the masks, in the log2 domain of the scaled scores; the online softmax.
-        float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const Mask mask(s, p.seqlen_q, batch, row_head[h]);
-#pragma unroll
-            for (int j = 0; j < kSliceN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = n0 + j * 8 + 2 * (lane & 3) + e;
-                    float x = acc_s[j][2 * h + e];
-                    if constexpr (Mask::kHasScoreMod) x = mask.modify_score(x, row_token[h], key);
-                    x = (key >= row_lo[h] && key <= row_hi[h]) ? x * p.scale_log2 : -CUFLASH_INF;
-                    acc_s[j][2 * h + e] = x;
-                    tile_max[h] = fmaxf(tile_max[h], x);
-                }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
-            const float new_max = fmaxf(row_max[h], tile_max[h]);
-            const float base = new_max == -CUFLASH_INF ? 0.f : new_max;   // a row with nothing visible yet
-            const float rescale = exp2f(row_max[h] - base);
-            row_max[h] = new_max;
-            row_sum[h] *= rescale;
-#pragma unroll
-            for (int j = 0; j < kHeadDimV / 8; ++j) {
-                acc_o[j][2 * h] *= rescale;
-                acc_o[j][2 * h + 1] *= rescale;
-            }
-#pragma unroll
-            for (int j = 0; j < kSliceN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pr = exp2f(acc_s[j][2 * h + e] - base);
-                    acc_s[j][2 * h + e] = pr;
-                    row_sum[h] += pr;
-                }
-        }
-
-        // O += P V over the warp's keys (P from the S accumulators, as the A operand).
-#pragma unroll
-        for (int kk = 0; kk < kSliceN / 16; ++kk) {
-            u32 a[4];
-            pack_a_from_acc<Tag>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
-#pragma unroll
-            for (int nn = 0; nn < kHeadDimV / 16; ++nn) {
-                u32 b[4];
-                load_b_frag_kn<Tile::kStrideV>(b, sV, wn * kSliceN + kk * 16, nn * 16, lane);
-                Mma::run(acc_o[2 * nn], a, b[0], b[1]);
-                Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
-            }
-        }
+        rows.step(p, w, sQ, sK, sV, w.key_lo + it * kBlockN + wn * Tile::kSliceN, wm, wn, lane);
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
-        row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
-    }
+    rows.reduce_sums();
     __syncthreads();   // every warp is done with the ring: the merge reuses it
 
-    // Each warp's unnormalised O rows and (max, sum) -> shared memory.
     float* red = reinterpret_cast<float*>(sRing);
-    float* red_o = red + warp * 16 * Tile::kRedStride;
-    float* red_ml = red + kNWarps * 16 * Tile::kRedStride + warp * 16 * 2;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = (lane >> 2) + 8 * h;
-#pragma unroll
-        for (int j = 0; j < kHeadDimV / 8; ++j)
-            *reinterpret_cast<float2*>(red_o + r * Tile::kRedStride + j * 8 + 2 * (lane & 3)) =
-                make_float2(acc_o[j][2 * h], acc_o[j][2 * h + 1]);
-        if ((lane & 3) == 0) {
-            red_ml[r * 2] = row_max[h];
-            red_ml[r * 2 + 1] = row_sum[h];
-        }
-    }
+    rows.store_partial(red, warp, lane);
     __syncthreads();
-
-    // Merge the kWarpsN warps of each row; the sink joins the denominator once (split 0).
-    const bool direct = p.o_partial == nullptr;
-    constexpr int kChunks = kHeadDimV / 4;
-    for (int c = tid; c < kBlockM * kChunks; c += Tile::kThreads) {
-        const int r = c / kChunks, col = (c % kChunks) * 4;
-        const int row = row0 + r;
-        if (row >= rows) continue;
-        const int t = row / group, head = head_kv * group + row % group;
-        const int w0 = (r / 16) * kWarpsN, rr = r % 16;
-        float m = split == 0 ? sink_log2<Variant>(p, head) : -CUFLASH_INF;
-        const float sink = m;
-#pragma unroll
-        for (int w = 0; w < kWarpsN; ++w) m = fmaxf(m, red[kNWarps * 16 * Tile::kRedStride + ((w0 + w) * 16 + rr) * 2]);
-        float l = 0.f;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (m != -CUFLASH_INF) {
-            l = exp2f(sink - m);
-#pragma unroll
-            for (int w = 0; w < kWarpsN; ++w) {
-                const float* ml = red + kNWarps * 16 * Tile::kRedStride + ((w0 + w) * 16 + rr) * 2;
-                const float f = exp2f(ml[0] - m);   // 0 for a warp that saw nothing (ml[0] = -inf)
-                l += f * ml[1];
-                const float4 x = *reinterpret_cast<const float4*>(red + (w0 + w) * 16 * Tile::kRedStride
-                                                                  + rr * Tile::kRedStride + col);
-                o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
-            }
-            const float inv = 1.f / l;
-            o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-        }
-        const float lse = m == -CUFLASH_INF ? -CUFLASH_INF : (m + log2f(l)) * CUFLASH_LN2;
-        if (direct) {
-            if (col < p.head_dim_v) {
-                u16* dst = static_cast<u16*>(p.o) + batch * p.o_batch_stride + t * p.o_row_stride
-                           + head * p.o_head_stride + col;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(ElemTraits<Tag>::pack2(o.x, o.y), ElemTraits<Tag>::pack2(o.z, o.w));
-            }
-            if (col == 0 && p.lse != nullptr) p.lse[(static_cast<i64>(batch) * p.heads_q + head) * p.seqlen_q + t] = lse;
-        } else {
-            const i64 split_row = (static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + t;
-            if (col < p.head_dim_v)
-                *reinterpret_cast<float4*>(p.o_partial + (split_row * p.heads_q + head) * p.head_dim_v + col) = o;
-            if (col == 0)
-                p.lse_partial[((static_cast<i64>(split) * p.batch + batch) * p.heads_q + head) * p.seqlen_q + t] = lse;
-        }
-    }
+    merge_and_store<Tag, Tile, Variant>(p, w, red, tid, Tile::kThreads);
 }

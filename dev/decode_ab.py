@@ -1,0 +1,99 @@
+"""Interleaved A/B timing of forward_kvcache builds on the decode table's rows (GPU).
+
+    python3 dev/decode_ab.py [--rows b8-32k-paged64,b1-128k-*] [--dist normal] [--repeats 10] [VARIANT ...]
+
+Each VARIANT is a string of tokens as in dev/ab.py: NVRTC defines (``-DNAME=V``), option environment variables
+(``@CUFLASH_DECODE_BACKEND=sm90``), ``producers=N`` (the Hopper kernel's producer warps) and ``tile=N,W`` (the first
+tile's keys and consumer warps; with a define of its own, so that the plan caches keep the variants apart); default
+variants: the two decode backends. Every variant's output is checked
+against the row's float32 reference first (the largest relative error printed), then the variants are timed in
+turn sample by sample (cuflash.bench.time_interleaved, L2 flushed before each); each line gives the median
+microseconds and GB/s of K/V read per variant, and the copy bandwidth of the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEFAULT_VARIANTS = ("@CUFLASH_DECODE_BACKEND=sm80", "@CUFLASH_DECODE_BACKEND=sm90")
+
+
+def _options_of(variant: str) -> dict:
+    from cuflash import options
+
+    fields, defines = {}, []
+    names = {var: field for field, var in options.ENV.items()}
+    for tok in variant.split():
+        if tok.startswith("tile="):   # the first tile of decode_configs: block_n,consumer warps
+            n, w = tok.split("=")[1].split(",")
+            fields["_tile"] = (int(n), int(w))
+        elif tok.startswith("producers="):   # the Hopper kernel's producer warps: the define and kvcache's constant
+            fields["_producers"] = int(tok.split("=")[1])
+            defines.append(f"-DCUFLASH_DECODE_SM90_PRODUCER_WARPS={fields['_producers']}")
+        elif tok.startswith("@"):
+            var, _, value = tok[1:].partition("=")
+            field = names[var]
+            fields[field] = options._parse(field, value)
+        elif tok.startswith("-D"):
+            defines.append(tok)
+        else:
+            raise SystemExit(f"unknown variant token {tok!r}")
+    if defines:
+        fields["nvrtc_defines"] = tuple(defines)
+    return fields
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    ap.add_argument("--rows", default="b1-4k-*,b1-128k-*,b8-32k-*,b64-32k-*")
+    ap.add_argument("--dist", default="normal")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    from cuflash import bench_decode as bd
+    from cuflash import options
+    from cuflash.bench import time_interleaved
+
+    copy = bd.copy_bandwidth()
+    print(f"copy bandwidth: {copy}")
+    per_variant = [(v or "default", _options_of(v)) for v in args.variants]
+    rows = bd.rows_by_name(tuple(args.rows.split(",")))
+    print("row | " + " | ".join(f"{name} us / GB/s / err" for name, _ in per_variant))
+    for row in rows:
+        for dist in args.dist.split(","):
+            prepared = bd.prepare(row, bd.draw_inputs(row, dist))
+            refs = bd.references(prepared)
+            fns, errs = {}, {}
+            for name, fields in per_variant:
+                call = bd.cuflash_call(prepared)
+
+                def fn(call=call, fields=fields):
+                    from cuflash import kvcache
+                    opts = {k: v for k, v in fields.items() if not k.startswith("_")}
+                    saved = kvcache.SM90_PRODUCER_WARPS, kvcache.BLOCK_N, kvcache.NUM_WARPS
+                    kvcache.SM90_PRODUCER_WARPS = fields.get("_producers", saved[0])
+                    kvcache.BLOCK_N, kvcache.NUM_WARPS = fields.get("_tile", saved[1:])
+                    try:
+                        with options.override(**opts):
+                            return call()
+                    finally:
+                        kvcache.SM90_PRODUCER_WARPS, kvcache.BLOCK_N, kvcache.NUM_WARPS = saved
+                errs[name] = bd.output_error(fn(), refs)
+                fns[name] = fn
+            ms = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
+            cells = []
+            for name, _ in per_variant:
+                gb = bd.gbps(row.bytes_read(), ms[name])
+                cells.append(f"{ms[name] * 1e3:8.1f} / {gb:6.0f} / {errs[name]:.1e}")
+            print(f"{row.name}-{dist} | " + " | ".join(cells), flush=True)
+            del prepared, refs, fns
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
