@@ -1069,7 +1069,8 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None,
                     attention_chunk: int = 0, softmax_scale: Optional[float] = None, num_splits: int = 0,
-                    batch_invariant: bool = False, return_lse: bool = False
+                    batch_invariant: bool = False, return_lse: bool = False,
+                    k_descale: Union[ndarray, float, None] = None, v_descale: Union[ndarray, float, None] = None
                     ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Attention of a few new query tokens per sequence over a KV cache, appending new keys first (flash-attn 2's
     ``flash_attn_with_kvcache``): decoding, chunked prefill and speculative decoding.
@@ -1078,7 +1079,8 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
         q: ``(batch, seqlen_q, heads_q, head_dim)``, float16 or bfloat16.
         k_cache, v_cache: the cache, contiguous ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` (v:
             ``head_dim_v``), or paged ``(num_pages, page_size, heads_kv, head_dim)`` with ``block_table``; q's
-            dtype; heads_q a multiple of heads_kv (GQA: the query heads that share a KV head read it once).
+            dtype, or fp8: uint8 arrays of e4m3fn bytes (Hopper), each stored element times ``k_descale`` /
+            ``v_descale``; heads_q a multiple of heads_kv (GQA: the query heads that share a KV head read it once).
         k, v: optional new keys and values ``(batch, seqlen_new, heads_kv, head_dim / head_dim_v)``, written into
             the caches in place at positions ``cache_seqlens[b] .. + seqlen_new`` (``cache_seqlens`` itself is
             not changed); attention then covers ``cache_seqlens[b] + seqlen_new`` keys.
@@ -1102,6 +1104,11 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
         batch_invariant: a fixed number of keys per split (cuflash/kvcache.py: BATCH_INVARIANT_KEYS), so that a
             row's result is bitwise the same whatever else is in the batch.
         return_lse: also return lse ``(batch, heads_q, seqlen_q)`` float32.
+        k_descale, v_descale: fp8 caches only (default 1): the value of a cached element is its e4m3 value times
+            the descale of its KV head: a positive float or a float32 array of one element (per tensor), or a
+            float32 array ``(heads_kv,)`` or ``(batch, heads_kv)`` (FlashAttention-3's shape); both of one shape.
+            New keys and values (in q's dtype) are stored as ``e4m3(x / descale)`` (rounded to nearest, saturated
+            at +-448), after the rotary embedding.
 
     Returns:
         out ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype, and lse with ``return_lse``.
@@ -1115,22 +1122,27 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
             raise ValueError("pass block_table or page_table (its other name), not both")
         block_table = page_table
     if interop.needs_conversion(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-                                block_table, alibi_slopes, sinks):
+                                block_table, alibi_slopes, sinks, k_descale, v_descale):
         seqlens_is_int = isinstance(cache_seqlens, (int, np.integer))
         arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
                   "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx, "block_table": block_table,
                   "cache_leftpad": cache_leftpad, "alibi_slopes": alibi_slopes, "sinks": sinks}
+        scalars = {}
+        for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+            (scalars if x is None or isinstance(x, (int, float, np.number)) else arrays)[name] = x
         if not seqlens_is_int:
             arrays["cache_seqlens"] = cache_seqlens
         return interop.call(
             forward_kvcache, arrays, buffers=("k_cache", "v_cache"),
             **({"cache_seqlens": cache_seqlens} if seqlens_is_int else {}), rotary_interleaved=rotary_interleaved,
             causal=causal, window_size=window_size, softcap=softcap, attention_chunk=attention_chunk,
-            softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=return_lse)
+            softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=return_lse,
+            **scalars)
     from . import kvcache
 
     lay, cache_seqlens = kvcache.check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                        rotary_cos, rotary_sin, cache_leftpad)
+    descales = kvcache.check_descales(k_descale, v_descale, lay)
     scale = _checks.check_scale(softmax_scale, lay.head_dim)
     causal = _checks.check_flag("causal", causal)
     batch_invariant = _checks.check_flag("batch_invariant", batch_invariant)
@@ -1147,7 +1159,7 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table, var=var, scale=scale,
                                    num_splits=int(num_splits), batch_invariant=batch_invariant,
-                                   return_lse=return_lse, cache_leftpad=cache_leftpad)
+                                   return_lse=return_lse, cache_leftpad=cache_leftpad, descales=descales)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise

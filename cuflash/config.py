@@ -119,8 +119,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # The same on Hopper, its keys streamed by producer warps (num_warps: the consumers and the producers).
     Family("decode_sm90", "decode/decode_sm90.cu", "decode_sm90_kernel", 90, True, direction="decode",
            backend="sm90"),
+    # The same over fp8 (e4m3) caches (dtype: q's), dequantised in shared memory by the consumer warps.
+    Family("decode_sm90_fp8", "decode/decode_sm90.cu", "decode_sm90_fp8_kernel", 90, True, direction="decode",
+           backend="sm90", fp8=True),
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
+    _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 89, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     _aux("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, ("tag", "num_warps")),
     _aux("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, ("tag", "num_warps")),

@@ -34,7 +34,7 @@ def v_rows(head_dim: int) -> int:
     return heuristics.head_dim_bucket(head_dim)
 
 
-def _check_fp8_array(name: str, x) -> None:
+def check_fp8_array(name: str, x) -> None:
     cupy = _checks._cupy()
     if not isinstance(x, cupy.ndarray):
         raise TypeError(f"{name} must be a cupy.ndarray of e4m3 bytes (uint8), got "
@@ -52,7 +52,7 @@ def _check_fp8_array(name: str, x) -> None:
 def check_fp8_qkv(q, k, v):
     """Validate fp8 q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D). Returns (B, Nq, Nk, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_fp8_array(name, x)
+        check_fp8_array(name, x)
     for name, x in (("k", k), ("v", v)):
         if x.device.id != q.device.id:
             raise ValueError(f"{name} is on device {x.device.id} but q is on device {q.device.id}")

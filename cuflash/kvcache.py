@@ -47,6 +47,8 @@ SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_
 MAX_SPLITS = 128
 MAX_GRID_SPLITS = 65535      # the launch grid's y dimension
 BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
+FP8_NEEDS_HOPPER = ("an fp8 KV cache needs the Hopper decode kernel (compute capability 9.0, CUFLASH_DECODE_BACKEND "
+                    "auto or sm90) in this version")
 MAX_HEAD_DIM = 256
 
 
@@ -103,6 +105,7 @@ class CacheLayout:
     cache_rows: int
     page_size: int       # 0: contiguous
     device_id: int
+    fp8: bool = False    # e4m3 caches (uint8 arrays of e4m3fn bytes), dequantised in the kernel
 
 
 def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
@@ -127,12 +130,23 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     ``(layout, cache_seqlens)`` (a Python int becomes an int32 array)."""
     import cupy
 
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _checks.check_array(name, x)
+    from . import fp8 as fp8_mod
+
+    _checks.check_array("q", q)
     if q.dtype not in (np.float16, _checks.BFLOAT16):
         raise TypeError(f"q must be float16 or bfloat16 (the decode kernels' types), got {q.dtype}")
-    _checks.check_same("k_cache", k_cache, "q", q)
-    _checks.check_same("v_cache", v_cache, "q", q)
+    fp8 = isinstance(k_cache, cupy.ndarray) and k_cache.dtype in fp8_mod.FP8_DTYPES
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if fp8:   # e4m3 bytes, both caches
+            if isinstance(x, cupy.ndarray) and x.dtype not in fp8_mod.FP8_DTYPES:
+                raise TypeError(f"v_cache must hold fp8 e4m3 bytes (uint8) as k_cache does, got {x.dtype}")
+            fp8_mod.check_fp8_array(name, x)
+            _checks.check_aligned(name, x)
+            if x.device.id != q.device.id:
+                raise ValueError(f"{name} is on device {x.device.id} but q is on device {q.device.id}")
+        else:
+            _checks.check_array(name, x)
+            _checks.check_same(name, x, "q", q)
     b, nq, hq, d = q.shape
     rows, cap, hkv, dk = k_cache.shape
     dv = v_cache.shape[3]
@@ -209,8 +223,59 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         if not 0 < 2 * rotary_cos.shape[1] <= d or rotary_cos.shape[0] == 0:
             raise ValueError(f"rotary_cos must be (seqlen_ro >= 1, rotary_dim // 2) with 0 < rotary_dim <= head_dim "
                              f"({d}), got {rotary_cos.shape}")
-    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev)
+    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev, fp8)
     return layout, cache_seqlens
+
+
+@dataclass(frozen=True)
+class Descales:
+    """The fp8 caches' scales as the kernels take them: device pointers (0: the values) and the strides of a (batch,
+    heads_kv) / (heads_kv,) / one-element array; 1 and no arrays for 16-bit caches."""
+
+    k_ptr: int = 0
+    v_ptr: int = 0
+    batch_stride: int = 0
+    head_stride: int = 0
+    k_value: float = 1.0
+    v_value: float = 1.0
+    keep: tuple = ()
+
+
+def check_descales(k_descale, v_descale, lay: CacheLayout) -> Descales:
+    """The checks of forward_kvcache's ``k_descale`` / ``v_descale``: fp8 caches only; each a positive float or a
+    float32 array of one element, ``(heads_kv,)`` or ``(batch, heads_kv)``, both of one kind and shape. Values in
+    arrays are not read (no device sync)."""
+    import cupy
+
+    from . import fp8 as fp8_mod
+
+    given = {name: x for name, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None}
+    if not lay.fp8:
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to fp8 caches only (k_cache is 16-bit here)")
+        return Descales()
+    arrays = {name: isinstance(x, cupy.ndarray) for name, x in given.items()}
+    if len(set(arrays.values())) > 1 or (any(arrays.values()) and len(given) < 2):
+        raise ValueError("k_descale and v_descale must be both arrays of one shape, or both floats (or left out)")
+    if not any(arrays.values()):
+        for name, x in given.items():
+            fp8_mod.check_descale(name, x, lay.device_id)
+        return Descales(k_value=float(k_descale) if k_descale is not None else 1.0,
+                        v_value=float(v_descale) if v_descale is not None else 1.0)
+    shapes = {(lay.heads_kv,): (0, 1), (lay.batch, lay.heads_kv): (lay.heads_kv, 1)}
+    if k_descale.shape != v_descale.shape:
+        raise ValueError(f"k_descale and v_descale must have one shape, got {k_descale.shape} and {v_descale.shape}")
+    for name, x in given.items():
+        if x.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if x.device.id != lay.device_id:
+            raise ValueError(f"{name} is on device {x.device.id} but q is on device {lay.device_id}")
+        if x.size != 1 and tuple(x.shape) not in shapes:
+            raise ValueError(f"{name} must have one element, or shape (heads_kv,) = {(lay.heads_kv,)} or (batch, "
+                             f"heads_kv) = {(lay.batch, lay.heads_kv)}, got {tuple(x.shape)}")
+    k_arr, v_arr = cupy.ascontiguousarray(k_descale), cupy.ascontiguousarray(v_descale)
+    strides = (0, 0) if k_arr.size == 1 else shapes[tuple(k_arr.shape)]
+    return Descales(k_arr.data.ptr, v_arr.data.ptr, *strides, keep=(k_arr, v_arr))
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,7 +326,7 @@ def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
 def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: options.Options) -> tuple:
     """``(config, kernel, shared memory, resident CTAs)`` of the decode kernel for a call, cached."""
     key = (dtype, lay.head_dim, lay.head_dim_v, lay.seqlen_q * (lay.heads_q // lay.heads_kv), var.causal,
-           var.kernel, lay.device_id, opts.token)
+           var.kernel, lay.fp8, lay.device_id, opts.token)
     plan = _plans.get(key)
     if plan is None:
         cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
@@ -301,7 +366,11 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
         tiles.append((32, 32, 4))
     if bm > 16:
         tiles.append((16, 32, 2))
+    if lay.fp8 and backend != "sm90":
+        raise ValueError(FP8_NEEDS_HOPPER)
     family, extra = ("decode_sm90", SM90_PRODUCER_WARPS) if backend == "sm90" else ("decode", 0)
+    if lay.fp8:
+        family = "decode_sm90_fp8"
     return [KernelConfig(family, dtype, d, causal, m, n, w + extra, variant, 0 if dv == d else dv)
             for m, n, w in tiles]
 
@@ -323,7 +392,8 @@ def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.
 
 def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_cos, rotary_sin,
         rotary_interleaved: bool, cache_batch_idx, block_table, var: variants.Variants, scale: float,
-        num_splits: int, batch_invariant: bool, return_lse: bool, cache_leftpad=None):
+        num_splits: int, batch_invariant: bool, return_lse: bool, cache_leftpad=None,
+        descales: Optional[Descales] = None):
     """Launches the append (if any), the decode kernel and the merge; returns ``(out, lse or None)``."""
     import cupy
 
@@ -338,7 +408,13 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     if b == 0 or (nq == 0 and (k is None or lay.seqlen_new == 0)):
         return out, lse
     bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
-    keep = []
+    # The decode kernel first: a configuration no kernel serves (an fp8 cache off Hopper) fails before the append.
+    if lay.fp8 and decode_backend(dev, opts) != "sm90":
+        raise ValueError(FP8_NEEDS_HOPPER)
+    plan = _decode_plan(dtype, lay, var, opts) if nq else None
+    ds = descales or Descales()
+    keep = list(ds.keep)
+    scale_fields = (ds.batch_stride, ds.head_stride, ds.k_value, ds.v_value)
     # 1. The new tokens into the cache, and the rotary embedding.
     rotary = rotary_cos is not None
     if k is not None or rotary:
@@ -349,7 +425,8 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
             keep += [cos, sin]
         q_rot = cupy.empty(q.shape, dtype=q.dtype) if rotary else None
         k_new = k if k is not None else None
-        append_cfg = KernelConfig("kvcache_append", dtype, 0, False, 0, 0, NUM_WARPS)
+        append_cfg = KernelConfig("kvcache_append_fp8" if lay.fp8 else "kvcache_append", dtype, 0, False, 0, 0,
+                                  NUM_WARPS)
         kern, smem = _kernel(append_cfg, dev, opts)
         p = params.pack_bytes(params.APPEND_PARAMS, (
             k_new.data.ptr if k_new is not None else 0, v.data.ptr if v is not None else 0,
@@ -357,12 +434,12 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
             cos.data.ptr if rotary else 0, sin.data.ptr if rotary else 0, cache_seqlens.data.ptr,
             cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
             block_table.data.ptr if block_table is not None else 0,
-            cache_leftpad.data.ptr if cache_leftpad is not None else 0,
+            cache_leftpad.data.ptr if cache_leftpad is not None else 0, ds.k_ptr, ds.v_ptr,
             *(_strides(k_new) if k_new is not None else (0, 0, 0)), *(_strides(v) if v is not None else (0, 0, 0)),
             *_strides(k_cache), *_strides(v_cache), *_strides(q), bt_stride,
             b, lay.seqlen_new, nq, hkv, hq, lay.head_dim, lay.head_dim_v, 2 * cos.shape[1] if rotary else 0,
             int(bool(rotary_interleaved)), cos.shape[0] if rotary else 0,
-            int(var.causal or var.local), lay.capacity, lay.cache_rows, lay.page_size))
+            int(var.causal or var.local), lay.capacity, lay.cache_rows, lay.page_size, *scale_fields))
         warps = (b * lay.seqlen_new * hkv if k is not None else 0) + (b * nq * hq if rotary else 0)
         if warps:   # (no new token and no query to rotate: nothing to launch)
             launch.launch(kern, append_cfg, (-(-warps // NUM_WARPS), 1, 1), p, smem)
@@ -373,7 +450,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         capture.keep_if_capturing(*keep)
         return out, lse
     # 2. The attention, split over the keys.
-    cfg, kern, smem, slots = _decode_plan(dtype, lay, var, opts)
+    cfg, kern, smem, slots = plan
     m_tiles = -(-(nq * (hq // hkv)) // cfg.block_m)
     splits, kps = split_plan(lay.capacity, b * hkv * m_tiles, slots, num_splits, batch_invariant)
     merged = splits > 1 or batch_invariant
@@ -389,10 +466,10 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         lse_part.data.ptr if merged else 0, cache_seqlens.data.ptr,
         cache_batch_idx.data.ptr if cache_batch_idx is not None else 0,
         block_table.data.ptr if block_table is not None else 0,
-        cache_leftpad.data.ptr if cache_leftpad is not None else 0,
+        cache_leftpad.data.ptr if cache_leftpad is not None else 0, ds.k_ptr, ds.v_ptr,
         *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(out), bt_stride,
         b, nq, 0, hq, hq // hkv, lay.head_dim, lay.head_dim_v, lay.seqlen_new, lay.capacity, lay.cache_rows,
-        lay.page_size, _page_shift(lay.page_size), kps, splits, scale, scale * LOG2E, *mask_values))
+        lay.page_size, _page_shift(lay.page_size), kps, splits, *scale_fields, scale, scale * LOG2E, *mask_values))
     # Heads fastest: the CTAs reading one key range of every KV head start together, and a key's rows of all heads
     # (adjacent in memory) are read at about the same time.
     launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem)

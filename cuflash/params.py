@@ -57,12 +57,14 @@ BWD_PARAMS = _struct(
 
 DECODE_PARAMS = _struct(
     [("q", _P), ("k", _P), ("v", _P), ("o", _P), ("lse", _P), ("o_partial", _P), ("lse_partial", _P),
-     ("cache_seqlens", _P), ("cache_batch_idx", _P), ("block_table", _P), ("cache_leftpad", _P)]
+     ("cache_seqlens", _P), ("cache_batch_idx", _P), ("block_table", _P), ("cache_leftpad", _P), ("k_scale", _P),
+     ("v_scale", _P)]
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + [("block_table_batch_stride", _I64), ("batch", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
        ("heads_q", _I32), ("heads_per_kv", _I32), ("head_dim", _I32), ("head_dim_v", _I32), ("seqlen_new", _I32),
        ("cache_capacity", _I32), ("cache_rows", _I32), ("page_size", _I32), ("page_shift", _I32),
-       ("keys_per_split", _I32), ("num_splits", _I32), ("softmax_scale", _F32), ("scale_log2", _F32)]
+       ("keys_per_split", _I32), ("num_splits", _I32), ("scale_batch_stride", _I32), ("scale_head_stride", _I32), ("k_scale_value", _F32),
+       ("v_scale_value", _F32), ("softmax_scale", _F32), ("scale_log2", _F32)]
     + _MASK_FIELDS
 )
 
@@ -74,12 +76,14 @@ COMBINE_PARAMS = _struct(
 
 APPEND_PARAMS = _struct(
     [("k_new", _P), ("v_new", _P), ("k_cache", _P), ("v_cache", _P), ("q", _P), ("q_rot", _P), ("rotary_cos", _P),
-     ("rotary_sin", _P), ("cache_seqlens", _P), ("cache_batch_idx", _P), ("block_table", _P), ("cache_leftpad", _P)]
+     ("rotary_sin", _P), ("cache_seqlens", _P), ("cache_batch_idx", _P), ("block_table", _P), ("cache_leftpad", _P),
+     ("k_scale", _P), ("v_scale", _P)]
     + _strides("k_new") + _strides("v_new") + _strides("k") + _strides("v") + _strides("q")
     + [("block_table_batch_stride", _I64), ("batch", _I32), ("seqlen_new", _I32), ("seqlen_q", _I32),
        ("heads_kv", _I32), ("heads_q", _I32), ("head_dim", _I32), ("head_dim_v", _I32), ("rotary_dim", _I32),
        ("rotary_interleaved", _I32), ("seqlen_ro", _I32), ("q_positions_step", _I32), ("cache_capacity", _I32),
-       ("cache_rows", _I32), ("page_size", _I32)]
+       ("cache_rows", _I32), ("page_size", _I32), ("scale_batch_stride", _I32), ("scale_head_stride", _I32),
+       ("k_scale_value", _F32), ("v_scale_value", _F32)]
 )
 
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS, "DecodeParams": DECODE_PARAMS,

@@ -46,6 +46,16 @@ def _options_of(variant: str) -> dict:
     return fields
 
 
+def _fp8_call(p, k8, v8, k_descale, v_descale):
+    """forward_kvcache on the row over e4m3 caches (the pages of a paged row, quantised as they are)."""
+    import cuflash
+
+    kw = {"cache_seqlens": p.lens_dev, "num_splits": 0, "k_descale": k_descale, "v_descale": v_descale}
+    if p.row.paged:
+        kw["block_table"] = p.table_dev
+    return lambda: cuflash.forward_kvcache(p.q, k8, v8, **kw)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS))
@@ -53,6 +63,9 @@ def main() -> int:
     ap.add_argument("--dist", default="normal")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time each variant over the row's caches quantised to e4m3 (quantize_fp8, per tensor): "
+                         "GB/s then counts the fp8 bytes, error against the 16-bit reference")
     args = ap.parse_args()
 
     from cuflash import bench_decode as bd
@@ -63,14 +76,23 @@ def main() -> int:
     print(f"copy bandwidth: {copy}")
     per_variant = [(v or "default", _options_of(v)) for v in args.variants]
     rows = bd.rows_by_name(tuple(args.rows.split(",")))
-    print("row | " + " | ".join(f"{name} us / GB/s / err" for name, _ in per_variant))
+    names = [n for n, _ in per_variant] + ([n + " fp8" for n, _ in per_variant] if args.fp8 else [])
+    print("row | " + " | ".join(f"{name} us / GB/s / err" for name in names))
     for row in rows:
         for dist in args.dist.split(","):
             prepared = bd.prepare(row, bd.draw_inputs(row, dist))
             refs = bd.references(prepared)
             fns, errs = {}, {}
-            for name, fields in per_variant:
-                call = bd.cuflash_call(prepared)
+            caches = [("", None)]
+            if args.fp8:
+                import cuflash
+
+                k, v = prepared.cache()
+                (k8, kd), (v8, vd) = cuflash.quantize_fp8(k), cuflash.quantize_fp8(v)
+                caches.append((" fp8", (k8, v8, kd, vd)))
+            for (name, fields), (suffix, quantised) in [(pv, c) for c in caches for pv in per_variant]:
+                name = name + suffix
+                call = bd.cuflash_call(prepared) if quantised is None else _fp8_call(prepared, *quantised)
 
                 def fn(call=call, fields=fields):
                     from cuflash import kvcache
@@ -87,8 +109,9 @@ def main() -> int:
                 fns[name] = fn
             ms = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
             cells = []
-            for name, _ in per_variant:
-                gb = bd.gbps(row.bytes_read(), ms[name])
+            for name in fns:
+                nbytes = row.bytes_read() // (2 if name.endswith(" fp8") else 1)   # (K and V dominate)
+                gb = bd.gbps(nbytes, ms[name])
                 cells.append(f"{ms[name] * 1e3:8.1f} / {gb:6.0f} / {errs[name]:.1e}")
             print(f"{row.name}-{dist} | " + " | ".join(cells), flush=True)
             del prepared, refs, fns

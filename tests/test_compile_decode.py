@@ -4,6 +4,8 @@ head-dim buckets, a value head dim of its own and the mask variants; and every b
 99 KB-shared-memory device. Each distinct instantiation is compiled once."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cuflash import kvcache
@@ -38,8 +40,17 @@ def _configs(backends=("sm80",)) -> list:
         c = KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
         out[c.key()] = c
     for dtype in ("float16", "bfloat16"):
-        c = KernelConfig("kvcache_append", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
-        out[c.key()] = c
+        for family in ("kvcache_append",) + (("kvcache_append_fp8",) if "sm90" in backends else ()):
+            c = KernelConfig(family, dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+            out[c.key()] = c
+    if "sm90" in backends:   # fp8 caches: the head-dim buckets, tall tiles, the variants
+        for d, dv, rows, dtype, causal, variant in ((64, 64, (1, 8, 1), "float16", False, VARIANTS[0]),
+                                                    (128, 128, (1, 8, 1), "bfloat16", True, VARIANTS[1]),
+                                                    (128, 128, (16, 32, 8), "bfloat16", False, VARIANTS[0]),
+                                                    (256, 256, (1, 8, 1), "bfloat16", False, VARIANTS[0]),
+                                                    (128, 64, (4, 8, 1), "float16", True, VARIANTS[0])):
+            lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
+            out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
     return list(out.values())
 
 

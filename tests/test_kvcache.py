@@ -537,3 +537,112 @@ def test_empty_appends_and_queries(rng):
     assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
     assert bool((kc[0, 3:5] == kn[0]).all()) and bool((vc[1, 10:12] == vn[1]).all())
     assert bool((kc[0, :3] == k0[0, :3]).all()) and bool((kc[0, 5:] == k0[0, 5:]).all())
+
+
+# fp8 (e4m3) caches: the descales' four forms, paged and contiguous, appends, the variants whose score conversions
+# take K's scale (softcap, ALiBi), split-KV; defaults as CASES'. Rotary with an fp8 cache is not in these cases.
+FP8_CASES = {
+    "contig-bf16-float-append1-causal": dict(dtype="bfloat16", nnew=1, causal=True, descale="float"),
+    "paged64-fp16-heads-q4-append3-softcap": dict(page=64, nq=4, nnew=3, causal=True, softcap=30.0, descale="heads"),
+    "paged16-bf16-one-element-alibi-window": dict(dtype="bfloat16", page=16, alibi="heads", causal=True,
+                                                  window_size=(100, 0), descale="one"),
+    "contig-bf16-batch-heads-d64-splits3-sinks-append1": dict(dtype="bfloat16", d=64, sinks=True, nnew=1,
+                                                              num_splits=3, descale="batch_heads"),
+    "contig-fp16-heads-dv64-q16-append3-causal": dict(dv=64, nq=16, nnew=3, causal=True, descale="heads"),
+    "paged256-bf16-heads-d256-append1": dict(dtype="bfloat16", page=256, d=256, hq=4, nnew=1, descale="heads"),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_cache(rng, decode_backend, name):
+    """forward_kvcache over uint8 caches of e4m3 bytes with k_descale / v_descale: the appended keys and values
+    stored as e4m3(x / descale) (bit for bit, nothing else in the caches changed), out and lse against the float64
+    reference over the dequantised caches (each byte's e4m3 value times its KV head's descale). The portable kernel
+    refuses an fp8 cache."""
+    import cupy
+    import cuflash
+    import ml_dtypes
+    from cuflash.reference import attention_reference_kvcache
+
+    fp8 = ml_dtypes.float8_e4m3fn
+    case = dict(FP8_CASES[name])
+    kind, num_splits = case.pop("descale"), case.pop("num_splits", 0)
+    dev, ref, meta = _build(rng, **case)
+    lens, nnew, table, dtype = meta["lens"], meta["nnew"], meta["table"], meta["dtype"]
+    batch, hkv = len(lens), dev["k_cache"].shape[2]
+    # The descales as the call takes them, and per (sequence, KV head) as the host dequantises with them.
+    if kind == "float":
+        k_ds, v_ds = 0.06, 0.09
+        k_bh, v_bh = np.full((batch, hkv), k_ds, np.float32), np.full((batch, hkv), v_ds, np.float32)
+    elif kind == "one":
+        k_bh, v_bh = np.full((batch, hkv), 0.07, np.float32), np.full((batch, hkv), 0.11, np.float32)
+        k_ds, v_ds = cupy.asarray([0.07], np.float32), cupy.asarray([0.11], np.float32)
+    elif kind == "heads":
+        kh, vh = rng.uniform(0.03, 0.12, hkv).astype(np.float32), rng.uniform(0.03, 0.12, hkv).astype(np.float32)
+        k_bh, v_bh = np.broadcast_to(kh, (batch, hkv)), np.broadcast_to(vh, (batch, hkv))
+        k_ds, v_ds = cupy.asarray(kh), cupy.asarray(vh)
+    else:   # (batch, heads_kv): contiguous caches, row b is sequence b
+        k_bh, v_bh = (rng.uniform(0.03, 0.12, (batch, hkv)).astype(np.float32) for _ in range(2))
+        k_ds, v_ds = cupy.asarray(k_bh), cupy.asarray(v_bh)
+    # Each cache row's (page's) descales: a contiguous row is its sequence's, a page takes the per-head ones.
+    k_rows = k_bh if table is None else np.broadcast_to(k_bh[0], (ref["k_cache"].shape[0], hkv))
+    v_rows = v_bh if table is None else np.broadcast_to(v_bh[0], (ref["v_cache"].shape[0], hkv))
+    k8 = (ref["k_cache"].astype(np.float32) / k_rows[:, None, :, None]).astype(fp8)
+    v8 = (ref["v_cache"].astype(np.float32) / v_rows[:, None, :, None]).astype(fp8)
+    dev.update(k_cache=cupy.asarray(k8.view(np.uint8)), v_cache=cupy.asarray(v8.view(np.uint8)))
+    if decode_backend == "sm80":
+        with pytest.raises(ValueError, match="fp8"):
+            cuflash.forward_kvcache(**dev, k_descale=k_ds, v_descale=v_ds)
+        return
+    # What the append must store: e4m3(x * (1 / descale)) of the new tokens (float32, as the kernel computes it).
+    written = _written_mask(dev["k_cache"].shape[:2], lens, nnew, meta["rows"], table, meta["page"])
+    k8_after, v8_after = k8.copy(), v8.copy()
+    for b in range(batch):
+        for i in range(nnew):
+            j = lens[b] + i
+            r, s = (b, j) if table is None else (table[b, j // meta["page"]], j % meta["page"])
+            inv_k, inv_v = np.float32(1) / k_bh[b], np.float32(1) / v_bh[b]
+            k8_after[r, s] = (ref["k"][b, i].astype(np.float32) * inv_k[:, None]).astype(fp8)
+            v8_after[r, s] = (ref["v"][b, i].astype(np.float32) * inv_v[:, None]).astype(fp8)
+    out, lse = cuflash.forward_kvcache(**dev, k_descale=k_ds, v_descale=v_ds, num_splits=num_splits,
+                                       return_lse=True)
+    for cache_name, got, want in (("k_cache", dev["k_cache"], k8_after), ("v_cache", dev["v_cache"], v8_after)):
+        got = to_host(got)
+        assert got.dtype == np.uint8
+        wrong = int((got != want.view(np.uint8)).any(axis=(-2, -1)).sum())
+        assert wrong == 0, f"{cache_name}: {wrong} slots differ ({int(written.sum())} appended)"
+    deq = dict(ref, k=None, v=None, cache_seqlens=lens + nnew,
+               k_cache=k8_after.astype(np.float64) * k_rows[:, None, :, None],
+               v_cache=v8_after.astype(np.float64) * v_rows[:, None, :, None])
+    ref_out, ref_lse, _, _ = attention_reference_kvcache(**deq)
+    assert out.shape == (batch, meta["nq"], meta["hq"], meta["dv"]) and out.dtype == dev["q"].dtype
+    assert_close_on_every_row("out", out, cupy.asarray(ref_out), dtype, FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (batch, meta["hq"], meta["nq"]),
+                       rtol=SOFTCAP_LSE_RTOL if meta["softcap"] else LSE_RTOL)
+
+
+def test_fp8_cache_arguments_are_checked(rng, decode_backend):
+    """Descales with a 16-bit cache, mixed forms, wrong shapes or dtypes, and an fp8 cache beside a 16-bit one are
+    refused with errors naming them."""
+    import cupy
+    import cuflash
+
+    if decode_backend == "sm80":
+        pytest.skip("the checks run before the kernel choice: once is enough")
+    q = _rand(rng, (2, 1, 8, 64), "bfloat16")
+    k16 = _rand(rng, (2, 32, 2, 64), "bfloat16")
+    k8 = cupy.zeros((2, 32, 2, 64), np.uint8)
+    with pytest.raises(ValueError, match="k_descale apply to fp8 caches only"):
+        cuflash.forward_kvcache(q, k16, k16, cache_seqlens=5, k_descale=0.5)
+    with pytest.raises(TypeError, match="v_cache must hold fp8"):
+        cuflash.forward_kvcache(q, k8, k16, cache_seqlens=5)
+    with pytest.raises(ValueError, match="both arrays of one shape, or both floats"):
+        cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=0.5, v_descale=cupy.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"k_descale must have one element, or shape \(heads_kv,\)"):
+        cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=cupy.ones(3, np.float32),
+                                v_descale=cupy.ones(3, np.float32))
+    with pytest.raises(TypeError, match="k_descale must be float32"):
+        cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=cupy.ones(2, np.float16),
+                                v_descale=cupy.ones(2, np.float16))
+    with pytest.raises(ValueError, match="v_descale must be positive"):
+        cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=0.5, v_descale=-1.0)

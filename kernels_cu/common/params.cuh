@@ -128,6 +128,9 @@ struct DecodeParams {
     const int* cache_leftpad;   // (batch,) where each sequence's keys start in its cache row, or null (0): key j of
                                 // sequence b is cache position cache_leftpad[b] + j, and it has cache_seqlens[b] +
                                 // seqlen_new - cache_leftpad[b] keys
+    const float* k_scale;       // fp8 caches: the value of a stored element is element * scale, the scale of KV head h
+    const float* v_scale;       // at [b * scale_batch_stride + h * scale_head_stride] (float32) for sequence b, or
+                                // null: k_scale_value / v_scale_value
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;   // batch: a cache row, or a page
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -147,6 +150,10 @@ struct DecodeParams {
     int page_shift;             // log2(page_size) where it is a power of two, else -1 (a division per row)
     int keys_per_split;         // a multiple of the kernel's key tile
     int num_splits;
+    int scale_batch_stride;     // the scales' layout: (batch, heads_kv) (heads_kv, 1), (heads_kv,) (0, 1), one (0, 0)
+    int scale_head_stride;
+    float k_scale_value;        // the scales where the pointers are null (1 for 16-bit caches)
+    float v_scale_value;
     float softmax_scale;
     float scale_log2;
     CUFLASH_MASK_PARAMS
@@ -185,6 +192,8 @@ struct AppendParams {
     const int* cache_batch_idx;
     const int* block_table;
     const int* cache_leftpad;   // as DecodeParams: rotary positions count from it (cache rows do not)
+    const float* k_scale;       // fp8 caches: as DecodeParams (a new element is stored as e4m3(x / scale))
+    const float* v_scale;
     i64 k_new_batch_stride, k_new_row_stride, k_new_head_stride;
     i64 v_new_batch_stride, v_new_row_stride, v_new_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -205,4 +214,8 @@ struct AppendParams {
     int cache_capacity;
     int cache_rows;
     int page_size;              // 0: contiguous
+    int scale_batch_stride;
+    int scale_head_stride;
+    float k_scale_value;
+    float v_scale_value;
 };

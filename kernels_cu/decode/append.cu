@@ -17,9 +17,27 @@ __device__ __forceinline__ u16 to_elem(float x) {
     return static_cast<u16>(ElemTraits<Tag>::pack2(x, 0.f) & 0xffff);
 }
 
-// Row `src` (head_dim wide) into row `dst`, its first rotary_dim columns rotated to position `pos`.
+// Where a row's elements go: a 16-bit cache (or q_rot) takes them as they are (rounded to Tag where computed); an
+// fp8 cache takes e4m3(x / scale), rounded to nearest and saturated to +-448.
 template <typename Tag>
-__device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src, u16* dst, int width, int pos,
+struct StoreRow16 {
+    u16* dst;
+    __device__ __forceinline__ void put(int i, float x) const { dst[i] = to_elem<Tag>(x); }
+    __device__ __forceinline__ void copy(int i, u16 raw) const { dst[i] = raw; }
+};
+template <typename Tag>
+struct StoreRowE4m3 {
+    unsigned char* dst;
+    float inv_scale;
+    __device__ __forceinline__ void put(int i, float x) const {
+        dst[i] = static_cast<unsigned char>(ElemTraits<e4m3_tag>::pack4(x * inv_scale, 0.f, 0.f, 0.f) & 0xff);
+    }
+    __device__ __forceinline__ void copy(int i, u16 raw) const { put(i, ElemTraits<Tag>::to_float(raw)); }
+};
+
+// Row `src` (head_dim wide) into a row of `out`, its first rotary_dim columns rotated to position `pos`.
+template <typename Tag, class Store>
+__device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src, const Store& out, int width, int pos,
                                            bool rotate, int lane) {
     const int half = rotate ? p.rotary_dim / 2 : 0;
     if (half > 0) {
@@ -29,15 +47,16 @@ __device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src
             const float s = p.rotary_sin[static_cast<i64>(row) * half + i];
             const int i0 = p.rotary_interleaved ? 2 * i : i, i1 = p.rotary_interleaved ? 2 * i + 1 : i + half;
             const float x0 = ElemTraits<Tag>::to_float(src[i0]), x1 = ElemTraits<Tag>::to_float(src[i1]);
-            dst[i0] = to_elem<Tag>(x0 * c - x1 * s);
-            dst[i1] = to_elem<Tag>(x0 * s + x1 * c);
+            out.put(i0, x0 * c - x1 * s);
+            out.put(i1, x0 * s + x1 * c);
         }
     }
-    for (int i = 2 * half + lane; i < width; i += 32) dst[i] = src[i];
+    for (int i = 2 * half + lane; i < width; i += 32) out.copy(i, src[i]);
 }
 
-template <typename Tag, int kNWarps>
-__global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const AppendParams p) {
+// kFp8: the caches hold e4m3 (new keys and values in Tag, stored divided by their KV head's scale).
+template <typename Tag, int kNWarps, bool kFp8>
+__device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
     const i64 warp = blockIdx.x * static_cast<i64>(kNWarps) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     const i64 kv_rows = p.k_new != nullptr ? static_cast<i64>(p.batch) * p.seqlen_new * p.heads_kv : 0;
@@ -62,14 +81,26 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
             k_off = row * p.k_batch_stride + static_cast<i64>(pos) * p.k_row_stride;
             v_off = row * p.v_batch_stride + static_cast<i64>(pos) * p.v_row_stride;
         }
+        k_off += h * p.k_head_stride;
+        v_off += h * p.v_head_stride;
         const u16* k_src = static_cast<const u16*>(p.k_new) + b * p.k_new_batch_stride + i * p.k_new_row_stride
                            + h * p.k_new_head_stride;
         const u16* v_src = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + i * p.v_new_row_stride
                            + h * p.v_new_head_stride;
-        rotate_row<Tag>(p, k_src, static_cast<u16*>(p.k_cache) + k_off + h * p.k_head_stride, p.head_dim, pos - pad,
-                        p.rotary_cos != nullptr, lane);
-        rotate_row<Tag>(p, v_src, static_cast<u16*>(p.v_cache) + v_off + h * p.v_head_stride, p.head_dim_v, pos,
-                        false, lane);
+        if constexpr (kFp8) {
+            const int at = b * p.scale_batch_stride + h * p.scale_head_stride;
+            const float k_scale = p.k_scale != nullptr ? p.k_scale[at] : p.k_scale_value;
+            const float v_scale = p.v_scale != nullptr ? p.v_scale[at] : p.v_scale_value;
+            const StoreRowE4m3<Tag> k_out{static_cast<unsigned char*>(p.k_cache) + k_off, 1.f / k_scale};
+            const StoreRowE4m3<Tag> v_out{static_cast<unsigned char*>(p.v_cache) + v_off, 1.f / v_scale};
+            rotate_row<Tag>(p, k_src, k_out, p.head_dim, pos - pad, p.rotary_cos != nullptr, lane);
+            rotate_row<Tag>(p, v_src, v_out, p.head_dim_v, pos, false, lane);
+        } else {
+            rotate_row<Tag>(p, k_src, StoreRow16<Tag>{static_cast<u16*>(p.k_cache) + k_off}, p.head_dim, pos - pad,
+                            p.rotary_cos != nullptr, lane);
+            rotate_row<Tag>(p, v_src, StoreRow16<Tag>{static_cast<u16*>(p.v_cache) + v_off}, p.head_dim_v, pos, false,
+                            lane);
+        }
     } else if (warp < kv_rows + q_rows) {
         const i64 r = warp - kv_rows;
         const int h = static_cast<int>(r % p.heads_q);
@@ -79,6 +110,19 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
         const int pos = max(p.cache_seqlens[b], 0) - pad + t * p.q_positions_step;
         const u16* src = static_cast<const u16*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride + h * p.q_head_stride;
         u16* dst = static_cast<u16*>(p.q_rot) + ((static_cast<i64>(b) * p.seqlen_q + t) * p.heads_q + h) * p.head_dim;
-        rotate_row<Tag>(p, src, dst, p.head_dim, pos, true, lane);
+        rotate_row<Tag>(p, src, StoreRow16<Tag>{dst}, p.head_dim, pos, true, lane);
     }
+}
+
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const AppendParams p) {
+    kvcache_append_body<Tag, kNWarps, false>(p);
+}
+
+// The same into e4m3 caches (sm_89+).
+template <typename Tag, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32) kvcache_append_fp8_kernel(const AppendParams p) {
+#if __CUDA_ARCH__ >= 890
+    kvcache_append_body<Tag, kNWarps, true>(p);
+#endif
 }

@@ -46,7 +46,7 @@ decode_kernel(const DecodeParams p) {
         }
         const u16* sK = sRing + (it % kStages) * Tile::kStageElems;
         const u16* sV = sK + kBlockN * Tile::kStrideK;
-        rows.step(p, w, sQ, sK, sV, w.key_lo + it * kBlockN + wn * Tile::kSliceN, wm, wn, lane);
+        rows.step(p, w, sQ, sK, sV, w.key_lo + it * kBlockN + wn * Tile::kSliceN, wm, wn * Tile::kSliceN, lane);
     }
     cp_async_wait<0>();
     rows.reduce_sums();

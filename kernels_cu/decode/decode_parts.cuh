@@ -72,8 +72,11 @@ template <int kBlockM, int kBlockN, class Variant>
 struct DecodeWork {
     DecodeParams s;   // the call's parameters with this sequence's seqlen_k and mask diagonal (the mask reads them)
     CacheAddress at;
-    const u16* gK;    // the KV head's column 0 in the caches
+    const u16* gK;    // the KV head's column 0 in the caches (16-bit caches; gK8 / gV8: fp8 ones)
     const u16* gV;
+    const unsigned char* gK8;
+    const unsigned char* gV8;
+    float v_scale;    // an fp8 V cache's scale for this KV head (1: 16-bit); K's is folded into s's score scales
     int split, head_kv, batch, group, rows, row0;
     int key_lo, key_hi, n_tiles;
 
@@ -104,6 +107,20 @@ struct DecodeWork {
         at.v_base = at.pages != nullptr ? 0 : row * p.v_batch_stride + pad * p.v_row_stride;
         gK = static_cast<const u16*>(p.k) + head_kv * p.k_head_stride;
         gV = static_cast<const u16*>(p.v) + head_kv * p.v_head_stride;
+        gK8 = static_cast<const unsigned char*>(p.k) + head_kv * p.k_head_stride;
+        gV8 = static_cast<const unsigned char*>(p.v) + head_kv * p.v_head_stride;
+        // An fp8 cache stores K / k_scale: q . K = k_scale (q . K8), so the scale multiplies the score scale (and the
+        // score modifiers' conversions, which divide by it); V's multiplies the output.
+        const int scale_at = batch * p.scale_batch_stride + head_kv * p.scale_head_stride;
+        v_scale = p.v_scale != nullptr ? p.v_scale[scale_at] : p.v_scale_value;
+        const float k_scale = p.k_scale != nullptr ? p.k_scale[scale_at] : p.k_scale_value;
+        if (k_scale != 1.f) {
+            s.softmax_scale *= k_scale;
+            s.scale_log2 *= k_scale;
+            s.softcap_in *= k_scale;
+            s.softcap_out /= k_scale;
+            s.alibi_scale /= k_scale;
+        }
 
         // The keys this CTA visits: its split, narrowed to what the tile's first and last tokens can see.
         row0 = m_block * kBlockM;
@@ -181,12 +198,14 @@ __device__ __forceinline__ void load_keys(const DecodeParams& p, const CacheAddr
 // The same tile by producer threads, which have few warps to spread address work over: 8 threads per key row (each
 // warp instruction covers four rows' 128-byte segments), each thread the same 16-byte column chunks of
 // kBlockN * 8 / kThreads rows, a row's address and block-table entry (one for K and V) computed once per row.
-template <class Tile, int kThreads>
-__device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const CacheAddress& at, const u16* gK,
-                                                 const u16* gV, u16* stage, int n0, int key_end, int tid) {
+// kElemBytes: 2 (a 16-bit cache) or 1 (fp8); sK / sV: the stage's K and V rows, kRowBytesK / kRowBytesV apart.
+template <class Tile, int kThreads, int kElemBytes, int kRowBytesK, int kRowBytesV>
+__device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const CacheAddress& at,
+                                                 const unsigned char* gK, const unsigned char* gV, unsigned char* sK,
+                                                 unsigned char* sV, int n0, int key_end, int tid) {
     constexpr int kLanesPerRow = 8, kRowsPerPass = kThreads / kLanesPerRow, kPasses = Tile::kBlockN / kRowsPerPass;
+    constexpr int kElems = 16 / kElemBytes, kPassCols = kLanesPerRow * kElems;   // a chunk's, a pass's columns
     static_assert(kThreads % kLanesPerRow == 0 && Tile::kBlockN % kRowsPerPass == 0, "whole rows per pass");
-    static_assert(Tile::kHeadDim % 64 == 0 && Tile::kHeadDimV % 64 == 0, "64-column head-dim buckets");
     const int sub = tid % kLanesPerRow, first_row = tid / kLanesPerRow;
     int page[kPasses];
 #pragma unroll
@@ -194,24 +213,63 @@ __device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const Ca
         const int key = n0 + first_row + i * kRowsPerPass;
         page[i] = key < key_end ? at.page(key) : 0;
     }
-    u16* sK = stage;
-    u16* sV = stage + Tile::kBlockN * Tile::kStrideK;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
         const int row = first_row + i * kRowsPerPass, key = n0 + row;
         const bool valid = key < key_end;
-        const u16* k_src = gK + (valid ? at.k_offset(p, key, page[i]) : 0);
-        const u16* v_src = gV + (valid ? at.v_offset(p, key, page[i]) : 0);
+        const unsigned char* k_src = gK + (valid ? at.k_offset(p, key, page[i]) * kElemBytes : 0);
+        const unsigned char* v_src = gV + (valid ? at.v_offset(p, key, page[i]) * kElemBytes : 0);
+        // A chunk reads the row's bytes up to head_dim (a chunk of 16 fp8 columns may hold 8), zero-fills the rest.
 #pragma unroll
-        for (int j = 0; j < Tile::kHeadDim / 64; ++j) {
-            const int col = sub * 8 + 64 * j;
-            cp_async_16(sK + row * Tile::kStrideK + col, k_src + col, valid && col < p.head_dim);
+        for (int j = 0; j < ceil_div(Tile::kHeadDim, kPassCols); ++j) {
+            const int col = sub * kElems + kPassCols * j;
+            if (Tile::kHeadDim % kPassCols == 0 || col < Tile::kHeadDim)
+                cp_async_16_bytes(sK + row * kRowBytesK + col * kElemBytes, k_src + col * kElemBytes,
+                                  valid ? min(max((p.head_dim - col) * kElemBytes, 0), 16) : 0);
         }
 #pragma unroll
-        for (int j = 0; j < Tile::kHeadDimV / 64; ++j) {
-            const int col = sub * 8 + 64 * j;
-            cp_async_16(sV + row * Tile::kStrideV + col, v_src + col, valid && col < p.head_dim_v);
+        for (int j = 0; j < ceil_div(Tile::kHeadDimV, kPassCols); ++j) {
+            const int col = sub * kElems + kPassCols * j;
+            if (Tile::kHeadDimV % kPassCols == 0 || col < Tile::kHeadDimV)
+                cp_async_16_bytes(sV + row * kRowBytesV + col * kElemBytes, v_src + col * kElemBytes,
+                                  valid ? min(max((p.head_dim_v - col) * kElemBytes, 0), 16) : 0);
         }
+    }
+}
+
+// Two e4m3 values (the low byte first) -> two 16-bit values of Tag in one word, low first. Exact: every e4m3 value is
+// an fp16 and a bf16 value.
+template <typename Tag>
+__device__ __forceinline__ u32 e4m3x2_to(u16 x) {
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(x));
+    if constexpr (kIsBf16<Tag>) {
+        return ElemTraits<bf16_tag>::pack2(ElemTraits<f16_tag>::to_float(static_cast<u16>(h & 0xffff)),
+                                           ElemTraits<f16_tag>::to_float(static_cast<u16>(h >> 16)));
+    } else {
+        return h;
+    }
+}
+
+// kRows rows of kCols e4m3 values (kSrcStride bytes apart) -> 16-bit rows of Tag (kDstStride elements apart), by the
+// 32 lanes of a warp, 16 values a lane at a time.
+template <typename Tag, int kRows, int kCols, int kSrcStride, int kDstStride>
+__device__ __forceinline__ void dequant_rows(const unsigned char* src, u16* dst, int lane) {
+    constexpr int kChunks = kCols / 16;
+    static_assert(kCols % 16 == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int c = lane; c < kRows * kChunks; c += 32) {
+        const int r = c / kChunks, col = (c % kChunks) * 16;
+        const uint4 x = *reinterpret_cast<const uint4*>(src + r * kSrcStride + col);
+        const u32 words[4] = {x.x, x.y, x.z, x.w};
+        u32 out[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = e4m3x2_to<Tag>(static_cast<u16>(words[i] & 0xffff));
+            out[2 * i + 1] = e4m3x2_to<Tag>(static_cast<u16>(words[i] >> 16));
+        }
+        *reinterpret_cast<uint4*>(dst + r * kDstStride + col) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(dst + r * kDstStride + col + 8) = make_uint4(out[4], out[5], out[6], out[7]);
     }
 }
 
@@ -249,10 +307,11 @@ struct DecodeRows {
         row_sum[0] = row_sum[1] = 0.f;
     }
 
-    // The warp's kSliceN keys of one tile (sK, sV: the tile's K and V rows; n0: the warp's first key).
+    // The warp's kSliceN keys of one tile (sK, sV: K and V rows, the warp's first at row key_row0; n0: its first
+    // key).
     template <class Work>
     __device__ __forceinline__ void step(const DecodeParams& p, const Work& w, const u16* sQ, const u16* sK,
-                                         const u16* sV, int n0, int wm, int wn, int lane) {
+                                         const u16* sV, int n0, int wm, int key_row0, int lane) {
         // S = Q K^T over the warp's 16 rows and kSliceN keys.
         float acc_s[kSliceN / 8][4];
 #pragma unroll
@@ -266,7 +325,7 @@ struct DecodeRows {
 #pragma unroll
             for (int nn = 0; nn < kSliceN / 16; ++nn) {
                 u32 b[4];
-                load_b_frag_nk<Tile::kStrideK>(b, sK, wn * kSliceN + nn * 16, kk * 16, lane);
+                load_b_frag_nk<Tile::kStrideK>(b, sK, key_row0 + nn * 16, kk * 16, lane);
                 Mma::run(acc_s[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_s[2 * nn + 1], a, b[2], b[3]);
             }
@@ -284,7 +343,7 @@ struct DecodeRows {
                     const int key = n0 + j * 8 + 2 * (lane & 3) + e;
                     float x = acc_s[j][2 * h + e];
                     if constexpr (Mask::kHasScoreMod) x = mask.modify_score(x, row_token[h], key);
-                    x = (key >= row_lo[h] && key <= row_hi[h]) ? x * p.scale_log2 : -CUFLASH_INF;
+                    x = (key >= row_lo[h] && key <= row_hi[h]) ? x * w.s.scale_log2 : -CUFLASH_INF;
                     acc_s[j][2 * h + e] = x;
                     tile_max[h] = fmaxf(tile_max[h], x);
                 }
@@ -321,7 +380,7 @@ struct DecodeRows {
 #pragma unroll
             for (int nn = 0; nn < kHeadDimV / 16; ++nn) {
                 u32 b[4];
-                load_b_frag_kn<Tile::kStrideV>(b, sV, wn * kSliceN + kk * 16, nn * 16, lane);
+                load_b_frag_kn<Tile::kStrideV>(b, sV, key_row0 + kk * 16, nn * 16, lane);
                 Mma::run(acc_o[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
             }
@@ -388,7 +447,7 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Wor
                                                                   + rr * Tile::kRedStride + col);
                 o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
             }
-            const float inv = 1.f / l;
+            const float inv = w.v_scale / l;
             o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
         }
         const float lse = m == -CUFLASH_INF ? -CUFLASH_INF : (m + log2f(l)) * CUFLASH_LN2;

@@ -9,6 +9,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                  :: "r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
+// The same with src_bytes (0..16) read and the rest of the 16 bytes zero-filled.
+__device__ __forceinline__ void cp_async_16_bytes(void* smem, const void* gmem, int src_bytes) {
+    const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 
 template <int kPending>
