@@ -22,6 +22,11 @@ capacity, appended tokens past it are dropped), ``cache_leftpad[b]`` outside [0,
 block-table entries out of range (a read takes the nearest page that exists, an append skips the token): no read
 or write leaves the cache.
 
+fp8 caches (uint8 arrays of e4m3 bytes, Hopper: ``decode_sm90_fp8``, ``kvcache_append_fp8``): a stored element's
+value is its e4m3 value times its KV head's descale (``Descales``: a float, one element, ``(heads_kv,)`` or
+``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and the score modifiers' conversions) and
+V's into the output, so the dequantisation itself is a type conversion; appends store ``e4m3(x * (1 / descale))``.
+
 ``cache_leftpad`` (flash-attn's meaning, contiguous caches): sequence b's keys start at cache position
 ``cache_leftpad[b]``; it has ``cache_seqlens[b] + seqlen_new - cache_leftpad[b]`` keys, and positions (rotary, causal
 alignment, windows, ALiBi) count from there; appends still land at cache position ``cache_seqlens[b]``.

@@ -446,12 +446,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                             return_softmax_lse: bool = False, *, sinks: Optional[Tensor] = None,
                             attention_chunk: int = 0, page_table: Optional[Tensor] = None,
-                            batch_invariant: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                            batch_invariant: bool = False, k_descale: Optional[Tensor] = None,
+                            v_descale: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """flash-attn 2's ``flash_attn_with_kvcache`` (same arguments, order and defaults) on torch CUDA tensors, as the
     custom op ``cuflash::attention_kvcache`` (CUDA graphs: warm up before capturing, as every op here).
     ``cache_seqlens`` None means every cache row is full (``k_cache.shape[1]`` keys). Extra keyword arguments:
-    ``sinks``, ``attention_chunk``, ``page_table`` (FlashAttention-3's name for ``block_table``) and
-    ``batch_invariant`` (:func:`cuflash.forward_kvcache`). Not differentiable (inference).
+    ``sinks``, ``attention_chunk``, ``page_table`` (FlashAttention-3's name for ``block_table``),
+    ``batch_invariant``, and for fp8 caches (``torch.float8_e4m3fn`` or uint8 e4m3 bytes, Hopper) ``k_descale`` /
+    ``v_descale``: float32 tensors of one element, ``(heads_kv,)`` or ``(batch, heads_kv)`` (FlashAttention-3's)
+    (:func:`cuflash.forward_kvcache`). Not differentiable (inference).
 
     Returns ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``return_softmax_lse``."""
     if page_table is not None:
@@ -467,10 +470,12 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         cache_seqlens = torch.full((q.shape[0],), full, dtype=torch.int32, device=q.device)
     left, right = variants.check_window(window_size)
     scale = _checks.check_scale(softmax_scale, q.shape[-1])
+    if k_cache.dtype == torch.float8_e4m3fn:   # as their bytes: DLPack has no float8 type everywhere
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     out, lse = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, scale, bool(causal), left, right, float(softcap),
                                  bool(rotary_interleaved), alibi_slopes, sinks, int(attention_chunk), int(num_splits),
-                                 bool(batch_invariant))
+                                 bool(batch_invariant), k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -481,7 +486,8 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[T
                       softmax_scale: float,
                       causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], attention_chunk: int, num_splits: int,
-                      batch_invariant: bool) -> Tuple[Tensor, Tensor]:
+                      batch_invariant: bool, k_descale: Optional[Tensor] = None,
+                      v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(out, lse)``: out ``(B, Nq, Hq, Dv)`` (contiguous, q's dtype), lse float32 ``(B, Hq, Nq)``."""
     return api.forward_kvcache(
         _kernel_ready(q), k_cache, v_cache, None if k is None else _kernel_ready(k),
@@ -489,12 +495,14 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[T
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, block_table=block_table, causal=causal, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk=attention_chunk,
-        softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=True)
+        softmax_scale=softmax_scale, num_splits=num_splits, batch_invariant=batch_invariant, return_lse=True,
+        k_descale=k_descale, v_descale=v_descale)
 
 
 @attention_kvcache.register_fake
 def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                             cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                            rotary_interleaved, alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant):
+                            rotary_interleaved, alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant,
+                            k_descale=None, v_descale=None):
     b, nq, hq, _ = q.shape
     return q.new_empty((b, nq, hq, v_cache.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)

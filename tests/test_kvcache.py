@@ -485,6 +485,42 @@ def test_torch_flash_attn_with_kvcache_appends_in_place(rng):
     assert out.shape == (b, 2, hq, d) and lse.shape == (b, hq, 2)
 
 
+@requires_gpu
+def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
+    """cuflash.torch.flash_attn_with_kvcache over torch.float8_e4m3fn caches with (batch, heads_kv) descales
+    (FlashAttention-3's): the new tokens quantised into the caches in place, and the same output as
+    cuflash.forward_kvcache on the caches' bytes after the append."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash
+    from cuflash.torch import flash_attn_with_kvcache
+
+    if decode_backend == "sm80":
+        pytest.skip("fp8 caches take the Hopper decode kernel (test_fp8_cache checks the refusal)")
+    b, cap, hq, hkv, d = 2, 256, 8, 2, 128
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    gen = torch.Generator(device=dev).manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16)
+    k_ds = torch.rand(b, hkv, generator=gen, device=dev) * 0.1 + 0.03
+    v_ds = torch.rand(b, hkv, generator=gen, device=dev) * 0.1 + 0.03
+    k_cache = (mk(b, cap, hkv, d).float() / k_ds[:, None, :, None]).to(torch.float8_e4m3fn)
+    v_cache = (mk(b, cap, hkv, d).float() / v_ds[:, None, :, None]).to(torch.float8_e4m3fn)
+    q, k, v = mk(b, 1, hq, d), mk(b, 1, hkv, d), mk(b, 1, hkv, d)
+    lens = torch.tensor([100, 201], dtype=torch.int32, device=dev)
+    k0 = k_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, k_descale=k_ds,
+                                  v_descale=v_ds)
+    for i, n in enumerate((100, 201)):
+        want = (k[i, 0].float() * (1 / k_ds[i])[:, None]).to(torch.float8_e4m3fn)
+        assert torch.equal(k_cache[i, n].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(k_cache[i, :n].view(torch.uint8), k0[i, :n].view(torch.uint8))
+    ref = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_cache.view(torch.uint8)),
+                                  cupy.from_dlpack(v_cache.view(torch.uint8)), causal=True,
+                                  cache_seqlens=cupy.asarray([101, 202], dtype=np.int32),
+                                  k_descale=cupy.from_dlpack(k_ds), v_descale=cupy.from_dlpack(v_ds))
+    assert torch.equal(out, torch.from_dlpack(ref)) and out.shape == (b, 1, hq, d)
+
+
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_cache_leftpad(rng, num_splits):
     """cache_leftpad (contiguous caches): each sequence's keys start at its pad (positions, rotary and the causal
