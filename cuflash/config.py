@@ -122,6 +122,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # The same over fp8 (e4m3) caches (dtype: q's), dequantised in shared memory by the consumer warps.
     Family("decode_sm90_fp8", "decode/decode_sm90.cu", "decode_sm90_fp8_kernel", 90, True, direction="decode",
            backend="sm90", fp8=True),
+    # The same over 16-bit caches by TMA boxes (tensor maps as extra arguments; CUFLASH_DECODE_BACKEND=sm90_tma).
+    Family("decode_sm90_tma", "decode/decode_sm90.cu", "decode_sm90_tma_kernel", 90, True, direction="decode",
+           backend="sm90"),
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 89, ("tag", "num_warps")),

@@ -39,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _checks, launch, options, params, variants
+from . import _checks, launch, options, params, tma, variants
 from .config import KernelConfig
 from .dispatch import get_kernel, smem_bytes
 
@@ -47,6 +47,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64                 # keys per tile of the decode kernel (kernels_cu/decode/decode.cu)
 NUM_WARPS = 4
 SM90_PRODUCER_WARPS = 4      # the Hopper decode kernel's producer warps (kernels_cu/decode/decode_sm90.cu)
+SM90_TMA_PRODUCER_WARPS = 1  # the same filled by TMA (one thread issues the boxes)
 MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
 SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_plan's estimate)
 MAX_SPLITS = 128
@@ -349,8 +350,8 @@ def decode_backend(device_id: int, opts: options.Options) -> str:
     choice = opts.decode_backend
     if choice == "auto":
         return "sm90" if cc == 90 else "sm80"
-    if choice == "sm90" and cc != 90:
-        raise ValueError(f"CUFLASH_DECODE_BACKEND=sm90 needs a compute capability 9.0 GPU, device {device_id} has "
+    if choice.startswith("sm90") and cc != 90:
+        raise ValueError(f"CUFLASH_DECODE_BACKEND={choice} needs a compute capability 9.0 GPU, device {device_id} has "
                          f"{cc // 10}.{cc % 10}")
     return choice
 
@@ -371,12 +372,19 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
         tiles.append((32, 32, 4))
     if bm > 16:
         tiles.append((16, 32, 2))
-    if lay.fp8 and backend != "sm90":
+    if lay.fp8 and not backend.startswith("sm90"):
         raise ValueError(FP8_NEEDS_HOPPER)
-    family, extra = ("decode_sm90", SM90_PRODUCER_WARPS) if backend == "sm90" else ("decode", 0)
-    if lay.fp8:
-        family = "decode_sm90_fp8"
-    return [KernelConfig(family, dtype, d, causal, m, n, w + extra, variant, 0 if dv == d else dv)
+    def family(m: int) -> tuple:
+        if not backend.startswith("sm90"):
+            return "decode", 0
+        if lay.fp8:
+            return "decode_sm90_fp8", SM90_PRODUCER_WARPS
+        # TMA: up to 128 columns past 16-row tiles (the wide ones' registers do not leave its producer room)
+        if backend == "sm90_tma" and (m == 16 or max(d, dv) <= 128):
+            return "decode_sm90_tma", SM90_TMA_PRODUCER_WARPS
+        return "decode_sm90", SM90_PRODUCER_WARPS
+
+    return [KernelConfig(family(m)[0], dtype, d, causal, m, n, w + family(m)[1], variant, 0 if dv == d else dv)
             for m, n, w in tiles]
 
 
@@ -414,7 +422,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         return out, lse
     bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
     # The decode kernel first: a configuration no kernel serves (an fp8 cache off Hopper) fails before the append.
-    if lay.fp8 and decode_backend(dev, opts) != "sm90":
+    if lay.fp8 and not decode_backend(dev, opts).startswith("sm90"):
         raise ValueError(FP8_NEEDS_HOPPER)
     plan = _decode_plan(dtype, lay, var, opts) if nq else None
     ds = descales or Descales()
@@ -475,14 +483,32 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(out), bt_stride,
         b, nq, 0, hq, hq // hkv, lay.head_dim, lay.head_dim_v, lay.seqlen_new, lay.capacity, lay.cache_rows,
         lay.page_size, _page_shift(lay.page_size), kps, splits, *scale_fields, scale, scale * LOG2E, *mask_values))
+    extra = (_tma_maps(k_cache, v_cache, lay, cfg),) if cfg.family == "decode_sm90_tma" else ()
     # Heads fastest: the CTAs reading one key range of every KV head start together, and a key's rows of all heads
     # (adjacent in memory) are read at about the same time.
-    launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem)
+    launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem, extra)
     # 3. The splits merged.
     if merged:
         combine_into(o_part, lse_part, out, lse, opts=opts)
     capture.keep_if_capturing(*keep)
     return out, lse
+
+
+def _tma_maps(k_cache, v_cache, lay: CacheLayout, cfg: KernelConfig):
+    """The tensor maps of decode_sm90_tma: over (head dim, heads, keys, cache rows) of a contiguous cache, or (head
+    dim, heads, page rows, pages) of a paged one; boxes of 64 columns by a tile's keys (paged: the largest power of two
+    that divides the page size, up to the tile: kernels_cu/decode/decode_sm90.cu tma_box_rows), 128-byte swizzled.
+    A cache TMA cannot address (strides not multiples of 16 bytes) gets a ValueError."""
+    rows = min(cfg.block_n, lay.page_size & -lay.page_size) if lay.page_size else cfg.block_n
+    dtype = _checks.dtype_name(k_cache.dtype)
+    maps = []
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        n, s, h, d = x.shape
+        strides = (x.strides[2], x.strides[1], x.strides[0])
+        if not tma.strides_ok(x.data.ptr, strides):
+            raise ValueError(f"{name}: CUFLASH_DECODE_BACKEND=sm90_tma needs 16-byte aligned strides, got {x.strides}")
+        maps.append(tma.encode_tiled(x.data.ptr, dtype, (d, h, s, n), strides, (64, 1, rows, 1)))
+    return launch.PackedTail(tuple(maps))
 
 
 def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None) -> None:

@@ -16,7 +16,8 @@ CUFLASH_FWD_BACKEND                       fwd_backend ("auto")        "auto": th
 CUFLASH_BWD_BACKEND                       bwd_backend ("auto")        "auto" | "sm80" | "sm90", as above
 CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kvcache's kernel: "auto" | "sm80"
                                                                       (the cp.async ring, every GPU) | "sm90"
-                                                                      (producer warps fill the ring, cc 9.0)
+                                                                      (producer warps fill the ring, cc 9.0) |
+                                                                      "sm90_tma" (TMA boxes, 16-bit caches)
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -64,7 +65,7 @@ Tiles = Tuple[int, int, int]
 FWD_BACKENDS = ("auto", "sm80", "sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p", "sm90_overlap_x2",
                 "sm90_overlap_x2_p", "sm90_split")
 BWD_BACKENDS = ("auto", "sm80", "sm90")
-DECODE_BACKENDS = ("auto", "sm80", "sm90")
+DECODE_BACKENDS = ("auto", "sm80", "sm90", "sm90_tma")
 CLUSTER_MODES = ("auto", "0", "1")
 SM80_BWD_VARIANTS = (1, 2)
 LAUNCH_PATHS = ("packed", "cupy")

@@ -56,7 +56,7 @@ def _configs(backends=("sm80",)) -> list:
 
 @pytest.mark.parametrize("cc", ["80", "90a"])
 def test_decode_kernels_compile_without_spills(cc):
-    assert_all_compile(_configs(("sm80", "sm90") if cc == "90a" else ("sm80",)), cc)
+    assert_all_compile(_configs(("sm80", "sm90", "sm90_tma") if cc == "90a" else ("sm80",)), cc)
 
 
 def test_every_head_dim_bucket_fits_a_99kb_device():

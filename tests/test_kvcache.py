@@ -8,7 +8,7 @@ softcap, ALiBi, sinks, chunks; head dims 64, 128, 72, 40 and (128, 64); fp16 and
 splits. Every row of out is compared with a row-wise relative bound, lse with its own; the whole caches after
 the call against the reference's (the appended slots, and bit for bit everything else); the arguments other
 than the caches are left alone. Batch-invariant mode gives a sequence bit-identical rows whatever batch it is
-in. Each test runs on both decode kernels (decode.cu everywhere, decode_sm90.cu on Hopper). One 32k-key cache
+in. Each test runs on each decode kernel (decode.cu everywhere, decode_sm90.cu's cp.async and TMA rings on Hopper). One 32k-key cache
 against float64; keys past cache_seqlens (NaN there) are never read; bad arguments are
 refused naming them, before the cache is touched.
 
@@ -28,14 +28,14 @@ from conftest import FWD_TOL, LSE_RTOL, assert_close_on_every_row, assert_lse_ma
 pytestmark = [requires_gpu]
 
 
-@pytest.fixture(params=["sm80", "sm90"], autouse=True)
+@pytest.fixture(params=["sm80", "sm90", "sm90_tma"], autouse=True)
 def decode_backend(request):
-    """Every test on both decode kernels: the portable cp.async ring and, on cc 9.0, the one filled by producer
-    warps (Options.decode_backend)."""
+    """Every test on each decode kernel: the portable cp.async ring and, on cc 9.0, the ring filled by producer warps
+    with cp.async or with TMA boxes (Options.decode_backend)."""
     from cuflash import options
     from cuflash.dispatch import device_info
 
-    if request.param == "sm90" and device_info(0)[0] != 90:
+    if request.param.startswith("sm90") and device_info(0)[0] != 90:
         pytest.skip("the Hopper decode kernel (decode_sm90.cu) needs a compute capability 9.0 GPU")
     with options.override(decode_backend=request.param):
         yield request.param
@@ -495,8 +495,8 @@ def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
     import cuflash
     from cuflash.torch import flash_attn_with_kvcache
 
-    if decode_backend == "sm80":
-        pytest.skip("fp8 caches take the Hopper decode kernel (test_fp8_cache checks the refusal)")
+    if decode_backend != "sm90":
+        pytest.skip("fp8 caches take the Hopper cp.async ring (test_fp8_cache checks the portable kernel's refusal)")
     b, cap, hq, hkv, d = 2, 256, 8, 2, 128
     dev = torch.device("cuda", cupy.cuda.Device().id)
     gen = torch.Generator(device=dev).manual_seed(11)
@@ -600,6 +600,8 @@ def test_fp8_cache(rng, decode_backend, name):
     import ml_dtypes
     from cuflash.reference import attention_reference_kvcache
 
+    if decode_backend == "sm90_tma":
+        pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
     fp8 = ml_dtypes.float8_e4m3fn
     case = dict(FP8_CASES[name])
     kind, num_splits = case.pop("descale"), case.pop("num_splits", 0)
@@ -663,7 +665,7 @@ def test_fp8_cache_arguments_are_checked(rng, decode_backend):
     import cupy
     import cuflash
 
-    if decode_backend == "sm80":
+    if decode_backend != "sm90":
         pytest.skip("the checks run before the kernel choice: once is enough")
     q = _rand(rng, (2, 1, 8, 64), "bfloat16")
     k16 = _rand(rng, (2, 32, 2, 64), "bfloat16")

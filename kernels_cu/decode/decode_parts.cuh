@@ -47,6 +47,7 @@ struct CacheAddress {
     const int* pages;   // the sequence's block-table row (paged), else null
     int page_size, page_shift, last_page;
     i64 k_base, v_base; // contiguous: the offset of the sequence's key 0 (its cache row and left pad); paged: 0
+    int cache_row, key_offset;   // contiguous: the sequence's cache row and left pad (a tensor map's coordinates)
 
     // Key j's page index in the table (a shift for power-of-two page sizes) and its row in the page.
     __device__ __forceinline__ int page_index(int key) const { return page_shift >= 0 ? key >> page_shift : key / page_size; }
@@ -67,8 +68,10 @@ struct CacheAddress {
 };
 
 // A CTA's share: one sequence, one KV head, one tile of packed query rows, the keys of one split (narrowed to what
-// the tile's tokens can see), and where those keys live.
-template <int kBlockM, int kBlockN, class Variant>
+// the tile's tokens can see), and where those keys live. kAlignedTiles: the first key narrowed down to a multiple of
+// the tile (the rows' own bounds mask the keys before theirs), so that a tile never straddles a page's 16-row parts
+// (TMA boxes).
+template <int kBlockM, int kBlockN, class Variant, bool kAlignedTiles = false>
 struct DecodeWork {
     DecodeParams s;   // the call's parameters with this sequence's seqlen_k and mask diagonal (the mask reads them)
     CacheAddress at;
@@ -103,6 +106,8 @@ struct DecodeWork {
         at.pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
         int row = batch;
         if (p.cache_batch_idx != nullptr) row = min(max(p.cache_batch_idx[batch], 0), p.cache_rows - 1);
+        at.cache_row = row;
+        at.key_offset = pad;
         at.k_base = at.pages != nullptr ? 0 : row * p.k_batch_stride + pad * p.k_row_stride;
         at.v_base = at.pages != nullptr ? 0 : row * p.v_batch_stride + pad * p.v_row_stride;
         gK = static_cast<const u16*>(p.k) + head_kv * p.k_head_stride;
@@ -131,7 +136,7 @@ struct DecodeWork {
             const Mask mask(s, p.seqlen_q, batch, 0);
             int lo, hi;
             mask.row_keys(t_first, lo, hi);
-            key_lo = max(key_lo, lo);
+            key_lo = max(key_lo, kAlignedTiles ? lo / kBlockN * kBlockN : lo);
             mask.row_keys(t_last, lo, hi);
             key_hi = min(key_hi, hi + 1);
         }
@@ -273,6 +278,18 @@ __device__ __forceinline__ void dequant_rows(const unsigned char* src, u16* dst,
     }
 }
 
+// Where a stage's K or V rows sit, as step() reads their MMA fragments: rows of kStride elements (the cp.async
+// stages, padded by 16 bytes). decode_sm90.cu adds TMA's swizzled panels.
+template <int kStride>
+struct PaddedRows {
+    __device__ static __forceinline__ void b_nk(u32 (&b)[4], const u16* tile, int n0, int k0, int lane) {
+        load_b_frag_nk<kStride>(b, tile, n0, k0, lane);
+    }
+    __device__ static __forceinline__ void b_kn(u32 (&b)[4], const u16* tile, int k0, int n0, int lane) {
+        load_b_frag_kn<kStride>(b, tile, k0, n0, lane);
+    }
+};
+
 // One consumer warp's rows: this thread's two (lane / 4 and lane / 4 + 8 of the warp's 16), their token, head and
 // visible keys, and the online softmax's running max, sum and O over the warp's slice of each key tile.
 template <typename Tag, class Tile, class Variant>
@@ -309,7 +326,7 @@ struct DecodeRows {
 
     // The warp's kSliceN keys of one tile (sK, sV: K and V rows, the warp's first at row key_row0; n0: its first
     // key).
-    template <class Work>
+    template <class KRows = PaddedRows<Tile::kStrideK>, class VRows = PaddedRows<Tile::kStrideV>, class Work>
     __device__ __forceinline__ void step(const DecodeParams& p, const Work& w, const u16* sQ, const u16* sK,
                                          const u16* sV, int n0, int wm, int key_row0, int lane) {
         // S = Q K^T over the warp's 16 rows and kSliceN keys.
@@ -325,7 +342,7 @@ struct DecodeRows {
 #pragma unroll
             for (int nn = 0; nn < kSliceN / 16; ++nn) {
                 u32 b[4];
-                load_b_frag_nk<Tile::kStrideK>(b, sK, key_row0 + nn * 16, kk * 16, lane);
+                KRows::b_nk(b, sK, key_row0 + nn * 16, kk * 16, lane);
                 Mma::run(acc_s[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_s[2 * nn + 1], a, b[2], b[3]);
             }
@@ -380,7 +397,7 @@ struct DecodeRows {
 #pragma unroll
             for (int nn = 0; nn < kHeadDimV / 16; ++nn) {
                 u32 b[4];
-                load_b_frag_kn<Tile::kStrideV>(b, sV, key_row0 + kk * 16, nn * 16, lane);
+                VRows::b_kn(b, sV, key_row0 + kk * 16, nn * 16, lane);
                 Mma::run(acc_o[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
             }
