@@ -589,19 +589,30 @@ FP8_CASES = {
 }
 
 
+@pytest.mark.parametrize("f16_products", [False, True], ids=["products-in-q-dtype", "f16-products"])
 @pytest.mark.parametrize("name", list(FP8_CASES))
-def test_fp8_cache(rng, decode_backend, name):
+def test_fp8_cache(rng, decode_backend, name, f16_products):
     """forward_kvcache over uint8 caches of e4m3 bytes with k_descale / v_descale: the appended keys and values
     stored as e4m3(x / descale) (bit for bit, nothing else in the caches changed), out and lse against the float64
-    reference over the dequantised caches (each byte's e4m3 value times its KV head's descale). The portable kernel
-    refuses an fp8 cache."""
+    reference over the dequantised caches (each byte's e4m3 value times its KV head's descale); also with bf16
+    queries rescaled into fp16 products (CUFLASH_DECODE_FP8_F16_MMA=1). The portable kernel refuses an fp8 cache."""
+    from cuflash import options
+
+    if decode_backend == "sm90_tma":
+        pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
+    if f16_products and (decode_backend != "sm90" or FP8_CASES[name].get("dtype") != "bfloat16"):
+        pytest.skip("fp16 products: bf16 queries on the Hopper kernel")
+    with options.override(nvrtc_defines=("-DCUFLASH_DECODE_FP8_F16_MMA=1",) if f16_products else ()):
+        _fp8_case(rng, decode_backend, name)
+
+
+def _fp8_case(rng, decode_backend, name):
+    """test_fp8_cache's body, under the options in force."""
     import cupy
     import cuflash
     import ml_dtypes
     from cuflash.reference import attention_reference_kvcache
 
-    if decode_backend == "sm90_tma":
-        pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
     fp8 = ml_dtypes.float8_e4m3fn
     case = dict(FP8_CASES[name])
     kind, num_splits = case.pop("descale"), case.pop("num_splits", 0)

@@ -278,6 +278,28 @@ __device__ __forceinline__ void dequant_rows(const unsigned char* src, u16* dst,
     }
 }
 
+// bf16 query rows in shared memory -> fp16 in place, row r times 2^s_r with s_r putting its largest |q| in
+// [2^14, 2^15): exact where a value stays within fp16's normal range (one 2^28 times or more below the row's largest
+// may lose bits: negligible in the row's products); descales[r] = 2^-s_r. One warp a row, over `warps` warps.
+template <class Tile>
+__device__ __forceinline__ void rescale_q_to_f16(u16* sQ, float* descales, int warp, int warps, int lane) {
+    for (int r = warp; r < Tile::kBlockM; r += warps) {
+        u16* row = sQ + r * Tile::kStrideK;
+        float amax = 0.f;
+        for (int c = lane; c < Tile::kHeadDim; c += 32) amax = fmaxf(amax, fabsf(ElemTraits<bf16_tag>::to_float(row[c])));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        // floor(log2(amax)) from the exponent bits (amax a normal float, or 0: no scaling)
+        const int e = amax > 0.f ? static_cast<int>((__float_as_uint(amax) >> 23) & 0xff) - 127 : 14;
+        const int s = min(max(14 - e, -126), 126);
+        const float up = __uint_as_float(static_cast<u32>(127 + s) << 23);
+        __syncwarp();
+        for (int c = lane; c < Tile::kHeadDim; c += 32)
+            row[c] = static_cast<u16>(ElemTraits<f16_tag>::pack2(ElemTraits<bf16_tag>::to_float(row[c]) * up, 0.f) & 0xffff);
+        if (lane == 0) descales[r] = __uint_as_float(static_cast<u32>(127 - s) << 23);
+    }
+}
+
 // Where a stage's K or V rows sit, as step() reads their MMA fragments: rows of kStride elements (the cp.async
 // stages, padded by 16 bytes). decode_sm90.cu adds TMA's swizzled panels.
 template <int kStride>
@@ -292,15 +314,22 @@ struct PaddedRows {
 
 // One consumer warp's rows: this thread's two (lane / 4 and lane / 4 + 8 of the warp's 16), their token, head and
 // visible keys, and the online softmax's running max, sum and O over the warp's slice of each key tile.
-template <typename Tag, class Tile, class Variant>
+template <class A, class B> constexpr bool kSameType = false;
+template <class A> constexpr bool kSameType<A, A> = true;
+
+// MmaTag: the products' type where it is not the output's (bf16 queries over an fp8 cache rescaled into fp16 by a
+// power of two per row, rescale_q_to_f16: the rows' scores then carry 2^s, which q_descale takes back).
+template <typename Tag, class Tile, class Variant, typename MmaTag = Tag>
 struct DecodeRows {
     using Mask = MaskPolicy<Tile::kBlockM, Tile::kBlockN, Variant>;
-    using Mma = Mma16816<Tag>;
+    using Mma = Mma16816<MmaTag>;
     static constexpr int kHeadDim = Tile::kHeadDim, kHeadDimV = Tile::kHeadDimV, kSliceN = Tile::kSliceN;
+    static constexpr bool kRescaledQ = !kSameType<Tag, MmaTag>;
 
     int row_token[2], row_head[2], row_lo[2], row_hi[2];
     float acc_o[kHeadDimV / 8][4];
     float row_max[2], row_sum[2];
+    float q_descale[2];   // kRescaledQ: 2^-s of the thread's two rows
 
     template <class Work>
     __device__ __forceinline__ DecodeRows(const DecodeParams& p, const Work& w, int wm, int lane) {
@@ -322,6 +351,13 @@ struct DecodeRows {
             for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.f;
         row_max[0] = row_max[1] = -CUFLASH_INF;
         row_sum[0] = row_sum[1] = 0.f;
+        q_descale[0] = q_descale[1] = 1.f;
+    }
+
+    // kRescaledQ: the rows' 2^-s from rescale_q_to_f16's table.
+    __device__ __forceinline__ void read_q_descales(const float* descales, int wm, int lane) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) q_descale[h] = descales[wm * 16 + (lane >> 2) + 8 * h];
     }
 
     // The warp's kSliceN keys of one tile (sK, sV: K and V rows, the warp's first at row key_row0; n0: its first
@@ -359,6 +395,7 @@ struct DecodeRows {
                 for (int e = 0; e < 2; ++e) {
                     const int key = n0 + j * 8 + 2 * (lane & 3) + e;
                     float x = acc_s[j][2 * h + e];
+                    if constexpr (kRescaledQ) x *= q_descale[h];   // exact: a power of two
                     if constexpr (Mask::kHasScoreMod) x = mask.modify_score(x, row_token[h], key);
                     x = (key >= row_lo[h] && key <= row_hi[h]) ? x * w.s.scale_log2 : -CUFLASH_INF;
                     acc_s[j][2 * h + e] = x;
@@ -393,7 +430,7 @@ struct DecodeRows {
 #pragma unroll
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
             u32 a[4];
-            pack_a_from_acc<Tag>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
+            pack_a_from_acc<MmaTag>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
 #pragma unroll
             for (int nn = 0; nn < kHeadDimV / 16; ++nn) {
                 u32 b[4];

@@ -23,6 +23,11 @@
 #define CUFLASH_DECODE_SM90_STAGES 0   // 0: DecodeTile's depth (two CTAs per SM)
 #endif
 // The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them).
+// fp8 caches under bf16 queries: 1 runs the products in fp16 (each query row rescaled by a power of two: decode_parts.cuh
+// rescale_q_to_f16), so that an e4m3 pair's conversion is one instruction; 0 converts to bf16 (not yet measured: 0).
+#ifndef CUFLASH_DECODE_FP8_F16_MMA
+#define CUFLASH_DECODE_FP8_F16_MMA 0
+#endif
 #ifndef CUFLASH_DECODE_SM90_PRODUCER_WARPS
 #define CUFLASH_DECODE_SM90_PRODUCER_WARPS 4
 #endif
@@ -50,7 +55,8 @@ struct DecodeSm90Tile : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsu
     static constexpr int kStageBytes = kTma ? kBlockN * (Base::kHeadDim + Base::kHeadDimV) * 2
                                             : kBlockN * (kRowBytesK + kRowBytesV);
     static constexpr int kBufferElems = kFp8 ? Base::kSliceN * (Base::kStrideK + Base::kStrideV) : 0;   // a warp's
-    static constexpr int kQBytes = Base::kQElems * 2;
+    static constexpr int kQBytes = Base::kQElems * 2 + (kFp8 && CUFLASH_DECODE_FP8_F16_MMA ? kBlockM * 4 : 0);   // (+ Q's
+                                                                                                           // row scales)
     // TMA's swizzled panels start on 1024-byte boundaries: the ring's offset is rounded up, and the base aligned at
     // run time (kAlignSlack bytes of room).
     static constexpr int kAlignSlack = kTma ? 1024 : 0;
@@ -65,6 +71,9 @@ struct DecodeSm90Tile : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsu
     static constexpr int kMinBlocks = 2 * kSmemBytes + 2048 <= 227 * 1024 && kConsumerWarps + kProducersOf<kLoad> <= 8
                                       && Base::kHeadDimV <= 128 && Base::kSliceN <= 32 ? 2 : 1;
 };
+
+template <bool kFirst, class A, class B> struct PickType { using type = A; };
+template <class A, class B> struct PickType<false, A, B> { using type = B; };
 
 // A TMA stage's rows as step() reads them: 64-column panels of kRows 128-byte rows, 128-byte swizzled.
 template <int kRows>
@@ -220,7 +229,16 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
     cp_async_wait<0>();
     named_barrier_sync(1, kConsumers);   // Q landed for every consumer
 
-    DecodeRows<Tag, Tile, Variant> rows(p, w, wm, lane);
+    // bf16 queries over an fp8 cache: the products in fp16 (CUFLASH_DECODE_FP8_F16_MMA), Q's rows rescaled first.
+    constexpr bool kF16Products = kFp8 && CUFLASH_DECODE_FP8_F16_MMA && kIsBf16<Tag>;
+    using MmaTag = typename PickType<kF16Products, f16_tag, Tag>::type;
+    float* q_descales = reinterpret_cast<float*>(smem_bytes + Tile::kBarrierBytes + Tile::kQElems * 2);
+    if constexpr (kF16Products) {
+        rescale_q_to_f16<Tile>(sQ, q_descales, warp, kConsumerWarps, lane);
+        named_barrier_sync(1, kConsumers);
+    }
+    DecodeRows<Tag, Tile, Variant, MmaTag> rows(p, w, wm, lane);
+    if constexpr (kF16Products) rows.read_q_descales(q_descales, wm, lane);
     u16* bK = buffers + warp * Tile::kBufferElems;
     u16* bV = bK + kSliceN * Tile::kStrideK;
     for (int it = 0; it < w.n_tiles; ++it) {
@@ -239,9 +257,9 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_bar + stage * 8);
         } else if constexpr (kFp8) {
-            dequant_rows<Tag, kSliceN, Tile::kHeadDim, Tile::kRowBytesK, Tile::kStrideK>(
+            dequant_rows<MmaTag, kSliceN, Tile::kHeadDim, Tile::kRowBytesK, Tile::kStrideK>(
                 sK + wn * kSliceN * Tile::kRowBytesK, bK, lane);
-            dequant_rows<Tag, kSliceN, Tile::kHeadDimV, Tile::kRowBytesV, Tile::kStrideV>(
+            dequant_rows<MmaTag, kSliceN, Tile::kHeadDimV, Tile::kRowBytesV, Tile::kStrideV>(
                 sV + wn * kSliceN * Tile::kRowBytesV, bV, lane);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_bar + stage * 8);   // the stage is free before the products
