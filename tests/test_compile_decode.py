@@ -103,3 +103,23 @@ def test_split_plan():
     assert kvcache.split_plan(5000, 1, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
     assert kvcache.split_plan(5000, 999, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
     assert kvcache.split_plan(0, 8, 264, 0, False) == (1, kvcache.BLOCK_N)
+
+
+@pytest.mark.parametrize("define,family,cc", [("-DCUFLASH_DECODE_ROW_LOADS=1", "decode", "80"),
+                                              ("-DCUFLASH_DECODE_ROW_LOADS=1", "decode", "90a"),
+                                              ("-DCUFLASH_DECODE_FP8_F16_MMA=1", "decode_sm90_fp8", "90a")])
+def test_decode_experiments_compile_without_spills(define, family, cc):
+    """The decode kernels' build switches under measurement (CUFLASH_NVRTC_DEFINES) compile without spills over the
+    head-dim buckets and row tiles of the portable tiles list."""
+    from cuflash import options
+
+    configs = {}
+    for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64)):
+        for rows in ((1, 8, 1), (16, 32, 8)):
+            lay = _layout(*rows, d, dv)
+            backend = "sm80" if family == "decode" else "sm90"
+            if family == "decode_sm90_fp8":
+                lay = dataclasses.replace(lay, fp8=True)
+            configs.update({c.key(): c for c in kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], backend)})
+    with options.override(nvrtc_defines=(define,)):
+        assert_all_compile(list(configs.values()), cc)

@@ -28,17 +28,20 @@ from conftest import FWD_TOL, LSE_RTOL, assert_close_on_every_row, assert_lse_ma
 pytestmark = [requires_gpu]
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_tma"], autouse=True)
+@pytest.fixture(params=[("sm80", ()), ("sm80", ("-DCUFLASH_DECODE_ROW_LOADS=1",)), ("sm90", ()), ("sm90_tma", ())],
+                ids=["sm80", "sm80-row-loads", "sm90", "sm90-tma"], autouse=True)
 def decode_backend(request):
-    """Every test on each decode kernel: the portable cp.async ring and, on cc 9.0, the ring filled by producer warps
-    with cp.async or with TMA boxes (Options.decode_backend)."""
+    """Every test on each decode kernel: the portable cp.async ring (also with the producers' row-wise loads) and, on
+    cc 9.0, the ring filled by producer warps with cp.async or with TMA boxes (Options.decode_backend); the test sees
+    the backend's name."""
     from cuflash import options
     from cuflash.dispatch import device_info
 
-    if request.param.startswith("sm90") and device_info(0)[0] != 90:
+    backend, defines = request.param
+    if backend.startswith("sm90") and device_info(0)[0] != 90:
         pytest.skip("the Hopper decode kernel (decode_sm90.cu) needs a compute capability 9.0 GPU")
-    with options.override(decode_backend=request.param):
-        yield request.param
+    with options.override(decode_backend=backend, nvrtc_defines=defines):
+        yield backend
 
 # The spacing of the dtype's floats relative to their value, at most: the rotated keys in the cache within one
 # unit in the last place of the reference's (which rounds the float64 rotation once), or 2e-6 absolute near 0

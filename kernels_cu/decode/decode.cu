@@ -7,6 +7,26 @@
 // keys: a 16-key group never straddles a page).
 #include "decode_parts.cuh"
 
+// 1: the chunks issued as the Hopper kernel's producers issue them (load_keys_by_row: a row's address and table
+// entry once per row, not per chunk); 0: load_keys. Not yet measured: 0.
+#ifndef CUFLASH_DECODE_ROW_LOADS
+#define CUFLASH_DECODE_ROW_LOADS 0
+#endif
+
+// A stage's keys [n0, n0 + kBlockN) (those below key_end), by all the CTA's threads.
+template <class Tile>
+__device__ __forceinline__ void load_stage(const DecodeParams& p, const CacheAddress& at, const u16* gK, const u16* gV,
+                                           u16* stage, int n0, int key_end, int tid) {
+#if CUFLASH_DECODE_ROW_LOADS
+    load_keys_by_row<Tile, Tile::kThreads, 2, Tile::kStrideK * 2, Tile::kStrideV * 2>(
+        p, at, reinterpret_cast<const unsigned char*>(gK), reinterpret_cast<const unsigned char*>(gV),
+        reinterpret_cast<unsigned char*>(stage), reinterpret_cast<unsigned char*>(stage + Tile::kBlockN * Tile::kStrideK),
+        n0, key_end, tid);
+#else
+    load_keys<Tile, Tile::kThreads>(p, at, gK, gV, stage, n0, key_end, tid);
+#endif
+}
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_kernel_smem_bytes = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>::kSmemBytes;
 
@@ -29,7 +49,7 @@ decode_kernel(const DecodeParams p) {
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
         if (st < n_tiles)
-            load_keys<Tile, Tile::kThreads>(p, w.at, w.gK, w.gV, sRing + st * Tile::kStageElems, w.key_lo + st * kBlockN, w.key_hi, tid);
+            load_stage<Tile>(p, w.at, w.gK, w.gV, sRing + st * Tile::kStageElems, w.key_lo + st * kBlockN, w.key_hi, tid);
         cp_async_commit();   // the first group holds Q too
     }
 
@@ -40,8 +60,8 @@ decode_kernel(const DecodeParams p) {
         {
             const int next = it + kStages - 1;
             if (next < n_tiles)
-                load_keys<Tile, Tile::kThreads>(p, w.at, w.gK, w.gV, sRing + (next % kStages) * Tile::kStageElems,
-                                w.key_lo + next * kBlockN, w.key_hi, tid);
+                load_stage<Tile>(p, w.at, w.gK, w.gV, sRing + (next % kStages) * Tile::kStageElems,
+                                 w.key_lo + next * kBlockN, w.key_hi, tid);
             cp_async_commit();
         }
         const u16* sK = sRing + (it % kStages) * Tile::kStageElems;

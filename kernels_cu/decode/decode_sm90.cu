@@ -230,7 +230,8 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
     named_barrier_sync(1, kConsumers);   // Q landed for every consumer
 
     // bf16 queries over an fp8 cache: the products in fp16 (CUFLASH_DECODE_FP8_F16_MMA), Q's rows rescaled first.
-    constexpr bool kF16Products = kFp8 && CUFLASH_DECODE_FP8_F16_MMA && kIsBf16<Tag>;
+    // (Up to 128 columns of V: wider rows leave no registers for the rescale.)
+    constexpr bool kF16Products = kFp8 && CUFLASH_DECODE_FP8_F16_MMA && kIsBf16<Tag> && Tile::kHeadDimV <= 128;
     using MmaTag = typename PickType<kF16Products, f16_tag, Tag>::type;
     float* q_descales = reinterpret_cast<float*>(smem_bytes + Tile::kBarrierBytes + Tile::kQElems * 2);
     if constexpr (kF16Products) {
