@@ -1061,7 +1061,7 @@ def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
 # Decoding over a KV cache
 
 
-def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[ndarray] = None,
+def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: Optional[ndarray], k: Optional[ndarray] = None,
                     v: Optional[ndarray] = None, *, cache_seqlens, rotary_cos: Optional[ndarray] = None,
                     rotary_sin: Optional[ndarray] = None, rotary_interleaved: bool = True,
                     cache_batch_idx: Optional[ndarray] = None, cache_leftpad: Optional[ndarray] = None,
@@ -1081,6 +1081,8 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
             ``head_dim_v``), or paged ``(num_pages, page_size, heads_kv, head_dim)`` with ``block_table``; q's
             dtype, or fp8: uint8 arrays of e4m3fn bytes (Hopper), each stored element times ``k_descale`` /
             ``v_descale``; heads_q a multiple of heads_kv (GQA: the query heads that share a KV head read it once).
+            ``v_cache=None``: MLA's latent cache (FlashMLA's layout, Hopper): head_dim 576, V the first 512 columns of
+            each K row (out's head_dim 512); new tokens then come in ``k`` alone (``v=None``), without rotary.
         k, v: optional new keys and values ``(batch, seqlen_new, heads_kv, head_dim / head_dim_v)``, written into
             the caches in place at positions ``cache_seqlens[b] .. + seqlen_new`` (``cache_seqlens`` itself is
             not changed); attention then covers ``cache_seqlens[b] + seqlen_new`` keys.
@@ -1140,8 +1142,11 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: ndarray, k: Optional[
             **scalars)
     from . import kvcache
 
+    latent = v_cache is None
+    if latent:
+        v_cache, v = kvcache.latent_views(q, k_cache, k, v, rotary_cos)
     lay, cache_seqlens = kvcache.check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                       rotary_cos, rotary_sin, cache_leftpad)
+                                       rotary_cos, rotary_sin, cache_leftpad, latent=latent)
     descales = kvcache.check_descales(k_descale, v_descale, lay)
     scale = _checks.check_scale(softmax_scale, lay.head_dim)
     causal = _checks.check_flag("causal", causal)

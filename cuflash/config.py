@@ -122,6 +122,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # The same over fp8 (e4m3) caches (dtype: q's), dequantised in shared memory by the consumer warps.
     Family("decode_sm90_fp8", "decode/decode_sm90.cu", "decode_sm90_fp8_kernel", 90, True, direction="decode",
            backend="sm90", fp8=True),
+    # MLA's latent cache (v_cache=None: V is the first 512 of K's 576 columns), the warps splitting O's columns.
+    Family("decode_sm90_mla", "decode/decode_sm90.cu", "decode_sm90_mla_kernel", 90, True, direction="decode",
+           backend="sm90"),
     # The same over 16-bit caches by TMA boxes (tensor maps as extra arguments; CUFLASH_DECODE_BACKEND=sm90_tma).
     Family("decode_sm90_tma", "decode/decode_sm90.cu", "decode_sm90_tma_kernel", 90, True, direction="decode",
            backend="sm90"),

@@ -27,6 +27,10 @@ value is its e4m3 value times its KV head's descale (``Descales``: a float, one 
 ``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and the score modifiers' conversions) and
 V's into the output, so the dequantisation itself is a type conversion; appends store ``e4m3(x * (1 / descale))``.
 
+``v_cache=None`` (MLA's latent cache, ``decode_sm90_mla``): head dim 576, V the first 512 columns of the K rows; the
+host passes views of those columns as v_cache (and of k as the new v), so the checks and the append run unchanged,
+and the kernel reads V from the K stage.
+
 ``cache_leftpad`` (flash-attn's meaning, contiguous caches): sequence b's keys start at cache position
 ``cache_leftpad[b]``; it has ``cache_seqlens[b] + seqlen_new - cache_leftpad[b]`` keys, and positions (rotary, causal
 alignment, windows, ALiBi) count from there; appends still land at cache position ``cache_seqlens[b]``.
@@ -56,6 +60,7 @@ BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
 FP8_NEEDS_HOPPER = ("an fp8 KV cache needs the Hopper decode kernel (compute capability 9.0, CUFLASH_DECODE_BACKEND "
                     "auto or sm90) in this version")
 MAX_HEAD_DIM = 256
+MLA_HEAD_DIMS = (576, 512)   # v_cache=None: MLA's latent cache (FlashMLA's shape), V its first 512 columns
 
 
 def _bucket(d: int) -> int:
@@ -112,6 +117,7 @@ class CacheLayout:
     page_size: int       # 0: contiguous
     device_id: int
     fp8: bool = False    # e4m3 caches (uint8 arrays of e4m3fn bytes), dequantised in the kernel
+    latent: bool = False  # v_cache=None: V is the first MLA_HEAD_DIMS[1] columns of the K cache (576 wide)
 
 
 def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
@@ -130,8 +136,28 @@ def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
     return x
 
 
+def latent_views(q, k_cache, k, v, rotary_cos):
+    """``v_cache=None`` (MLA's latent cache): ``(v_cache, v)`` as views of the first 512 columns of ``k_cache`` and
+    ``k`` (the append then writes V's columns twice, the same values), after the checks that only this form has."""
+    import cupy
+
+    for name, x in (("q", q), ("k_cache", k_cache)):
+        if isinstance(x, cupy.ndarray) and x.ndim == 4 and x.shape[3] != MLA_HEAD_DIMS[0]:
+            raise ValueError(f"v_cache=None (MLA's latent cache, V its first {MLA_HEAD_DIMS[1]} columns) needs "
+                             f"{name}'s head_dim {MLA_HEAD_DIMS[0]}, got {x.shape[3]}")
+    if v is not None:
+        raise ValueError("with v_cache=None, v must be None too: the new values are the first "
+                         f"{MLA_HEAD_DIMS[1]} columns of k")
+    if rotary_cos is not None:
+        raise ValueError("rotary embedding with v_cache=None (MLA) is not supported: it would rotate V's columns")
+    if not isinstance(k_cache, cupy.ndarray) or k_cache.ndim != 4:
+        return None, None   # check() names the problem
+    dv = MLA_HEAD_DIMS[1]
+    return k_cache[..., :dv], (k[..., :dv] if isinstance(k, cupy.ndarray) and k.ndim == 4 else k)
+
+
 def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-          cache_leftpad=None):
+          cache_leftpad=None, latent: bool = False):
     """The checks of :func:`cuflash.forward_kvcache` (TypeError / ValueError naming the argument); returns
     ``(layout, cache_seqlens)`` (a Python int becomes an int32 array)."""
     import cupy
@@ -161,9 +187,14 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     if tuple(v_cache.shape[:3]) != (rows, cap, hkv):
         raise ValueError(f"v_cache must have the shape of k_cache but for its head_dim: {(rows, cap, hkv, '*')}, "
                          f"got {tuple(v_cache.shape)}")
-    for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
-        if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM} in forward_kvcache, got {value}")
+    if latent:
+        if fp8:
+            raise ValueError("an fp8 latent cache (v_cache=None) is not supported yet")
+    else:
+        for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
+            if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM} in forward_kvcache, got "
+                                 f"{value} (or {MLA_HEAD_DIMS} with v_cache=None, MLA)")
     if b > 65535:
         raise ValueError(f"q's batch must be at most 65535 in forward_kvcache (the launch grid), got {b}")
     if hkv == 0 or hq % hkv:
@@ -229,7 +260,7 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         if not 0 < 2 * rotary_cos.shape[1] <= d or rotary_cos.shape[0] == 0:
             raise ValueError(f"rotary_cos must be (seqlen_ro >= 1, rotary_dim // 2) with 0 < rotary_dim <= head_dim "
                              f"({d}), got {rotary_cos.shape}")
-    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev, fp8)
+    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev, fp8, latent)
     return layout, cache_seqlens
 
 
@@ -332,7 +363,7 @@ def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
 def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: options.Options) -> tuple:
     """``(config, kernel, shared memory, resident CTAs)`` of the decode kernel for a call, cached."""
     key = (dtype, lay.head_dim, lay.head_dim_v, lay.seqlen_q * (lay.heads_q // lay.heads_kv), var.causal,
-           var.kernel, lay.fp8, lay.device_id, opts.token)
+           var.kernel, lay.fp8, lay.latent, lay.device_id, opts.token)
     plan = _plans.get(key)
     if plan is None:
         cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
@@ -363,6 +394,11 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
     memory than the first needs, 32-key tiles (a warp per 16 keys) and shorter row tiles. ``backend`` "sm90": the
     same tiles in the Hopper family, whose num_warps counts its SM90_PRODUCER_WARPS producer warps too."""
     d, dv = _bucket(lay.head_dim), _bucket(lay.head_dim_v)
+    if lay.latent:   # 16 rows a CTA, 32-key tiles, four warps on O's columns (decode_sm90.cu, DecodeTile's kLatent)
+        if not backend.startswith("sm90"):
+            raise ValueError("MLA decoding (v_cache=None) needs the Hopper decode kernel (compute capability 9.0) in "
+                             "this version")
+        return [KernelConfig("decode_sm90_mla", dtype, d, causal, 16, 32, 4 + SM90_PRODUCER_WARPS, variant, dv)]
     rows = lay.seqlen_q * (lay.heads_q // lay.heads_kv)
     bm = block_m_for(rows)
     tiles = [(bm, BLOCK_N, NUM_WARPS), (bm, 32, 2 * bm // 16)]

@@ -51,6 +51,9 @@ def _configs(backends=("sm80",)) -> list:
                                                     (128, 64, (4, 8, 1), "float16", True, VARIANTS[0])):
             lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
             out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
+        for dtype, causal, variant in (("bfloat16", True, VARIANTS[0]), ("float16", False, VARIANTS[1])):   # MLA
+            lay = dataclasses.replace(_layout(1, 16, 1, *kvcache.MLA_HEAD_DIMS), latent=True)
+            out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
     return list(out.values())
 
 

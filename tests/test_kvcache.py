@@ -698,3 +698,47 @@ def test_fp8_cache_arguments_are_checked(rng, decode_backend):
                                 v_descale=cupy.ones(2, np.float16))
     with pytest.raises(ValueError, match="v_descale must be positive"):
         cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=0.5, v_descale=-1.0)
+
+
+# MLA's latent cache (v_cache=None): head dim 576, V the first 512 columns of each K row, one KV head.
+MLA_CASES = {
+    "contig-bf16-q1-append1": dict(dtype="bfloat16", nnew=1),
+    "paged64-fp16-q2-append2-causal": dict(page=64, nq=2, nnew=2, causal=True),
+    "contig-bf16-splits3-window-sinks": dict(dtype="bfloat16", num_splits=3, causal=True, window_size=(200, 0),
+                                             sinks=True),
+    "paged16-bf16-q4-softcap": dict(dtype="bfloat16", page=16, nq=4, causal=True, softcap=20.0),
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_CASES))
+def test_mla_latent_cache(rng, decode_backend, name):
+    """forward_kvcache(q, k_cache, None, k): 16 query heads over one 576-wide latent KV head, V the first 512 columns of
+    the K rows (FlashMLA's layout): out (.., 512) and lse against the float64 reference given V as those columns, the
+    new keys appended (their first 512 columns being the new values), nothing else in the cache changed. The
+    portable kernel refuses it."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
+    case = dict(MLA_CASES[name])
+    num_splits = case.pop("num_splits", 0)
+    dev, ref, meta = _build(rng, d=576, dv=512, hq=16, hkv=1, capacity=384, **case)
+    dev = dict(dev, v_cache=None, v=None)
+    if decode_backend == "sm80":
+        with pytest.raises(ValueError, match="MLA"):
+            cuflash.forward_kvcache(**dev)
+        return
+    if decode_backend != "sm90":
+        pytest.skip("one Hopper kernel serves the latent cache whatever the backend: run under sm90")
+    ref = dict(ref, v_cache=ref["k_cache"][..., :512].copy(), v=None if ref["k"] is None else ref["k"][..., :512].copy())
+    ref_out, ref_lse, ref_k, _ = attention_reference_kvcache(**ref)
+    k_before = to_host(dev["k_cache"]).copy()
+    out, lse = cuflash.forward_kvcache(**dev, num_splits=num_splits, return_lse=True)
+    batch = len(meta["lens"])
+    assert out.shape == (batch, meta["nq"], 16, 512) and out.dtype == dev["q"].dtype
+    assert_close_on_every_row("out", out, cupy.asarray(ref_out), meta["dtype"], FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (batch, 16, meta["nq"]),
+                       rtol=SOFTCAP_LSE_RTOL if meta["softcap"] else LSE_RTOL)
+    written = _written_mask(dev["k_cache"].shape[:2], meta["lens"], meta["nnew"], meta["rows"], meta["table"],
+                            meta["page"])
+    _assert_cache("k_cache", dev["k_cache"], k_before, ref_k, written, meta["dtype"], False)

@@ -22,23 +22,31 @@
 #include "../sm80/mma.cuh"
 
 // kStages_ = 0: the ring depth that keeps two CTAs on an SM (3 stages up to 256 columns of K and V together).
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 0>
+// kLatent (MLA's shared latent cache): V is the first kHeadDimV columns of the K rows (a stage holds K only), and the
+// warps of a row group split O's columns instead of the keys (O rows of 512 columns do not fit one warp's registers):
+// each computes the whole tile's scores, the same in every warp of the group.
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 0, bool kLatent_ = false>
 struct DecodeTile {
+    static constexpr bool kLatent = kLatent_;
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim_;
     static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_, kThreads = kNWarps_ * 32;
-    static constexpr int kWarpsM = kBlockM / 16, kWarpsN = kNWarps / kWarpsM, kSliceN = kBlockN / kWarpsN;
+    static constexpr int kWarpsM = kBlockM / 16, kWarpsN = kNWarps / kWarpsM;
+    static constexpr int kSliceN = kLatent ? kBlockN : kBlockN / kWarpsN;    // a warp's keys of a tile
+    static constexpr int kOCols = kLatent ? kHeadDimV / kWarpsN : kHeadDimV;  // a warp's columns of O
     // Rows padded by 16 bytes: ldmatrix's eight row addresses fall in distinct bank groups.
-    static constexpr int kStrideK = kHeadDim + 8, kStrideV = kHeadDimV + 8;
-    static constexpr int kStages = kStages_ ? kStages_ : kHeadDim + kHeadDimV <= 256 ? 3 : 2;
+    static constexpr int kStrideK = kHeadDim + 8, kStrideV = kLatent ? kStrideK : kHeadDimV + 8;
+    static constexpr int kStages = kStages_ ? kStages_ : kLatent || kHeadDim + kHeadDimV <= 256 ? 3 : 2;
     static constexpr int kQElems = kBlockM * kStrideK;
-    static constexpr int kStageElems = kBlockN * (kStrideK + kStrideV);
-    // The end's merge of the warps' partial results (over the drained ring): O rows and (max, sum) per warp.
+    static constexpr int kStageElems = kBlockN * (kStrideK + (kLatent ? 0 : kStrideV));
+    // The end's merge of the warps' partial results (over the drained ring): O rows and (max, sum) per warp, or per
+    // row group (kLatent: its warps' columns side by side, their (max, sum) the same).
+    static constexpr int kMergeWarps = kLatent ? kWarpsM : kNWarps, kMergeWarpsN = kLatent ? 1 : kWarpsN;
     static constexpr int kRedStride = kHeadDimV + 4;
-    static constexpr int kRedBytes = kNWarps * 16 * (kRedStride + 2) * 4;
+    static constexpr int kRedBytes = kMergeWarps * 16 * (kRedStride + 2) * 4;
     static constexpr int kSmemBytes = (kQElems + kStages * kStageElems) * 2 > kQElems * 2 + kRedBytes
                                           ? (kQElems + kStages * kStageElems) * 2 : kQElems * 2 + kRedBytes;
     static_assert(kBlockM % 16 == 0 && kNWarps % kWarpsM == 0, "16-row warps tiling the rows");
-    static_assert(kSliceN % 16 == 0, "each warp's key slice is whole 16-key MMA steps");
+    static_assert(kSliceN % 16 == 0 && kOCols % 16 == 0, "each warp's keys and O columns are whole 16-wide MMA steps");
     static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0, "head-dim buckets of whole MMA steps");
 };
 
@@ -233,7 +241,7 @@ __device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const Ca
                                   valid ? min(max((p.head_dim - col) * kElemBytes, 0), 16) : 0);
         }
 #pragma unroll
-        for (int j = 0; j < ceil_div(Tile::kHeadDimV, kPassCols); ++j) {
+        for (int j = 0; j < (Tile::kLatent ? 0 : ceil_div(Tile::kHeadDimV, kPassCols)); ++j) {   // (kLatent: V is K)
             const int col = sub * kElems + kPassCols * j;
             if (Tile::kHeadDimV % kPassCols == 0 || col < Tile::kHeadDimV)
                 cp_async_16_bytes(sV + row * kRowBytesV + col * kElemBytes, v_src + col * kElemBytes,
@@ -323,16 +331,18 @@ template <typename Tag, class Tile, class Variant, typename MmaTag = Tag>
 struct DecodeRows {
     using Mask = MaskPolicy<Tile::kBlockM, Tile::kBlockN, Variant>;
     using Mma = Mma16816<MmaTag>;
-    static constexpr int kHeadDim = Tile::kHeadDim, kHeadDimV = Tile::kHeadDimV, kSliceN = Tile::kSliceN;
+    static constexpr int kHeadDim = Tile::kHeadDim, kOCols = Tile::kOCols, kSliceN = Tile::kSliceN;
     static constexpr bool kRescaledQ = !kSameType<Tag, MmaTag>;
 
     int row_token[2], row_head[2], row_lo[2], row_hi[2];
-    float acc_o[kHeadDimV / 8][4];
+    int o_col0;   // the warp's first column of O (kLatent), else 0
+    float acc_o[kOCols / 8][4];
     float row_max[2], row_sum[2];
     float q_descale[2];   // kRescaledQ: 2^-s of the thread's two rows
 
     template <class Work>
-    __device__ __forceinline__ DecodeRows(const DecodeParams& p, const Work& w, int wm, int lane) {
+    __device__ __forceinline__ DecodeRows(const DecodeParams& p, const Work& w, int wm, int lane, int wn = 0)
+        : o_col0(Tile::kLatent ? wn * kOCols : 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = w.row0 + wm * 16 + (lane >> 2) + 8 * h;
@@ -346,7 +356,7 @@ struct DecodeRows {
             row_hi[h] = valid ? min(hi, w.key_hi - 1) : -1;   // rows past the tokens see nothing
         }
 #pragma unroll
-        for (int j = 0; j < kHeadDimV / 8; ++j)
+        for (int j = 0; j < kOCols / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.f;
         row_max[0] = row_max[1] = -CUFLASH_INF;
@@ -412,7 +422,7 @@ struct DecodeRows {
             row_max[h] = new_max;
             row_sum[h] *= rescale;
 #pragma unroll
-            for (int j = 0; j < kHeadDimV / 8; ++j) {
+            for (int j = 0; j < kOCols / 8; ++j) {
                 acc_o[j][2 * h] *= rescale;
                 acc_o[j][2 * h + 1] *= rescale;
             }
@@ -432,9 +442,9 @@ struct DecodeRows {
             u32 a[4];
             pack_a_from_acc<MmaTag>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
 #pragma unroll
-            for (int nn = 0; nn < kHeadDimV / 16; ++nn) {
+            for (int nn = 0; nn < kOCols / 16; ++nn) {
                 u32 b[4];
-                VRows::b_kn(b, sV, key_row0 + kk * 16, nn * 16, lane);
+                VRows::b_kn(b, sV, key_row0 + kk * 16, (Tile::kLatent ? o_col0 : 0) + nn * 16, lane);
                 Mma::run(acc_o[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
             }
@@ -450,18 +460,21 @@ struct DecodeRows {
         }
     }
 
-    // The warp's unnormalised O rows and (max, sum) into the merge's shared memory `red` (the drained ring).
+    // The warp's unnormalised O rows and (max, sum) into the merge's shared memory `red` (the drained ring): a block
+    // per warp, or per row group (kLatent: the group's warps' columns side by side, (max, sum) from its first warp).
     __device__ __forceinline__ void store_partial(float* red, int warp, int lane) const {
-        float* red_o = red + warp * 16 * Tile::kRedStride;
-        float* red_ml = red + Tile::kNWarps * 16 * Tile::kRedStride + warp * 16 * 2;
+        const int block = Tile::kLatent ? warp / Tile::kWarpsN : warp;
+        float* red_o = red + block * 16 * Tile::kRedStride + (Tile::kLatent ? o_col0 : 0);
+        float* red_ml = red + Tile::kMergeWarps * 16 * Tile::kRedStride + block * 16 * 2;
+        const bool writes_ml = !Tile::kLatent || warp % Tile::kWarpsN == 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = (lane >> 2) + 8 * h;
 #pragma unroll
-            for (int j = 0; j < kHeadDimV / 8; ++j)
+            for (int j = 0; j < kOCols / 8; ++j)
                 *reinterpret_cast<float2*>(red_o + r * Tile::kRedStride + j * 8 + 2 * (lane & 3)) =
                     make_float2(acc_o[j][2 * h], acc_o[j][2 * h + 1]);
-            if ((lane & 3) == 0) {
+            if ((lane & 3) == 0 && writes_ml) {
                 red_ml[r * 2] = row_max[h];
                 red_ml[r * 2 + 1] = row_sum[h];
             }
@@ -475,7 +488,7 @@ struct DecodeRows {
 template <typename Tag, class Tile, class Variant, class Work>
 __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Work& w, const float* red, int tid,
                                                 int threads) {
-    constexpr int kNWarps = Tile::kNWarps, kWarpsN = Tile::kWarpsN, kHeadDimV = Tile::kHeadDimV;
+    constexpr int kNWarps = Tile::kMergeWarps, kWarpsN = Tile::kMergeWarpsN, kHeadDimV = Tile::kHeadDimV;
     const bool direct = p.o_partial == nullptr;
     constexpr int kChunks = kHeadDimV / 4;
     for (int c = tid; c < Tile::kBlockM * kChunks; c += threads) {

@@ -40,9 +40,10 @@ template <int kLoad> constexpr int kProducersOf = kLoad == kLoadTma ? 1 : kProdu
 // DecodeTile's kNWarps are the consumer warps. kLoadCpAsyncFp8: the caches hold e4m3 values; the ring holds their
 // bytes and each consumer warp turns its key slice of a stage into 16-bit rows in a buffer of its own (freeing the
 // stage before its products), which step() reads as it reads a 16-bit stage.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kConsumerWarps, int kLoad>
-struct DecodeSm90Tile : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES> {
-    using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES>;
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kConsumerWarps, int kLoad, bool kLatent = false>
+struct DecodeSm90Tile
+    : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES, kLatent> {
+    using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES, kLatent>;
     static constexpr bool kFp8 = kLoad == kLoadCpAsyncFp8, kTma = kLoad == kLoadTma;
     static constexpr int kBarrierBytes = 128;   // the full and empty barriers, before Q
     static_assert(2 * Base::kStages * 8 <= kBarrierBytes, "barriers of the ring");
@@ -53,7 +54,7 @@ struct DecodeSm90Tile : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsu
     static constexpr int kRowBytesV = kFp8 ? Base::kHeadDimV + 16 : Base::kStrideV * 2;
     static constexpr int kKBytes = kTma ? kBlockN * Base::kHeadDim * 2 : kBlockN * kRowBytesK;
     static constexpr int kStageBytes = kTma ? kBlockN * (Base::kHeadDim + Base::kHeadDimV) * 2
-                                            : kBlockN * (kRowBytesK + kRowBytesV);
+                                            : kBlockN * (kRowBytesK + (kLatent ? 0 : kRowBytesV));
     static constexpr int kBufferElems = kFp8 ? Base::kSliceN * (Base::kStrideK + Base::kStrideV) : 0;   // a warp's
     static constexpr int kQBytes = Base::kQElems * 2 + (kFp8 && CUFLASH_DECODE_FP8_F16_MMA ? kBlockM * 4 : 0);   // (+ Q's
                                                                                                            // row scales)
@@ -96,6 +97,9 @@ __device__ const int decode_sm90_kernel_smem_bytes =
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_sm90_fp8_kernel_smem_bytes =
     DecodeSm90Tile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps - kProducerWarps, kLoadCpAsyncFp8>::kSmemBytes;
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__device__ const int decode_sm90_mla_kernel_smem_bytes =
+    DecodeSm90Tile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps - kProducerWarps, kLoadCpAsync, true>::kSmemBytes;
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_sm90_tma_kernel_smem_bytes =
     DecodeSm90Tile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps - kProducersOf<kLoadTma>, kLoadTma>::kSmemBytes;
@@ -181,10 +185,11 @@ __device__ __forceinline__ void zero_v_rows_tma(unsigned char* sV, int slice_row
     __syncwarp();
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_, int kLoad>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_, int kLoad,
+          bool kLatent = false>
 __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const TmaDesc* tma_k, const TmaDesc* tma_v) {
     constexpr int kConsumerWarps = kNWarps - kProducersOf<kLoad>;
-    using Tile = DecodeSm90Tile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kConsumerWarps, kLoad>;
+    using Tile = DecodeSm90Tile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kConsumerWarps, kLoad, kLatent>;
     constexpr int kStages = Tile::kStages, kConsumers = kConsumerWarps * 32, kSliceN = Tile::kSliceN;
     constexpr bool kFp8 = Tile::kFp8, kTma = Tile::kTma;
 
@@ -238,7 +243,7 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
         rescale_q_to_f16<Tile>(sQ, q_descales, warp, kConsumerWarps, lane);
         named_barrier_sync(1, kConsumers);
     }
-    DecodeRows<Tag, Tile, Variant, MmaTag> rows(p, w, wm, lane);
+    DecodeRows<Tag, Tile, Variant, MmaTag> rows(p, w, wm, lane, wn);
     if constexpr (kF16Products) rows.read_q_descales(q_descales, wm, lane);
     u16* bK = buffers + warp * Tile::kBufferElems;
     u16* bV = bK + kSliceN * Tile::kStrideK;
@@ -246,8 +251,9 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
         const int stage = it % kStages;
         mbar_wait(full_bar + stage * 8, (it / kStages) & 1);
         unsigned char* sK = ring + stage * Tile::kStageBytes;
-        unsigned char* sV = sK + Tile::kKBytes;
-        const int n0 = w.key_lo + it * kBlockN + wn * kSliceN;
+        unsigned char* sV = kLatent ? sK : sK + Tile::kKBytes;   // (kLatent: V is the first columns of K's rows)
+        const int slice = kLatent ? 0 : wn * kSliceN;   // the warp's first row of the tile
+        const int n0 = w.key_lo + it * kBlockN + slice;
         if constexpr (kTma) {
             const bool past_end = n0 + kSliceN > w.key_hi;   // the warp's slice holds rows past the last key
             if (past_end) zero_v_rows_tma<Tile>(sV, wn * kSliceN, max(w.key_hi - n0, 0), lane);
@@ -267,8 +273,7 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
             rows.step(p, w, sQ, bK, bV, n0, wm, 0, lane);
             __syncwarp();   // every lane done with the buffer before the next tile's rows overwrite it
         } else {
-            rows.step(p, w, sQ, reinterpret_cast<const u16*>(sK), reinterpret_cast<const u16*>(sV), n0, wm,
-                      wn * kSliceN, lane);
+            rows.step(p, w, sQ, reinterpret_cast<const u16*>(sK), reinterpret_cast<const u16*>(sV), n0, wm, slice, lane);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_bar + stage * 8);
         }
@@ -296,6 +301,15 @@ __global__ void __launch_bounds__(kNWarps * 32, (DecodeSm90Tile<kHeadDim, kHeadD
 decode_sm90_fp8_kernel(const DecodeParams p) {
     decode_sm90_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV, kLoadCpAsyncFp8>(p, nullptr,
                                                                                                   nullptr);
+}
+
+// MLA's latent cache (FlashMLA's layout): V is the first kHeadDimV (512) columns of the K rows (576); the warps split
+// O's columns (DecodeTile's kLatent).
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+decode_sm90_mla_kernel(const DecodeParams p) {
+    decode_sm90_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV, kLoadCpAsync, true>(p, nullptr,
+                                                                                                    nullptr);
 }
 
 // The same over 16-bit caches by TMA: tensor maps over (head dim, heads, keys, cache rows) of a contiguous cache, or
