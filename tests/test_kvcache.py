@@ -716,14 +716,25 @@ def test_mla_latent_cache(rng, decode_backend, name):
     the K rows (FlashMLA's layout): out (.., 512) and lse against the float64 reference given V as those columns, the
     new keys appended (their first 512 columns being the new values), nothing else in the cache changed. The
     portable kernel refuses it."""
-    import cupy
     import cuflash
-    from cuflash.reference import attention_reference_kvcache
+    from cuflash import options
 
     case = dict(MLA_CASES[name])
     num_splits = case.pop("num_splits", 0)
     dev, ref, meta = _build(rng, d=576, dv=512, hq=16, hkv=1, capacity=384, **case)
     dev = dict(dev, v_cache=None, v=None)
+    with pytest.raises(ValueError, match="CUFLASH_DECODE_MLA=1"):   # (until the kernel has run on a GPU)
+        cuflash.forward_kvcache(**dev)
+    with options.override(decode_mla=True):
+        _mla_case(decode_backend, dev, ref, meta, num_splits)
+
+
+def _mla_case(decode_backend, dev, ref, meta, num_splits):
+    """test_mla_latent_cache's body, with v_cache=None allowed."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
     if decode_backend == "sm80":
         with pytest.raises(ValueError, match="MLA"):
             cuflash.forward_kvcache(**dev)
