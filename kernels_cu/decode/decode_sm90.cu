@@ -22,12 +22,12 @@
 #ifndef CUFLASH_DECODE_SM90_STAGES
 #define CUFLASH_DECODE_SM90_STAGES 0   // 0: DecodeTile's depth (two CTAs per SM)
 #endif
-// The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them).
 // fp8 caches under bf16 queries: 1 runs the products in fp16 (each query row rescaled by a power of two: decode_parts.cuh
 // rescale_q_to_f16), so that an e4m3 pair's conversion is one instruction; 0 converts to bf16 (not yet measured: 0).
 #ifndef CUFLASH_DECODE_FP8_F16_MMA
 #define CUFLASH_DECODE_FP8_F16_MMA 0
 #endif
+// The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them).
 #ifndef CUFLASH_DECODE_SM90_PRODUCER_WARPS
 #define CUFLASH_DECODE_SM90_PRODUCER_WARPS 4
 #endif
