@@ -50,7 +50,7 @@ from .dispatch import get_kernel, smem_bytes
 LOG2E = 1.4426950408889634
 BLOCK_N = 64                 # keys per tile of the decode kernel (kernels_cu/decode/decode.cu)
 NUM_WARPS = 4
-SM90_PRODUCER_WARPS = 4      # the Hopper decode kernel's producer warps (kernels_cu/decode/decode_sm90.cu)
+SM90_PRODUCER_WARPS = 4      # the Hopper decode kernel's producer warps (decode_sm90.cu kProducerWarps)
 SM90_TMA_PRODUCER_WARPS = 1  # the same filled by TMA (one thread issues the boxes)
 MIN_KEYS_PER_SPLIT = 512     # the automatic split count keeps at least this many keys of capacity per split
 SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_plan's estimate)

@@ -2,10 +2,8 @@
 
     python3 dev/decode_ab.py [--rows b8-32k-paged64,b1-128k-*] [--dist normal] [--repeats 10] [VARIANT ...]
 
-Each VARIANT is a string of tokens as in dev/ab.py: NVRTC defines (``-DNAME=V``), option environment variables
-(``@CUFLASH_DECODE_BACKEND=sm90``), ``producers=N`` (the Hopper kernel's producer warps) and ``tile=N,W`` (the first
-tile's keys and consumer warps; with a define of its own, so that the plan caches keep the variants apart); default
-variants: the two decode backends. Every variant's output is checked
+Each VARIANT is a string of tokens as in dev/ab.py: NVRTC defines (``-DNAME=V``) and option environment variables
+(``@CUFLASH_DECODE_BACKEND=sm90``); default variants: the two decode backends. Every variant's output is checked
 against the row's float32 reference first (the largest relative error printed), then the variants are timed in
 turn sample by sample (cuflash.bench.time_interleaved, L2 flushed before each); each line gives the median
 microseconds and GB/s of K/V read per variant, and the copy bandwidth of the same process.
@@ -27,13 +25,7 @@ def _options_of(variant: str) -> dict:
     fields, defines = {}, []
     names = {var: field for field, var in options.ENV.items()}
     for tok in variant.split():
-        if tok.startswith("tile="):   # the first tile of decode_configs: block_n,consumer warps
-            n, w = tok.split("=")[1].split(",")
-            fields["_tile"] = (int(n), int(w))
-        elif tok.startswith("producers="):   # the Hopper kernel's producer warps: the define and kvcache's constant
-            fields["_producers"] = int(tok.split("=")[1])
-            defines.append(f"-DCUFLASH_DECODE_SM90_PRODUCER_WARPS={fields['_producers']}")
-        elif tok.startswith("@"):
+        if tok.startswith("@"):
             var, _, value = tok[1:].partition("=")
             field = names[var]
             fields[field] = options._parse(field, value)
@@ -95,16 +87,8 @@ def main() -> int:
                 call = bd.cuflash_call(prepared) if quantised is None else _fp8_call(prepared, *quantised)
 
                 def fn(call=call, fields=fields):
-                    from cuflash import kvcache
-                    opts = {k: v for k, v in fields.items() if not k.startswith("_")}
-                    saved = kvcache.SM90_PRODUCER_WARPS, kvcache.BLOCK_N, kvcache.NUM_WARPS
-                    kvcache.SM90_PRODUCER_WARPS = fields.get("_producers", saved[0])
-                    kvcache.BLOCK_N, kvcache.NUM_WARPS = fields.get("_tile", saved[1:])
-                    try:
-                        with options.override(**opts):
-                            return call()
-                    finally:
-                        kvcache.SM90_PRODUCER_WARPS, kvcache.BLOCK_N, kvcache.NUM_WARPS = saved
+                    with options.override(**fields):
+                        return call()
                 errs[name] = bd.output_error(fn(), refs)
                 fns[name] = fn
             ms = time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)

@@ -21,11 +21,11 @@
 #include "../sm80/copy.cuh"
 #include "../sm80/mma.cuh"
 
-// kStages_ = 0: the ring depth that keeps two CTAs on an SM (3 stages up to 256 columns of K and V together).
+// The ring keeps two CTAs on an SM: 3 stages up to 256 columns of K and V together, else 2 (kLatent: 3 of K alone).
 // kLatent (MLA's shared latent cache): V is the first kHeadDimV columns of the K rows (a stage holds K only), and the
 // warps of a row group split O's columns instead of the keys (O rows of 512 columns do not fit one warp's registers):
 // each computes the whole tile's scores, the same in every warp of the group.
-template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_ = 0, bool kLatent_ = false>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, bool kLatent_ = false>
 struct DecodeTile {
     static constexpr bool kLatent = kLatent_;
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_ ? kHeadDimV_ : kHeadDim_;
@@ -35,7 +35,7 @@ struct DecodeTile {
     static constexpr int kOCols = kLatent ? kHeadDimV / kWarpsN : kHeadDimV;  // a warp's columns of O
     // Rows padded by 16 bytes: ldmatrix's eight row addresses fall in distinct bank groups.
     static constexpr int kStrideK = kHeadDim + 8, kStrideV = kLatent ? kStrideK : kHeadDimV + 8;
-    static constexpr int kStages = kStages_ ? kStages_ : kLatent || kHeadDim + kHeadDimV <= 256 ? 3 : 2;
+    static constexpr int kStages = kLatent || kHeadDim + kHeadDimV <= 256 ? 3 : 2;
     static constexpr int kQElems = kBlockM * kStrideK;
     static constexpr int kStageElems = kBlockN * (kStrideK + (kLatent ? 0 : kStrideV));
     // The end's merge of the warps' partial results (over the drained ring): O rows and (max, sum) per warp, or per

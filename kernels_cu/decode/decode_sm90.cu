@@ -19,19 +19,14 @@
 #include "../sm90/pipeline.cuh"
 #include "../sm90/tma.cuh"
 
-#ifndef CUFLASH_DECODE_SM90_STAGES
-#define CUFLASH_DECODE_SM90_STAGES 0   // 0: DecodeTile's depth (two CTAs per SM)
-#endif
 // fp8 caches under bf16 queries: 1 runs the products in fp16 (each query row rescaled by a power of two: decode_parts.cuh
 // rescale_q_to_f16), so that an e4m3 pair's conversion is one instruction; 0 converts to bf16 (not yet measured: 0).
 #ifndef CUFLASH_DECODE_FP8_F16_MMA
 #define CUFLASH_DECODE_FP8_F16_MMA 0
 #endif
-// The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them).
-#ifndef CUFLASH_DECODE_SM90_PRODUCER_WARPS
-#define CUFLASH_DECODE_SM90_PRODUCER_WARPS 4
-#endif
-constexpr int kProducerWarps = CUFLASH_DECODE_SM90_PRODUCER_WARPS;
+// The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them). Four beat two on
+// paged caches and tie on contiguous ones; one halves the bandwidth (BENCHMARKS.md).
+constexpr int kProducerWarps = 4;
 
 constexpr int kLoadCpAsync = 0, kLoadCpAsyncFp8 = 1, kLoadTma = 2;
 // Producer warps by way of filling: TMA's boxes come from one thread (cuflash/kvcache.py: SM90_TMA_PRODUCER_WARPS).
@@ -42,8 +37,8 @@ template <int kLoad> constexpr int kProducersOf = kLoad == kLoadTma ? 1 : kProdu
 // stage before its products), which step() reads as it reads a 16-bit stage.
 template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kConsumerWarps, int kLoad, bool kLatent = false>
 struct DecodeSm90Tile
-    : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES, kLatent> {
-    using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, CUFLASH_DECODE_SM90_STAGES, kLatent>;
+    : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent> {
+    using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent>;
     static constexpr bool kFp8 = kLoad == kLoadCpAsyncFp8, kTma = kLoad == kLoadTma;
     static constexpr int kBarrierBytes = 128;   // the full and empty barriers, before Q
     static_assert(2 * Base::kStages * 8 <= kBarrierBytes, "barriers of the ring");
