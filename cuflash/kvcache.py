@@ -316,12 +316,10 @@ def check_descales(k_descale, v_descale, lay: CacheLayout) -> Descales:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_shape(device_id: int) -> tuple[int, int]:
-    """(SMs, shared memory bytes per SM)."""
+def _sm_count(device_id: int) -> int:
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    return props["multiProcessorCount"], props["sharedMemPerMultiprocessor"]
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
 def _page_shift(page_size: int) -> int:
@@ -338,7 +336,7 @@ def _resident_ctas(device_id: int, kern, cfg: KernelConfig, smem: int) -> int:
     with cupy.cuda.Device(device_id):
         fptr = launch.function_ptr(kern, smem)   # (with its dynamic shared memory allowed)
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fptr, cfg.threads, smem)
-    return _device_shape(device_id)[0] * max(1, per_sm)
+    return _sm_count(device_id) * max(1, per_sm)
 
 
 def _strides(x) -> tuple:
@@ -373,8 +371,8 @@ def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: o
 
 
 def decode_backend(device_id: int, opts: options.Options) -> str:
-    """The decode kernel family's backend for a device: "sm90" (producer warps, kernels_cu/decode/decode_sm90.cu) on cc 9.0, else
-    "sm80" (the cp.async ring); Options.decode_backend forces one (ValueError for "sm90" elsewhere)."""
+    """The decode kernel family's backend for a device: "sm90" (producer warps, kernels_cu/decode/decode_sm90.cu) on
+    cc 9.0, else "sm80" (the cp.async ring); Options.decode_backend forces one (ValueError for "sm90*" elsewhere)."""
     from .dispatch import device_info
 
     cc = device_info(device_id)[0]
@@ -420,8 +418,11 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
             return "decode_sm90_tma", SM90_TMA_PRODUCER_WARPS
         return "decode_sm90", SM90_PRODUCER_WARPS
 
-    return [KernelConfig(family(m)[0], dtype, d, causal, m, n, w + family(m)[1], variant, 0 if dv == d else dv)
-            for m, n, w in tiles]
+    out = []
+    for m, n, w in tiles:
+        name, producers = family(m)
+        out.append(KernelConfig(name, dtype, d, causal, m, n, w + producers, variant, 0 if dv == d else dv))
+    return out
 
 
 def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant,
