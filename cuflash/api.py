@@ -1144,11 +1144,6 @@ def forward_kvcache(q: ndarray, k_cache: ndarray, v_cache: Optional[ndarray], k:
 
     latent = v_cache is None
     if latent:
-        from . import options
-
-        if not options.current().decode_mla:
-            raise ValueError("v_cache=None (MLA's latent cache) is built but not yet validated on a GPU: set "
-                             "CUFLASH_DECODE_MLA=1 to use it (issue #44)")
         v_cache, v = kvcache.latent_views(q, k_cache, k, v, rotary_cos)
     lay, cache_seqlens = kvcache.check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                        rotary_cos, rotary_sin, cache_leftpad, latent=latent)

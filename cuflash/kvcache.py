@@ -118,6 +118,7 @@ class CacheLayout:
     device_id: int
     fp8: bool = False    # e4m3 caches (uint8 arrays of e4m3fn bytes), dequantised in the kernel
     latent: bool = False  # v_cache=None: V is the first MLA_HEAD_DIMS[1] columns of the K cache (576 wide)
+    tma_ok: bool = False  # 16-bit caches TMA can address (tma_strides): decode_sm90_tma may read them
 
 
 def _int_array(name: str, x, shape: tuple, device_id: int, what: str):
@@ -260,7 +261,8 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         if not 0 < 2 * rotary_cos.shape[1] <= d or rotary_cos.shape[0] == 0:
             raise ValueError(f"rotary_cos must be (seqlen_ro >= 1, rotary_dim // 2) with 0 < rotary_dim <= head_dim "
                              f"({d}), got {rotary_cos.shape}")
-    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev, fp8, latent)
+    tma_ok = not fp8 and not latent and all(tma_strides(x) is not None for x in (k_cache, v_cache))
+    layout = CacheLayout(b, nq, hq, hkv, d, dv, seqlen_new, capacity, rows, page_size, dev, fp8, latent, tma_ok)
     return layout, cache_seqlens
 
 
@@ -371,14 +373,15 @@ def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: o
 
 
 def decode_backend(device_id: int, opts: options.Options) -> str:
-    """The decode kernel family's backend for a device: "sm90" (producer warps, kernels_cu/decode/decode_sm90.cu) on
-    cc 9.0, else "sm80" (the cp.async ring); Options.decode_backend forces one (ValueError for "sm90*" elsewhere)."""
+    """The decode kernel family's backend for a device: "sm90_tma" (kernels_cu/decode/decode_sm90.cu, its ring filled
+    by TMA boxes where decode_configs allows, else by producer warps' cp.async) on cc 9.0, else "sm80" (the cp.async
+    ring); Options.decode_backend forces one (ValueError for "sm90*" elsewhere)."""
     from .dispatch import device_info
 
     cc = device_info(device_id)[0]
     choice = opts.decode_backend
     if choice == "auto":
-        return "sm90" if cc == 90 else "sm80"
+        return "sm90_tma" if cc == 90 else "sm80"
     if choice.startswith("sm90") and cc != 90:
         raise ValueError(f"CUFLASH_DECODE_BACKEND={choice} needs a compute capability 9.0 GPU, device {device_id} has "
                          f"{cc // 10}.{cc % 10}")
@@ -390,7 +393,8 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
     """The decode kernels for a call, best first: block_m from the packed rows, 64-column head-dim buckets, 64-key
     tiles over 4 warps (32-key tiles for 32- and 64-row tiles above 128 columns); then, for devices with less shared
     memory than the first needs, 32-key tiles (a warp per 16 keys) and shorter row tiles. ``backend`` "sm90": the
-    same tiles in the Hopper family, whose num_warps counts its SM90_PRODUCER_WARPS producer warps too."""
+    same tiles in the Hopper family, whose num_warps counts its SM90_PRODUCER_WARPS producer warps too; "sm90_tma":
+    those filled by TMA (SM90_TMA_PRODUCER_WARPS) where the caches allow it and the tile's registers leave room."""
     d, dv = _bucket(lay.head_dim), _bucket(lay.head_dim_v)
     if lay.latent:   # 16 rows a CTA, 32-key tiles, four warps on O's columns (decode_sm90.cu, DecodeTile's kLatent)
         if not backend.startswith("sm90"):
@@ -413,8 +417,9 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
             return "decode", 0
         if lay.fp8:
             return "decode_sm90_fp8", SM90_PRODUCER_WARPS
-        # TMA: up to 128 columns past 16-row tiles (the wide ones' registers do not leave its producer room)
-        if backend == "sm90_tma" and (m == 16 or max(d, dv) <= 128):
+        # TMA: caches it can address; up to 128 columns past 16-row tiles (the wide ones' registers do not leave its
+        # producer room)
+        if backend == "sm90_tma" and lay.tma_ok and (m == 16 or max(d, dv) <= 128):
             return "decode_sm90_tma", SM90_TMA_PRODUCER_WARPS
         return "decode_sm90", SM90_PRODUCER_WARPS
 
@@ -535,17 +540,26 @@ def _tma_maps(k_cache, v_cache, lay: CacheLayout, cfg: KernelConfig):
     """The tensor maps of decode_sm90_tma: over (head dim, heads, keys, cache rows) of a contiguous cache, or (head
     dim, heads, page rows, pages) of a paged one; boxes of 64 columns by a tile's keys (paged: the largest power of two
     that divides the page size, up to the tile: kernels_cu/decode/decode_sm90.cu tma_box_rows), 128-byte swizzled.
-    A cache TMA cannot address (strides not multiples of 16 bytes) gets a ValueError."""
+    The caches are ones TMA can address (CacheLayout.tma_ok)."""
     rows = min(cfg.block_n, lay.page_size & -lay.page_size) if lay.page_size else cfg.block_n
     dtype = _checks.dtype_name(k_cache.dtype)
     maps = []
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for x in (k_cache, v_cache):
         n, s, h, d = x.shape
-        strides = (x.strides[2], x.strides[1], x.strides[0])
-        if not tma.strides_ok(x.data.ptr, strides):
-            raise ValueError(f"{name}: CUFLASH_DECODE_BACKEND=sm90_tma needs 16-byte aligned strides, got {x.strides}")
-        maps.append(tma.encode_tiled(x.data.ptr, dtype, (d, h, s, n), strides, (64, 1, rows, 1)))
+        maps.append(tma.encode_tiled(x.data.ptr, dtype, (d, h, s, n), tma_strides(x), (64, 1, rows, 1)))
     return launch.PackedTail(tuple(maps))
+
+
+def tma_strides(x) -> Optional[tuple]:
+    """A cache's byte strides as its tensor map takes them (heads, keys, rows), or None where TMA cannot address it
+    (a broadcast dimension, strides not multiples of 16 bytes). A dimension of one element is never stepped over: its
+    stride is taken as if the cache were packed there."""
+    out, packed = [], x.shape[3] * x.itemsize
+    for axis in (2, 1, 0):
+        packed = -(-packed // 16) * 16
+        out.append(x.strides[axis] if x.shape[axis] > 1 else packed)
+        packed = out[-1] * x.shape[axis]
+    return tuple(out) if tma.strides_ok(x.data.ptr, out) else None
 
 
 def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None) -> None:

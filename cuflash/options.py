@@ -18,9 +18,6 @@ CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kv
                                                                       (the cp.async ring, every GPU) | "sm90"
                                                                       (producer warps fill the ring, cc 9.0) |
                                                                       "sm90_tma" (TMA boxes, 16-bit caches)
-CUFLASH_DECODE_MLA                        decode_mla (False)          "1": forward_kvcache takes v_cache=None
-                                                                      (MLA's latent cache), not yet validated on a
-                                                                      GPU; else refused
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -78,7 +75,6 @@ ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
     "decode_backend": "CUFLASH_DECODE_BACKEND",
-    "decode_mla": "CUFLASH_DECODE_MLA",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -138,7 +134,6 @@ class Options:
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
     decode_backend: str = "auto"
-    decode_mla: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -162,7 +157,6 @@ class Options:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
-        _check_flag("decode_mla", self.decode_mla, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -193,7 +187,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_mla"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

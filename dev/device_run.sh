@@ -44,11 +44,10 @@
 #              4k / 32k / 128k, contiguous and paged 64, beside SDPA, FlashInfer and FA4 where they import); FA4 as
 #              for varlen (`decode setup` carrying .fa4a, then `decode` carrying .fa4b); extra ARGS to python -m cuflash,
 #              e.g. --decode-rows 'b8-*' --decode-dists normal. Not part of all
-#   decode-ab [ROWS] : issue #44's build switches under measurement: the KV-cache tests (every fixture: the portable
-#              kernel with and without row-wise loads, the Hopper cp.async and TMA rings, fp8 with and without fp16
-#              products), then dev/decode_ab.py A/B rows (default b1-4k-*,b1-128k-*,b8-32k-*,b64-32k-*): sm80 against
-#              its row-wise loads, sm90 against sm90_tma, and the fp8 caches with and without fp16 products. Not part
-#              of all
+#   decode-ab [ROWS] : issue #44's decode kernels side by side: the KV-cache tests (every fixture: the portable
+#              kernel, the Hopper cp.async and TMA rings), then dev/decode_ab.py A/B rows (default
+#              b1-4k-*,b1-128k-*,b8-32k-*,b64-32k-*) of the three backends; a token may add -DNAME=V build switches
+#              under measurement (dev/decode_ab.py). Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -160,11 +159,8 @@ case $phase in
     timeout 420 python3 -m pytest -q -p no:cacheprovider --require-gpu tests/test_kvcache.py 2>&1 \
       | tee "$OUT/decode-ab-tests.log" | grep -av "arn" | tail -n 25 || status=1
     timeout 300 python3 $HERE/decode_ab.py --rows "$rows" --repeats 6 --warmup 1 \
-      "@CUFLASH_DECODE_BACKEND=sm80" "@CUFLASH_DECODE_BACKEND=sm80 -DCUFLASH_DECODE_ROW_LOADS=1" \
-      "@CUFLASH_DECODE_BACKEND=sm90" "@CUFLASH_DECODE_BACKEND=sm90_tma" 2>&1 | tee "$OUT/decode-ab.log" | tail -n 12
-    timeout 200 python3 $HERE/decode_ab.py --rows "$rows" --repeats 6 --warmup 1 --fp8 \
-      "@CUFLASH_DECODE_BACKEND=sm90" "@CUFLASH_DECODE_BACKEND=sm90 -DCUFLASH_DECODE_FP8_F16_MMA=1" 2>&1 \
-      | tee "$OUT/decode-ab-fp8.log" | tail -n 12
+      "@CUFLASH_DECODE_BACKEND=sm80" "@CUFLASH_DECODE_BACKEND=sm90" "@CUFLASH_DECODE_BACKEND=sm90_tma" 2>&1 \
+      | tee "$OUT/decode-ab.log" | tail -n 12
     ;;
   decode)
     # FA4 as for varlen (`decode setup` carrying .fa4a, then `decode` carrying .fa4b), for its paged decode column

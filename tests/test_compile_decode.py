@@ -20,7 +20,7 @@ VARIANTS = [MaskVariant(), MaskVariant(local=True, softcap=True, alibi=True, sin
 
 
 def _layout(seqlen_q: int, heads_q: int, heads_kv: int, d: int, dv: int) -> kvcache.CacheLayout:
-    return kvcache.CacheLayout(1, seqlen_q, heads_q, heads_kv, d, dv, 0, 4096, 1, 0, 0)
+    return kvcache.CacheLayout(1, seqlen_q, heads_q, heads_kv, d, dv, 0, 4096, 1, 0, 0, tma_ok=True)
 
 
 def _configs(backends=("sm80",)) -> list:
@@ -91,6 +91,38 @@ def test_sm90_decode_tiles():
                 assert size <= 113 * 1024 - 1024, (d, dv, size)
 
 
+def test_tma_family_only_for_caches_tma_can_address():
+    """Under "sm90_tma" (Hopper's default) a call takes the TMA-filled ring only where its caches allow tensor maps
+    (CacheLayout.tma_ok) and the tile leaves the registers (16-row tiles, or up to 128 columns); the cp.async ring
+    otherwise, and the fp8 family for e4m3 caches."""
+    lay = _layout(1, 8, 1, 128, 128)
+    assert kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], "sm90_tma")[0].family == "decode_sm90_tma"
+    for other in (dataclasses.replace(lay, tma_ok=False), _layout(16, 32, 8, 256, 256)):
+        assert kvcache.decode_configs("bfloat16", other, False, VARIANTS[0], "sm90_tma")[0].family == "decode_sm90"
+    fp8 = dataclasses.replace(lay, fp8=True, tma_ok=False)
+    assert kvcache.decode_configs("bfloat16", fp8, False, VARIANTS[0], "sm90_tma")[0].family == "decode_sm90_fp8"
+
+
+class _FakeCache:
+    """What kvcache.tma_strides reads of a cupy array: shape, byte strides, itemsize and data.ptr."""
+
+    def __init__(self, shape, strides, ptr=1 << 20, itemsize=2):
+        self.shape, self.strides, self.itemsize = shape, strides, itemsize
+        self.data = type("Memory", (), {"ptr": ptr})()
+
+
+def test_tma_strides():
+    """A cache's tensor-map strides (heads, keys, rows): its own where a dimension has more than one element, the
+    packed ones (rounded to 16 bytes) where it has one (any stride is valid there), None where TMA cannot address it
+    (a broadcast dimension, a stride or pointer off 16 bytes)."""
+    assert kvcache.tma_strides(_FakeCache((4, 512, 2, 128), (262144, 512, 256, 2))) == (256, 512, 262144)
+    assert kvcache.tma_strides(_FakeCache((1, 512, 1, 72), (7, 144, 3, 2))) == (144, 144, 73728)
+    assert kvcache.tma_strides(_FakeCache((4, 512, 2, 40), (81920, 160, 80, 2))) == (80, 160, 81920)
+    assert kvcache.tma_strides(_FakeCache((4, 512, 2, 64), (0, 256, 128, 2))) is None          # broadcast rows
+    assert kvcache.tma_strides(_FakeCache((4, 512, 2, 64), (262152, 512, 256, 2))) is None     # 8-byte row stride
+    assert kvcache.tma_strides(_FakeCache((4, 512, 2, 64), (262144, 512, 256, 2), ptr=8)) is None
+
+
 def test_split_plan():
     # Automatic: whole waves of resident CTAs (264: two per SM on 132 SMs), splits of at least MIN_KEYS_PER_SPLIT.
     assert kvcache.split_plan(32768, 512, 264, 0, False) == (1, 32768)         # two full waves already
@@ -106,23 +138,3 @@ def test_split_plan():
     assert kvcache.split_plan(5000, 1, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
     assert kvcache.split_plan(5000, 999, 264, 0, True) == (3, kvcache.BATCH_INVARIANT_KEYS)
     assert kvcache.split_plan(0, 8, 264, 0, False) == (1, kvcache.BLOCK_N)
-
-
-@pytest.mark.parametrize("define,family,cc", [("-DCUFLASH_DECODE_ROW_LOADS=1", "decode", "80"),
-                                              ("-DCUFLASH_DECODE_ROW_LOADS=1", "decode", "90a"),
-                                              ("-DCUFLASH_DECODE_FP8_F16_MMA=1", "decode_sm90_fp8", "90a")])
-def test_decode_experiments_compile_without_spills(define, family, cc):
-    """The decode kernels' build switches under measurement (CUFLASH_NVRTC_DEFINES) compile without spills over the
-    head-dim buckets and row tiles of the portable tiles list."""
-    from cuflash import options
-
-    configs = {}
-    for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64)):
-        for rows in ((1, 8, 1), (16, 32, 8)):
-            lay = _layout(*rows, d, dv)
-            backend = "sm80" if family == "decode" else "sm90"
-            if family == "decode_sm90_fp8":
-                lay = dataclasses.replace(lay, fp8=True)
-            configs.update({c.key(): c for c in kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], backend)})
-    with options.override(nvrtc_defines=(define,)):
-        assert_all_compile(list(configs.values()), cc)

@@ -28,19 +28,17 @@ from conftest import FWD_TOL, LSE_RTOL, assert_close_on_every_row, assert_lse_ma
 pytestmark = [requires_gpu]
 
 
-@pytest.fixture(params=[("sm80", ()), ("sm80", ("-DCUFLASH_DECODE_ROW_LOADS=1",)), ("sm90", ()), ("sm90_tma", ())],
-                ids=["sm80", "sm80-row-loads", "sm90", "sm90-tma"], autouse=True)
+@pytest.fixture(params=["sm80", "sm90", "sm90_tma"], ids=["sm80", "sm90", "sm90-tma"], autouse=True)
 def decode_backend(request):
-    """Every test on each decode kernel: the portable cp.async ring (also with the producers' row-wise loads) and, on
-    cc 9.0, the ring filled by producer warps with cp.async or with TMA boxes (Options.decode_backend); the test sees
-    the backend's name."""
+    """Every test on each decode kernel: the portable cp.async ring and, on cc 9.0, the ring filled by producer warps
+    with cp.async or with TMA boxes (Options.decode_backend); the test sees the backend's name."""
     from cuflash import options
     from cuflash.dispatch import device_info
 
-    backend, defines = request.param
+    backend = request.param
     if backend.startswith("sm90") and device_info(0)[0] != 90:
         pytest.skip("the Hopper decode kernel (decode_sm90.cu) needs a compute capability 9.0 GPU")
-    with options.override(decode_backend=backend, nvrtc_defines=defines):
+    with options.override(decode_backend=backend):
         yield backend
 
 # The spacing of the dtype's floats relative to their value, at most: the rotated keys in the cache within one
@@ -592,25 +590,14 @@ FP8_CASES = {
 }
 
 
-@pytest.mark.parametrize("f16_products", [False, True], ids=["products-in-q-dtype", "f16-products"])
 @pytest.mark.parametrize("name", list(FP8_CASES))
-def test_fp8_cache(rng, decode_backend, name, f16_products):
+def test_fp8_cache(rng, decode_backend, name):
     """forward_kvcache over uint8 caches of e4m3 bytes with k_descale / v_descale: the appended keys and values
     stored as e4m3(x / descale) (bit for bit, nothing else in the caches changed), out and lse against the float64
-    reference over the dequantised caches (each byte's e4m3 value times its KV head's descale); also with bf16
-    queries rescaled into fp16 products (CUFLASH_DECODE_FP8_F16_MMA=1). The portable kernel refuses an fp8 cache."""
-    from cuflash import options
-
+    reference over the dequantised caches (each byte's e4m3 value times its KV head's descale; bf16 queries take
+    fp16 products, each query row rescaled by a power of two). The portable kernel refuses an fp8 cache."""
     if decode_backend == "sm90_tma":
         pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
-    if f16_products and (decode_backend != "sm90" or FP8_CASES[name].get("dtype") != "bfloat16"):
-        pytest.skip("fp16 products: bf16 queries on the Hopper kernel")
-    with options.override(nvrtc_defines=("-DCUFLASH_DECODE_FP8_F16_MMA=1",) if f16_products else ()):
-        _fp8_case(rng, decode_backend, name)
-
-
-def _fp8_case(rng, decode_backend, name):
-    """test_fp8_cache's body, under the options in force."""
     import cupy
     import cuflash
     import ml_dtypes
@@ -716,25 +703,14 @@ def test_mla_latent_cache(rng, decode_backend, name):
     the K rows (FlashMLA's layout): out (.., 512) and lse against the float64 reference given V as those columns, the
     new keys appended (their first 512 columns being the new values), nothing else in the cache changed. The
     portable kernel refuses it."""
+    import cupy
     import cuflash
-    from cuflash import options
+    from cuflash.reference import attention_reference_kvcache
 
     case = dict(MLA_CASES[name])
     num_splits = case.pop("num_splits", 0)
     dev, ref, meta = _build(rng, d=576, dv=512, hq=16, hkv=1, capacity=384, **case)
     dev = dict(dev, v_cache=None, v=None)
-    with pytest.raises(ValueError, match="CUFLASH_DECODE_MLA=1"):   # (until the kernel has run on a GPU)
-        cuflash.forward_kvcache(**dev)
-    with options.override(decode_mla=True):
-        _mla_case(decode_backend, dev, ref, meta, num_splits)
-
-
-def _mla_case(decode_backend, dev, ref, meta, num_splits):
-    """test_mla_latent_cache's body, with v_cache=None allowed."""
-    import cupy
-    import cuflash
-    from cuflash.reference import attention_reference_kvcache
-
     if decode_backend == "sm80":
         with pytest.raises(ValueError, match="MLA"):
             cuflash.forward_kvcache(**dev)

@@ -7,24 +7,14 @@
 // keys: a 16-key group never straddles a page).
 #include "decode_parts.cuh"
 
-// 1: the chunks issued as the Hopper kernel's producers issue them (load_keys_by_row: a row's address and table
-// entry once per row, not per chunk); 0: load_keys. Not yet measured: 0.
-#ifndef CUFLASH_DECODE_ROW_LOADS
-#define CUFLASH_DECODE_ROW_LOADS 0
-#endif
-
 // A stage's keys [n0, n0 + kBlockN) (those below key_end), by all the CTA's threads.
 template <class Tile>
 __device__ __forceinline__ void load_stage(const DecodeParams& p, const CacheAddress& at, const u16* gK, const u16* gV,
                                            u16* stage, int n0, int key_end, int tid) {
-#if CUFLASH_DECODE_ROW_LOADS
     load_keys_by_row<Tile, Tile::kThreads, 2, Tile::kStrideK * 2, Tile::kStrideV * 2>(
         p, at, reinterpret_cast<const unsigned char*>(gK), reinterpret_cast<const unsigned char*>(gV),
         reinterpret_cast<unsigned char*>(stage), reinterpret_cast<unsigned char*>(stage + Tile::kBlockN * Tile::kStrideK),
         n0, key_end, tid);
-#else
-    load_keys<Tile, Tile::kThreads>(p, at, gK, gV, stage, n0, key_end, tid);
-#endif
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>

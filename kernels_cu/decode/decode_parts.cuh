@@ -169,49 +169,12 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Work& w, u16
 }
 
 // Keys [n0, n0 + kBlockN) (those below key_end; the rest zero-filled) into a ring stage, by cp.async over kThreads
-// threads (tid: the thread's index among them). A paged cache's block-table entries for the thread's rows are read
-// first, all in flight at once, then the copies issued: the copies are asm volatile, which the compiler does not
-// move loads across, so interleaved each chunk would wait out one table read.
-template <class Tile, int kThreads, int kChunks, int kStride>
-__device__ __forceinline__ void load_rows(const DecodeParams& p, const CacheAddress& at, const u16* g, u16* dst,
-                                          int n0, int key_end, int width, bool is_v, int tid) {
-    constexpr int kIters = Tile::kBlockN * kChunks / kThreads;
-    // Table reads in flight at once: fewer where the accumulators of wide rows leave few registers.
-    constexpr int kMaxGroup = Tile::kHeadDim + Tile::kHeadDimV > 256 ? 2 : 8;
-    constexpr int kGroup = kIters < kMaxGroup ? kIters : kMaxGroup;
-    static_assert(Tile::kBlockN * kChunks % kThreads == 0 && kIters % kGroup == 0, "whole rounds of chunks");
-#pragma unroll
-    for (int i0 = 0; i0 < kIters; i0 += kGroup) {
-        int page[kGroup];
-#pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            const int key = n0 + (tid + (i0 + i) * kThreads) / kChunks;
-            page[i] = key < key_end ? at.page(key) : 0;
-        }
-#pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            const int c = tid + (i0 + i) * kThreads;
-            const int row = c / kChunks, col = (c % kChunks) * 8;
-            const int key = n0 + row;
-            const bool valid = key < key_end && col < width;
-            const i64 off = valid ? (is_v ? at.v_offset(p, key, page[i]) : at.k_offset(p, key, page[i])) : 0;
-            cp_async_16(dst + row * kStride + col, g + off + col, valid);
-        }
-    }
-}
-
-template <class Tile, int kThreads>
-__device__ __forceinline__ void load_keys(const DecodeParams& p, const CacheAddress& at, const u16* gK, const u16* gV,
-                                          u16* stage, int n0, int key_end, int tid) {
-    load_rows<Tile, kThreads, Tile::kHeadDim / 8, Tile::kStrideK>(p, at, gK, stage, n0, key_end, p.head_dim, false, tid);
-    load_rows<Tile, kThreads, Tile::kHeadDimV / 8, Tile::kStrideV>(p, at, gV, stage + Tile::kBlockN * Tile::kStrideK, n0, key_end,
-                                                         p.head_dim_v, true, tid);
-}
-
-// The same tile by producer threads, which have few warps to spread address work over: 8 threads per key row (each
-// warp instruction covers four rows' 128-byte segments), each thread the same 16-byte column chunks of
-// kBlockN * 8 / kThreads rows, a row's address and block-table entry (one for K and V) computed once per row.
-// kElemBytes: 2 (a 16-bit cache) or 1 (fp8); sK / sV: the stage's K and V rows, kRowBytesK / kRowBytesV apart.
+// threads (tid: the thread's index among them): 8 threads per key row (each warp instruction covers four rows'
+// 128-byte segments), each thread the same 16-byte column chunks of kBlockN * 8 / kThreads rows, a row's address and
+// block-table entry (one for K and V) computed once per row, the table reads of all its rows in flight before the
+// copies (asm volatile, which the compiler does not move loads across). (Per-chunk addresses cost 1.0-1.6x the time
+// in the portable kernel and a third more registers: BENCHMARKS.md.) kElemBytes: 2 (a 16-bit cache) or 1 (fp8);
+// sK / sV: the stage's K and V rows, kRowBytesK / kRowBytesV apart.
 template <class Tile, int kThreads, int kElemBytes, int kRowBytesK, int kRowBytesV>
 __device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const CacheAddress& at,
                                                  const unsigned char* gK, const unsigned char* gV, unsigned char* sK,
@@ -371,8 +334,11 @@ struct DecodeRows {
     }
 
     // The warp's kSliceN keys of one tile (sK, sV: K and V rows, the warp's first at row key_row0; n0: its first
-    // key).
-    template <class KRows = PaddedRows<Tile::kStrideK>, class VRows = PaddedRows<Tile::kStrideV>, class Work>
+    // key). kMaskV: V's rows may hold anything past the CTA's last key (TMA boxes load whole rows; the rows of a
+    // box never issued are stale), so their values are dropped from the B fragments as they are loaded (P is 0
+    // there, but 0 * NaN is not 0).
+    template <class KRows = PaddedRows<Tile::kStrideK>, class VRows = PaddedRows<Tile::kStrideV>, bool kMaskV = false,
+              class Work>
     __device__ __forceinline__ void step(const DecodeParams& p, const Work& w, const u16* sQ, const u16* sK,
                                          const u16* sV, int n0, int wm, int key_row0, int lane) {
         // S = Q K^T over the warp's 16 rows and kSliceN keys.
@@ -441,10 +407,20 @@ struct DecodeRows {
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
             u32 a[4];
             pack_a_from_acc<MmaTag>(a, acc_s[2 * kk], acc_s[2 * kk + 1]);
+            // (kMaskV) A transposed B fragment's halves hold keys k, k + 1 (b[0], b[2]) and k + 8, k + 9 (b[1], b[3]).
+            u32 keep_lo = ~0u, keep_hi = ~0u;
+            if constexpr (kMaskV) {
+                const int key = n0 + kk * 16 + 2 * (lane & 3);
+                keep_lo = (key < w.key_hi ? 0xffffu : 0u) | (key + 1 < w.key_hi ? 0xffff0000u : 0u);
+                keep_hi = (key + 8 < w.key_hi ? 0xffffu : 0u) | (key + 9 < w.key_hi ? 0xffff0000u : 0u);
+            }
 #pragma unroll
             for (int nn = 0; nn < kOCols / 16; ++nn) {
                 u32 b[4];
                 VRows::b_kn(b, sV, key_row0 + kk * 16, (Tile::kLatent ? o_col0 : 0) + nn * 16, lane);
+                if constexpr (kMaskV) {
+                    b[0] &= keep_lo; b[1] &= keep_hi; b[2] &= keep_lo; b[3] &= keep_hi;
+                }
                 Mma::run(acc_o[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
             }

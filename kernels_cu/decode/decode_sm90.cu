@@ -12,18 +12,13 @@
 // Three ways to fill a stage (kLoad): cp.async chunks of a 16-bit cache (the default), of an fp8 cache (each consumer
 // warp then converts its key slice to 16-bit rows in a buffer of its own), or TMA tensor-map boxes of a 16-bit cache
 // (one thread issues a box per 64 columns of a tile, or per page part of it; the rows land as 128-byte swizzled
-// panels; CUFLASH_DECODE_BACKEND=sm90_tma while it is measured). A box loads whole rows up to its end, so the V rows
-// past the CTA's last key are zeroed by the consumer warp that owns them (P is 0 there, but the stale rows may hold
-// anything).
+// panels; CUFLASH_DECODE_BACKEND=sm90_tma while it is measured). A box loads whole rows up to its end, so V's rows
+// past the CTA's last key are dropped from the consumers' fragments (DecodeRows::step's kMaskV) rather than zeroed in
+// shared memory (generic stores into a stage the async proxy refills).
 #include "decode_parts.cuh"
 #include "../sm90/pipeline.cuh"
 #include "../sm90/tma.cuh"
 
-// fp8 caches under bf16 queries: 1 runs the products in fp16 (each query row rescaled by a power of two: decode_parts.cuh
-// rescale_q_to_f16), so that an e4m3 pair's conversion is one instruction; 0 converts to bf16 (not yet measured: 0).
-#ifndef CUFLASH_DECODE_FP8_F16_MMA
-#define CUFLASH_DECODE_FP8_F16_MMA 0
-#endif
 // The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them). Four beat two on
 // paged caches and tie on contiguous ones; one halves the bandwidth (BENCHMARKS.md).
 constexpr int kProducerWarps = 4;
@@ -51,8 +46,7 @@ struct DecodeSm90Tile
     static constexpr int kStageBytes = kTma ? kBlockN * (Base::kHeadDim + Base::kHeadDimV) * 2
                                             : kBlockN * (kRowBytesK + (kLatent ? 0 : kRowBytesV));
     static constexpr int kBufferElems = kFp8 ? Base::kSliceN * (Base::kStrideK + Base::kStrideV) : 0;   // a warp's
-    static constexpr int kQBytes = Base::kQElems * 2 + (kFp8 && CUFLASH_DECODE_FP8_F16_MMA ? kBlockM * 4 : 0);   // (+ Q's
-                                                                                                           // row scales)
+    static constexpr int kQBytes = Base::kQElems * 2 + (kFp8 ? kBlockM * 4 : 0);   // (+ Q's row scales)
     // TMA's swizzled panels start on 1024-byte boundaries: the ring's offset is rounded up, and the base aligned at
     // run time (kAlignSlack bytes of room).
     static constexpr int kAlignSlack = kTma ? 1024 : 0;
@@ -168,18 +162,6 @@ __device__ __forceinline__ void decode_producer_tma(const DecodeParams& p, const
     }
 }
 
-// Zeroes V's rows [first, kSliceN) of a warp's key slice in a TMA stage (its rows past the CTA's last key), then
-// orders the zeros before the next boxes the stage receives (async proxy).
-template <class Tile>
-__device__ __forceinline__ void zero_v_rows_tma(unsigned char* sV, int slice_row0, int first, int lane) {
-    constexpr int kChunks = 8 * (Tile::kHeadDimV / 64);   // 16-byte chunks of a row, over its panels
-    for (int c = lane; c < (Tile::kSliceN - first) * kChunks; c += 32) {
-        const int row = slice_row0 + first + c / kChunks, panel = (c % kChunks) / 8, chunk = c % 8;
-        *reinterpret_cast<uint4*>(sV + panel * Tile::kBlockN * 128 + row * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
-    }
-    __syncwarp();
-}
-
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_, int kLoad,
           bool kLatent = false>
 __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const TmaDesc* tma_k, const TmaDesc* tma_v) {
@@ -229,9 +211,10 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
     cp_async_wait<0>();
     named_barrier_sync(1, kConsumers);   // Q landed for every consumer
 
-    // bf16 queries over an fp8 cache: the products in fp16 (CUFLASH_DECODE_FP8_F16_MMA), Q's rows rescaled first.
-    // (Up to 128 columns of V: wider rows leave no registers for the rescale.)
-    constexpr bool kF16Products = kFp8 && CUFLASH_DECODE_FP8_F16_MMA && kIsBf16<Tag> && Tile::kHeadDimV <= 128;
+    // bf16 queries over an fp8 cache: the products in fp16, Q's rows rescaled first by a power of two each
+    // (rescale_q_to_f16), so that an e4m3 pair's conversion is one instruction (5-8 % faster than converting to bf16:
+    // BENCHMARKS.md). Up to 128 columns of V: wider rows leave no registers for the rescale.
+    constexpr bool kF16Products = kFp8 && kIsBf16<Tag> && Tile::kHeadDimV <= 128;
     using MmaTag = typename PickType<kF16Products, f16_tag, Tag>::type;
     float* q_descales = reinterpret_cast<float*>(smem_bytes + Tile::kBarrierBytes + Tile::kQElems * 2);
     if constexpr (kF16Products) {
@@ -250,12 +233,9 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
         const int slice = kLatent ? 0 : wn * kSliceN;   // the warp's first row of the tile
         const int n0 = w.key_lo + it * kBlockN + slice;
         if constexpr (kTma) {
-            const bool past_end = n0 + kSliceN > w.key_hi;   // the warp's slice holds rows past the last key
-            if (past_end) zero_v_rows_tma<Tile>(sV, wn * kSliceN, max(w.key_hi - n0, 0), lane);
             using Rows = SwizzledPanels<kBlockN>;
-            rows.template step<Rows, Rows>(p, w, sQ, reinterpret_cast<const u16*>(sK), reinterpret_cast<const u16*>(sV),
-                                           n0, wm, wn * kSliceN, lane);
-            if (past_end) fence_proxy_async_smem();   // the zeros before the stage's next boxes
+            rows.template step<Rows, Rows, true>(p, w, sQ, reinterpret_cast<const u16*>(sK),
+                                                 reinterpret_cast<const u16*>(sV), n0, wm, wn * kSliceN, lane);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty_bar + stage * 8);
         } else if constexpr (kFp8) {
