@@ -769,12 +769,12 @@ def output_error(out, refs: dict) -> float:
 # raises where the peer cannot run the row at all; a config that raises on its first call is recorded n/a.
 
 
-def cuflash_call(p: Prepared) -> Callable:
-    """A zero-argument call of cuflash.forward_kvcache on the row (num_splits=0)."""
+def cuflash_call(p: Prepared, num_splits: int = 0) -> Callable:
+    """A zero-argument call of cuflash.forward_kvcache on the row (num_splits=0: automatic)."""
     import cuflash
 
     k, v = p.cache()
-    kw = {"cache_seqlens": p.lens_dev, "num_splits": 0}
+    kw = {"cache_seqlens": p.lens_dev, "num_splits": num_splits}
     if p.row.paged:
         kw["block_table"] = p.table_dev
     fn = cuflash.forward_kvcache

@@ -10,8 +10,9 @@ A call runs up to three kernels on the current stream:
    their lse.
 
 Split-KV. The key range of every sequence is cut into splits of ``keys_per_split`` keys (a multiple of the
-64-key tile). ``num_splits=0`` picks the count from the work: one split where the CTAs of one split already fill
-the GPU twice over, else enough splits for two CTAs per SM, each of at least 512 keys of the cache's capacity.
+64-key tile). ``num_splits=0`` picks the count from the work (split_plan): whole waves of CTAs over the GPU's
+slots (one CTA per SM for the TMA-fed kernel, the resident CTAs for the cp.async rings), each split at least 512 keys
+of the cache's capacity.
 The host never reads ``cache_seqlens`` (no sync): splits are cut from the capacity, and a split past a shorter
 sequence's keys costs one empty CTA. ``batch_invariant=True`` fixes ``keys_per_split`` (BATCH_INVARIANT_KEYS) and
 always merges through ``combine``, so a row's result depends on its own sequence only, bitwise.
@@ -76,7 +77,7 @@ def block_m_for(rows: int) -> int:
 
 def split_plan(capacity: int, ctas: int, slots: int, num_splits: int, batch_invariant: bool) -> tuple[int, int]:
     """``(splits, keys_per_split)`` for a cache of ``capacity`` keys per sequence, ``ctas`` CTAs per split and
-    ``slots`` CTAs resident on the GPU at once. Automatic (``num_splits=0``): the count with the least estimated
+    ``slots`` CTAs the GPU runs side by side at full speed (_decode_plan). Automatic (``num_splits=0``): the count with the least estimated
     time, whole waves of CTAs times the keys each reads (plus SPLIT_OVERHEAD_KEYS for its prologue, epilogue and
     share of the merge), each split at least MIN_KEYS_PER_SPLIT keys."""
     if capacity <= 0:
@@ -361,14 +362,19 @@ def _kernel(cfg: KernelConfig, device_id: int, opts: options.Options):
 
 
 def _decode_plan(dtype: str, lay: "CacheLayout", var: variants.Variants, opts: options.Options) -> tuple:
-    """``(config, kernel, shared memory, resident CTAs)`` of the decode kernel for a call, cached."""
+    """``(config, kernel, shared memory, CTA slots for split_plan)`` of the decode kernel for a call, cached."""
     key = (dtype, lay.head_dim, lay.head_dim_v, lay.seqlen_q * (lay.heads_q // lay.heads_kv), var.causal,
-           var.kernel, lay.fp8, lay.latent, lay.device_id, opts.token)
+           var.kernel, lay.fp8, lay.latent, lay.tma_ok, lay.device_id, opts.token)
     plan = _plans.get(key)
     if plan is None:
         cfg = decode_config(dtype, lay, var.causal, var.kernel, opts)
         kern, smem = _kernel(cfg, lay.device_id, opts)
-        plan = _plans[key] = (cfg, kern, smem, _resident_ctas(lay.device_id, kern, cfg, smem))
+        # A CTA fed by TMA keeps its SM's share of the bandwidth busy alone, and the CTAs that share an SM share it:
+        # the splits fill the SMs once (more, shorter splits only add their prologues and merges: BENCHMARKS.md).
+        # The cp.async rings need two CTAs an SM to keep enough bytes in flight: their waves count resident CTAs.
+        slots = (_sm_count(lay.device_id) if cfg.family == "decode_sm90_tma"
+                 else _resident_ctas(lay.device_id, kern, cfg, smem))
+        plan = _plans[key] = (cfg, kern, smem, slots)
     return plan
 
 

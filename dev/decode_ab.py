@@ -3,7 +3,8 @@
     python3 dev/decode_ab.py [--rows b8-32k-paged64,b1-128k-*] [--dist normal] [--repeats 10] [VARIANT ...]
 
 Each VARIANT is a string of tokens as in dev/ab.py: NVRTC defines (``-DNAME=V``) and option environment variables
-(``@CUFLASH_DECODE_BACKEND=sm90``); default variants: the two decode backends. Every variant's output is checked
+(``@CUFLASH_DECODE_BACKEND=sm90``), and ``splits=N`` for the call's num_splits (default 0: automatic); default
+variants: the two decode backends. Every variant's output is checked
 against the row's float32 reference first (the largest relative error printed), then the variants are timed in
 turn sample by sample (cuflash.bench.time_interleaved, L2 flushed before each); each line gives the median
 microseconds and GB/s of K/V read per variant, and the copy bandwidth of the same process.
@@ -31,6 +32,8 @@ def _options_of(variant: str) -> dict:
             fields[field] = options._parse(field, value)
         elif tok.startswith("-D"):
             defines.append(tok)
+        elif tok.startswith("splits="):
+            fields["num_splits"] = int(tok.partition("=")[2])
         else:
             raise SystemExit(f"unknown variant token {tok!r}")
     if defines:
@@ -84,7 +87,9 @@ def main() -> int:
                 caches.append((" fp8", (k8, v8, kd, vd)))
             for (name, fields), (suffix, quantised) in [(pv, c) for c in caches for pv in per_variant]:
                 name = name + suffix
-                call = bd.cuflash_call(prepared) if quantised is None else _fp8_call(prepared, *quantised)
+                fields = dict(fields)
+                splits = fields.pop("num_splits", 0)
+                call = bd.cuflash_call(prepared, splits) if quantised is None else _fp8_call(prepared, *quantised)
 
                 def fn(call=call, fields=fields):
                     with options.override(**fields):

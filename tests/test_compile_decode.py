@@ -130,6 +130,11 @@ def test_split_plan():
     assert (splits, kps) == (33, 3972 // 64 * 64 + 64)
     assert kvcache.split_plan(32768, 64, 264, 0, False)[0] == 4                 # 256 of 264 slots, not 320 of 528
     assert kvcache.split_plan(1000, 8, 264, 0, False)[0] == 1                   # under two splits' worth of keys
+    # One slot per SM (the TMA-fed kernel, 132 SMs): batch 1 / 8 fill the SMs once, batch 64's 512 CTAs take the
+    # count that evens out the last wave.
+    assert kvcache.split_plan(32768, 8, 132, 0, False) == (16, 2048)
+    assert kvcache.split_plan(4096, 64, 132, 0, False) == (2, 2048)
+    assert kvcache.split_plan(131072, 512, 132, 0, False)[0] == 9
     for capacity, ctas in ((4096, 64), (131072, 8), (32768, 512), (7777, 3)):
         splits, kps = kvcache.split_plan(capacity, ctas, 264, 0, False)
         assert kps % kvcache.BLOCK_N == 0 and (splits - 1) * kps < capacity <= splits * kps
