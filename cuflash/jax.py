@@ -431,7 +431,7 @@ def _backward_varlen(dout, dlse, q, k, v, offsets: tuple, alibi_slopes, sinks, o
 # Decoding over a KV cache
 
 
-def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: Optional[jax.Array] = None,
+def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[jax.Array], k: Optional[jax.Array] = None,
                             v: Optional[jax.Array] = None, *, cache_seqlens, rotary_cos: Optional[jax.Array] = None,
                             rotary_sin: Optional[jax.Array] = None, rotary_interleaved: bool = True,
                             cache_batch_idx: Optional[jax.Array] = None, block_table: Optional[jax.Array] = None,
@@ -450,9 +450,25 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     caches contiguous ``(batch_cache, seqlen_cache, heads_kv, head_dim)`` or paged ``(num_pages, page_size,
     heads_kv, head_dim)`` with ``block_table`` int32 ``(batch, max_blocks)``; ``cache_seqlens`` int32 ``(batch,)``
     (or a Python int); the other options static Python values. On the CPU backend the float64 reference computes
-    the same results (slow; for tests)."""
-    from .kvcache import MAX_HEAD_DIM
+    the same results (slow; for tests).
 
+    ``v_cache=None`` (and ``v=None``): MLA's latent cache (FlashMLA's layout, Hopper): head_dim 576, V the first 512
+    columns of each K row; ``out`` is 512 wide, and with new ``k`` the call returns ``(out[, lse], k_cache)``."""
+    from .kvcache import MAX_HEAD_DIM, MLA_HEAD_DIMS
+
+    latent = v_cache is None
+    if latent:
+        if v is not None:
+            raise ValueError("with v_cache=None (MLA's latent cache) the new tokens are k alone: v must be None")
+        if rotary_cos is not None:
+            raise ValueError("rotary embedding with v_cache=None (MLA) is not supported: it would rotate V's columns")
+        k_cache = jnp.asarray(k_cache)
+        if k_cache.ndim != 4 or k_cache.shape[3] != MLA_HEAD_DIMS[0]:
+            raise ValueError(f"with v_cache=None (MLA's latent cache) k_cache must be (rows, seqlen_cache, heads_kv, "
+                             f"{MLA_HEAD_DIMS[0]}), got shape {k_cache.shape}")
+        v_cache = k_cache[..., :MLA_HEAD_DIMS[1]]   # (shapes only: the operand is k_cache)
+        if k is not None:
+            v = jnp.asarray(k)[..., :MLA_HEAD_DIMS[1]]
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
@@ -468,8 +484,9 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         raise ValueError(f"k_cache must be (rows, seqlen_cache, heads_kv, {d}) and v_cache share its first three "
                          f"dims, got {k_cache.shape} and {v_cache.shape}")
     for name, value in (("head_dim", d), ("v_cache's head_dim", dv)):
-        if value % 8 or not 8 <= value <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {value}")
+        if not latent and (value % 8 or not 8 <= value <= MAX_HEAD_DIM):
+            raise ValueError(f"{name} must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {value} (or "
+                             f"{MLA_HEAD_DIMS} with v_cache=None, MLA)")
     _checks.check_heads(hq, hkv)
 
     def int_array(name, x, shape):
@@ -516,31 +533,33 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     has_kv = k is not None
+    caches = (k_cache,) if latent else (k_cache, v_cache)   # the cache operands (and, with k, results)
     out_shape, lse_shape = (b, nq, hq, dv), (b, hq, nq)
     if q.size == 0:
         out, lse = jnp.zeros(out_shape, q.dtype), jnp.zeros(lse_shape, jnp.float32)
         results = (out, lse) if return_lse else (out,)
-        return (*results, k_cache, v_cache) if has_kv else (results if return_lse else out)
+        return (*results, *caches) if has_kv else (results if return_lse else out)
     register_targets()
-    operands = [q, k_cache, v_cache, cache_seqlens]
-    for group in ((k, v), (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,), (cache_leftpad,)):
+    operands = [q, *caches, cache_seqlens]
+    new_tokens = (k,) if latent else (k, v)
+    for group in (new_tokens, (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,), (cache_leftpad,)):
         operands += [x for x in group if x is not None]
     extra, flags = _extras(alibi_slopes, sinks)
     results = [jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
     if has_kv:
-        results += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        results += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     call = jax.ffi.ffi_call(jax_targets.KVCACHE, tuple(results), vmap_method="sequential",
-                            input_output_aliases={1: 2, 2: 3} if has_kv else {})
+                            input_output_aliases={1 + i: 2 + i for i in range(len(caches))} if has_kv else {})
     res = call(*operands, *extra, causal=causal, softmax_scale=scale, window_left=np.int32(left),
                window_right=np.int32(right), attention_chunk=np.int32(chunk), softcap=np.float32(cap_),
                rotary_interleaved=bool(rotary_interleaved), num_splits=np.int32(num_splits),
                batch_invariant=bool(batch_invariant), has_kv=has_kv, has_rotary=rotary_cos is not None,
                has_cache_batch_idx=cache_batch_idx is not None, has_block_table=block_table is not None,
-               has_cache_leftpad=cache_leftpad is not None, **flags)
+               has_cache_leftpad=cache_leftpad is not None, latent=latent, **flags)
     out, lse = res[0], res[1]
     head = (out, lse) if return_lse else (out,)
     if has_kv:
-        return (*head, res[2], res[3])
+        return (*head, *res[2:])
     return head if return_lse else out
 
 

@@ -237,15 +237,17 @@ def cuda_backward_varlen(call: Call) -> None:
 
 def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
     """``cuflash.forward_kvcache``'s arguments from a KV-cache call: the operands after (q, k_cache, v_cache)
+    (after (q, k_cache) for MLA's latent cache, the ``latent`` attribute)
     ``cache_seqlens[, k, v][, rotary_cos, rotary_sin][, cache_batch_idx][, block_table][, cache_leftpad]
-    [, alibi_slopes][, sinks]``
+    [, alibi_slopes][, sinks]`` (``k`` alone when latent)
     (as the has_* attributes say) and the attributes. Returns (kwargs, k, v)."""
     a = call.attrs
     rest = list(operands)
     kwargs = dict(cache_seqlens=rest.pop(0))
     k = v = None
     if a.get("has_kv"):
-        k, v = rest.pop(0), rest.pop(0)
+        k = rest.pop(0)
+        v = None if a.get("latent") else rest.pop(0)
     if a.get("has_rotary"):
         kwargs.update(rotary_cos=rest.pop(0), rotary_sin=rest.pop(0))
     if a.get("has_cache_batch_idx"):
@@ -263,17 +265,20 @@ def cuda_kvcache(call: Call) -> None:
     """(q, k_cache, v_cache, cache_seqlens[, k, v][, cos, sin][, cache_batch_idx][, block_table][, slopes][, sinks])
     -> (out, lse[, k_cache, v_cache]) with cuflash's decode kernels on XLA's stream; the cache results are aliased
     to the cache operands (XLA hands the same buffers, or copies of them made before the call), and the append
-    writes into them."""
+    writes into them. ``latent`` (MLA): no v_cache and no v, one cache result."""
     from .api import forward_kvcache
 
+    latent = bool(call.attrs.get("latent"))
     with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
         arrays = _device_arrays(call, dev)
-        n_args = len(call.args)
-        q, k_cache, v_cache = arrays[:3]
-        kwargs, k, v = _kvcache_kwargs(call, arrays[3:n_args])
+        n_args, n_caches = len(call.args), 1 if latent else 2
+        q, k_cache = arrays[:2]
+        v_cache = None if latent else arrays[2]
+        kwargs, k, v = _kvcache_kwargs(call, arrays[1 + n_caches:n_args])
         rets = arrays[n_args:]
         if k is not None:   # the results are the caches to write
-            k_cache, v_cache = rets[2], rets[3]
+            k_cache = rets[2]
+            v_cache = None if latent else rets[3]
         _log(KVCACHE, call, stream)
         out, lse = forward_kvcache(q, k_cache, v_cache, k, v, num_splits=int(call.attrs["num_splits"]),
                                    batch_invariant=bool(call.attrs["batch_invariant"]), return_lse=True, **kwargs)
@@ -378,10 +383,17 @@ def host_kvcache(call: Call) -> None:
     the cache's dtype, as the cache stores them), the caches' results written whole."""
     from .reference import attention_reference_kvcache
 
+    from .kvcache import MLA_HEAD_DIMS
+
+    latent = bool(call.attrs.get("latent"))
     arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
-    n_args = len(call.args)
-    q, k_cache, v_cache = arrays[:3]
-    kwargs, k, v = _kvcache_kwargs(call, arrays[3:n_args])
+    n_args, n_caches = len(call.args), 1 if latent else 2
+    q, k_cache = arrays[:2]
+    kwargs, k, v = _kvcache_kwargs(call, arrays[1 + n_caches:n_args])
+    if latent:   # V: the first 512 columns of the K rows (and of the new keys)
+        v_cache, v = k_cache[..., :MLA_HEAD_DIMS[1]], None if k is None else k[..., :MLA_HEAD_DIMS[1]]
+    else:
+        v_cache = arrays[2]
     rets = arrays[n_args:]
     _log(KVCACHE, call, 0)
     out, lse, k_after, v_after = attention_reference_kvcache(
@@ -391,7 +403,8 @@ def host_kvcache(call: Call) -> None:
     rets[1][...] = lse.astype(np.float32)
     if k is not None:
         rets[2][...] = k_after.astype(rets[2].dtype)
-        rets[3][...] = v_after.astype(rets[3].dtype)
+        if not latent:
+            rets[3][...] = v_after.astype(rets[3].dtype)
 
 
 # (target name, platform as jax.ffi.register_ffi_target names it) -> body

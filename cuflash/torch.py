@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks, api, head_dims, variants
+from . import _checks, api, head_dims, kvcache, variants
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):   # pragma: no cover
     raise ImportError(f"cuflash.torch needs PyTorch >= 2.4 (torch.library.custom_op), found {torch.__version__}")
@@ -436,7 +436,7 @@ attention_forward_varlen.register_autograd(_attention_varlen_vjp, setup_context=
 # the caches (declared mutated), so a captured decode step replays with whatever the caches and cache_seqlens hold.
 
 
-def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], k: Optional[Tensor] = None,
                             v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                             rotary_sin: Optional[Tensor] = None, cache_seqlens: Optional[Union[int, Tensor]] = None,
                             cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
@@ -454,7 +454,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     ``sinks``, ``attention_chunk``, ``page_table`` (FlashAttention-3's name for ``block_table``),
     ``batch_invariant``, and for fp8 caches (``torch.float8_e4m3fn`` or uint8 e4m3 bytes, Hopper) ``k_descale`` /
     ``v_descale``: float32 tensors of one element, ``(heads_kv,)`` or ``(batch, heads_kv)`` (FlashAttention-3's)
-    (:func:`cuflash.forward_kvcache`). Not differentiable (inference).
+    (:func:`cuflash.forward_kvcache`). ``v_cache=None`` (with ``v=None``): MLA's latent cache, head_dim 576, V the
+    first 512 columns of each K row (FlashMLA's layout, Hopper). Not differentiable (inference).
 
     Returns ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``return_softmax_lse``."""
     if page_table is not None:
@@ -471,7 +472,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     left, right = variants.check_window(window_size)
     scale = _checks.check_scale(softmax_scale, q.shape[-1])
     if k_cache.dtype == torch.float8_e4m3fn:   # as their bytes: DLPack has no float8 type everywhere
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_cache = k_cache.view(torch.uint8)
+        v_cache = None if v_cache is None else v_cache.view(torch.uint8)
     out, lse = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, scale, bool(causal), left, right, float(softcap),
                                  bool(rotary_interleaved), alibi_slopes, sinks, int(attention_chunk), int(num_splits),
@@ -480,7 +482,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
 
 
 @torch.library.custom_op("cuflash::attention_kvcache", mutates_args=("k_cache", "v_cache"))
-def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
                       rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
                       cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                       softmax_scale: float,
@@ -505,4 +507,5 @@ def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
                             rotary_interleaved, alibi_slopes, sinks, attention_chunk, num_splits, batch_invariant,
                             k_descale=None, v_descale=None):
     b, nq, hq, _ = q.shape
-    return q.new_empty((b, nq, hq, v_cache.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
+    dv = kvcache.MLA_HEAD_DIMS[1] if v_cache is None else v_cache.shape[-1]
+    return q.new_empty((b, nq, hq, dv)), q.new_empty((b, hq, nq), dtype=torch.float32)

@@ -98,6 +98,44 @@ def test_donated_caches_and_no_append(rng, device):
     assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
 
 
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_mla_latent_cache_under_jit(rng, device, paged):
+    """v_cache=None (MLA's latent cache: head_dim 576, V the first 512 columns of the K rows): out (.., 512) and lse
+    against the float64 reference given V as those columns, and the one cache result after the append (a donated
+    operand written in place)."""
+    if device.platform != "cpu" and not _hopper(device):
+        pytest.skip("MLA's latent cache needs the Hopper decode kernel (compute capability 9.0)")
+    dt, hq, cap = jnp.bfloat16, 16, 128
+    q = _put(rng.standard_normal((B, 2, hq, 576)), device, dt)
+    k_new = _put(rng.standard_normal((B, 2, 1, 576)), device, dt)
+    lens = _put(np.array([9, cap - 2], np.int32), device)
+    if paged:
+        pages = B * cap // 64
+        k_cache = _put(rng.standard_normal((pages, 64, 1, 576)), device, dt)
+        table = _put(rng.permutation(pages).astype(np.int32).reshape(B, -1), device)
+    else:
+        k_cache = _put(rng.standard_normal((B, cap, 1, 576)), device, dt)
+        table = None
+    k0 = _host(k_cache)
+    f = jax.jit(lambda q, kc, k, n, t: cj.flash_attn_with_kvcache(q, kc, None, k, cache_seqlens=n, block_table=t,
+                                                                   causal=True, return_lse=True), donate_argnums=(1,))
+    out, lse, k_after = f(q, k_cache, k_new, lens, table)
+    kn = _host(k_new)
+    ro, rl, rk, _ = attention_reference_kvcache(
+        _host(q), k0, k0[..., :512].copy(), kn, kn[..., :512].copy(), cache_seqlens=np.asarray(lens),
+        block_table=None if table is None else np.asarray(table), causal=True)
+    assert out.shape == (B, 2, hq, 512) and lse.shape == (B, hq, 2)
+    assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
+    assert_lse_matches(lse, rl, (B, hq, 2))
+    assert np.array_equal(_host(k_after), rk)
+
+
+def _hopper(device) -> bool:
+    """Whether a JAX GPU device has compute capability 9.0."""
+    return getattr(device, "compute_capability", "") in ("9.0", 9.0)
+
+
 def test_argument_errors_while_tracing(rng):
     q, k_cache, v_cache, k_new, v_new, lens, _ = _case(rng, CPU, paged=False)
     with pytest.raises(ValueError, match="cache_seqlens"):
@@ -115,6 +153,10 @@ def test_argument_errors_while_tracing(rng):
                                    block_table=jnp.zeros((B, 3), jnp.float32))
     with pytest.raises(ValueError, match="multiple"):
         cj.flash_attn_with_kvcache(q[:, :, :7], k_cache, v_cache, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="576"):   # v_cache=None: MLA's latent cache only
+        cj.flash_attn_with_kvcache(q, k_cache, None, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="v must be None"):
+        cj.flash_attn_with_kvcache(q, k_cache, None, k_new, v_new, cache_seqlens=lens)
 
 
 def test_cache_leftpad_on_the_host_target(rng):

@@ -522,6 +522,40 @@ def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
     assert torch.equal(out, torch.from_dlpack(ref)) and out.shape == (b, 1, hq, d)
 
 
+@requires_gpu
+def test_torch_flash_attn_with_kvcache_mla(rng, decode_backend):
+    """cuflash.torch.flash_attn_with_kvcache with v_cache=None (MLA's latent cache, paged): the new latent rows
+    appended in place, and the same output and lse as cuflash.forward_kvcache on the cache after the append."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash
+    from cuflash.torch import flash_attn_with_kvcache
+
+    if decode_backend != "sm90":
+        pytest.skip("one Hopper kernel serves the latent cache whatever the backend: run under sm90")
+    b, page, pages, hq = 2, 64, 8, 16
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    gen = torch.Generator(device=dev).manual_seed(13)
+    mk = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16)
+    k_pages, q, k = mk(2 * pages, page, 1, 576), mk(b, 2, hq, 576), mk(b, 2, 1, 576)
+    table = torch.randperm(2 * pages, generator=gen, device=dev).to(torch.int32).view(b, pages)
+    lens = torch.tensor([70, 300], dtype=torch.int32, device=dev)
+    before = k_pages.clone()
+    out, lse = flash_attn_with_kvcache(q, k_pages, None, k, None, cache_seqlens=lens, block_table=table, causal=True,
+                                       return_softmax_lse=True)
+    for i, n in enumerate((70, 300)):
+        for j in range(2):
+            pg, slot = table[i, (n + j) // page], (n + j) % page
+            assert torch.equal(k_pages[pg, slot], k[i, j])
+            before[pg, slot] = k[i, j]
+    assert torch.equal(k_pages, before)   # nothing else written
+    ref_out, ref_lse = cuflash.forward_kvcache(cupy.from_dlpack(q), cupy.from_dlpack(k_pages), None, causal=True,
+                                               cache_seqlens=cupy.asarray([72, 302], dtype=np.int32),
+                                               block_table=cupy.from_dlpack(table), return_lse=True)
+    assert out.shape == (b, 2, hq, 512)
+    assert torch.equal(out, torch.from_dlpack(ref_out)) and torch.equal(lse, torch.from_dlpack(ref_lse))
+
+
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_cache_leftpad(rng, num_splits):
     """cache_leftpad (contiguous caches): each sequence's keys start at its pad (positions, rotary and the causal

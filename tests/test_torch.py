@@ -519,12 +519,12 @@ def test_cuda_graph_capture_of_a_decode_step():
 
 
 def test_kvcache_op_schema_and_fake_shapes():
-    """cuflash::attention_kvcache declares the caches it writes; its fake gives out (B, Nq, Hq, Dv) and lse; the
-    wrapper traces as one node under torch.compile(fullgraph=True), cache_seqlens given as an int too."""
+    """cuflash::attention_kvcache declares the caches it writes; its fake gives out (B, Nq, Hq, Dv) and lse (Dv 512
+    without v_cache: MLA's latent cache); the wrapper traces as one node under torch.compile(fullgraph=True), cache_seqlens given as an int too."""
     import torch._dynamo
 
     schema = str(torch.ops.cuflash.attention_kvcache.default._schema)
-    assert schema.startswith("cuflash::attention_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor? k,")
+    assert schema.startswith("cuflash::attention_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!)? v_cache, Tensor? k,")
 
     graphs = []
 
@@ -537,6 +537,10 @@ def test_kvcache_op_schema_and_fake_shapes():
     with mode:
         out, lse = ct.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=5, causal=True, return_softmax_lse=True)
     assert out.shape == (2, 1, 8, 32) and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 1)
+    mode_mla, (q5, kc5, kn5) = _fake_cuda((2, 1, 16, 576), (2, 128, 1, 576), (2, 1, 1, 576), dtype=torch.bfloat16)
+    with mode_mla:   # v_cache=None: MLA's latent cache, out 512 wide
+        out = ct.flash_attn_with_kvcache(q5, kc5, None, kn5, None, cache_seqlens=5)
+    assert out.shape == (2, 1, 16, 512)
     torch._dynamo.reset()
     try:
         f = torch.compile(lambda q, kc, vc, n: ct.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n),
