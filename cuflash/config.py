@@ -116,6 +116,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Decoding over a KV cache (cuflash/kvcache.py): split-KV, paged, GQA packed (block_m: packed query rows
     # per CTA; head_dim / head_dim_v: 64-column buckets), and the merge of split results (tag: the output's).
     Family("decode", "decode/decode.cu", "decode_kernel", 80, False, direction="decode"),
+    # The same over fp8 (e4m3) caches (dtype: q's), converted by each warp (sm_89+: the e4m3 conversions).
+    Family("decode_fp8", "decode/decode.cu", "decode_fp8_kernel", 89, False, direction="decode", fp8=True),
     # The same on Hopper, its keys streamed by producer warps (num_warps: the consumers and the producers).
     Family("decode_sm90", "decode/decode_sm90.cu", "decode_sm90_kernel", 90, True, direction="decode",
            backend="sm90"),

@@ -23,9 +23,9 @@ capacity, appended tokens past it are dropped), ``cache_leftpad[b]`` outside [0,
 block-table entries out of range (a read takes the nearest page that exists, an append skips the token): no read
 or write leaves the cache.
 
-fp8 caches (uint8 arrays of e4m3 bytes, Hopper: ``decode_sm90_fp8``, ``kvcache_append_fp8``): a stored element's
-value is its e4m3 value times its KV head's descale (``Descales``: a float, one element, ``(heads_kv,)`` or
-``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and the score modifiers' conversions) and
+fp8 caches (uint8 arrays of e4m3 bytes, compute capability 8.9+: ``decode_fp8``, Hopper's ``decode_sm90_fp8``,
+``kvcache_append_fp8``): a stored element's value is its e4m3 value times its KV head's descale (``Descales``: a
+float, one element, ``(heads_kv,)`` or ``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and the score modifiers' conversions) and
 V's into the output, so the dequantisation itself is a type conversion; appends store ``e4m3(x * (1 / descale))``.
 
 ``v_cache=None`` (MLA's latent cache, ``decode_sm90_mla``): head dim 576, V the first 512 columns of the K rows; the
@@ -58,8 +58,7 @@ SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_
 MAX_SPLITS = 128
 MAX_GRID_SPLITS = 65535      # the launch grid's y dimension
 BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
-FP8_NEEDS_HOPPER = ("an fp8 KV cache needs the Hopper decode kernel (compute capability 9.0, CUFLASH_DECODE_BACKEND "
-                    "auto or sm90) in this version")
+FP8_MIN_CC = 89   # fp8 caches: the e4m3 conversions (cvt ... e4m3x2) of the append and decode kernels
 MAX_HEAD_DIM = 256
 MLA_HEAD_DIMS = (576, 512)   # v_cache=None: MLA's latent cache (FlashMLA's shape), V its first 512 columns
 
@@ -416,11 +415,9 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
         tiles.append((32, 32, 4))
     if bm > 16:
         tiles.append((16, 32, 2))
-    if lay.fp8 and not backend.startswith("sm90"):
-        raise ValueError(FP8_NEEDS_HOPPER)
     def family(m: int) -> tuple:
         if not backend.startswith("sm90"):
-            return "decode", 0
+            return ("decode_fp8" if lay.fp8 else "decode"), 0
         if lay.fp8:
             return "decode_sm90_fp8", SM90_PRODUCER_WARPS
         # TMA: caches it can address; up to 128 columns past 16-row tiles (the wide ones' registers do not leave its
@@ -469,9 +466,14 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     if b == 0 or (nq == 0 and (k is None or lay.seqlen_new == 0)):
         return out, lse
     bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
-    # The decode kernel first: a configuration no kernel serves (an fp8 cache off Hopper) fails before the append.
-    if lay.fp8 and not decode_backend(dev, opts).startswith("sm90"):
-        raise ValueError(FP8_NEEDS_HOPPER)
+    # The decode kernel first: a configuration no kernel serves fails before the append.
+    if lay.fp8:
+        from .dispatch import device_info
+
+        cc = device_info(dev)[0]
+        if cc < FP8_MIN_CC:
+            raise ValueError(f"an fp8 KV cache needs compute capability {FP8_MIN_CC // 10}.{FP8_MIN_CC % 10} or newer "
+                             f"(its e4m3 conversions); device {dev} has {cc // 10}.{cc % 10}")
     plan = _decode_plan(dtype, lay, var, opts) if nq else None
     ds = descales or Descales()
     keep = list(ds.keep)

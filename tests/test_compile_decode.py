@@ -43,14 +43,15 @@ def _configs(backends=("sm80",)) -> list:
         for family in ("kvcache_append",) + (("kvcache_append_fp8",) if "sm90" in backends else ()):
             c = KernelConfig(family, dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
             out[c.key()] = c
-    if "sm90" in backends:   # fp8 caches: the head-dim buckets, tall tiles, the variants
+    if "sm90" in backends:   # fp8 caches (both families, sm_89+): the head-dim buckets, tall tiles, the variants
         for d, dv, rows, dtype, causal, variant in ((64, 64, (1, 8, 1), "float16", False, VARIANTS[0]),
                                                     (128, 128, (1, 8, 1), "bfloat16", True, VARIANTS[1]),
                                                     (128, 128, (16, 32, 8), "bfloat16", False, VARIANTS[0]),
                                                     (256, 256, (1, 8, 1), "bfloat16", False, VARIANTS[0]),
                                                     (128, 64, (4, 8, 1), "float16", True, VARIANTS[0])):
             lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
-            out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
+            for backend in ("sm80", "sm90"):
+                out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, backend)})
         for dtype, causal, variant in (("bfloat16", True, VARIANTS[0]), ("float16", False, VARIANTS[1])):   # MLA
             lay = dataclasses.replace(_layout(1, 16, 1, *kvcache.MLA_HEAD_DIMS), latent=True)
             out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
@@ -60,6 +61,21 @@ def _configs(backends=("sm80",)) -> list:
 @pytest.mark.parametrize("cc", ["80", "90a"])
 def test_decode_kernels_compile_without_spills(cc):
     assert_all_compile(_configs(("sm80", "sm90", "sm90_tma") if cc == "90a" else ("sm80",)), cc)
+
+
+def test_portable_fp8_decode_compiles_for_ada():
+    """The portable kernel over fp8 caches and the fp8 append compile for sm_89 (L4, L40S: the first GPUs with the
+    e4m3 conversions) without spills, at the head-dim buckets and row tiles."""
+    configs = {}
+    for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64)):
+        for rows in ((1, 8, 1), (16, 32, 8)):
+            lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
+            configs.update({c.key(): c for c in kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0], "sm80")})
+    assert {c.family for c in configs.values()} == {"decode_fp8"}
+    for dtype in ("float16", "bfloat16"):
+        c = KernelConfig("kvcache_append_fp8", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+        configs[c.key()] = c
+    assert_all_compile(list(configs.values()), "89")
 
 
 def test_every_head_dim_bucket_fits_a_99kb_device():
@@ -72,6 +88,10 @@ def test_every_head_dim_bucket_fits_a_99kb_device():
             # and the first, the H100's, fits two CTAs per SM at head dims up to 128 with one 16-row tile (decoding)
             if max(d, dv) <= 128 and rows == (1, 8, 1):
                 assert sizes[configs[0]] <= 113 * 1024, (d, dv, rows, sizes[configs[0]])
+            # fp8 caches on the portable kernel (L4, L40S: 99 KB)
+            lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
+            sizes = smem_bytes_offline_many(kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0]), "89")
+            assert min(sizes.values()) <= 99 * 1024, (d, dv, rows, "fp8", sizes)
 
 
 def test_sm90_decode_tiles():

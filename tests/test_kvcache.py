@@ -496,8 +496,8 @@ def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
     import cuflash
     from cuflash.torch import flash_attn_with_kvcache
 
-    if decode_backend != "sm90":
-        pytest.skip("fp8 caches take the Hopper cp.async ring (test_fp8_cache checks the portable kernel's refusal)")
+    if decode_backend == "sm90_tma":
+        pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
     b, cap, hq, hkv, d = 2, 256, 8, 2, 128
     dev = torch.device("cuda", cupy.cuda.Device().id)
     gen = torch.Generator(device=dev).manual_seed(11)
@@ -629,12 +629,14 @@ def test_fp8_cache(rng, decode_backend, name):
     """forward_kvcache over uint8 caches of e4m3 bytes with k_descale / v_descale: the appended keys and values
     stored as e4m3(x / descale) (bit for bit, nothing else in the caches changed), out and lse against the float64
     reference over the dequantised caches (each byte's e4m3 value times its KV head's descale; bf16 queries take
-    fp16 products, each query row rescaled by a power of two). The portable kernel refuses an fp8 cache."""
+    fp16 products, each query row rescaled by a power of two); on the portable kernel too (compute capability 8.9+:
+    its e4m3 conversions)."""
     if decode_backend == "sm90_tma":
         pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
     import cupy
     import cuflash
     import ml_dtypes
+    from cuflash.dispatch import device_info
     from cuflash.reference import attention_reference_kvcache
 
     fp8 = ml_dtypes.float8_e4m3fn
@@ -663,7 +665,7 @@ def test_fp8_cache(rng, decode_backend, name):
     k8 = (ref["k_cache"].astype(np.float32) / k_rows[:, None, :, None]).astype(fp8)
     v8 = (ref["v_cache"].astype(np.float32) / v_rows[:, None, :, None]).astype(fp8)
     dev.update(k_cache=cupy.asarray(k8.view(np.uint8)), v_cache=cupy.asarray(v8.view(np.uint8)))
-    if decode_backend == "sm80":
+    if device_info(0)[0] < 89:
         with pytest.raises(ValueError, match="fp8"):
             cuflash.forward_kvcache(**dev, k_descale=k_ds, v_descale=v_ds)
         return

@@ -283,6 +283,10 @@ struct PaddedRows {
     }
 };
 
+// A if kFirst, else B.
+template <bool kFirst, class A, class B> struct PickType { using type = A; };
+template <class A, class B> struct PickType<false, A, B> { using type = B; };
+
 // One consumer warp's rows: this thread's two (lane / 4 and lane / 4 + 8 of the warp's 16), their token, head and
 // visible keys, and the online softmax's running max, sum and O over the warp's slice of each key tile.
 template <class A, class B> constexpr bool kSameType = false;

@@ -62,8 +62,6 @@ struct DecodeSm90Tile
                                       && Base::kHeadDimV <= 128 && Base::kSliceN <= 32 ? 2 : 1;
 };
 
-template <bool kFirst, class A, class B> struct PickType { using type = A; };
-template <class A, class B> struct PickType<false, A, B> { using type = B; };
 
 // A TMA stage's rows as step() reads them: 64-column panels of kRows 128-byte rows, 128-byte swizzled.
 template <int kRows>
