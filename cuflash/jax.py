@@ -438,7 +438,8 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
                             cache_leftpad: Optional[jax.Array] = None, causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             alibi_slopes: Optional[jax.Array] = None, sinks: Optional[jax.Array] = None,
                             attention_chunk: int = 0, softmax_scale: Optional[float] = None, num_splits: int = 0,
-                            batch_invariant: bool = False, return_lse: bool = False) -> tuple:
+                            batch_invariant: bool = False, return_lse: bool = False, k_descale=None,
+                            v_descale=None) -> tuple:
     """``cuflash.forward_kvcache`` for JAX arrays, under ``jax.jit`` (one XLA custom call, not differentiable).
 
     JAX arrays are values, so the append is functional: with new ``k`` / ``v`` the call returns the caches after
@@ -453,10 +454,27 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
     the same results (slow; for tests).
 
     ``v_cache=None`` (and ``v=None``): MLA's latent cache (FlashMLA's layout, Hopper): head_dim 576, V the first 512
-    columns of each K row; ``out`` is 512 wide, and with new ``k`` the call returns ``(out[, lse], k_cache)``."""
+    columns of each K row; ``out`` is 512 wide, and with new ``k`` the call returns ``(out[, lse], k_cache)``.
+
+    fp8 caches (compute capability 8.9+): ``k_cache`` / ``v_cache`` ``jnp.float8_e4m3fn`` or uint8 (e4m3 bytes),
+    ``k_descale`` / ``v_descale`` a float or float32 arrays of one element, ``(heads_kv,)`` or ``(batch, heads_kv)``:
+    each cached element is its e4m3 value times its KV head's descale; new tokens (q's dtype) are stored as
+    ``e4m3(x / descale)``; the caches come back in their dtype."""
     from .kvcache import MAX_HEAD_DIM, MLA_HEAD_DIMS
 
     latent = v_cache is None
+    cache_dtype = jnp.asarray(k_cache).dtype
+    fp8 = cache_dtype in (jnp.uint8, jnp.float8_e4m3fn)
+    if fp8:
+        if latent:
+            raise ValueError("an fp8 latent cache (v_cache=None) is not supported yet")
+        if jnp.asarray(v_cache).dtype != cache_dtype:
+            raise TypeError(f"v_cache must have k_cache's dtype ({cache_dtype}: fp8 e4m3), got "
+                            f"{jnp.asarray(v_cache).dtype}")
+        # As their bytes through the custom call (XLA's FFI has no e4m3 type everywhere), back to float8 after it.
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(jnp.asarray(x), jnp.uint8) for x in (k_cache, v_cache))
+    elif k_descale is not None or v_descale is not None:
+        raise ValueError("k_descale / v_descale apply to fp8 caches only (k_cache is 16-bit here)")
     if latent:
         if v is not None:
             raise ValueError("with v_cache=None (MLA's latent cache) the new tokens are k alone: v must be None")
@@ -473,6 +491,8 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {x.shape}")
+        if fp8 and name != "q":
+            continue
         if x.dtype not in (jnp.float16, jnp.bfloat16):
             raise TypeError(f"{name} must be float16 or bfloat16 (the decode kernels' types), got {x.dtype}")
         if x.dtype != q.dtype:
@@ -530,6 +550,7 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
     causal = _checks.check_flag("causal", causal)
     left, right, chunk, cap_ = _check_variant_options(causal, window_size, attention_chunk, softcap)
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
+    descales = _check_descales(k_descale, v_descale, b, hkv) if fp8 else ()
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     has_kv = k is not None
@@ -542,7 +563,8 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
     register_targets()
     operands = [q, *caches, cache_seqlens]
     new_tokens = (k,) if latent else (k, v)
-    for group in (new_tokens, (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,), (cache_leftpad,)):
+    for group in (new_tokens, (rotary_cos, rotary_sin), (cache_batch_idx,), (block_table,), (cache_leftpad,),
+                  descales):
         operands += [x for x in group if x is not None]
     extra, flags = _extras(alibi_slopes, sinks)
     results = [jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)]
@@ -555,12 +577,36 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
                rotary_interleaved=bool(rotary_interleaved), num_splits=np.int32(num_splits),
                batch_invariant=bool(batch_invariant), has_kv=has_kv, has_rotary=rotary_cos is not None,
                has_cache_batch_idx=cache_batch_idx is not None, has_block_table=block_table is not None,
-               has_cache_leftpad=cache_leftpad is not None, latent=latent, **flags)
+               has_cache_leftpad=cache_leftpad is not None, latent=latent, fp8=fp8, **flags)
     out, lse = res[0], res[1]
     head = (out, lse) if return_lse else (out,)
     if has_kv:
-        return (*head, *res[2:])
+        after = res[2:]
+        if fp8 and cache_dtype != jnp.uint8:
+            after = tuple(jax.lax.bitcast_convert_type(x, cache_dtype) for x in after)
+        return (*head, *after)
     return head if return_lse else out
+
+
+def _check_descales(k_descale, v_descale, batch: int, hkv: int) -> tuple:
+    """An fp8 cache's descales as two float32 arrays of one shape: (1,) (a float, or left out: 1), (heads_kv,) or
+    (batch, heads_kv)."""
+    arrays = []
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None or isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(x, bool):
+            value = 1.0 if x is None else float(x)
+            if not (value > 0 and np.isfinite(value)):
+                raise ValueError(f"{name} must be positive and finite, got {x!r}")
+            x = jnp.full((1,), value, jnp.float32)
+        x = jnp.asarray(x)
+        if x.dtype != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if x.size != 1 and x.shape not in ((hkv,), (batch, hkv)):
+            raise ValueError(f"{name} must have one element, or shape ({hkv},) or ({batch}, {hkv}), got {x.shape}")
+        arrays.append(x.reshape((1,)) if x.size == 1 else x)
+    if arrays[0].shape != arrays[1].shape:
+        raise ValueError(f"k_descale and v_descale must have one shape, got {arrays[0].shape} and {arrays[1].shape}")
+    return tuple(arrays)
 
 
 # The ctypes handlers given to XLA: XLA keeps their addresses, so they are kept for the life of the

@@ -239,7 +239,7 @@ def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
     """``cuflash.forward_kvcache``'s arguments from a KV-cache call: the operands after (q, k_cache, v_cache)
     (after (q, k_cache) for MLA's latent cache, the ``latent`` attribute)
     ``cache_seqlens[, k, v][, rotary_cos, rotary_sin][, cache_batch_idx][, block_table][, cache_leftpad]
-    [, alibi_slopes][, sinks]`` (``k`` alone when latent)
+    [, k_descale, v_descale][, alibi_slopes][, sinks]`` (``k`` alone when latent; the descales with ``fp8``)
     (as the has_* attributes say) and the attributes. Returns (kwargs, k, v)."""
     a = call.attrs
     rest = list(operands)
@@ -256,6 +256,8 @@ def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
         kwargs["block_table"] = rest.pop(0)
     if a.get("has_cache_leftpad"):
         kwargs["cache_leftpad"] = rest.pop(0)
+    if a.get("fp8"):
+        kwargs.update(k_descale=rest.pop(0), v_descale=rest.pop(0))
     kwargs.update(_variant_kwargs(call, rest), causal=bool(a["causal"]), softmax_scale=float(a["softmax_scale"]),
                   rotary_interleaved=bool(a["rotary_interleaved"]))
     return kwargs, k, v
@@ -390,6 +392,9 @@ def host_kvcache(call: Call) -> None:
     n_args, n_caches = len(call.args), 1 if latent else 2
     q, k_cache = arrays[:2]
     kwargs, k, v = _kvcache_kwargs(call, arrays[1 + n_caches:n_args])
+    if call.attrs.get("fp8"):
+        _host_kvcache_fp8(call, q, k_cache, arrays[2], k, v, kwargs, arrays[n_args:])
+        return
     if latent:   # V: the first 512 columns of the K rows (and of the new keys)
         v_cache, v = k_cache[..., :MLA_HEAD_DIMS[1]], None if k is None else k[..., :MLA_HEAD_DIMS[1]]
     else:
@@ -405,6 +410,59 @@ def host_kvcache(call: Call) -> None:
         rets[2][...] = k_after.astype(rets[2].dtype)
         if not latent:
             rets[3][...] = v_after.astype(rets[3].dtype)
+
+
+def _host_kvcache_fp8(call: Call, q, k_cache, v_cache, k, v, kwargs: dict, rets: list) -> None:
+    """host_kvcache over e4m3 caches, sequence by sequence (its descales dequantise the caches it reads): the new
+    tokens (rotated) stored as e4m3(x * (1 / descale)), the attention over what the cache then holds."""
+    import ml_dtypes
+
+    from .reference import attention_reference_kvcache
+
+    e4m3 = ml_dtypes.float8_e4m3fn
+    k_ds, v_ds = kwargs.pop("k_descale"), kwargs.pop("v_descale")
+    batch, hkv = q.shape[0], k_cache.shape[2]
+    per_seq = {name: kwargs.pop(name, None) for name in ("cache_seqlens", "cache_batch_idx", "block_table",
+                                                         "cache_leftpad")}
+    slopes = kwargs.get("alibi_slopes")
+    rotary = kwargs.get("rotary_cos") is not None
+    k_bytes, v_bytes = k_cache.copy(), v_cache.copy()   # the caches after the append, as e4m3 bytes
+    for b in range(batch):
+        kd, vd = (np.asarray(x, np.float32).reshape(-1)[:1].repeat(hkv) if x.size == 1
+                  else np.asarray(x, np.float32).reshape(-1, hkv)[0 if x.ndim == 1 else b] for x in (k_ds, v_ds))
+        kept = {}
+
+        def stored(_, k_new, v_new, kd=kd, vd=vd, kept=kept):
+            kept["k"] = (k_new.astype(np.float32) * (np.float32(1) / kd)[:, None]).astype(e4m3)
+            kept["v"] = (v_new.astype(np.float32) * (np.float32(1) / vd)[:, None]).astype(e4m3)
+            return (kept["k"].astype(np.float64) * kd[:, None], kept["v"].astype(np.float64) * vd[:, None])
+
+        seq = {name: (None if x is None else x[b:b + 1]) for name, x in per_seq.items()}
+        if seq["cache_batch_idx"] is None and seq["block_table"] is None:   # (alone, it would read cache row 0)
+            seq["cache_batch_idx"] = np.array([b], np.int32)
+        extra = dict(kwargs)
+        if slopes is not None and slopes.ndim == 2:
+            extra["alibi_slopes"] = slopes[b:b + 1]
+        o, lse, _, _ = attention_reference_kvcache(
+            q[b:b + 1], k_cache.view(e4m3).astype(np.float64) * kd[None, None, :, None],
+            v_cache.view(e4m3).astype(np.float64) * vd[None, None, :, None], None if k is None else k[b:b + 1],
+            None if v is None else v[b:b + 1], rotary_dtype=q.dtype if rotary else None, stored=stored, **seq,
+            **extra)
+        rets[0][b] = o[0].astype(rets[0].dtype)
+        rets[1][b] = lse[0].astype(np.float32)
+        if k is None:
+            continue
+        # The appended slots, as the append kernel writes them: at cache_seqlens[b] + i, inside the capacity.
+        n0, table, page = int(per_seq["cache_seqlens"][b]), per_seq["block_table"], k_cache.shape[1]
+        capacity = table.shape[1] * page if table is not None else page
+        row = int(seq["cache_batch_idx"][0]) if table is None else 0
+        for i in range(min(k.shape[1], max(capacity - n0, 0))):
+            j = n0 + i
+            r, s = (int(table[b, j // page]), j % page) if table is not None else (row, j)
+            k_bytes[r, s], v_bytes[r, s] = kept["k"][i].view(np.uint8), kept["v"][i].view(np.uint8)
+    if k is not None:
+        rets[2][...] = k_bytes
+        rets[3][...] = v_bytes
 
 
 # (target name, platform as jax.ffi.register_ffi_target names it) -> body

@@ -479,7 +479,7 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
                                 block_table=None, causal: bool = False, window_size=(-1, -1),
                                 softcap: float = 0.0, alibi_slopes=None, sinks=None, attention_chunk: int = 0,
                                 softmax_scale: float | None = None, rotary_dtype=None,
-                                round_rotated_q: bool = True, cache_leftpad=None):
+                                round_rotated_q: bool = True, cache_leftpad=None, stored=None):
     """Float64 decoding attention over a KV cache, as flash-attn 2's ``flash_attn_with_kvcache``
     -> ``(out, lse, k_cache_after, v_cache_after)``.
 
@@ -504,6 +504,10 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
     position cache_leftpad[b] (flash-attn's left-padded caches): it attends to positions cache_leftpad[b] ..
     cache_seqlens[b] + Nnew - 1, and its rotary positions count from cache_leftpad[b]; appends still go to
     cache_seqlens[b] ..
+
+    ``stored``: None, or a callable ``(b, k_new, v_new) -> (k_kept, v_kept)`` giving the values the cache keeps of
+    sequence b's new tokens (after the rotary embedding), which the attention then reads (an fp8 cache's e4m3
+    rounding).
 
     Returns out (B, Nq, Hq, Dv), lse (B, Hq, Nq) and the caches after the append, in their own layout, all
     float64 NumPy. Two sequences may not write the same cache slot, nor may a sequence read a slot that
@@ -618,7 +622,7 @@ def attention_reference_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_se
     vflat = vc.reshape(-1, hkv, dv).copy()
     for bi in range(b):
         if nnew:
-            kflat[written[bi]], vflat[written[bi]] = k[bi], v[bi]
+            kflat[written[bi]], vflat[written[bi]] = (k[bi], v[bi]) if stored is None else stored(bi, k[bi], v[bi])
 
     slopes = None if alibi_slopes is None else _as_f64(alibi_slopes, "alibi_slopes")
     if slopes is not None and slopes.shape not in ((hq,), (b, hq)):

@@ -131,6 +131,52 @@ def test_mla_latent_cache_under_jit(rng, device, paged):
     assert np.array_equal(_host(k_after), rk)
 
 
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_caches_under_jit(rng, device, paged):
+    """float8_e4m3fn caches with descales ((batch, heads_kv) on a contiguous cache, (heads_kv,) on a paged one):
+    out and lse against the float64 reference over the dequantised caches, the new tokens stored as
+    e4m3(x * (1 / descale)) and every other byte unchanged, the caches returned as float8."""
+    import ml_dtypes
+
+    if device.platform != "cpu" and not _at_least_ada(device):
+        pytest.skip("fp8 caches need compute capability 8.9+")
+    e4m3 = ml_dtypes.float8_e4m3fn
+    q, k_cache, v_cache, k_new, v_new, lens, table = _case(rng, device, paged=paged, nq=1, n_new=1)
+    shape = (HKV,) if paged else (B, HKV)
+    kd, vd = (rng.uniform(0.03, 0.12, shape).astype(np.float32) for _ in range(2))
+    rows = k_cache.shape[0]
+    k_rows, v_rows = (np.broadcast_to(x, (rows, HKV)) for x in (kd, vd))   # (contiguous: row b is sequence b)
+    k8 = (_host(k_cache).astype(np.float32) / k_rows[:, None, :, None]).astype(e4m3)
+    v8 = (_host(v_cache).astype(np.float32) / v_rows[:, None, :, None]).astype(e4m3)
+    f = jax.jit(lambda q, kc, vc, k, v, n, t, kd, vd: cj.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=n, block_table=t, causal=True, return_lse=True, k_descale=kd, v_descale=vd))
+    out, lse, k_after, v_after = f(q, _put(k8, device), _put(v8, device), k_new, v_new, lens, table,
+                                   _put(kd, device), _put(vd, device))
+    assert k_after.dtype == jnp.float8_e4m3fn and v_after.dtype == jnp.float8_e4m3fn
+    # The appended slots: e4m3(x / descale) of the new tokens; everything else as it was.
+    k8_want, v8_want = k8.copy(), v8.copy()
+    n, t = np.asarray(lens), None if table is None else np.asarray(table)
+    for b in range(B):
+        j = int(n[b])
+        r, s = (b, j) if t is None else (int(t[b, j // 16]), j % 16)
+        seq_kd, seq_vd = (x if x.ndim == 1 else x[b] for x in (kd, vd))
+        k8_want[r, s] = (_host(k_new)[b, 0].astype(np.float32) * (np.float32(1) / seq_kd)[:, None]).astype(e4m3)
+        v8_want[r, s] = (_host(v_new)[b, 0].astype(np.float32) * (np.float32(1) / seq_vd)[:, None]).astype(e4m3)
+    got_k, got_v = (np.asarray(jax.device_get(x)).view(np.uint8) for x in (k_after, v_after))
+    assert np.array_equal(got_k, k8_want.view(np.uint8)) and np.array_equal(got_v, v8_want.view(np.uint8))
+    ro, rl, _, _ = attention_reference_kvcache(
+        _host(q), k8_want.astype(np.float64) * k_rows[:, None, :, None],
+        v8_want.astype(np.float64) * v_rows[:, None, :, None], cache_seqlens=n + 1, block_table=t, causal=True)
+    assert rel_err(_host(out), ro) <= FWD_TOL["bfloat16"]
+    assert_lse_matches(lse, rl, (B, HQ, 1))
+
+
+def _at_least_ada(device) -> bool:
+    """Whether a JAX GPU device has compute capability 8.9 or newer (the e4m3 conversions)."""
+    return float(getattr(device, "compute_capability", 0) or 0) >= 8.9
+
+
 def _hopper(device) -> bool:
     """Whether a JAX GPU device has compute capability 9.0."""
     return getattr(device, "compute_capability", "") in ("9.0", 9.0)
@@ -157,6 +203,16 @@ def test_argument_errors_while_tracing(rng):
         cj.flash_attn_with_kvcache(q, k_cache, None, cache_seqlens=lens)
     with pytest.raises(ValueError, match="v must be None"):
         cj.flash_attn_with_kvcache(q, k_cache, None, k_new, v_new, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="fp8 caches only"):
+        cj.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_descale=0.5)
+    k8 = k_cache.astype(jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="v_cache must have k_cache's dtype"):
+        cj.flash_attn_with_kvcache(q, k8, v_cache, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="k_descale must have one element"):
+        cj.flash_attn_with_kvcache(q, k8, k8, cache_seqlens=lens, k_descale=jnp.ones((3,), jnp.float32),
+                                   v_descale=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match="positive"):
+        cj.flash_attn_with_kvcache(q, k8, k8, cache_seqlens=lens, k_descale=-1.0)
 
 
 def test_cache_leftpad_on_the_host_target(rng):
