@@ -127,7 +127,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # MLA's latent cache (v_cache=None: V is the first 512 of K's 576 columns), the warps splitting O's columns.
     Family("decode_sm90_mla", "decode/decode_sm90.cu", "decode_sm90_mla_kernel", 90, True, direction="decode",
            backend="sm90"),
-    # The same over 16-bit caches by TMA boxes (tensor maps as extra arguments; CUFLASH_DECODE_BACKEND=sm90_tma).
+    # The same over 16-bit caches by TMA boxes (tensor maps as extra arguments): Hopper's default where TMA can
+    # address the caches.
     Family("decode_sm90_tma", "decode/decode_sm90.cu", "decode_sm90_tma_kernel", 90, True, direction="decode",
            backend="sm90"),
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),

@@ -9,12 +9,12 @@
 // table read's latency hides behind the consumers' work. (One bulk copy per key row from a single producer warp
 // ran at half the bandwidth: BENCHMARKS.md.)
 //
-// Three ways to fill a stage (kLoad): cp.async chunks of a 16-bit cache (the default), of an fp8 cache (each consumer
-// warp then converts its key slice to 16-bit rows in a buffer of its own), or TMA tensor-map boxes of a 16-bit cache
-// (one thread issues a box per 64 columns of a tile, or per page part of it; the rows land as 128-byte swizzled
-// panels; CUFLASH_DECODE_BACKEND=sm90_tma while it is measured). A box loads whole rows up to its end, so V's rows
-// past the CTA's last key are dropped from the consumers' fragments (DecodeRows::step's kMaskV) rather than zeroed in
-// shared memory (generic stores into a stage the async proxy refills).
+// Three ways to fill a stage (kLoad): TMA tensor-map boxes of a 16-bit cache (the default where TMA can address the
+// cache: one thread issues a box per 64 columns of a tile, or per page part of it; the rows land as 128-byte swizzled
+// panels; 5-9 % faster than cp.async, BENCHMARKS.md), cp.async chunks of a 16-bit cache, or of an fp8 cache (each
+// consumer warp then converts its key slice to 16-bit rows in a buffer of its own). A box loads whole rows up to its
+// end, so V's rows past the CTA's last key are dropped from the consumers' fragments (DecodeRows::step's kMaskV)
+// rather than zeroed in shared memory (generic stores into a stage the async proxy refills).
 #include "decode_parts.cuh"
 #include "../sm90/pipeline.cuh"
 #include "../sm90/tma.cuh"
