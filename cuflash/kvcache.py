@@ -537,9 +537,10 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     # Heads fastest: the CTAs reading one key range of every KV head start together, and a key's rows of all heads
     # (adjacent in memory) are read at about the same time.
     launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem, extra)
-    # 3. The splits merged.
+    # 3. The splits merged (Options.decode_pdl, Hopper: launched while the decode kernel runs, waiting for it).
     if merged:
-        combine_into(o_part, lse_part, out, lse, opts=opts)
+        combine_into(o_part, lse_part, out, lse, opts=opts,
+                     programmatic=opts.decode_pdl and decode_backend(dev, opts).startswith("sm90"))
     capture.keep_if_capturing(*keep)
     return out, lse
 
@@ -570,10 +571,12 @@ def tma_strides(x) -> Optional[tuple]:
     return tuple(out) if tma.strides_ok(x.data.ptr, out) else None
 
 
-def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None) -> None:
+def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None,
+                 programmatic: bool = False) -> None:
     """Launches the merge of ``outs`` (num_splits, batch, seqlen, heads, head_dim) (float32 or out's dtype,
     contiguous) and ``lses`` (num_splits, batch, heads, seqlen) float32 into ``out`` (batch, seqlen, heads,
-    head_dim) and ``lse`` (batch, heads, seqlen) or None."""
+    head_dim) and ``lse`` (batch, heads, seqlen) or None; ``programmatic``: as a programmatic dependent of the
+    kernel before it on the stream (launch.launch)."""
     opts = opts or options.current()
     s, b, n, h, d = outs.shape
     cfg = KernelConfig("combine", _checks.dtype_name(out.dtype), 0, False, 0, 0, NUM_WARPS)
@@ -582,8 +585,8 @@ def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None
         outs.data.ptr, lses.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0, *_strides(out),
         s, b, n, h, d, int(outs.dtype == np.float32)))
     rows = b * n * h
-    if rows:
-        launch.launch(kern, cfg, (-(-rows // NUM_WARPS), 1, 1), p, smem)
+    if rows:   # (Options.decode_pdl: as the decode kernel's programmatic dependent, on Hopper)
+        launch.launch(kern, cfg, (-(-rows // NUM_WARPS), 1, 1), p, smem, programmatic=programmatic)
 
 
 def check_combine(outs, lses):

@@ -183,9 +183,21 @@ def function_ptr(kernel, smem: int) -> int:
 
 
 def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, smem: int,
-           extra_args: tuple = ()) -> None:
+           extra_args: tuple = (), programmatic: bool = False) -> None:
     """Launch on CuPy's current stream (of the current device). ``params``: the parameter struct
-    (bytes, or a one-element array); ``extra_args`` follow it (e.g. the sm90 tensor maps)."""
+    (bytes, or a one-element array); ``extra_args`` follow it (e.g. the sm90 tensor maps). ``programmatic``
+    (cc 9.0): launched as a programmatic dependent of the stream's previous kernel (cuLaunchKernelEx with
+    programmatic stream serialization: it may start before that kernel ends, and waits for it in
+    ``grid_dependency_wait``, kernels_cu/common/launch_order.cuh)."""
+    if programmatic:
+        args, offsets, (counters, _) = _pack_launch(params, extra_args)
+        if counters is not None:
+            raise ValueError("a kernel with a tile counter cannot be launched programmatically")
+        buf = _param_buffer
+        ctypes.memmove(buf.data_ptr, args, len(args))
+        _launch_programmatic(function_ptr(kernel, smem), grid, config.threads, smem,
+                             (_cuda or _bind_cuda())[1]().ptr, buf.pointers(offsets))
+        return
     if options.current().launch == "cupy":
         _launch_via_cupy(kernel, config, grid, params, smem, extra_args)
         return
@@ -199,6 +211,42 @@ def launch(kernel, config: KernelConfig, grid: tuple[int, int, int], params, sme
     buf = _param_buffer
     ctypes.memmove(buf.data_ptr, args, len(args))
     launch_kernel(fptr, grid[0], grid[1], grid[2], config.threads, 1, 1, smem, stream_ptr, buf.pointers(offsets), 0)
+
+
+class _LaunchAttributeValue(ctypes.Union):   # CUlaunchAttributeValue: a 64-byte union
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):    # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):       # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_launch_ex = None
+
+
+def _launch_programmatic(fptr: int, grid: tuple, threads: int, smem: int, stream_ptr: int, params_ptr: int) -> None:
+    """cuLaunchKernelEx (CuPy does not bind it) with programmatic stream serialization allowed."""
+    global _launch_ex
+    if _launch_ex is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_ex = fn
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.flag = 1
+    config = _LaunchConfig(grid[0], grid[1], grid[2], threads, 1, 1, smem, stream_ptr,
+                           ctypes.pointer(attr), 1)
+    result = _launch_ex(ctypes.byref(config), fptr, params_ptr, None)
+    if result != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic) failed (CUresult {result})")
 
 
 # (cuLaunchKernel, CuPy's current-stream getter), bound on first use: an import statement on every

@@ -18,6 +18,9 @@ CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kv
                                                                       (the cp.async ring, every GPU) | "sm90"
                                                                       (producer warps fill the ring, cc 9.0) |
                                                                       "sm90_tma" (TMA boxes, 16-bit caches)
+CUFLASH_DECODE_PDL                        decode_pdl (False)          "1": the split merge launched as a
+                                                                      programmatic dependent (cc 9.0), under
+                                                                      measurement
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -75,6 +78,7 @@ ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
     "decode_backend": "CUFLASH_DECODE_BACKEND",
+    "decode_pdl": "CUFLASH_DECODE_PDL",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -134,6 +138,7 @@ class Options:
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
     decode_backend: str = "auto"
+    decode_pdl: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -157,6 +162,7 @@ class Options:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
+        _check_flag("decode_pdl", self.decode_pdl, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -187,7 +193,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_pdl"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

@@ -46,8 +46,8 @@
 #              e.g. --decode-rows 'b8-*' --decode-dists normal. Not part of all
 #   decode-ab [ROWS] : issue #44's decode kernels side by side: the KV-cache tests (every fixture: the portable
 #              kernel, the Hopper cp.async and TMA rings), then dev/decode_ab.py A/B rows (default
-#              b1-4k-*,b1-128k-*,b8-32k-*,b64-32k-*) of the three backends; a token may add -DNAME=V build switches
-#              under measurement (dev/decode_ab.py). Not part of all
+#              b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*) of the TMA ring against its switches under
+#              measurement (CUFLASH_DECODE_PDL=1, -DCUFLASH_DECODE_TMA_STAGES=4 / 5). Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -155,11 +155,14 @@ case $phase in
       | tee "$OUT/head-dims.log" | tail -n 60 || status=1
     ;;
   decode-ab)
-    rows=${1:-'b1-4k-*,b1-128k-*,b8-32k-*,b64-32k-*'}
+    rows=${1:-'b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*'}
     timeout 420 python3 -m pytest -q -p no:cacheprovider --require-gpu tests/test_kvcache.py 2>&1 \
       | tee "$OUT/decode-ab-tests.log" | grep -av "arn" | tail -n 25 || status=1
-    timeout 300 python3 $HERE/decode_ab.py --rows "$rows" --repeats 6 --warmup 1 \
-      "@CUFLASH_DECODE_BACKEND=sm80" "@CUFLASH_DECODE_BACKEND=sm90" "@CUFLASH_DECODE_BACKEND=sm90_tma" 2>&1 \
+    # the TMA ring (Hopper's default) against its switches under measurement: the split merge as a programmatic
+    # dependent, deeper rings
+    timeout 300 python3 $HERE/decode_ab.py --rows "$rows" --repeats 8 --warmup 1 \
+      "@CUFLASH_DECODE_BACKEND=sm90_tma" "@CUFLASH_DECODE_PDL=1" "-DCUFLASH_DECODE_TMA_STAGES=4" \
+      "-DCUFLASH_DECODE_TMA_STAGES=5" "@CUFLASH_DECODE_PDL=1 -DCUFLASH_DECODE_TMA_STAGES=5" 2>&1 \
       | tee "$OUT/decode-ab.log" | tail -n 12
     ;;
   decode)

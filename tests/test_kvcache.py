@@ -522,6 +522,45 @@ def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
     assert torch.equal(out, torch.from_dlpack(ref)) and out.shape == (b, 1, hq, d)
 
 
+@pytest.mark.parametrize("name", ["contig-fp16-splits3-sinks-window-rotary", "paged16-bf16-splits3-q4-append1-causal"])
+def test_split_merge_as_programmatic_dependent(rng, decode_backend, name):
+    """CUFLASH_DECODE_PDL=1 (Hopper): the split merge launched while the decode kernel runs, waiting for it on the
+    device (griddepcontrol): bit for bit the output, lse and caches of the ordinary launch, on the same inputs; also
+    inside a captured CUDA graph, replayed."""
+    import cupy
+    import cuflash
+    from cuflash import options
+
+    if decode_backend == "sm80":
+        pytest.skip("programmatic dependent launch: Hopper's decode kernels")
+    case = dict(CASES[name])
+    num_splits = case.pop("num_splits")
+    dev, _, _ = _build(rng, **case)
+    fresh = lambda: {k: (x.copy() if k in ("k_cache", "v_cache") else x) for k, x in dev.items()}
+    base = fresh()
+    want_out, want_lse = cuflash.forward_kvcache(**base, num_splits=num_splits, return_lse=True)
+    with options.override(decode_pdl=True):
+        got = fresh()
+        out, lse = cuflash.forward_kvcache(**got, num_splits=num_splits, return_lse=True)
+        for name_, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("k_cache", got["k_cache"], base["k_cache"]),
+                            ("v_cache", got["v_cache"], base["v_cache"])):
+            assert np.array_equal(_bits(to_host(a)), _bits(to_host(b))), name_
+        graph_args = fresh()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)   # (warm-up: compiled)
+            graph_args = fresh()
+            stream.begin_capture()
+            try:
+                g_out, g_lse = cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(_bits(to_host(g_out)), _bits(to_host(want_out)))
+        assert np.array_equal(_bits(to_host(g_lse)), _bits(to_host(want_lse)))
+
+
 @requires_gpu
 def test_torch_flash_attn_with_kvcache_mla(rng, decode_backend):
     """cuflash.torch.flash_attn_with_kvcache with v_cache=None (MLA's latent cache, paged): the new latent rows

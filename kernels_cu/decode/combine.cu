@@ -2,6 +2,7 @@
 // lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. A split whose lse_s is -inf (no key, or no
 // split there at all) is skipped without reading its rows, which may hold anything. One warp per (batch, token,
 // head) row, in a fixed order over the splits (deterministic).
+#include "../common/launch_order.cuh"
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 
@@ -30,6 +31,7 @@ template <typename Tag> struct CombineIO {   // fp16 / bf16
 // (CombineParams.outs_float32, a uniform branch: the kernel is memory-bound).
 template <typename OutTag, int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32) combine_kernel(const CombineParams p) {
+    grid_dependency_wait();   // (after a split decode launched with it: its partial results visible)
     const i64 warp = blockIdx.x * static_cast<i64>(kNWarps) + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
     if (warp >= static_cast<i64>(p.batch) * p.seqlen * p.heads) return;

@@ -49,6 +49,7 @@ __device__ __forceinline__ void decode_body(const DecodeParams& p) {
     // bf16 queries over an fp8 cache: fp16 products, Q's rows rescaled first (decode_sm90.cu's reasons).
     constexpr bool kF16Products = kFp8 && kIsBf16<Tag> && Tile::kHeadDimV <= 128;
     using MmaTag = typename PickType<kF16Products, f16_tag, Tag>::type;
+    launch_dependents();   // the split merge (launched programmatically) may take its place now
 
     extern __shared__ __align__(128) unsigned char smem_bytes[];
     u16* sQ = reinterpret_cast<u16*>(smem_bytes);

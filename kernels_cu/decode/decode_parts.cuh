@@ -15,6 +15,7 @@
 // The mask policy (common/mask.cuh) sees token indices as rows and key positions as columns, with the
 // diagonal at seqlen_k - seqlen_q (new tokens at the end of the cache), as the dense kernels.
 #pragma once
+#include "../common/launch_order.cuh"
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"

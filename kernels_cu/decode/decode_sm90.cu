@@ -19,6 +19,11 @@
 #include "../sm90/pipeline.cuh"
 #include "../sm90/tma.cuh"
 
+// The TMA ring's depth (0: DecodeTile's, 3 stages up to 256 columns of K and V together). Under measurement
+// (dev/decode_ab.py): one CTA an SM streams a batch-1 sequence's split, and may want more bytes in flight.
+#ifndef CUFLASH_DECODE_TMA_STAGES
+#define CUFLASH_DECODE_TMA_STAGES 0
+#endif
 // The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them). Four beat two on
 // paged caches and tie on contiguous ones; one halves the bandwidth (BENCHMARKS.md).
 constexpr int kProducerWarps = 4;
@@ -35,8 +40,9 @@ struct DecodeSm90Tile
     : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent> {
     using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent>;
     static constexpr bool kFp8 = kLoad == kLoadCpAsyncFp8, kTma = kLoad == kLoadTma;
+    static constexpr int kStages = kTma && CUFLASH_DECODE_TMA_STAGES > 0 ? CUFLASH_DECODE_TMA_STAGES : Base::kStages;
     static constexpr int kBarrierBytes = 128;   // the full and empty barriers, before Q
-    static_assert(2 * Base::kStages * 8 <= kBarrierBytes, "barriers of the ring");
+    static_assert(2 * kStages * 8 <= kBarrierBytes, "barriers of the ring");
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
     // A stage's rows in bytes: fp8 rows padded by 16 bytes (a warp's 16-byte reads of 8 rows fall in distinct
     // bank groups), 16-bit rows as DecodeTile's; TMA: 64-column panels of 128-byte rows (K's panels, then V's).
@@ -53,7 +59,7 @@ struct DecodeSm90Tile
     static constexpr int kRingOffset = kTma ? (kBarrierBytes + kQBytes + 1023) / 1024 * 1024
                                             : kBarrierBytes + kQBytes + kConsumerWarps * kBufferElems * 2;
     // After the loop the consumers' buffers and the ring hold the merge's partial results.
-    static constexpr int kWorkBytes = kRingOffset - kBarrierBytes - kQBytes + Base::kStages * kStageBytes;
+    static constexpr int kWorkBytes = kRingOffset - kBarrierBytes - kQBytes + kStages * kStageBytes;
     static constexpr int kSmemBytes =
         kAlignSlack + kBarrierBytes + kQBytes + (kWorkBytes > Base::kRedBytes ? kWorkBytes : Base::kRedBytes);
     // Two CTAs an SM where their shared memory fits and 128 registers a thread hold S and O (up to 8 warps a CTA, O
@@ -167,6 +173,7 @@ __device__ __forceinline__ void decode_sm90_body(const DecodeParams& p, const Tm
     using Tile = DecodeSm90Tile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kConsumerWarps, kLoad, kLatent>;
     constexpr int kStages = Tile::kStages, kConsumers = kConsumerWarps * 32, kSliceN = Tile::kSliceN;
     constexpr bool kFp8 = Tile::kFp8, kTma = Tile::kTma;
+    launch_dependents();   // the split merge (launched programmatically) may take its place now
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem_bytes = smem_raw;
