@@ -28,8 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import numpy as np
-
 from .bench import Shape, free_memory
 from .bench_report import aligned_rows, markdown_rows, print_results, run_header
 from .bench_variants import CHECK_BOUND, Variant, _ms, _ratio, _short, _tf, tflops, visible_pairs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Union
 
-from .. import _checks, api as single, variants
+from .. import _checks, variants
 from . import ring
 from .plan import check_padded
 from .transport import NcclRing, run_local

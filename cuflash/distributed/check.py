@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         print("cuflash.distributed.check: no GPU visible", file=sys.stderr)
         return 1
     ok = True
-    print(f"| case | GPUs | vs float64: out | lse | dq | dk | dv | one GPU vs float64: out | dq | dk | dv | pass |")
+    print("| case | GPUs | vs float64: out | lse | dq | dk | dv | one GPU vs float64: out | dq | dk | dv | pass |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for causal in (False, True):
         case = Case(args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim, args.dtype, causal, args.dist)
