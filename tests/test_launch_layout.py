@@ -83,3 +83,20 @@ def test_packed_tail_lays_out_like_separate_arguments():
     flat = launch.pack_arguments(p, (*maps, _FakeDeviceArray()))
     packed = launch.pack_arguments(p, (launch.PackedTail(tuple(maps)), _FakeDeviceArray()))
     assert flat == packed
+
+
+def test_programmatic_launch_structs_match_the_driver_abi():
+    """The ctypes mirrors of CUlaunchConfig / CUlaunchAttribute that launch._launch_programmatic hands to
+    cuLaunchKernelEx have cuda.h's sizes and offsets (checked against CUDA 13.0's header: 56 / 72 bytes, the
+    stream at 32, the attributes at 40, their count at 48, an attribute's value at 8, a 64-byte union), and the
+    programmatic stream serialization attribute's id is cuda.h's 6."""
+    import ctypes
+
+    from cuflash import launch
+
+    assert ctypes.sizeof(launch._LaunchConfig) == 56 and ctypes.sizeof(launch._LaunchAttribute) == 72
+    assert ctypes.sizeof(launch._LaunchAttributeValue) == 64
+    assert (launch._LaunchConfig.stream.offset, launch._LaunchConfig.attrs.offset,
+            launch._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    assert launch._LaunchAttribute.value.offset == 8
+    assert launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
