@@ -166,9 +166,13 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     from . import fp8 as fp8_mod
 
     _checks.check_array("q", q)
-    if q.dtype not in (np.float16, _checks.BFLOAT16):
-        raise TypeError(f"q must be float16 or bfloat16 (the decode kernels' types), got {q.dtype}")
     fp8 = isinstance(k_cache, cupy.ndarray) and k_cache.dtype in fp8_mod.FP8_DTYPES
+    if q.dtype == np.float32 and not fp8 and not latent:
+        if not options.current().decode_fp32:
+            raise TypeError("float32 KV caches are built but not yet validated on a GPU: set CUFLASH_DECODE_FP32=1 "
+                            "to use them (issue #44); else q must be float16 or bfloat16")
+    elif q.dtype not in (np.float16, _checks.BFLOAT16):
+        raise TypeError(f"q must be float16 or bfloat16 (or float32 over float32 caches), got {q.dtype}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if fp8:   # e4m3 bytes, both caches
             if isinstance(x, cupy.ndarray) and x.dtype not in fp8_mod.FP8_DTYPES:
@@ -408,6 +412,9 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
         return [KernelConfig("decode_sm90_mla", dtype, d, causal, 16, 32, 4 + SM90_PRODUCER_WARPS, variant, dv)]
     rows = lay.seqlen_q * (lay.heads_q // lay.heads_kv)
     bm = block_m_for(rows)
+    if dtype == "float32":   # the portable kernel's float rows (two stages of 32 keys, or 16 on small devices)
+        tiles = [(bm, 32, max(2, 2 * bm // 16)), (16, 16, 1)]
+        return [KernelConfig("decode", dtype, d, causal, m, n, w, variant, 0 if dv == d else dv) for m, n, w in tiles]
     tiles = [(bm, BLOCK_N, NUM_WARPS), (bm, 32, 2 * bm // 16)]
     if max(d, dv) > 128 and bm > 16:   # taller tiles of wide rows: 32-key steps keep S and O in registers
         tiles = tiles[1:]

@@ -18,6 +18,9 @@ CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kv
                                                                       (the cp.async ring, every GPU) | "sm90"
                                                                       (producer warps fill the ring, cc 9.0) |
                                                                       "sm90_tma" (TMA boxes, 16-bit caches)
+CUFLASH_DECODE_FP32                       decode_fp32 (False)         "1": forward_kvcache takes float32
+                                                                      (built, not yet validated on a GPU); else
+                                                                      refused
 CUFLASH_DECODE_PDL                        decode_pdl (False)          "1": the split merge launched as a
                                                                       programmatic dependent (cc 9.0), under
                                                                       measurement
@@ -78,6 +81,7 @@ ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
     "decode_backend": "CUFLASH_DECODE_BACKEND",
+    "decode_fp32": "CUFLASH_DECODE_FP32",
     "decode_pdl": "CUFLASH_DECODE_PDL",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
@@ -138,6 +142,7 @@ class Options:
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
     decode_backend: str = "auto"
+    decode_fp32: bool = False
     decode_pdl: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
@@ -162,6 +167,7 @@ class Options:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
+        _check_flag("decode_fp32", self.decode_fp32, optional=False)
         _check_flag("decode_pdl", self.decode_pdl, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
@@ -193,7 +199,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_pdl"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

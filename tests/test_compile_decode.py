@@ -39,6 +39,14 @@ def _configs(backends=("sm80",)) -> list:
     for dtype in ("float16", "bfloat16", "float32"):
         c = KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
         out[c.key()] = c
+    if "sm80" in backends:   # float32 caches (the portable kernel's scalar products, every GPU), and their append
+        for d, dv, rows, causal, variant in ((128, 128, (1, 8, 1), True, VARIANTS[0]),
+                                             (64, 64, (4, 8, 1), False, VARIANTS[1]),
+                                             (256, 256, (1, 8, 1), False, VARIANTS[0]),
+                                             (128, 64, (16, 32, 8), True, VARIANTS[0])):
+            out.update({c.key(): c for c in kvcache.decode_configs("float32", _layout(*rows, d, dv), causal, variant)})
+        c = KernelConfig("kvcache_append", "float32", 0, False, 0, 0, kvcache.NUM_WARPS)
+        out[c.key()] = c
     for dtype in ("float16", "bfloat16"):
         for family in ("kvcache_append",) + (("kvcache_append_fp8",) if "sm90" in backends else ()):
             c = KernelConfig(family, dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
@@ -104,6 +112,10 @@ def test_every_head_dim_bucket_fits_a_99kb_device():
             # and the first, the H100's, fits two CTAs per SM at head dims up to 128 with one 16-row tile (decoding)
             if max(d, dv) <= 128 and rows == (1, 8, 1):
                 assert sizes[configs[0]] <= 113 * 1024, (d, dv, rows, sizes[configs[0]])
+            # float32 caches (every GPU)
+            sizes = smem_bytes_offline_many(kvcache.decode_configs("float32", _layout(*rows, d, dv), False,
+                                                                   VARIANTS[0]), "80")
+            assert min(sizes.values()) <= 99 * 1024, (d, dv, rows, "float32", sizes)
             # fp8 caches on the portable kernel (L4, L40S: 99 KB)
             lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
             sizes = smem_bytes_offline_many(kvcache.decode_configs("bfloat16", lay, False, VARIANTS[0]), "89")

@@ -44,7 +44,7 @@ def decode_backend(request):
 # The spacing of the dtype's floats relative to their value, at most: the rotated keys in the cache within one
 # unit in the last place of the reference's (which rounds the float64 rotation once), or 2e-6 absolute near 0
 # (the kernels' float32 rotation of values up to ~5 has an error below 2^-21).
-ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
 ROTARY_ATOL = 2e-6
 # lse with rotary: a rotated q or k element one ulp away from the reference's moves a score by up to
 # softmax_scale * ulp * |q_i k_i| (rare: about 2^-15 of the elements of float32 results straddle a boundary);
@@ -760,6 +760,37 @@ def test_fp8_cache_arguments_are_checked(rng, decode_backend):
                                 v_descale=cupy.ones(2, np.float16))
     with pytest.raises(ValueError, match="v_descale must be positive"):
         cuflash.forward_kvcache(q, k8, k8, cache_seqlens=5, k_descale=0.5, v_descale=-1.0)
+
+
+# float32 caches (the portable kernel's scalar products): every item once, against float64 at float32's bounds.
+F32_CASES = {
+    "contig-append1-causal": dict(dtype="float32", nnew=1, causal=True),
+    "paged16-q4-append3-window-alibi": dict(dtype="float32", page=16, nq=4, nnew=3, causal=True, window_size=(40, 0),
+                                            alibi="heads"),
+    "contig-d64-splits3-sinks-softcap": dict(dtype="float32", d=64, num_splits=3, sinks=True, softcap=20.0, nnew=1),
+    "paged64-dv64-q16-append2-rotary-neox": dict(dtype="float32", page=64, dv=64, nq=16, nnew=2, causal=True,
+                                                 rotary="neox"),
+    "contig-d256-batch-idx": dict(dtype="float32", d=256, hq=4, batch_idx=True, nnew=1),
+}
+
+
+@pytest.mark.parametrize("name", list(F32_CASES))
+def test_float32_caches(rng, decode_backend, name):
+    """float32 q and caches (the portable kernel on every GPU): out, lse and the caches after the append against the
+    float64 reference at float32's bounds; refused, the caches untouched, unless CUFLASH_DECODE_FP32=1 (until the
+    kernel has run on a GPU)."""
+    import cuflash
+    from cuflash import options
+
+    if decode_backend != "sm80":
+        pytest.skip("float32 caches take the portable kernel whatever the backend: run under sm80")
+    case = dict(F32_CASES[name])
+    num_splits = case.pop("num_splits", 0)
+    dev, ref, meta = _build(rng, **case)
+    with pytest.raises(TypeError, match="CUFLASH_DECODE_FP32"):
+        cuflash.forward_kvcache(**dev)
+    with options.override(decode_fp32=True):
+        _check(dev, ref, meta, num_splits)
 
 
 # MLA's latent cache (v_cache=None): head dim 576, V the first 512 columns of each K row, one KV head.

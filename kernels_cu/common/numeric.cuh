@@ -17,6 +17,8 @@ struct bf16_tag {};
 struct e4m3_tag {};
 template <typename Tag> constexpr bool kIsBf16 = false;
 template <> constexpr bool kIsBf16<bf16_tag> = true;
+template <typename Tag> constexpr bool kIsF32 = false;   // (float32 arrays take `float` as their tag)
+template <> constexpr bool kIsF32<float> = true;
 
 template <typename Tag> struct ElemTraits;
 

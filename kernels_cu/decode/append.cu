@@ -8,22 +8,29 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 
+// A Tag's array elements: 16-bit words (fp16, bf16), or float (float32, whose tag is float itself).
+template <typename Tag> struct ElemOf { using type = u16; };
+template <> struct ElemOf<float> { using type = float; };
+template <typename Tag> using Elem = typename ElemOf<Tag>::type;
+
 template <typename Tag>
-__device__ __forceinline__ float load_elem(const void* x, i64 i) {
-    return ElemTraits<Tag>::to_float(static_cast<const u16*>(x)[i]);
+__device__ __forceinline__ float elem_to_float(Elem<Tag> x) {
+    if constexpr (kIsF32<Tag>) return x;
+    else return ElemTraits<Tag>::to_float(x);
 }
 template <typename Tag>
-__device__ __forceinline__ u16 to_elem(float x) {
-    return static_cast<u16>(ElemTraits<Tag>::pack2(x, 0.f) & 0xffff);
+__device__ __forceinline__ Elem<Tag> to_elem(float x) {
+    if constexpr (kIsF32<Tag>) return x;
+    else return static_cast<u16>(ElemTraits<Tag>::pack2(x, 0.f) & 0xffff);
 }
 
-// Where a row's elements go: a 16-bit cache (or q_rot) takes them as they are (rounded to Tag where computed); an
+// Where a row's elements go: a cache of Tag (or q_rot) takes them as they are (rounded to Tag where computed); an
 // fp8 cache takes e4m3(x / scale), rounded to nearest and saturated to +-448.
 template <typename Tag>
-struct StoreRow16 {
-    u16* dst;
+struct StoreRow {
+    Elem<Tag>* dst;
     __device__ __forceinline__ void put(int i, float x) const { dst[i] = to_elem<Tag>(x); }
-    __device__ __forceinline__ void copy(int i, u16 raw) const { dst[i] = raw; }
+    __device__ __forceinline__ void copy(int i, Elem<Tag> raw) const { dst[i] = raw; }
 };
 template <typename Tag>
 struct StoreRowE4m3 {
@@ -37,8 +44,8 @@ struct StoreRowE4m3 {
 
 // Row `src` (head_dim wide) into a row of `out`, its first rotary_dim columns rotated to position `pos`.
 template <typename Tag, class Store>
-__device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src, const Store& out, int width, int pos,
-                                           bool rotate, int lane) {
+__device__ __forceinline__ void rotate_row(const AppendParams& p, const Elem<Tag>* src, const Store& out, int width,
+                                           int pos, bool rotate, int lane) {
     const int half = rotate ? p.rotary_dim / 2 : 0;
     if (half > 0) {
         const int row = min(max(pos, 0), p.seqlen_ro - 1);
@@ -46,7 +53,7 @@ __device__ __forceinline__ void rotate_row(const AppendParams& p, const u16* src
             const float c = p.rotary_cos[static_cast<i64>(row) * half + i];
             const float s = p.rotary_sin[static_cast<i64>(row) * half + i];
             const int i0 = p.rotary_interleaved ? 2 * i : i, i1 = p.rotary_interleaved ? 2 * i + 1 : i + half;
-            const float x0 = ElemTraits<Tag>::to_float(src[i0]), x1 = ElemTraits<Tag>::to_float(src[i1]);
+            const float x0 = elem_to_float<Tag>(src[i0]), x1 = elem_to_float<Tag>(src[i1]);
             out.put(i0, x0 * c - x1 * s);
             out.put(i1, x0 * s + x1 * c);
         }
@@ -83,10 +90,10 @@ __device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
         }
         k_off += h * p.k_head_stride;
         v_off += h * p.v_head_stride;
-        const u16* k_src = static_cast<const u16*>(p.k_new) + b * p.k_new_batch_stride + i * p.k_new_row_stride
-                           + h * p.k_new_head_stride;
-        const u16* v_src = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + i * p.v_new_row_stride
-                           + h * p.v_new_head_stride;
+        const Elem<Tag>* k_src = static_cast<const Elem<Tag>*>(p.k_new) + b * p.k_new_batch_stride
+                                 + i * p.k_new_row_stride + h * p.k_new_head_stride;
+        const Elem<Tag>* v_src = static_cast<const Elem<Tag>*>(p.v_new) + b * p.v_new_batch_stride
+                                 + i * p.v_new_row_stride + h * p.v_new_head_stride;
         if constexpr (kFp8) {
             const int at = b * p.scale_batch_stride + h * p.scale_head_stride;
             const float k_scale = p.k_scale != nullptr ? p.k_scale[at] : p.k_scale_value;
@@ -96,10 +103,10 @@ __device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
             rotate_row<Tag>(p, k_src, k_out, p.head_dim, pos - pad, p.rotary_cos != nullptr, lane);
             rotate_row<Tag>(p, v_src, v_out, p.head_dim_v, pos, false, lane);
         } else {
-            rotate_row<Tag>(p, k_src, StoreRow16<Tag>{static_cast<u16*>(p.k_cache) + k_off}, p.head_dim, pos - pad,
-                            p.rotary_cos != nullptr, lane);
-            rotate_row<Tag>(p, v_src, StoreRow16<Tag>{static_cast<u16*>(p.v_cache) + v_off}, p.head_dim_v, pos, false,
-                            lane);
+            rotate_row<Tag>(p, k_src, StoreRow<Tag>{static_cast<Elem<Tag>*>(p.k_cache) + k_off}, p.head_dim,
+                            pos - pad, p.rotary_cos != nullptr, lane);
+            rotate_row<Tag>(p, v_src, StoreRow<Tag>{static_cast<Elem<Tag>*>(p.v_cache) + v_off}, p.head_dim_v, pos,
+                            false, lane);
         }
     } else if (warp < kv_rows + q_rows) {
         const i64 r = warp - kv_rows;
@@ -108,9 +115,11 @@ __device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
         const int b = static_cast<int>(r / (static_cast<i64>(p.heads_q) * p.seqlen_q));
         const int pad = p.cache_leftpad != nullptr ? max(p.cache_leftpad[b], 0) : 0;
         const int pos = max(p.cache_seqlens[b], 0) - pad + t * p.q_positions_step;
-        const u16* src = static_cast<const u16*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride + h * p.q_head_stride;
-        u16* dst = static_cast<u16*>(p.q_rot) + ((static_cast<i64>(b) * p.seqlen_q + t) * p.heads_q + h) * p.head_dim;
-        rotate_row<Tag>(p, src, StoreRow16<Tag>{dst}, p.head_dim, pos, true, lane);
+        const Elem<Tag>* src = static_cast<const Elem<Tag>*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride
+                               + h * p.q_head_stride;
+        Elem<Tag>* dst = static_cast<Elem<Tag>*>(p.q_rot)
+                         + ((static_cast<i64>(b) * p.seqlen_q + t) * p.heads_q + h) * p.head_dim;
+        rotate_row<Tag>(p, src, StoreRow<Tag>{dst}, p.head_dim, pos, true, lane);
     }
 }
 

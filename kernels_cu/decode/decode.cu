@@ -7,44 +7,55 @@
 // the block table row by row (any page size that is a multiple of 16 keys: a 16-key group never straddles a page).
 #include "decode_parts.cuh"
 
-// The ring's tile: DecodeTile's, and for an fp8 cache (kFp8: e4m3 bytes, sm_89+ conversions) the ring holds the
-// cache's bytes, rows padded by 16 bytes (a warp's 16-byte reads of 8 rows fall in distinct bank groups), and each
-// warp turns its key slice of a stage into 16-bit rows in a buffer of its own before its products, as
-// decode_sm90.cu's consumers do. Shared memory: Q (and, fp8, its rows' scales), the warps' buffers, the ring; after
-// the loop the merge's partial results over the buffers and the ring.
-template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, bool kFp8>
+// The ring's tile: DecodeTile's for 16-bit caches (kElemBytes 2). An fp8 cache (1: e4m3 bytes, sm_89+ conversions):
+// the ring holds the cache's bytes, rows padded by 16 bytes (a warp's 16-byte reads of 8 rows fall in distinct bank
+// groups), and each warp turns its key slice of a stage into 16-bit rows in a buffer of its own before its products,
+// as decode_sm90.cu's consumers do. A float32 cache (4): Q and the ring hold float rows padded by 16 bytes, two
+// stages, and the products are scalar (DecodeRows' float32 steps). Shared memory: Q (and, fp8, its rows' scales),
+// the warps' buffers, the ring; after the loop the merge's partial results over the buffers and the ring.
+template <int kHeadDim, int kHeadDimV, int kBlockM, int kBlockN, int kNWarps, int kElemBytes_>
 struct DecodeRingTile : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps> {
     using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps>;
-    static constexpr int kElemBytes = kFp8 ? 1 : 2;
-    static constexpr int kRowBytesK = kFp8 ? Base::kHeadDim + 16 : Base::kStrideK * 2;
-    static constexpr int kRowBytesV = kFp8 ? Base::kHeadDimV + 16 : Base::kStrideV * 2;
+    static constexpr int kElemBytes = kElemBytes_;
+    static constexpr bool kFp8 = kElemBytes == 1;
+    static constexpr int kStages = kElemBytes == 4 ? 2 : Base::kStages;
+    static constexpr int kRowBytesK = kElemBytes == 2 ? Base::kStrideK * 2 : Base::kHeadDim * kElemBytes + 16;
+    static constexpr int kRowBytesV = kElemBytes == 2 ? Base::kStrideV * 2 : Base::kHeadDimV * kElemBytes + 16;
     static constexpr int kStageBytes = kBlockN * (kRowBytesK + kRowBytesV);
     static constexpr int kBufferElems = kFp8 ? Base::kSliceN * (Base::kStrideK + Base::kStrideV) : 0;   // a warp's
-    static constexpr int kQBytes = Base::kQElems * 2 + (kFp8 ? kBlockM * 4 : 0);
+    static constexpr int kQBytes = kElemBytes == 4 ? kBlockM * kRowBytesK
+                                                   : Base::kQElems * 2 + (kFp8 ? kBlockM * 4 : 0);
     static constexpr int kRingOffset = kQBytes + kNWarps * kBufferElems * 2;
-    static constexpr int kWorkBytes = kRingOffset - kQBytes + Base::kStages * kStageBytes;
+    static constexpr int kWorkBytes = kRingOffset - kQBytes + kStages * kStageBytes;
     static constexpr int kSmemBytes = kQBytes + (kWorkBytes > Base::kRedBytes ? kWorkBytes : Base::kRedBytes);
 };
 
+// A 16-bit or float32 cache (Tag: float for float32), or (the fp8 kernel) e4m3 bytes.
+template <typename Tag, bool kFp8> constexpr int kRingElemBytes = kFp8 ? 1 : kIsF32<Tag> ? 4 : 2;
+
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_kernel_smem_bytes =
-    DecodeRingTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, false>::kSmemBytes;
+    DecodeRingTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kRingElemBytes<Tag, false>>::kSmemBytes;
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int decode_fp8_kernel_smem_bytes =
-    DecodeRingTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, true>::kSmemBytes;
+    DecodeRingTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kNWarps, kRingElemBytes<Tag, true>>::kSmemBytes;
 
 // A stage's keys [n0, n0 + kBlockN) (those below key_end), by all the CTA's threads.
 template <class Tile, class Work>
 __device__ __forceinline__ void load_stage(const DecodeParams& p, const Work& w, unsigned char* stage, int n0, int tid) {
     const unsigned char* gK = Tile::kElemBytes == 1 ? w.gK8 : reinterpret_cast<const unsigned char*>(w.gK);
     const unsigned char* gV = Tile::kElemBytes == 1 ? w.gV8 : reinterpret_cast<const unsigned char*>(w.gV);
+    if constexpr (Tile::kElemBytes == 4) {   // (DecodeWork's pointers count 16-bit elements)
+        gK = static_cast<const unsigned char*>(p.k) + static_cast<i64>(w.head_kv) * p.k_head_stride * 4;
+        gV = static_cast<const unsigned char*>(p.v) + static_cast<i64>(w.head_kv) * p.v_head_stride * 4;
+    }
     load_keys_by_row<Tile, Tile::kThreads, Tile::kElemBytes, Tile::kRowBytesK, Tile::kRowBytesV>(
         p, w.at, gK, gV, stage, stage + Tile::kBlockN * Tile::kRowBytesK, n0, w.key_hi, tid);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV_, bool kFp8>
 __device__ __forceinline__ void decode_body(const DecodeParams& p) {
-    using Tile = DecodeRingTile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kNWarps, kFp8>;
+    using Tile = DecodeRingTile<kHeadDim, kHeadDimV_, kBlockM, kBlockN, kNWarps, kRingElemBytes<Tag, kFp8>>;
     constexpr int kStages = Tile::kStages;
     // bf16 queries over an fp8 cache: fp16 products, Q's rows rescaled first (decode_sm90.cu's reasons).
     constexpr bool kF16Products = kFp8 && kIsBf16<Tag> && Tile::kHeadDimV <= 128;
@@ -62,7 +73,7 @@ __device__ __forceinline__ void decode_body(const DecodeParams& p) {
     const DecodeWork<kBlockM, kBlockN, Variant> w(p);
     const int n_tiles = w.n_tiles;
 
-    load_q<Tile>(p, w, sQ, tid, Tile::kThreads);
+    load_q<Tile, Tile::kElemBytes == 4 ? 4 : 2>(p, w, sQ, tid, Tile::kThreads);
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
         if (st < n_tiles) load_stage<Tile>(p, w, ring + st * Tile::kStageBytes, w.key_lo + st * kBlockN, tid);

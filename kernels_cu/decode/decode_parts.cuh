@@ -155,9 +155,22 @@ struct DecodeWork {
 
 // Q rows of the tile (token t = row / group, head head_kv * group + row % group) by cp.async, over `threads`
 // threads; rows past the tokens and columns past head_dim zero-filled. The caller commits and waits.
-template <class Tile, class Work>
+// kElemBytes 4: float32 rows of Tile::kRowBytesK bytes (their 16-byte chunks hold 4 columns).
+template <class Tile, int kElemBytes = 2, class Work>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Work& w, u16* sQ, int tid, int threads) {
     constexpr int kHeadDim = Tile::kHeadDim;
+    if constexpr (kElemBytes == 4) {
+        for (int c = tid; c < Tile::kBlockM * (kHeadDim / 4); c += threads) {
+            const int r = c / (kHeadDim / 4), col = (c % (kHeadDim / 4)) * 4;
+            const int row = w.row0 + r;
+            const bool valid = row < w.rows && col < p.head_dim;
+            const int t = valid ? row / w.group : 0, h = w.head_kv * w.group + (valid ? row % w.group : 0);
+            const float* src = static_cast<const float*>(p.q) + w.batch * p.q_batch_stride + t * p.q_row_stride
+                               + h * p.q_head_stride + col;
+            cp_async_16(reinterpret_cast<unsigned char*>(sQ) + r * Tile::kRowBytesK + col * 4, src, valid);
+        }
+        return;
+    }
     for (int c = tid; c < Tile::kBlockM * (kHeadDim / 8); c += threads) {
         const int r = c / (kHeadDim / 8), col = (c % (kHeadDim / 8)) * 8;
         const int row = w.row0 + r;
@@ -352,6 +365,9 @@ struct DecodeRows {
         for (int j = 0; j < kSliceN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.f;
+        if constexpr (kIsF32<Tag>) {
+            scores_f32(acc_s, sQ, sK, wm, key_row0, lane);
+        } else {
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             u32 a[4];
@@ -363,6 +379,7 @@ struct DecodeRows {
                 Mma::run(acc_s[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_s[2 * nn + 1], a, b[2], b[3]);
             }
+        }
         }
 
         // The score modifier and the masks, in the log2 domain of the scaled scores; the online softmax.
@@ -408,6 +425,9 @@ struct DecodeRows {
         }
 
         // O += P V over the warp's keys (P from the S accumulators, as the A operand).
+        if constexpr (kIsF32<Tag>) {
+            accumulate_f32(acc_s, sV, key_row0, lane);
+        } else {
 #pragma unroll
         for (int kk = 0; kk < kSliceN / 16; ++kk) {
             u32 a[4];
@@ -428,6 +448,59 @@ struct DecodeRows {
                 }
                 Mma::run(acc_o[2 * nn], a, b[0], b[1]);
                 Mma::run(acc_o[2 * nn + 1], a, b[2], b[3]);
+            }
+        }
+        }
+    }
+
+    // Float32 (Tag float): the products in scalar arithmetic, into and from the accumulators' MMA layout (this
+    // thread's rows lane / 4 and lane / 4 + 8 of the warp's 16, columns 2 * (lane % 4) + {0, 1} of each 8), over
+    // float rows of Tile::kRowBytesK / kRowBytesV bytes (16 bytes of padding: a quad's four rows, and a warp's eight
+    // Q rows, fall in distinct banks).
+    __device__ __forceinline__ void scores_f32(float (&acc_s)[kSliceN / 8][4], const u16* sQ, const u16* sK, int wm,
+                                               int key_row0, int lane) const {
+        const unsigned char* q_bytes = reinterpret_cast<const unsigned char*>(sQ);
+        const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(sK);
+#pragma unroll 4
+        for (int d = 0; d < kHeadDim; d += 4) {
+            float4 q[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                q[h] = *reinterpret_cast<const float4*>(q_bytes + (wm * 16 + (lane >> 2) + 8 * h) * Tile::kRowBytesK
+                                                        + d * 4);
+#pragma unroll
+            for (int j = 0; j < kSliceN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float4 k = *reinterpret_cast<const float4*>(
+                        k_bytes + (key_row0 + j * 8 + 2 * (lane & 3) + e) * Tile::kRowBytesK + d * 4);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float& s = acc_s[j][2 * h + e];
+                        s = fmaf(q[h].x, k.x, fmaf(q[h].y, k.y, fmaf(q[h].z, k.z, fmaf(q[h].w, k.w, s))));
+                    }
+                }
+        }
+    }
+    // O += P V: each key's probabilities of the thread's two rows from the quad lane that holds them.
+    __device__ __forceinline__ void accumulate_f32(const float (&acc_s)[kSliceN / 8][4], const u16* sV, int key_row0,
+                                                   int lane) {
+        const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(sV);
+#pragma unroll
+        for (int n = 0; n < kSliceN; ++n) {
+            const int holder = (lane & ~3) | ((n % 8) / 2);
+            float pr[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) pr[h] = __shfl_sync(0xffffffff, acc_s[n / 8][2 * h + (n & 1)], holder);
+            const unsigned char* v_row = v_bytes + (key_row0 + n) * Tile::kRowBytesV;
+#pragma unroll
+            for (int j = 0; j < kOCols / 8; ++j) {
+                const float2 v = *reinterpret_cast<const float2*>(v_row + (j * 8 + 2 * (lane & 3)) * 4);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    acc_o[j][2 * h] = fmaf(pr[h], v.x, acc_o[j][2 * h]);
+                    acc_o[j][2 * h + 1] = fmaf(pr[h], v.y, acc_o[j][2 * h + 1]);
+                }
             }
         }
     }
@@ -501,9 +574,15 @@ __device__ __forceinline__ void merge_and_store(const DecodeParams& p, const Wor
         const float lse = m == -CUFLASH_INF ? -CUFLASH_INF : (m + log2f(l)) * CUFLASH_LN2;
         if (direct) {
             if (col < p.head_dim_v) {
-                u16* dst = static_cast<u16*>(p.o) + w.batch * p.o_batch_stride + t * p.o_row_stride
-                           + head * p.o_head_stride + col;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(ElemTraits<Tag>::pack2(o.x, o.y), ElemTraits<Tag>::pack2(o.z, o.w));
+                if constexpr (kIsF32<Tag>) {
+                    float* dst = static_cast<float*>(p.o) + w.batch * p.o_batch_stride + t * p.o_row_stride
+                                 + head * p.o_head_stride + col;
+                    *reinterpret_cast<float4*>(dst) = o;
+                } else {
+                    u16* dst = static_cast<u16*>(p.o) + w.batch * p.o_batch_stride + t * p.o_row_stride
+                               + head * p.o_head_stride + col;
+                    *reinterpret_cast<uint2*>(dst) = make_uint2(ElemTraits<Tag>::pack2(o.x, o.y), ElemTraits<Tag>::pack2(o.z, o.w));
+                }
             }
             if (col == 0 && p.lse != nullptr) p.lse[(static_cast<i64>(w.batch) * p.heads_q + head) * p.seqlen_q + t] = lse;
         } else {
