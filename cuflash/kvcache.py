@@ -249,6 +249,16 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                              f"got {tuple(k.shape)}")
         if tuple(v.shape) != (b, seqlen_new, hkv, dv):
             raise ValueError(f"v must have shape {(b, seqlen_new, hkv, dv)}, got {tuple(v.shape)}")
+        # Appends write in place: each slot must be one cache's own (a broadcast view, or one array given as both
+        # caches, would have several tokens race for it; K and V interleaved in one buffer are fine). MLA's V is K's
+        # own columns by design.
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(st == 0 and n > 1 for st, n in zip(x.strides, x.shape)):
+                raise ValueError(f"{name} has a dimension of stride 0 (a broadcast view, strides {x.strides}): "
+                                 f"appending k / v would write one slot for several sequences; pass a cache of its own")
+        if not latent and k_cache.data.ptr == v_cache.data.ptr and k_cache.strides[:3] == v_cache.strides[:3]:
+            raise ValueError("k_cache and v_cache are the same memory: appending k / v would write both into the same "
+                             "slots")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:

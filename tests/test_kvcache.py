@@ -407,8 +407,53 @@ def test_bad_arguments_are_refused_before_the_cache_changes(rng):
     cos, _ = _rotary_tables(cap + 1, d, dtype)
     refused(either, "rotary", q, kc, vc, k, v, cache_seqlens=lens, rotary_cos=cos)
     refused(either, "num_splits", q, kc, vc, k, v, cache_seqlens=lens, num_splits=-1)
+    # appends into memory that is not one slot's own: a broadcast cache, K and V over the same array
+    refused(ValueError, "stride 0", q, cupy.broadcast_to(kc[:1], kc.shape), vc, k, v, cache_seqlens=lens)
+    refused(ValueError, "same memory", q, kc, kc, k, v, cache_seqlens=lens)
     for x, before in zip((kc, vc, kp, vp), snapshot):
         _assert_same_bits("a cache given with a bad argument", x, before)
+
+
+def test_a_broadcast_cache_is_read_where_tma_cannot_address_it(rng, decode_backend):
+    """A cache shared by the batch as a broadcast view (stride 0 over its rows: TMA cannot address it, so Hopper's
+    default takes the cp.async ring) decodes as the reference says, and one K / V array given as both caches too;
+    neither may take appends (test_bad_arguments_are_refused_before_the_cache_changes)."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference_kvcache
+
+    dtype, b, hq, hkv, d, cap = "bfloat16", 3, 8, 2, 128, 200
+    q = _rand(rng, (b, 1, hq, d), dtype)
+    one_k, one_v = _rand(rng, (1, cap, hkv, d), dtype), _rand(rng, (1, cap, hkv, d), dtype)
+    kc, vc = cupy.broadcast_to(one_k, (b, cap, hkv, d)), cupy.broadcast_to(one_v, (b, cap, hkv, d))
+    lens = np.array([1, 97, cap], np.int32)
+    for k_cache, v_cache in ((kc, vc), (kc, kc)):
+        out, lse = cuflash.forward_kvcache(q, k_cache, v_cache, cache_seqlens=cupy.asarray(lens), return_lse=True)
+        ref_out, ref_lse, _, _ = attention_reference_kvcache(
+            to_host(q), np.ascontiguousarray(to_host(k_cache)), np.ascontiguousarray(to_host(v_cache)),
+            cache_seqlens=lens)
+        assert_close_on_every_row("out", out, cupy.asarray(ref_out), dtype, FWD_TOL)
+        assert_lse_matches(lse, ref_lse, (b, hq, 1))
+
+
+def test_caches_interleaved_in_one_buffer(rng, decode_backend):
+    """K and V as the two halves of one buffer (rows, capacity, 2, heads_kv, head_dim), FlashInfer's combined layout:
+    the keys' stride is not the heads' extent (tensor maps and cp.async address it), appends land in each cache's
+    own slots; output, lse and both caches bit for bit those of contiguous copies."""
+    import cupy
+    import cuflash
+
+    dtype, b, hq, hkv, d, cap = "float16", 3, 16, 2, 128, 300
+    q = _rand(rng, (b, 2, hq, d), dtype)
+    buf = _rand(rng, (b, cap, 2, hkv, d), dtype)
+    k_new, v_new = _rand(rng, (b, 2, hkv, d), dtype), _rand(rng, (b, 2, hkv, d), dtype)
+    lens = cupy.asarray(np.array([0, 150, cap - 2], np.int32))
+    kc, vc = buf[:, :, 0], buf[:, :, 1]
+    kc2, vc2 = kc.copy(), vc.copy()
+    got = cuflash.forward_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True, return_lse=True)
+    want = cuflash.forward_kvcache(q, kc2, vc2, k_new, v_new, cache_seqlens=lens, causal=True, return_lse=True)
+    for name, a, b_ in (("out", got[0], want[0]), ("lse", got[1], want[1]), ("k_cache", kc, kc2), ("v_cache", vc, vc2)):
+        assert np.array_equal(_bits(to_host(a)), _bits(to_host(b_))), name
 
 
 # ---------------------------------------------------------------------------
