@@ -153,32 +153,27 @@ struct DecodeWork {
     }
 };
 
+// A if kFirst, else B.
+template <bool kFirst, class A, class B> struct PickType { using type = A; };
+template <class A, class B> struct PickType<false, A, B> { using type = B; };
+
 // Q rows of the tile (token t = row / group, head head_kv * group + row % group) by cp.async, over `threads`
 // threads; rows past the tokens and columns past head_dim zero-filled. The caller commits and waits.
 // kElemBytes 4: float32 rows of Tile::kRowBytesK bytes (their 16-byte chunks hold 4 columns).
 template <class Tile, int kElemBytes = 2, class Work>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Work& w, u16* sQ, int tid, int threads) {
-    constexpr int kHeadDim = Tile::kHeadDim;
-    if constexpr (kElemBytes == 4) {
-        for (int c = tid; c < Tile::kBlockM * (kHeadDim / 4); c += threads) {
-            const int r = c / (kHeadDim / 4), col = (c % (kHeadDim / 4)) * 4;
-            const int row = w.row0 + r;
-            const bool valid = row < w.rows && col < p.head_dim;
-            const int t = valid ? row / w.group : 0, h = w.head_kv * w.group + (valid ? row % w.group : 0);
-            const float* src = static_cast<const float*>(p.q) + w.batch * p.q_batch_stride + t * p.q_row_stride
-                               + h * p.q_head_stride + col;
-            cp_async_16(reinterpret_cast<unsigned char*>(sQ) + r * Tile::kRowBytesK + col * 4, src, valid);
-        }
-        return;
-    }
-    for (int c = tid; c < Tile::kBlockM * (kHeadDim / 8); c += threads) {
-        const int r = c / (kHeadDim / 8), col = (c % (kHeadDim / 8)) * 8;
+    using Elem = typename PickType<kElemBytes == 4, float, u16>::type;
+    constexpr int kHeadDim = Tile::kHeadDim, kChunk = 16 / kElemBytes;
+    constexpr int kStride = kElemBytes == 4 ? Tile::kRowBytesK / 4 : Tile::kStrideK;   // (in elements)
+    Elem* dst = reinterpret_cast<Elem*>(sQ);
+    for (int c = tid; c < Tile::kBlockM * (kHeadDim / kChunk); c += threads) {
+        const int r = c / (kHeadDim / kChunk), col = (c % (kHeadDim / kChunk)) * kChunk;
         const int row = w.row0 + r;
         const bool valid = row < w.rows && col < p.head_dim;
         const int t = valid ? row / w.group : 0, h = w.head_kv * w.group + (valid ? row % w.group : 0);
-        const u16* src = static_cast<const u16*>(p.q) + w.batch * p.q_batch_stride + t * p.q_row_stride
-                         + h * p.q_head_stride + col;
-        cp_async_16(sQ + r * Tile::kStrideK + col, src, valid);
+        const Elem* src = static_cast<const Elem*>(p.q) + w.batch * p.q_batch_stride + t * p.q_row_stride
+                          + h * p.q_head_stride + col;
+        cp_async_16(dst + r * kStride + col, src, valid);
     }
 }
 
@@ -296,10 +291,6 @@ struct PaddedRows {
         load_b_frag_kn<kStride>(b, tile, k0, n0, lane);
     }
 };
-
-// A if kFirst, else B.
-template <bool kFirst, class A, class B> struct PickType { using type = A; };
-template <class A, class B> struct PickType<false, A, B> { using type = B; };
 
 // One consumer warp's rows: this thread's two (lane / 4 and lane / 4 + 8 of the warp's 16), their token, head and
 // visible keys, and the online softmax's running max, sum and O over the warp's slice of each key tile.
