@@ -17,7 +17,8 @@ The host never reads ``cache_seqlens`` (no sync): splits are cut from the capaci
 sequence's keys costs one empty CTA. ``batch_invariant=True`` fixes ``keys_per_split`` (BATCH_INVARIANT_KEYS) and
 always merges through ``combine``, so a row's result depends on its own sequence only, bitwise.
 
-What is checked without a device sync, before any kernel: every shape, dtype, device and stride. What is not
+What is checked without a device sync, before any kernel: every shape, dtype, device and stride (appends refuse a
+broadcast cache and one array given as both caches, whose slots several tokens would race for). What is not
 (documented, never unsafe): ``cache_seqlens[b]`` beyond the cache's capacity (the keys are clamped to the
 capacity, appended tokens past it are dropped), ``cache_leftpad[b]`` outside [0, capacity] (clamped), and
 block-table entries out of range (a read takes the nearest page that exists, an append skips the token): no read
