@@ -26,8 +26,9 @@ or write leaves the cache.
 
 fp8 caches (uint8 arrays of e4m3 bytes, compute capability 8.9+: ``decode_fp8``, Hopper's ``decode_sm90_fp8``,
 ``kvcache_append_fp8``): a stored element's value is its e4m3 value times its KV head's descale (``Descales``: a
-float, one element, ``(heads_kv,)`` or ``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and the score modifiers' conversions) and
-V's into the output, so the dequantisation itself is a type conversion; appends store ``e4m3(x * (1 / descale))``.
+float, one element, ``(heads_kv,)`` or ``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and
+the score modifiers' conversions) and V's into the output, so the dequantisation itself is a type conversion; appends
+store ``e4m3(x * (1 / descale))``.
 
 ``v_cache=None`` (MLA's latent cache, ``decode_sm90_mla``): head dim 576, V the first 512 columns of the K rows; the
 host passes views of those columns as v_cache (and of k as the new v), so the checks and the append run unchanged,
@@ -77,9 +78,9 @@ def block_m_for(rows: int) -> int:
 
 def split_plan(capacity: int, ctas: int, slots: int, num_splits: int, batch_invariant: bool) -> tuple[int, int]:
     """``(splits, keys_per_split)`` for a cache of ``capacity`` keys per sequence, ``ctas`` CTAs per split and
-    ``slots`` CTAs the GPU runs side by side at full speed (_decode_plan). Automatic (``num_splits=0``): the count with the least estimated
-    time, whole waves of CTAs times the keys each reads (plus SPLIT_OVERHEAD_KEYS for its prologue, epilogue and
-    share of the merge), each split at least MIN_KEYS_PER_SPLIT keys."""
+    ``slots`` CTAs the GPU runs side by side at full speed (_decode_plan). Automatic (``num_splits=0``): the count
+    with the least estimated time, whole waves of CTAs times the keys each reads (plus SPLIT_OVERHEAD_KEYS for its
+    prologue, epilogue and share of the merge), each split at least MIN_KEYS_PER_SPLIT keys."""
     if capacity <= 0:
         return 1, BLOCK_N
 

@@ -587,8 +587,8 @@ def test_split_merge_as_programmatic_dependent(rng, decode_backend, name):
     with options.override(decode_pdl=True):
         got = fresh()
         out, lse = cuflash.forward_kvcache(**got, num_splits=num_splits, return_lse=True)
-        for name_, a, b in (("out", out, want_out), ("lse", lse, want_lse), ("k_cache", got["k_cache"], base["k_cache"]),
-                            ("v_cache", got["v_cache"], base["v_cache"])):
+        for name_, a, b in (("out", out, want_out), ("lse", lse, want_lse),
+                            ("k_cache", got["k_cache"], base["k_cache"]), ("v_cache", got["v_cache"], base["v_cache"])):
             assert np.array_equal(_bits(to_host(a)), _bits(to_host(b))), name_
         graph_args = fresh()
         stream = cupy.cuda.Stream(non_blocking=True)
