@@ -118,26 +118,27 @@ def _variant_args(causal, softmax_scale, head_dim: int, window_size, attention_c
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         window_size=None, attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None,
-                        sinks=None):
+                        sinks=None, **programmable):
     """Float64 attention. q (B, Nq, Hq, Dqk), k (B, Nk, Hkv, Dqk), v (B, Nk, Hkv, Dv) -> ``(out, lse)``:
     out (B, Nq, Hq, Dv), lse (B, Hq, Nq); Dv may differ from Dqk, softmax_scale defaults to 1/sqrt(Dqk). The variants as :func:`cuflash.forward` takes them: the scaled score s = softmax_scale q.k
     becomes softcap * tanh(s / softcap), then s - slope * |i + Nk - Nq - j| (ALiBi; slopes (Hq,) or (B, Hq)),
-    then the window / chunk / causal masks; a sink (Hq,) joins each row's denominator (lse includes it)."""
+    then the window / chunk / causal masks; a sink (Hq,) joins each row's denominator (lse includes it).
+    ``programmable``: :class:`Programmable`'s fields (bias, dropout, block mask, score and mask modifiers)."""
     q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     return _reference_by_chunks(np, q, k, v, None, causal, softmax_scale, q.shape[1] or 1, window_size,
-                                attention_chunk, softcap, alibi_slopes, sinks)
+                                attention_chunk, softcap, alibi_slopes, sinks, programmable=programmable)
 
 
 def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                                  window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
-                                 alibi_slopes=None, sinks=None, dlse=None):
-    """Float64 gradients ``(dq, dk, dv)`` of attention, shaped like q, k, v (GQA heads summed), and with
-    ``sinks`` ``(dq, dk, dv, dsinks)``; dout (B, Nq, Hq, Dv) (v's head dim); ``dlse`` (B, Hq, Nq): the
-    gradient of lse too. Variants as in
-    :func:`attention_reference`."""
+                                 alibi_slopes=None, sinks=None, dlse=None, **programmable):
+    """Float64 gradients ``(dq, dk, dv)`` of attention, shaped like q, k, v (GQA heads summed), then
+    ``dsinks`` (Hq,) with ``sinks`` and ``dbias`` (the bias's shape, summed over its broadcast dims) with a
+    bias; dout (B, Nq, Hq, Dv) (v's head dim); ``dlse`` (B, Hq, Nq): the gradient of lse too. Variants and
+    ``programmable`` as in :func:`attention_reference`."""
     dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     res = _reference_by_chunks(np, q, k, v, dout, causal, softmax_scale, q.shape[1] or 1, window_size,
-                               attention_chunk, softcap, alibi_slopes, sinks, dlse)
+                               attention_chunk, softcap, alibi_slopes, sinks, dlse, programmable=programmable)
     return res[2:]
 
 
@@ -345,8 +346,139 @@ def _meta(x):
     return _Meta(x) if hasattr(x, "shape") and hasattr(x, "ndim") and hasattr(x, "dtype") else x
 
 
+def _broadcast_4d(x: np.ndarray, name: str, full: tuple) -> np.ndarray:
+    """``x`` as 4 dims, each 1 or that of ``full`` (B, Hq, Nq, Nk), NumPy's rule (missing leading dims are 1)."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dimensions (batch, heads_q, seqlen_q, seqlen_k), "
+                         f"got shape {x.shape}")
+    x4 = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if any(n not in (1, f) for n, f in zip(x4.shape, full)):
+        raise ValueError(f"{name} must broadcast to (batch, heads_q, seqlen_q, seqlen_k) = {full} (each dim 1 or "
+                         f"that size), got shape {x.shape}")
+    return x4
+
+
+class Programmable:
+    """The reference's programmable attention (issue #45), checked once; every field optional.
+
+    - ``bias``: float, broadcastable to (B, Hq, Nq, Nk); added to the score after softcap and ALiBi. The
+      backward returns dbias in its own shape (summed over the broadcast dims).
+    - ``dropout_p`` with ``dropout_mask``: bool keep mask broadcastable to (B, Hq, Nq, Nk) (the kernels' own:
+      :func:`cuflash.philox.dropout_keep_mask`); kept probabilities are divided by 1 - dropout_p, lse is that
+      of the undropped ones.
+    - ``block_mask``: bool (B or 1, Hq or 1, ceil(Nq / bq), ceil(Nk / bk)) with ``block_size`` bq or (bq, bk)
+      (default 128): keys in off blocks are hidden.
+    - ``score_mod(score, b, h, q_idx, kv_idx)``: the modified score (float64 arrays: score (rows, Nk), q_idx
+      (rows, 1), kv_idx (1, Nk); b, h ints), after the bias; ``score_mod_grad`` (same arguments): its
+      derivative by the score, for the backward; ``dscore_hook(dscore, b, h, q_idx, kv_idx)``: called by the
+      backward with the gradient of the modifier's output (zero where hidden), for the gradients of the tensors
+      a modifier reads.
+    - ``mask_mod(b, h, q_idx, kv_idx)``: bool, True where key kv_idx is visible from row q_idx.
+    """
+
+    FIELDS = ("bias", "dropout_p", "dropout_mask", "block_mask", "block_size", "score_mod", "score_mod_grad",
+              "dscore_hook", "mask_mod")
+
+    def __init__(self, given: dict, full: tuple):
+        unknown = sorted(set(given) - set(self.FIELDS))
+        if unknown:
+            raise TypeError(f"unknown argument(s) {unknown}; the reference takes {list(self.FIELDS)}")
+        g = {name: given.get(name) for name in self.FIELDS}
+        b, hq, nq, nk = full
+        self.bias_shape = None
+        self.bias = None
+        if g["bias"] is not None:
+            bias = _as_f64(g["bias"], "bias")
+            self.bias_shape = bias.shape
+            self.bias = _broadcast_4d(bias, "bias", full)
+        p = 0.0 if g["dropout_p"] is None else float(g["dropout_p"])
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {g['dropout_p']!r}")
+        self.keep = None
+        if p > 0.0:
+            if g["dropout_mask"] is None:
+                raise ValueError("dropout_p > 0 needs dropout_mask (cuflash.philox.dropout_keep_mask gives the "
+                                 "kernels' own)")
+            mask = np.asarray(g["dropout_mask"].get() if hasattr(g["dropout_mask"], "get") else g["dropout_mask"])
+            if mask.dtype != np.bool_:
+                raise TypeError(f"dropout_mask must be a bool array, got dtype {mask.dtype}")
+            self.keep = _broadcast_4d(mask, "dropout_mask", full) / (1.0 - p)
+        self.block = None
+        if g["block_mask"] is not None:
+            bs = 128 if g["block_size"] is None else g["block_size"]
+            bq, bk = (bs, bs) if isinstance(bs, int) else tuple(bs)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bq, bk)):
+                raise ValueError(f"block_size must be a positive int or a pair of them, got {bs!r}")
+            mask = np.asarray(g["block_mask"].get() if hasattr(g["block_mask"], "get") else g["block_mask"])
+            want = (-(-nq // bq), -(-nk // bk))
+            if mask.dtype != np.bool_ or mask.ndim != 4 or mask.shape[0] not in (1, b) or \
+                    mask.shape[1] not in (1, hq) or mask.shape[2:] != want:
+                raise ValueError(f"block_mask must be bool ({b} or 1, {hq} or 1, {want[0]}, {want[1]}), got "
+                                 f"{mask.dtype} {mask.shape}")
+            self.block, self.block_size = mask, (bq, bk)
+        for name in ("score_mod", "score_mod_grad", "dscore_hook", "mask_mod"):
+            if g[name] is not None and not callable(g[name]):
+                raise TypeError(f"{name} must be callable, got {type(g[name]).__name__}")
+        self.score_mod, self.score_mod_grad = g["score_mod"], g["score_mod_grad"]
+        self.dscore_hook, self.mask_mod = g["dscore_hook"], g["mask_mod"]
+        self.dbias = None
+
+    def start_backward(self) -> None:
+        if self.score_mod is not None and self.score_mod_grad is None:
+            raise ValueError("the backward of a score_mod needs score_mod_grad (its derivative by the score)")
+        if self.bias is not None:
+            self.dbias = np.zeros(self.bias.shape)
+
+    @staticmethod
+    def _rows(x4: np.ndarray, bi: int, h: int, r0: int, r1: int) -> np.ndarray:
+        """x4's (rows, Nk or 1) slice for (bi, h, rows r0:r1), broadcast dims at index 0."""
+        return x4[bi if x4.shape[0] > 1 else 0, h if x4.shape[1] > 1 else 0,
+                  slice(r0, r1) if x4.shape[2] > 1 else slice(0, 1)]
+
+    def modify(self, xp, s, bi: int, h: int, r0: int, r1: int, keys):
+        """(scores after the bias and the score modifier, the modifier's input or None)."""
+        if self.bias is not None:
+            s = s + xp.asarray(self._rows(self.bias, bi, h, r0, r1))
+        before = None
+        if self.score_mod is not None:
+            before = s
+            s = xp.asarray(self.score_mod(s, bi, h, xp.arange(r0, r1)[:, None], keys), dtype=xp.float64)
+        return s, before
+
+    def visible(self, xp, vis, bi: int, h: int, r0: int, r1: int, nk: int, keys):
+        if self.block is not None:
+            bq, bk = self.block_size
+            blk = xp.asarray(self.block[bi if self.block.shape[0] > 1 else 0, h if self.block.shape[1] > 1 else 0])
+            vis = vis & blk[(xp.arange(r0, r1) // bq)[:, None], (xp.arange(nk) // bk)[None, :]]
+        if self.mask_mod is not None:
+            vis = vis & xp.asarray(self.mask_mod(bi, h, xp.arange(r0, r1)[:, None], keys), dtype=bool)
+        return vis
+
+    def dropped(self, xp, p, bi: int, h: int, r0: int, r1: int):
+        return p if self.keep is None else p * xp.asarray(self._rows(self.keep, bi, h, r0, r1))
+
+    def backward_scores(self, xp, ds, before, vis, bi: int, h: int, r0: int, r1: int, keys):
+        """The gradient of the score before the bias from that of the modifier's output ``ds``; dbias summed."""
+        if self.dscore_hook is not None:
+            self.dscore_hook(ds, bi, h, xp.arange(r0, r1)[:, None], keys)
+        if self.score_mod is not None:
+            grad = xp.asarray(self.score_mod_grad(before, bi, h, xp.arange(r0, r1)[:, None], keys), dtype=xp.float64)
+            ds = xp.where(vis, ds * grad, 0.0)
+        if self.dbias is not None:
+            shape = self.bias.shape
+            part = ds.sum(axis=0, keepdims=True) if shape[2] == 1 else ds
+            part = part.sum(axis=1, keepdims=True) if shape[3] == 1 else part
+            part = part.get() if hasattr(part, "get") else part
+            self.dbias[bi if shape[0] > 1 else 0, h if shape[1] > 1 else 0,
+                       slice(r0, r1) if shape[2] > 1 else slice(0, 1)] += part
+        return ds
+
+    def dbias_result(self) -> np.ndarray:
+        return self.dbias.reshape(self.bias_shape)
+
+
 def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, window_size=None,
-                         attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, dlse=None):
+                         attention_chunk=0, softcap=0.0, alibi_slopes=None, sinks=None, dlse=None, programmable=None):
     """attention_reference_chunked with the array module ``xp`` (CuPy; NumPy for the CPU references)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x is not None or name != "dout":
@@ -367,6 +499,7 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
         raise ValueError(f"sinks must have shape ({hq},), got {sink.shape}")
     dlse_h = None if dlse is None else xp.asarray(dlse, xp.float64)
     rows = _chunk_rows(nk, chunk_rows)
+    prog = Programmable(programmable or {}, (b, hq, nq, nk))
     if isinstance(q, _Meta):   # the checks alone (attention_reference_chunked without cuBLAS)
         return None
     f64, group = xp.float64, hq // hkv
@@ -374,6 +507,8 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
     grads = None if dout is None else (xp.zeros((b, nq, hq, d), f64), xp.zeros((b, nk, hkv, d), f64),
                                        xp.zeros((b, nk, hkv, dv_), f64))
     dsinks = np.zeros(hq) if (grads is not None and sink is not None) else None
+    if grads is not None:
+        prog.start_backward()
     keys = xp.arange(nk)[None, :]
     for bi in range(b):
         for h in range(hq):
@@ -390,7 +525,9 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
                 if slopes is not None:
                     pos = xp.arange(r0, r1)[:, None] + (nk - nq)
                     s = s - float(slopes[bi, h]) * xp.abs(pos - keys)
+                s, before_mod = prog.modify(xp, s, bi, h, r0, r1, keys)
                 vis = visible_mask(nq, nk, causal, window, chunk, xp=xp, rows=xp.arange(r0, r1))
+                vis = prog.visible(xp, vis, bi, h, r0, r1, nk, keys)
                 s = xp.where(vis, s, -xp.inf)
                 m = s.max(axis=1, keepdims=True) if nk else xp.full((r1 - r0, 1), -xp.inf, f64)
                 if sink is not None:
@@ -402,28 +539,32 @@ def _reference_by_chunks(xp, q, k, v, dout, causal, softmax_scale, chunk_rows, w
                     total = total + xp.exp(float(sink[h]) - m)
                 seen = total > 0
                 p /= xp.where(seen, total, 1.0)
-                o = p @ vh
+                p_dropped = prog.dropped(xp, p, bi, h, r0, r1)
+                o = p_dropped @ vh
                 out[bi, r0:r1, h] = o
                 row_lse = xp.where(seen, xp.log(xp.where(seen, total, 1.0)) + m, -xp.inf)[:, 0]
                 lse[bi, h, r0:r1] = row_lse
                 if grads is not None:
                     dq, dk, dv = grads
                     do = xp.asarray(dout[bi, r0:r1, h], f64)
-                    dv[bi, :, h // group] += p.T @ do
+                    dv[bi, :, h // group] += p_dropped.T @ do
                     delta = (do * o).sum(axis=1, keepdims=True)
                     if dlse_h is not None:
                         delta = delta - dlse_h[bi, h, r0:r1][:, None]
-                    ds = p * (do @ vh.T - delta)
+                    # dP through the dropout mask: d out / d p = keep / (1 - p) * (dout . v); delta = rowsum(dP * p).
+                    ds = p * (prog.dropped(xp, do @ vh.T, bi, h, r0, r1) - delta)
                     if sink is not None:   # d lse / d sink = P(sink); d out / d sink = -P(sink) out
                         p_sink = xp.exp(float(sink[h]) - row_lse)
                         dsinks[h] -= float((p_sink * delta[:, 0]).sum())
+                    ds = prog.backward_scores(xp, ds, before_mod, vis, bi, h, r0, r1, keys)
                     if grad_mod is not None:
                         ds = ds * grad_mod
                     dq[bi, r0:r1, h] = scale * (ds @ kh)
                     dk[bi, :, h // group] += scale * (ds.T @ qh[r0:r1])
     if grads is None:
         return out, lse
-    return (out, lse, *grads) + ((dsinks,) if dsinks is not None else ())
+    return ((out, lse, *grads) + ((dsinks,) if dsinks is not None else ())
+            + ((prog.dbias_result(),) if prog.dbias is not None else ()))
 
 
 def _host_f64(x, name: str) -> np.ndarray:
