@@ -86,11 +86,25 @@ APPEND_PARAMS = _struct(
        ("k_scale_value", _F32), ("v_scale_value", _F32)]
 )
 
+# Programmable attention's second kernel parameter (issue #45).
+MOD_TENSOR_SLOTS = 8
+_U32 = np.uint32
+PROG_PARAMS = _struct(
+    [("bias", _P), ("dbias_accum", _P)]
+    + [(f"bias_{d}_stride", _I64) for d in ("batch", "head", "row", "col")]
+    + [(f"dbias_{d}_stride", _I64) for d in ("batch", "head", "row", "col")]
+    + [("rng_state", _P), ("seed", _P), ("offset", _P), ("dropout_threshold", _U32), ("dropout_scale", _F32),
+       ("kv_tile_count", _P), ("kv_tile_index", _P), ("q_tile_count", _P), ("q_tile_index", _P),
+       ("tile_batch_stride", _I64), ("tile_head_stride", _I64), ("q_tiles", _I32), ("kv_tiles", _I32)]
+    + [(f"mod_tensor{i}", _P) for i in range(MOD_TENSOR_SLOTS)]
+    + [(f"mod_grad{i}", _P) for i in range(MOD_TENSOR_SLOTS)]
+)
+
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS, "DecodeParams": DECODE_PARAMS,
-           "CombineParams": COMBINE_PARAMS, "AppendParams": APPEND_PARAMS}
+           "CombineParams": COMBINE_PARAMS, "AppendParams": APPEND_PARAMS, "ProgParams": PROG_PARAMS}
 
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
-                 np.dtype(np.float32): "f"}
+                 np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}
 
 
 _packers: dict[int, tuple[struct.Struct, tuple[str, ...]]] = {}

@@ -219,3 +219,46 @@ struct AppendParams {
     float k_scale_value;
     float v_scale_value;
 };
+
+// Programmable attention (issue #45): the second parameter of the kernels built with a programmable variant
+// (dropout, a bias, block-sparse tile lists, user modifiers), so that the plain kernels' parameters stay as they
+// are. Strides in elements; a broadcast dimension has stride 0.
+struct ProgParams {
+    const void* bias;           // element (b, h, i, j) at b * bias_batch_stride + h * bias_head_stride + ...
+    float* dbias_accum;         // backward: float32 dbias sums, (b, h, i, j) at the dbias strides (0: summed)
+    i64 bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+    i64 dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
+    const unsigned long long* rng_state;   // (seed, offset) on the device, read by the kernel (a captured graph
+                                           // replays with new values), or null: seed and offset below
+    unsigned long long seed;
+    unsigned long long offset;
+    unsigned int dropout_threshold;   // common/philox.cuh: keep when an element's 16 bits are >= this
+    float dropout_scale;              // 1 / (1 - dropout_p)
+    // Block sparsity in the kernel's own tiles: per (b, h, query tile) the number of key tiles it visits and
+    // their indices, last first (bit 31: the tile has hidden elements to test); per (b, h, key tile) the same of
+    // query tiles, for the backward's dK / dV pass. Broadcast b or h: stride 0.
+    const int* kv_tile_count;
+    const int* kv_tile_index;
+    const int* q_tile_count;
+    const int* q_tile_index;
+    i64 tile_batch_stride, tile_head_stride;   // between (b, h) groups of the count arrays (the lists: * tiles)
+    int q_tiles, kv_tiles;                     // tiles per (b, h): the lists' row lengths
+    // User modifiers' tensors (cuflash.ScoreMod / MaskMod, generated code reads them by name) and the float32
+    // gradients of those that have one.
+    const void* mod_tensor0;
+    const void* mod_tensor1;
+    const void* mod_tensor2;
+    const void* mod_tensor3;
+    const void* mod_tensor4;
+    const void* mod_tensor5;
+    const void* mod_tensor6;
+    const void* mod_tensor7;
+    float* mod_grad0;
+    float* mod_grad1;
+    float* mod_grad2;
+    float* mod_grad3;
+    float* mod_grad4;
+    float* mod_grad5;
+    float* mod_grad6;
+    float* mod_grad7;
+};
