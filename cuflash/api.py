@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # CuPy is imported lazily at run time
     from cupy import ndarray
 
 from . import (_checks, call_cache, capture, device_check, fp8, head_dims, heuristics, interop, launch, options, params,
-               sm90, variants, varlen)
+               programmable, sm90, variants, varlen)
 from .config import TILED_DQ_MODES
 from .dispatch import device_info, get_kernel, smem_bytes
 
@@ -27,7 +27,10 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
             attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
             sinks: Optional[ndarray] = None, return_lse: bool = False,
-            out: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None
+            out: Optional[ndarray] = None, bias: Optional[ndarray] = None, dropout_p: float = 0.0,
+            seed: Union[int, ndarray, None] = None, offset: int = 0, block_mask: Optional[ndarray] = None,
+            block_size: Union[int, Tuple[int, int]] = 128, score_mod=None, mask_mod=None,
+            _mask_offsets: Optional[Tuple[int, int]] = None
             ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Exact attention ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
 
@@ -57,6 +60,16 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         return_lse: also return the log-sum-exp.
         out: optional output buffer ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype, sharing no memory
             with q, k or v (ValueError otherwise).
+        bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: programmable attention
+            (cuflash/programmable.py; fp16 / bf16, forward only so far, behind CUFLASH_PROGRAMMABLE=1 until its
+            kernels are validated on a GPU). ``bias``: float32 or q's dtype, broadcastable to (batch, heads_q,
+            seqlen_q, seqlen_k), added to the scaled score after softcap and ALiBi. ``dropout_p`` in [0, 1) with
+            ``seed`` (an int, or a CuPy uint64 (2,) array of (seed, offset) read on the device) and ``offset``:
+            Philox dropout of the probabilities (cuflash.philox.dropout_keep_mask gives the mask); lse is that of
+            the undropped ones. ``block_mask``: bool (batch or 1, heads_q or 1, ceil(seqlen_q / bq),
+            ceil(seqlen_k / bk)) at ``block_size`` bq or (bq, bk): keys in off blocks are hidden and tiles only
+            off blocks cover are never visited. ``score_mod`` / ``mask_mod``: cuflash.ScoreMod / cuflash.MaskMod,
+            user modifiers in CUDA C.
 
     Returns:
         ``out`` ``(batch, seqlen_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``lse`` float32
@@ -67,6 +80,12 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     """
     # _mask_offsets (internal: ring attention's steps, cuflash/distributed/ring.py): the mask policy's
     # (diag, key_offset) for q and k that are views of a longer sequence.
+    if programmable.given(bias, dropout_p, seed, block_mask, score_mod, mask_mod):
+        return _forward_programmable(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                     attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     sinks=sinks, return_lse=return_lse, out=out, bias=bias, dropout_p=dropout_p,
+                                     seed=seed, offset=offset, block_mask=block_mask, block_size=block_size,
+                                     score_mod=score_mod, mask_mod=mask_mod)
     variant_sig = variants.call_signature(window_size, attention_chunk, softcap, alibi_slopes, sinks)
     if _mask_offsets is not None:
         variant_sig = None
@@ -110,6 +129,46 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             _fwd_calls.record(key, prepared, o, l_, dev)
 
     return _run_forward(launch_fn, out, out_shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse, var.sinks)
+
+
+def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attention_chunk, softcap, alibi_slopes,
+                          sinks, return_lse, out, bias, dropout_p, seed, offset, block_mask, block_size, score_mod,
+                          mask_mod):
+    """forward with programmable parts: every argument checked (the programmable ones by programmable.py), then
+    the programmable kernels, where Options.programmable allows them."""
+    arrays = {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes, "sinks": sinks, "bias": bias,
+              "block_mask": block_mask}
+    if not (hasattr(seed, "shape") and hasattr(seed, "dtype")):
+        if interop.needs_conversion(*arrays.values()):
+            return interop.call(_forward_programmable, arrays, buffers=("out",), causal=causal,
+                                softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
+                                softcap=softcap, return_lse=return_lse, dropout_p=dropout_p, seed=seed,
+                                offset=offset, block_size=block_size, score_mod=score_mod, mask_mod=mask_mod)
+    opts = options.current()
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
+    out_shape = (b, nq, hq, v.shape[3])
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    dev = q.data.device_id
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b,
+                                  heads_q=hq, device_id=dev, q_dtype=q.dtype)
+    prog = programmable.check_arguments(q, bias=bias, dropout_p=dropout_p, seed=seed, offset=offset,
+                                        block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                                        mask_mod=mask_mod, batch=b, heads_q=hq, seqlen_q=nq, seqlen_k=nk,
+                                        device_id=dev)
+    if out is not None:
+        _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
+        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
+    if not opts.programmable:
+        raise ValueError("bias, dropout, block masks and modifiers run on kernels that are built but not yet validated "
+                         "on a GPU (issue #45); set CUFLASH_PROGRAMMABLE=1 (Options.programmable) to run them")
+
+    def launch_fn(o, l_):
+        programmable.launch_forward(q, k, v, o, l_, prog, causal=bool(causal), scale=scale,
+                                    dims=(b, nq, nk, hq, hkv, d), device_id=dev, opts=opts, var=var)
+
+    return _run_forward(launch_fn, out, out_shape, q.dtype, (b, hq, nq), nk, return_lse, dev, None, var.sinks)
 
 
 def _run_forward(launch_fn, out, shape, dtype, lse_shape, seqlen_k: int, return_lse: bool, device_id: int,

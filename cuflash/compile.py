@@ -86,6 +86,18 @@ def _load_source(root: Path, relpath: str) -> str:
 load_source.cache_clear = _load_source.cache_clear   # what tools that swap kernel_dir() call
 
 
+def config_source(config: KernelConfig) -> str:
+    """The source a config is compiled from: its kernel file with its includes inlined, and for a variant with
+    user modifiers (MaskVariant.mods) their generated struct after it (the kernel templates name it only as a
+    template argument, resolved where the name expression instantiates them, at the end)."""
+    src = load_source(config.source)
+    if config.variant.mods:
+        from .modifiers import source_of
+
+        src += "\n" + source_of(config.variant.mods)
+    return src
+
+
 def arch_option(cc: str) -> str:
     """NVRTC ``-arch`` for compute capability ``cc`` (e.g. "90" -> "sm_90a" for Hopper kernels)."""
     return f"-arch=sm_{cc}"
@@ -113,7 +125,7 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     """
     from cupy.cuda import nvrtc
 
-    src = load_source(config.source)
+    src = config_source(config)
     # Options.nvrtc_defines as in dispatch.get_kernel, so that a tuning variant's SASS can be read too
     opts = list(compile_options(config, cc)) + ["-ftz=true"] + list(options.current().nvrtc_defines)
     if ptx:
@@ -162,11 +174,11 @@ def smem_bytes_offline_many(configs, cc: str, defines: tuple[str, ...] = ()) -> 
         if c.smem_expression() is None:
             out[c] = 0
         else:
-            groups.setdefault((c.source, compile_options(c, cc)), []).append(c)
-    for (source, family_opts), group in groups.items():
+            groups.setdefault((c.source, c.variant.mods, compile_options(c, cc)), []).append(c)
+    for (source, _, family_opts), group in groups.items():
         opts = [f"-arch=compute_{cc}"] + list(family_opts[1:]) + list(defines)   # PTX: no ptxas, no GPU
         exprs = sorted({c.smem_expression() for c in group})
-        prog = nvrtc.createProgram(load_source(source), source, [], [])
+        prog = nvrtc.createProgram(config_source(group[0]), source, [], [])
         try:
             for e in exprs:
                 nvrtc.addNameExpression(prog, e)

@@ -88,6 +88,9 @@ def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> F
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("sm80_fwd", "sm80/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="sm80"),
     Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="simt"),
+    # Programmable attention (issue #45: bias, dropout, block sparsity, user modifiers; the variant's
+    # programmable parts): the same kernels with ProgParams as a second parameter.
+    Family("sm80_fwd_prog", "sm80/fwd.cu", "fwd_prog_kernel", 80, False, direction="fwd", backend="sm80"),
     # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
     # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
     _sm90_fwd("sm90_fwd_overlap", "fwd_overlap_kernel", "overlap"),

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import cupy
 
 from . import options
-from .compile import compile_options, load_source, missing_smem_variable, smem_bytes_offline, target
+from .compile import compile_options, config_source, missing_smem_variable, smem_bytes_offline, target
 from .config import KernelConfig
 
 # Compiles hold the lock of their key only, so that threads asking for different kernels on a cold start
@@ -107,7 +107,7 @@ def _compile(config: KernelConfig, device_id: int, key: tuple, extra: tuple) -> 
     smem_expr = config.smem_expression()
     names = [config.name_expression()] + ([smem_expr] if smem_expr else [])
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=load_source(config.source), options=options, name_expressions=names)
+        module = cupy.RawModule(code=config_source(config), options=options, name_expressions=names)
         try:
             kern = module.get_function(config.name_expression())
         except cupy.cuda.compiler.CompileException as e:

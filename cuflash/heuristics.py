@@ -325,6 +325,24 @@ def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
     return list({c.key(): c for c in out}.values())
 
 
+# Programmable attention's portable forward (issue #45, family sm80_fwd_prog): the portable table's tile with at
+# most 32 keys a tile (S one 32-key sub-tile) and one warp per 16 query rows (O's accumulators halved where a warp
+# held two row slices): the bias, dropout's Philox rounds and the tile lists take the registers that the plain
+# kernels give to 64-key sub-tiles and 32-row warps (both spilled at d64 / d128, tests/test_compile_programmable.py).
+PROG_FWD_MAX_BLOCK_N = 32
+
+
+def prog_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant,
+                    head_dim_v: int = 0) -> KernelConfig:
+    """The programmable forward's instantiation (variant: with its programmable parts) for a device of ``cc``
+    (the caller fits it to the device's shared memory)."""
+    from dataclasses import replace
+
+    base = fwd_config(dtype, head_dim, causal, cc, backend="sm80", variant=variant, head_dim_v=head_dim_v)
+    return replace(base, family="sm80_fwd_prog", block_n=min(base.block_n, PROG_FWD_MAX_BLOCK_N),
+                   num_warps=max(base.num_warps, base.block_m // 16))
+
+
 def all_fwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
     """Every forward instantiation of a backend (default: the portable kernels, which every GPU
     may run; the Hopper ones are all_sm90_fwd_configs) for the CPU compile tests."""

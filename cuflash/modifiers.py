@@ -48,6 +48,24 @@ __device__ __forceinline__ float bf16_to_float(u16 x) { return __uint_as_float(s
 """
 
 
+# Every Modifiers built in this process, by key: the kernels' sources append the struct of their variant's key.
+_REGISTRY: dict[str, str] = {}
+
+
+def struct_name(key: str) -> str:
+    """The C++ name of the struct generated for modifiers of this key."""
+    return f"CuflashMods_{key}"
+
+
+def source_of(key: str) -> str:
+    """The generated source of the modifiers of ``key`` (built in this process)."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise KeyError(f"no modifiers of key {key!r} were built in this process (cuflash.modifiers.Modifiers)") \
+            from None
+
+
 class ModifierCompileError(ValueError):
     """A user modifier that NVRTC rejects: the message names the modifier's part and line."""
 
@@ -166,8 +184,9 @@ class Modifiers:
         self.grads = list(score_mod.tensor_grads) if score_mod is not None else []
         self.source = self._generate()
         self.key = hashlib.sha256(self.source.encode()).hexdigest()[:16]
-        self.struct_name = f"CuflashMods_{self.key}"
+        self.struct_name = struct_name(self.key)
         self.source = self.source.replace("CUFLASH_MODS_STRUCT", self.struct_name)
+        _REGISTRY[self.key] = self.source
 
     @property
     def has_score_mod(self) -> bool:
@@ -178,7 +197,12 @@ class Modifiers:
         return self.mask_mod is not None
 
     def _generate(self) -> str:
-        lines = ["struct CUFLASH_MODS_STRUCT {"]
+        sm, mm = self.score_mod, self.mask_mod
+        flag = {True: "true", False: "false"}
+        lines = ["struct CUFLASH_MODS_STRUCT {",
+                 f"    static constexpr bool kScoreMod = {flag[sm is not None]}, "
+                 f"kScoreGrad = {flag[sm is not None and sm.grad is not None]}, "
+                 f"kTensorGrads = {flag[bool(self.grads)]}, kMaskMod = {flag[mm is not None]};"]
         names = list(self.slots)
         for name in names:
             lines.append(f"    const {self.types[name]}* __restrict__ {name};")
@@ -192,7 +216,6 @@ class Modifiers:
         # Lines are counted after the fact: each #line resumes at the generated text's own line number.
         parts, at = [head], head.count("\n") + 1
         idx = "int b, int h, int q_idx, int kv_idx"
-        sm, mm = self.score_mod, self.mask_mod
         pieces = []
         if sm is not None:
             pieces.append(("float", "score_mod", f"float score, {idx}", sm.source, "score_mod"))

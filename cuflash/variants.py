@@ -16,6 +16,10 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 
+# MaskVariant.bias -> the C++ BiasT of a ProgVariant.
+BIAS_TYPES = {"": "void", "float32": "float", "float16": "f16_tag", "bfloat16": "bf16_tag"}
+
+
 @dataclass(frozen=True)
 class MaskVariant:
     """Which parts of the attention pattern a kernel is built with (the C++ ``MaskVariant``'s flags but
@@ -28,24 +32,50 @@ class MaskVariant:
     chunk: bool = False     # with local: chunks are on (their divisions are in the code only then)
     varlen: bool = False    # packed sequences of their own lengths (common/varlen.cuh): not a part of the pattern
                             # (``plain`` ignores it), but of the kernel's code and cache key
+    # Programmable attention (issue #45; kernels_cu/common/programmable.cuh): kernels of their own families
+    # (the *_prog kernels, a second parameter ProgParams), whose C++ variant is a ProgVariant over this one.
+    bias: str = ""            # the bias's dtype ("float32", "float16", "bfloat16"); "" none
+    dropout: bool = False
+    block_sparse: bool = False   # tile lists (a block mask's, a mask modifier's)
+    mods: str = ""            # cuflash.modifiers.Modifiers.key of the user's modifiers; "" none
+
+    def __post_init__(self) -> None:
+        if self.bias not in BIAS_TYPES:
+            raise ValueError(f"MaskVariant.bias must be one of {sorted(BIAS_TYPES)}, got {self.bias!r}")
 
     def template_arg(self, causal: bool) -> str:
         """The C++ type: ``MaskVariant<causal, local, softcap, alibi, sink, chunk[, varlen]>`` (varlen only
-        when on, so that the dense kernels keep their names)."""
+        when on, so that the dense kernels keep their names); programmable: ``ProgVariant<that, bias type,
+        dropout, block_sparse, modifiers>``."""
         flags = (causal, self.local, self.softcap, self.alibi, self.sink, self.local and self.chunk) + (
             (True,) if self.varlen else ())
-        return "MaskVariant<" + ", ".join("true" if f else "false" for f in flags) + ">"
+        base = "MaskVariant<" + ", ".join("true" if f else "false" for f in flags) + ">"
+        if not self.programmable:
+            return base
+        from .modifiers import struct_name
+
+        mods = struct_name(self.mods) if self.mods else "NoMods"
+        return (f"ProgVariant<{base}, {BIAS_TYPES[self.bias]}, {'true' if self.dropout else 'false'}, "
+                f"{'true' if self.block_sparse else 'false'}, {mods}>")
+
+    @property
+    def programmable(self) -> bool:
+        """Whether the kernel is a programmable one (a *_prog family)."""
+        return bool(self.bias or self.dropout or self.block_sparse or self.mods)
 
     @property
     def plain(self) -> bool:
         """No part of the pattern beyond causal (varlen or not)."""
-        return not (self.local or self.softcap or self.alibi or self.sink)
+        return not (self.local or self.softcap or self.alibi or self.sink or self.programmable)
 
     def tag(self) -> str:
         """A short name for cache keys and kernel names ("" when plain and dense)."""
-        return "".join(name for name, on in (("L", self.local), ("C", self.local and self.chunk),
+        base = "".join(name for name, on in (("L", self.local), ("C", self.local and self.chunk),
                                              ("S", self.softcap), ("A", self.alibi), ("K", self.sink),
                                              ("V", self.varlen)) if on)
+        prog = "".join(name for name, on in ((f"B{self.bias}", self.bias), ("D", self.dropout),
+                                             ("X", self.block_sparse), (f"M{self.mods}", self.mods)) if on)
+        return base + (f"+{prog}" if prog else "")
 
     @property
     def has_score_mod(self) -> bool:

@@ -34,11 +34,17 @@
 //   kVarlen   packed sequences of their own lengths (common/varlen.cuh): a kernel runs each sequence as a dense
 //             problem of batch 1 whose params (lengths, pointers, diagonal) are the sequence's, so the policy
 //             itself sees only seqlen_q / seqlen_k.
+struct NoMods;   // common/programmable.cuh
+
 template <bool kCausal_, bool kLocal_, bool kSoftcap_, bool kAlibi_, bool kSink_, bool kChunk_ = false,
           bool kVarlen_ = false>
 struct MaskVariant {
     static constexpr bool kCausal = kCausal_, kLocal = kLocal_, kSoftcap = kSoftcap_, kAlibi = kAlibi_,
                           kSink = kSink_, kChunk = kLocal_ && kChunk_, kVarlen = kVarlen_;
+    // Programmable attention's parts (common/programmable.cuh: ProgVariant derives from a MaskVariant): none.
+    static constexpr bool kProg = false, kBias = false, kDropout = false, kBlockSparse = false;
+    using Bias = void;
+    using Mods = NoMods;
 };
 using PlainVariant = MaskVariant<false, false, false, false, false>;
 using CausalVariant = MaskVariant<true, false, false, false, false>;

@@ -234,15 +234,20 @@ struct ProgParams {
     unsigned long long offset;
     unsigned int dropout_threshold;   // common/philox.cuh: keep when an element's 16 bits are >= this
     float dropout_scale;              // 1 / (1 - dropout_p)
-    // Block sparsity in the kernel's own tiles: per (b, h, query tile) the number of key tiles it visits and
-    // their indices, last first (bit 31: the tile has hidden elements to test); per (b, h, key tile) the same of
-    // query tiles, for the backward's dK / dV pass. Broadcast b or h: stride 0.
+    // Block sparsity in the kernel's own tiles (cuflash/block_sparse.py: tile_lists): per (b, h, query tile) the
+    // number of key tiles it visits and their indices, last first (bit 31: an off block covers part of the tile,
+    // whose elements are tested against block_mask); per (b, h, key tile) the same of query tiles, for the
+    // backward's dK / dV pass. Counts of (b, h, tile) at b * *_batch_stride + h * *_head_stride + tile (0 where
+    // broadcast); a list is a count's index times the other side's tiles.
     const int* kv_tile_count;
     const int* kv_tile_index;
     const int* q_tile_count;
     const int* q_tile_index;
-    i64 tile_batch_stride, tile_head_stride;   // between (b, h) groups of the count arrays (the lists: * tiles)
+    i64 kv_tiles_batch_stride, kv_tiles_head_stride, q_tiles_batch_stride, q_tiles_head_stride;
     int q_tiles, kv_tiles;                     // tiles per (b, h): the lists' row lengths
+    const unsigned char* block_mask;           // the user's block mask (bool), for the tiles it covers in part
+    i64 block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride;
+    int block_q, block_k;                      // its block size
     // User modifiers' tensors (cuflash.ScoreMod / MaskMod, generated code reads them by name) and the float32
     // gradients of those that have one.
     const void* mod_tensor0;

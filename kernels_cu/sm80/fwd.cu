@@ -13,6 +13,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/programmable.cuh"
 #include "../common/softmax.cuh"
 #include "../common/varlen.cuh"
 #include "mma.cuh"
@@ -77,9 +78,83 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>::kSmemElems * 2;
 
-// One query tile of one (head, batch) of a dense problem.
+// Programmable attention on one S sub-tile whose first row and key are row0 and col0 (common/programmable.cuh):
+// the bias and the user's score modifier on the elements inside the sequences, then, in a tile the lists mark
+// partial, the elements the user's blocks or mask hide.
+template <class Tile, class Variant>
+__device__ __forceinline__ void prog_scores(float (&acc_s)[Tile::kMTiles][Tile::kNTilesS][4], const ProgParams& pp,
+                                            const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4,
+                                            bool partial) {
+    using Prog = ProgPolicy<Variant>;
+    const Prog prog(pp, seq, head, p.softmax_scale);
+    // One row at a time, so that only its bias offset is live next to the accumulators.
+#pragma unroll
+    for (int t = 0; t < Tile::kMTiles; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + t * 16 + g + h * 8;
+            const i64 row_at = Variant::kBias ? prog.bias_row(row) : 0;
+#pragma unroll
+            for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const int col = col0 + n * 8 + 2 * t4 + (e & 1);
+                    const bool inside = row < p.seqlen_q && col < p.seqlen_k;   // a modifier reads memory by them
+                    if constexpr (Prog::kModifiesScore) {
+                        if (inside) acc_s[t][n][e] = prog.modify_score(acc_s[t][n][e], row, col, row_at);
+                    }
+                    if constexpr (Prog::kTestsElements) {
+                        if (partial && !(inside && prog.visible(row, col))) acc_s[t][n][e] = -CUFLASH_INF;
+                    }
+                }
+        }
+}
+
+// S's start where the bias is added first (ProgPolicy::kBiasFirst): bias / softmax_scale at the elements inside
+// the sequences, 0 elsewhere.
+template <class Tile, class Variant>
+__device__ __forceinline__ void bias_scores(float (&acc_s)[Tile::kMTiles][Tile::kNTilesS][4], const ProgParams& pp,
+                                            const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4) {
+    const ProgPolicy<Variant> prog(pp, seq, head, p.softmax_scale);
+#pragma unroll
+    for (int t = 0; t < Tile::kMTiles; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + t * 16 + g + h * 8;
+            const i64 row_at = prog.bias_row(row);
+#pragma unroll
+            for (int n = 0; n < Tile::kNTilesS; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const int col = col0 + n * 8 + 2 * t4 + (e & 1);
+                    acc_s[t][n][e] = row < p.seqlen_q && col < p.seqlen_k ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
+                }
+        }
+}
+
+// Dropout of one P sub-tile (probabilities in the S accumulators, first row and key row0 and col0): the dropped
+// elements zeroed; 1 / (1 - dropout_p) is folded into the epilogue's 1 / rowsum.
+template <class Tile>
+__device__ __forceinline__ void dropout_probs(float (&acc_s)[Tile::kMTiles][Tile::kNTilesS][4],
+                                              const DropoutLanes& lanes, int row0, int col0, int g, int t4) {
+#pragma unroll
+    for (int t = 0; t < Tile::kMTiles; ++t)
+#pragma unroll
+        for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
+            const unsigned keep = lanes.block_keep(row0 + t * 16, col0 + nn * 16, g, t4);
+#pragma unroll
+            for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!((keep >> DropoutLanes::slot(jb, e)) & 1u)) acc_s[t][2 * nn + jb][e] = 0.f;
+        }
+}
+
+// One query tile of one (head, batch) of a dense problem. pp: programmable attention's parameters (null unless
+// Variant::kProg); seq: the batch index those see (varlen: the sequence, while batch is 0).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
-__device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, const int head, const int batch) {
+__device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, const int head, const int batch,
+                                         const ProgParams* pp, const int seq) {
     using Tile = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
@@ -104,9 +179,13 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
 
     // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
-    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end.
-    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
-    const int n_block_max = Mask(p).n_block_max(m_block);
+    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end. With
+    // block sparsity the loop walks positions in the query tile's list instead (KeyTiles: tile(n) is the key tile
+    // of position n; without sparsity, n itself, written as the constant-folded select `kBlockSparse ? tile(n) :
+    // n` in the loads, where a call of the identity changed the windowed kernels' register allocation).
+    const KeyTiles<Mask, Variant> key_tiles(pp, seq, head, m_block, p);
+    const int n_block_min = Mask::kLocal && !Variant::kBlockSparse ? Mask(p).n_block_min(m_block) : 0;
+    const int n_block_max = Variant::kBlockSparse ? key_tiles.count() : Mask(p).n_block_max(m_block);
 
     // Fragment coordinates of this thread: rows (g, g + 8) of each m-tile, and (column split) its O columns.
     const int warp_row0 = (Tile::kColSplit == 1 ? warp : warp % Tile::kRowWarps) * kMTiles * 16;
@@ -139,13 +218,15 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             }
         }
         load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
-        load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 1, 0, tid);
+        load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, (Variant::kBlockSparse ? key_tiles.tile(n_block_max - 1) : n_block_max - 1), 0, tid);
         cp_async_commit();
         if (n_block_max - 2 >= n_block_min)
-            load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block_max - 2, 1, tid);
+            load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, (Variant::kBlockSparse ? key_tiles.tile(n_block_max - 2) : n_block_max - 2), 1,
+                          tid);
         cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning tile n
 
-        for (int n_block = n_block_max - 1, stage = 0; n_block >= n_block_min; --n_block, stage ^= 1) {
+        for (int position = n_block_max - 1, stage = 0; position >= n_block_min; --position, stage ^= 1) {
+            const int n_block = key_tiles.tile(position);
             const int n0 = n_block * kBlockN;
             const u16* sK = sKV + (2 * stage) * kTileElems;
             const u16* sV = sK + kTileElems;
@@ -153,16 +234,23 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             __syncthreads();  // tile n (and Q) landed for every thread's copies
 
             const bool tile_needs_mask = Mask(p).needs_mask(m_block, n_block);
+            const bool tile_partial = key_tiles.partial(position);
 #pragma unroll 1
             for (int sub = 0; sub < kBlockN / Tile::kSubN; ++sub) {
                 // S = Q K_n^T over keys [sub * kSubN, (sub + 1) * kSubN) of the stage
                 float acc_s[kMTiles][Tile::kNTilesS][4];
+                if constexpr (ProgPolicy<Variant>::kBiasFirst) {
+                    // The bias as the accumulators' start: its loads land in S's own registers.
+                    bias_scores<Tile, Variant>(acc_s, *pp, p, seq, head, row_base + warp_row0, n0 + sub * Tile::kSubN,
+                                               g, t4);
+                } else {
 #pragma unroll
-                for (int t = 0; t < kMTiles; ++t)
+                    for (int t = 0; t < kMTiles; ++t)
 #pragma unroll
-                    for (int n = 0; n < Tile::kNTilesS; ++n)
+                        for (int n = 0; n < Tile::kNTilesS; ++n)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+                            for (int e = 0; e < 4; ++e) acc_s[t][n][e] = 0.f;
+                }
 #pragma unroll
                 for (int kk = 0; kk < Tile::kHeadDimPad / 16; ++kk) {
                     u32 a[kMTiles][4];
@@ -191,6 +279,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                                 acc_s[t][n][e] = mask.modify_score(
                                     acc_s[t][n][e], row_base + warp_row0 + t * 16 + g + (e >> 1) * 8,
                                     n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1));
+                }
+                if constexpr (Variant::kProg) {
+                    prog_scores<Tile, Variant>(acc_s, *pp, p, seq, head, row_base + warp_row0,
+                                               n0 + sub * Tile::kSubN, g, t4, tile_partial);
                 }
                 if (tile_needs_mask) {
                     if constexpr (Mask::kLocal && Tile::kRowBoundsFit) {
@@ -237,6 +329,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
 #pragma unroll
                             for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
                 }
+                if constexpr (Variant::kDropout) {   // after the row sums: lse is that of the undropped P
+                    dropout_probs<Tile>(acc_s, DropoutLanes(*pp, seq, p.heads_q, head), row_base + warp_row0,
+                                        n0 + sub * Tile::kSubN, g, t4);
+                }
 
                 // O += P V_n, P taken from the S accumulators.
 #pragma unroll
@@ -257,7 +353,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                 }
             }
             __syncthreads();  // every warp is done with this stage: refill it with tile n-2 (if in the range)
-            if (n_block - 2 >= n_block_min) load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, n_block - 2, stage, tid);
+            if (position - 2 >= n_block_min)
+                load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, (Variant::kBlockSparse ? key_tiles.tile(position - 2) : position - 2), stage,
+                              tid);
             cp_async_commit();
         }
     }
@@ -265,6 +363,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     // Epilogue: normalise, stage O through shared memory for 16-byte stores.
     float inv_sum[2 * kMTiles], lse[2 * kMTiles];
     softmax.template finalize<Mask::kHasSink>(inv_sum, lse, sink_log2<Variant>(p, head));
+    if constexpr (Variant::kDropout) {
+#pragma unroll
+        for (int r = 0; r < 2 * kMTiles; ++r) inv_sum[r] *= pp->dropout_scale;
+    }
     __syncthreads();  // every warp is done with sQ (and an empty key range is uniform)
 #pragma unroll
     for (int t = 0; t < kMTiles; ++t)
@@ -294,17 +396,35 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
     store_tile<kBlockM, Tile::kHeadDimV, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
-__global__ void __launch_bounds__(kNWarps * 32, 1)
-fwd_kernel(const FwdParams p) {
+// The CTA's query tile: (query tile, head, batch) from the grid.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
+__device__ __forceinline__ void fwd_cta(const FwdParams& p, const ProgParams* pp) {
     // Where query tiles see different numbers of keys, the heaviest (the last, for causal) go first.
     const int m_block = MaskPolicy<kBlockM, kBlockN, Variant>::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     if constexpr (Variant::kVarlen) {
         const SeqSpan span = seq_span(p, blockIdx.z);
         if (m_block * kBlockM >= span.seqlen_q) return;
         fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(seq_params<2>(p, span, blockIdx.z), m_block,
-                                                                     blockIdx.y, 0);
+                                                                     blockIdx.y, 0, pp, blockIdx.z);
     } else {
-        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, m_block, blockIdx.y, blockIdx.z);
+        fwd_tile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, m_block, blockIdx.y, blockIdx.z, pp,
+                                                                     blockIdx.z);
     }
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_kernel(const FwdParams p) {
+    fwd_cta<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, nullptr);
+}
+
+// Programmable attention (Variant: a ProgVariant): the same with its parameters.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__device__ const int fwd_prog_kernel_smem_bytes = fwd_kernel_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>;
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_prog_kernel(const FwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "fwd_prog_kernel takes a ProgVariant");
+    fwd_cta<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, &pp);
 }

@@ -1,0 +1,242 @@
+"""Programmable attention on the host (issue #45): a call's bias, dropout, block mask and user modifiers checked,
+turned into the kernel's variant and its ``ProgParams`` (kernels_cu/common/params.cuh), and launched.
+
+Built so far: the portable forward (``sm80_fwd_prog``, every GPU from sm_80; Hopper runs it too), fp16 / bf16.
+Not yet: the backward (dq, dk, dv, dbias, the modifiers' tensors), the Hopper and float32 families, varlen, the
+tile classification of a mask modifier (a MaskMod is tested on every element of every visited tile for now).
+Until its kernels have run against the float64 reference on a GPU, a call needs ``CUFLASH_PROGRAMMABLE=1``
+(Options.programmable); without it the arguments are checked and a ValueError says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import block_sparse, params, philox
+from .modifiers import MaskMod, Modifiers, ScoreMod
+
+_checked_modifiers: set = set()   # Modifiers.key of those that compiled in this process
+
+
+@dataclass(frozen=True)
+class ProgArgs:
+    """A call's programmable arguments after their checks (device arrays as given or made usable)."""
+
+    bias: Any = None                  # CuPy array viewed as 4-D (batch, heads_q, seqlen_q, seqlen_k), 0-strides
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    rng_state: Any = None             # CuPy uint64 (2,): (seed, offset) read by the kernel, or None
+    block_mask: Any = None            # CuPy bool (B or 1, H or 1, query blocks, key blocks)
+    block_size: Tuple[int, int] = (block_sparse.DEFAULT_BLOCK_SIZE, block_sparse.DEFAULT_BLOCK_SIZE)
+    modifiers: Optional[Modifiers] = None
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.block_mask is not None or (self.modifiers is not None and self.modifiers.has_mask_mod)
+
+    def variant(self, base):
+        """The kernel's MaskVariant: ``base`` (the built-in pattern's) with the programmable parts."""
+        return replace(base, bias="" if self.bias is None else str(self.bias.dtype), dropout=self.dropout_p > 0,
+                       block_sparse=self.block_sparse, mods="" if self.modifiers is None else self.modifiers.key)
+
+
+def given(bias, dropout_p, seed, block_mask, score_mod, mask_mod) -> bool:
+    """Whether a call asks for any programmable part (the plain path's one test)."""
+    return not (bias is None and not dropout_p and seed is None and block_mask is None and score_mod is None
+                and mask_mod is None)
+
+
+def _device_array(name: str, x, device_id: Optional[int]):
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array (or a CUDA array of the framework of q), got {type(x).__name__}")
+    if device_id is not None and x.data.device_id != device_id:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device_id}")
+    return x
+
+
+def _check_bias(bias, q_dtype, full: tuple, device_id: Optional[int]):
+    """bias as a 4-D view broadcast to ``full`` (B, Hq, Nq, Nk) with stride 0 in its broadcast dims and key
+    stride 0 or 1 (a copy where it is neither)."""
+    import cupy
+
+    bias = _device_array("bias", bias, device_id)
+    if np.dtype(bias.dtype) not in (np.dtype(np.float32), np.dtype(q_dtype)):
+        raise TypeError(f"bias must be float32 or q's dtype {np.dtype(q_dtype)}, got {bias.dtype}")
+    if bias.ndim > 4:
+        raise ValueError(f"bias must have at most 4 dimensions (batch, heads_q, seqlen_q, seqlen_k), got shape "
+                         f"{bias.shape}")
+    shape4 = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+    if any(n not in (1, f) for n, f in zip(shape4, full)):
+        raise ValueError(f"bias must broadcast to (batch, heads_q, seqlen_q, seqlen_k) = {full} (each dim 1 or "
+                         f"that size), got shape {tuple(bias.shape)}")
+    b4 = bias.reshape(shape4)
+    if shape4[3] > 1 and b4.strides[3] != b4.itemsize:
+        b4 = cupy.ascontiguousarray(b4)   # the kernel steps along the keys by 0 or 1 element
+    return cupy.broadcast_to(b4, full)
+
+
+def _check_seed(dropout_p, seed, offset, device_id: Optional[int]):
+    """(dropout_p, seed, offset, rng_state) checked: seed an int in [0, 2^64) or a CuPy uint64 array (2,)
+    holding (seed, offset) on the device (then read by the kernel at each launch and replay)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if p == 0.0:
+        return 0.0, 0, 0, None
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs a seed (an int, or a CuPy uint64 array (2,) of (seed, offset) on the "
+                         "device): the backward regenerates the mask from it")
+    if hasattr(seed, "dtype") and hasattr(seed, "shape"):
+        state = _device_array("seed", seed, device_id)
+        if np.dtype(state.dtype) != np.dtype(np.uint64) or tuple(state.shape) != (2,):
+            raise ValueError(f"a device seed must be a uint64 array (2,) holding (seed, offset), got {state.dtype} "
+                             f"{tuple(state.shape)}")
+        if not state.flags.c_contiguous:
+            raise ValueError("a device seed must be contiguous")
+        return p, 0, 0, state
+    return p, philox._check_u64("seed", seed), philox._check_u64("offset", offset), None
+
+
+def check_arguments(q, *, bias=None, dropout_p=0.0, seed=None, offset=0, block_mask=None, block_size=None,
+                    score_mod=None, mask_mod=None, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int,
+                    device_id: Optional[int]) -> ProgArgs:
+    """The checked programmable arguments of a call (TypeError / ValueError naming the argument; a modifier that
+    does not compile raises ModifierCompileError), before any kernel. ``device_id`` None: no device checks."""
+    from ._checks import dtype_name
+
+    if dtype_name(q.dtype) not in ("float16", "bfloat16"):
+        raise ValueError(f"bias, dropout, block masks and modifiers take float16 or bfloat16 q so far, got {q.dtype}")
+    full = (batch, heads_q, seqlen_q, seqlen_k)
+    b4 = None if bias is None else _check_bias(bias, q.dtype, full, device_id)
+    p, seed_, offset_, state = _check_seed(dropout_p, seed, offset, device_id)
+    mask, bs = None, block_sparse.check_block_size(block_sparse.DEFAULT_BLOCK_SIZE if block_size is None
+                                                   else block_size)
+    if block_mask is not None:
+        mask, bs = block_sparse.check_block_mask(_device_array("block_mask", block_mask, device_id), batch, heads_q,
+                                                 seqlen_q, seqlen_k, bs)
+    mods = None
+    if score_mod is not None or mask_mod is not None:
+        if score_mod is not None and not isinstance(score_mod, ScoreMod):
+            raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
+        if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+            raise TypeError(f"mask_mod must be a cuflash.MaskMod, got {type(mask_mod).__name__}")
+        mods = Modifiers(score_mod, mask_mod)
+        for name, t in mods.slots.items():
+            _device_array(f"modifier tensor {name!r}", t, device_id)
+        if mods.key not in _checked_modifiers:
+            mods.check_compiles()
+            _checked_modifiers.add(mods.key)
+    return ProgArgs(b4, p, seed_, offset_, state, mask, bs, mods)
+
+
+def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
+    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: the block mask's (block_sparse.tile_lists),
+    every visited tile marked partial where a mask modifier must test its elements; a modifier alone: every tile,
+    each partial."""
+    import cupy
+
+    if prog.block_mask is not None:
+        lists = block_sparse.tile_lists(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m, block_n)
+    else:
+        whole = cupy.ones((1, 1, 1, 1), dtype=bool)
+        lists = block_sparse.tile_lists(whole, (block_m * (-(-seqlen_q // block_m)), block_n * (-(-seqlen_k // block_n))),
+                                        seqlen_q, seqlen_k, block_m, block_n)
+    if prog.modifiers is not None and prog.modifiers.has_mask_mod:
+        partial = np.int32(np.uint32(block_sparse.PARTIAL_BIT).view(np.int32))
+        lists = (lists[0], lists[1] | partial, lists[2], lists[3] | partial)
+    return lists
+
+
+def _stride(shape: tuple, axis: int, elems: int) -> int:
+    """Elements between (b, h) groups along ``axis`` of a (B', H', ...) array, 0 where it is broadcast."""
+    return 0 if shape[axis] == 1 else elems
+
+
+def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, keep: list) -> bytes:
+    """The ProgParams bytes of a launch; ``keep`` receives the arrays made here (the tile lists), which must live
+    until the kernel has run."""
+    p = {name: 0 for name in params.PROG_PARAMS.names}
+    if prog.bias is not None:
+        b = prog.bias
+        p["bias"] = b.data.ptr
+        for name, st in zip(("batch", "head", "row", "col"), b.strides):
+            p[f"bias_{name}_stride"] = st // b.itemsize
+    if prog.dropout_p > 0:
+        p["rng_state"] = 0 if prog.rng_state is None else prog.rng_state.data.ptr
+        p["seed"], p["offset"] = prog.seed, prog.offset
+        p["dropout_threshold"] = philox.dropout_threshold(prog.dropout_p)
+        p["dropout_scale"] = 1.0 / (1.0 - prog.dropout_p)
+    if prog.block_sparse:
+        kv_count, kv_index, q_count, q_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n)
+        keep.extend(lists)
+        mt, nt = kv_count.shape[2], q_count.shape[2]
+        p.update(kv_tile_count=kv_count.data.ptr, kv_tile_index=kv_index.data.ptr, q_tile_count=q_count.data.ptr,
+                 q_tile_index=q_index.data.ptr, q_tiles=mt, kv_tiles=nt,
+                 kv_tiles_batch_stride=_stride(kv_count.shape, 0, kv_count.shape[1] * mt),
+                 kv_tiles_head_stride=_stride(kv_count.shape, 1, mt),
+                 q_tiles_batch_stride=_stride(q_count.shape, 0, q_count.shape[1] * nt),
+                 q_tiles_head_stride=_stride(q_count.shape, 1, nt))
+    if prog.block_mask is not None:
+        m = prog.block_mask
+        if not m.flags.c_contiguous:
+            import cupy
+
+            m = cupy.ascontiguousarray(m)
+            keep.append(m)
+        nqb, nkb = m.shape[2], m.shape[3]
+        p.update(block_mask=m.data.ptr, block_mask_batch_stride=_stride(m.shape, 0, m.shape[1] * nqb * nkb),
+                 block_mask_head_stride=_stride(m.shape, 1, nqb * nkb), block_mask_row_stride=nkb,
+                 block_q=prog.block_size[0], block_k=prog.block_size[1])
+    if prog.modifiers is not None:
+        for i, t in enumerate(prog.modifiers.tensor_arrays()):
+            p[f"mod_tensor{i}"] = t.data.ptr
+    return params.pack_bytes(params.PROG_PARAMS, tuple(p[name] for name in params.PROG_PARAMS.names))
+
+
+def _plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, head_dim_v: int):
+    """(kernel, config, shared memory) of the programmable forward, cached per call shape like the plain plans."""
+    from . import heuristics
+    from ._checks import dtype_name
+    from .dispatch import device_info, get_kernel, smem_bytes
+
+    key = (dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, head_dim_v)
+    plan = _plans.get(key)
+    if plan is None:
+        cc, smem_limit = device_info(device_id)
+        cfg = heuristics.prog_fwd_config(dtype_name(dtype), head_dim, causal, cc, variant, head_dim_v=head_dim_v)
+        cfg = heuristics.fit_shared_memory(cfg, smem_limit, lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
+        plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
+                              smem_bytes(cfg, device_id, opts.nvrtc_defines))
+    return plan
+
+
+_plans: dict = {}
+
+
+def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: float, dims, device_id: int, opts,
+                   var) -> None:
+    """The programmable forward on the current stream (arguments as api._launch_fwd's, and the checked
+    ``prog``)."""
+    from . import capture, launch
+    from .api import LOG2E
+
+    b, nq, nk, hq, hkv, d = dims
+    kern, cfg, smem = _plan(q.dtype, d, causal, prog.variant(var.kernel), device_id, opts, v.shape[3])
+    fwd = params.pack_bytes(params.FWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
+        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+        *params.element_strides(out), b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E,
+        *var.param_values(nq, nk, scale), *params.DENSE_VARLEN_VALUES))
+    keep: list = []
+    blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep)
+    extra = np.frombuffer(blob, dtype=f"V{len(blob)}")   # the second by-value parameter
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (extra,))
+    for x in keep:   # made for this launch: alive until it has run, captured graphs included
+        capture.keep_if_capturing(x)

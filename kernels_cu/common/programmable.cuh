@@ -1,0 +1,151 @@
+// Programmable attention's kernel parts (issue #45; docs/design.md, "Programmable attention"): a bias added to
+// the score, dropout, block-sparse tile lists and the user's modifiers, read from ProgParams (common/params.cuh),
+// the second parameter of the kernels built with a ProgVariant. A plain MaskVariant has kProg false and none of
+// this code.
+#pragma once
+#include "numeric.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
+
+template <class T> struct IsVoid { static constexpr bool value = false; };
+template <> struct IsVoid<void> { static constexpr bool value = true; };
+template <class T> struct IsFloat { static constexpr bool value = false; };
+template <> struct IsFloat<float> { static constexpr bool value = true; };
+
+// No user modifiers (cuflash/modifiers.py generates the struct that replaces it, with the same members).
+struct NoMods {
+    static constexpr bool kScoreMod = false, kScoreGrad = false, kTensorGrads = false, kMaskMod = false;
+    __device__ __forceinline__ explicit NoMods(const ProgParams&) {}
+};
+
+// A MaskVariant (Base: the built-in pattern) with the programmable parts. BiasT: the bias's element type (float,
+// f16_tag, bf16_tag), void for none. A type of its own, derived from the base, so that the plain kernels keep
+// their names.
+template <class Base, class BiasT, bool kDropout_, bool kBlockSparse_, class Mods_ = NoMods>
+struct ProgVariant : Base {
+    static constexpr bool kProg = true;
+    using Bias = BiasT;
+    static constexpr bool kBias = !IsVoid<BiasT>::value;
+    static constexpr bool kDropout = kDropout_, kBlockSparse = kBlockSparse_;
+    using Mods = Mods_;
+};
+
+template <class T> __device__ __forceinline__ float bias_to_float(const void* base, i64 at) {
+    if constexpr (IsVoid<T>::value) {
+        return 0.f;
+    } else if constexpr (IsFloat<T>::value) {
+        return static_cast<const float*>(base)[at];
+    } else {
+        return ElemTraits<T>::to_float(static_cast<const u16*>(base)[at]);
+    }
+}
+
+// The score modifiers and the element tests of one (batch, head), built where asked (as MaskPolicy). Scores are
+// the kernels' unscaled q.k after the built-in modifiers (MaskPolicy::modify_score); the user's modifier sees them
+// scaled (FlexAttention's convention), so the policy multiplies by softmax_scale and divides back.
+template <class Variant>
+struct ProgPolicy {
+    using Mods = typename Variant::Mods;
+    // Whether scores change (kernels then call modify_score on every visible element) and whether the tiles the
+    // lists mark as partial have elements to test.
+    // The bias goes into S's accumulators before Q K^T (kBiasFirst) unless softcap comes between them.
+    static constexpr bool kBiasFirst = Variant::kBias && !Variant::kSoftcap;
+    static constexpr bool kModifiesScore = (Variant::kBias && !kBiasFirst) || Mods::kScoreMod;
+    static constexpr bool kTestsElements = Variant::kBlockSparse || Mods::kMaskMod;
+
+    const ProgParams& pp;
+    int batch, head;
+    float scale, inv_scale;
+
+    __device__ __forceinline__ ProgPolicy(const ProgParams& pp_, int batch_, int head_, float softmax_scale)
+        : pp(pp_), batch(batch_), head(head_), scale(softmax_scale), inv_scale(1.f / softmax_scale) {}
+
+    // The bias of row `row` starts at bias_row(row) (elements; computed once per row); its columns are 0 or 1
+    // apart (the host's rule: a bias broadcast along the keys, or contiguous keys), so that a column's offset is a
+    // 32-bit select rather than a 64-bit product per element.
+    __device__ __forceinline__ i64 bias_row(int row) const {
+        return batch * pp.bias_batch_stride + head * pp.bias_head_stride + row * pp.bias_row_stride;
+    }
+    __device__ __forceinline__ float bias(i64 row_at, int col) const {
+        return bias_to_float<typename Variant::Bias>(pp.bias, row_at + (pp.bias_col_stride != 0 ? col : 0));
+    }
+    // The modified unscaled score of element (row, col), whose bias row starts at row_at (kBias).
+    __device__ __forceinline__ float modify_score(float s, int row, int col, i64 row_at) const {
+        if constexpr (Variant::kBias && !kBiasFirst) s = fmaf(bias(row_at, col), inv_scale, s);
+        if constexpr (Mods::kScoreMod) s = Mods(pp).score_mod(s * scale, batch, head, row, col) * inv_scale;
+        return s;
+    }
+    // d(modified) / d(score before the bias) of an unscaled score s (the bias adds a constant).
+    __device__ __forceinline__ float score_derivative(float s, int row, int col, i64 row_at) const {
+        if constexpr (Mods::kScoreMod) {
+            if constexpr (Variant::kBias) s = fmaf(bias(row_at, col), inv_scale, s);
+            return Mods(pp).score_grad(s * scale, batch, head, row, col);
+        } else {
+            return 1.f;
+        }
+    }
+    // An element of a tile the lists mark partial: the user's block covering it is on and the user's mask holds.
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        bool on = true;
+        if constexpr (Variant::kBlockSparse) {   // null: the lists are a MaskMod's alone
+            if (pp.block_mask != nullptr)
+                on = pp.block_mask[batch * pp.block_mask_batch_stride + head * pp.block_mask_head_stride
+                               + (row / pp.block_q) * pp.block_mask_row_stride + col / pp.block_k] != 0;
+        }
+        if constexpr (Mods::kMaskMod) on = on && Mods(pp).mask_mod(batch, head, row, col);
+        return on;
+    }
+};
+
+// The key tiles a forward's query tile visits, by position: without block sparsity the position is the key tile
+// itself (the kernel walks the mask policy's range, its loop the plain kernels' own); with it, position n of
+// count() is the n-th last of the query tile's list entries within the policy's range [n_min, n_max), so that a
+// loop from the last position down visits them last first. partial(n): an off block or the user's mask hides
+// elements of that tile, to test with ProgPolicy::visible.
+template <class Mask, class Variant, bool kSparse = Variant::kBlockSparse>
+struct KeyTiles {
+    template <class Params>
+    __device__ __forceinline__ KeyTiles(const ProgParams*, int, int, int, const Params&) {}
+    static __device__ __forceinline__ int count() { return 0; }
+    static __device__ __forceinline__ int tile(int n) { return n; }
+    static __device__ __forceinline__ bool partial(int) { return false; }
+};
+
+template <class Mask, class Variant>
+struct KeyTiles<Mask, Variant, true> {
+    const int* list;   // the entries within the range, last first
+    int entries;
+    template <class Params>
+    __device__ __forceinline__ KeyTiles(const ProgParams* pp, int batch, int head, int m_block, const Params& p) {
+        const int n_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
+        const int n_max = Mask(p).n_block_max(m_block);
+        const i64 at = batch * pp->kv_tiles_batch_stride + head * pp->kv_tiles_head_stride + m_block;
+        const int listed = pp->kv_tile_count[at];
+        list = pp->kv_tile_index + at * pp->kv_tiles;
+        int lo = 0;   // skip the entries at or past n_max, stop before n_min
+        while (lo < listed && (list[lo] & 0x7FFFFFFF) >= n_max) ++lo;
+        int hi = lo;
+        while (hi < listed && (list[hi] & 0x7FFFFFFF) >= n_min) ++hi;
+        list += lo;
+        entries = hi - lo;
+    }
+    __device__ __forceinline__ int count() const { return entries; }
+    __device__ __forceinline__ int tile(int n) const { return list[entries - 1 - n] & 0x7FFFFFFF; }
+    __device__ __forceinline__ bool partial(int n) const { return list[entries - 1 - n] < 0; }
+};
+
+// Dropout of one (batch, head): the keep flags of the 8 elements one lane holds of a 16 x 16 score block whose
+// first row and column are row0 and col0 (multiples of 16), lane (g, c) = (lane / 4, lane % 4): bit slot s as
+// common/philox.cuh numbers them (s = (e >> 1) * 4 + jb * 2 + (e & 1) for accumulator element e of the block's
+// n8 tile jb).
+struct DropoutLanes {
+    DropoutStream stream;
+    __device__ __forceinline__ DropoutLanes(const ProgParams& pp, int batch, int heads, int head)
+        : stream(pp.rng_state ? pp.rng_state[0] : pp.seed, pp.rng_state ? pp.rng_state[1] : pp.offset,
+                 static_cast<unsigned>(batch * heads + head), pp.dropout_threshold) {}
+    __device__ __forceinline__ unsigned block_keep(int row0, int col0, int g, int c) const {
+        return stream.unit_keep(static_cast<unsigned>((row0 >> 4) * 8 + g), static_cast<unsigned>((col0 >> 4) * 4 + c));
+    }
+    static __device__ __forceinline__ int slot(int jb, int e) { return (e >> 1) * 4 + jb * 2 + (e & 1); }
+};

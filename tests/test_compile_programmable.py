@@ -1,0 +1,50 @@
+"""CPU-only: programmable attention's portable forward (sm80_fwd_prog) compiles without register spills at every
+head-dim bucket, causal or not, for each programmable part and all of them at once with the built-in variants, and
+its shared memory fits the 99 KB devices after fit_shared_memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compile_checks import assert_all_compile, kernel_smem
+from cuflash import heuristics
+from cuflash.modifiers import MaskMod, Modifiers, ScoreMod
+from cuflash.variants import MaskVariant
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256, 512)
+_MODS = Modifiers(ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
+                           tensors={"table": np.zeros(8, np.float32)}),
+                  MaskMod("return docs[q_idx] == docs[kv_idx];", tensors={"docs": np.zeros(8, np.int32)}))
+VARIANTS = {
+    "bias16": MaskVariant(bias="bfloat16"),
+    "dropout": MaskVariant(dropout=True),
+    "sparse_mods": MaskVariant(block_sparse=True, mods=_MODS.key),
+    "all": MaskVariant(local=True, softcap=True, alibi=True, sink=True, chunk=True, bias="float32", dropout=True,
+                       block_sparse=True, mods=_MODS.key),
+}
+
+
+def configs() -> list:
+    out = []
+    for name, var in VARIANTS.items():
+        dtype = "float16" if name == "all" else "bfloat16"
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                if name in ("dropout", "sparse_mods") and (causal or d in (32, 96, 192)):
+                    continue   # one build per bucket family suffices for the parts alone
+                out.append(heuristics.prog_fwd_config(dtype, d, causal, 80, var))
+    return list({c.key(): c for c in out}.values())
+
+
+def test_programmable_forward_compiles_without_spills():
+    cfgs = configs()
+    assert len(cfgs) >= 30
+    assert_all_compile(cfgs, "80")
+
+
+@pytest.mark.parametrize("limit", [101376, 166912])
+def test_programmable_forward_fits_smaller_shared_memories(limit):
+    sizes = kernel_smem(configs(), "80")
+    for cfg, smem in sizes.items():
+        fitted = heuristics.fit_shared_memory(cfg, limit, lambda c: kernel_smem([c], "80")[c])
+        assert fitted.block_m >= 16 and kernel_smem([fitted], "80")[fitted] <= limit, cfg.key()

@@ -1,0 +1,216 @@
+"""Programmable attention's forward (issue #45) on the GPU against the float64 reference: biases of every
+broadcast shape and dtype, dropout (exactly, given the generator's mask, and its determinism), block masks,
+user score and mask modifiers, and the built-in variants written as modifiers; odd sizes, GQA, causal.
+
+Outputs are poisoned with NaN before each call; every row is compared; lse to its own bound.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, poisoned, randn, requires_gpu
+
+pytestmark = requires_gpu
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
+SHAPES = {
+    "square": (2, 257, 257, 4, 2, 64),
+    "kv_longer": (1, 131, 700, 4, 1, 128),
+    "q_longer": (2, 300, 97, 2, 2, 128),
+    "one_query": (2, 1, 513, 4, 4, 128),
+    "wide": (1, 190, 333, 2, 1, 256),
+}
+
+
+@pytest.fixture(autouse=True)
+def _programmable_on():
+    from cuflash import options
+
+    with options.override(programmable=True):
+        yield
+
+
+def _inputs(rng, shape_name: str, dtype: str):
+    b, nq, nk, hq, hkv, d = SHAPES[shape_name]
+    return (randn(rng, (b, nq, hq, d), dtype), randn(rng, (b, nk, hkv, d), dtype), randn(rng, (b, nk, hkv, d), dtype))
+
+
+def _check(q, k, v, dtype: str, ref_kwargs: dict, lse_rtol: float = 1e-5, **kwargs):
+    """cuflash.forward(**kwargs) against attention_reference(**ref_kwargs), every row, lse to its bound."""
+    import cupy
+    import cuflash
+    from cuflash.reference import attention_reference
+
+    b, nq, hq = q.shape[0], q.shape[1], q.shape[2]
+    out = poisoned(q.shape[:3] + (v.shape[3],), dtype)
+    o, lse = cuflash.forward(q, k, v, return_lse=True, out=out, **kwargs)
+    cupy.cuda.get_current_stream().synchronize()
+    ref_o, ref_lse = attention_reference(q, k, v, **ref_kwargs)
+    assert_close_on_every_row("out", o, cupy.asarray(ref_o), dtype, FWD_TOL)
+    assert_lse_matches(lse, ref_lse, (b, hq, nq), rtol=lse_rtol)
+    return o, lse
+
+
+@pytest.mark.parametrize("bias_shape", ["1hqk", "b11k", "bhqk", "hqk", "bh1k", "bhq1"])
+@pytest.mark.parametrize("shape_name,dtype,bias_dtype", [("square", "float16", "float32"),
+                                                         ("kv_longer", "bfloat16", "bfloat16"),
+                                                         ("q_longer", "bfloat16", "float32"),
+                                                         ("one_query", "float16", "float16")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias(rng, bias_shape, shape_name, dtype, bias_dtype, causal):
+    import cupy
+    from conftest import dtype_of
+
+    q, k, v = _inputs(rng, shape_name, dtype)
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    dims = {"b": b, "h": hq, "q": nq, "k": nk, "1": 1}
+    shape = tuple(dims[c] for c in bias_shape)
+    bias = cupy.asarray(rng.normal(0, 2, shape).astype(np.float32).astype(dtype_of(bias_dtype)))
+    _check(q, k, v, dtype, dict(bias=bias.get().astype(np.float64), causal=causal), bias=bias, causal=causal)
+
+
+def test_bias_with_softcap_alibi_window_and_sinks(rng):
+    """The bias after softcap and ALiBi, before the masks (the kernel adds it after the SFU's tanh)."""
+    import cupy
+
+    q, k, v = _inputs(rng, "kv_longer", "bfloat16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    bias = cupy.asarray(rng.normal(0, 1, (b, hq, nq, nk)).astype(np.float32))
+    slopes = cupy.asarray(rng.uniform(0.01, 0.3, hq).astype(np.float32))
+    sinks = cupy.asarray(rng.normal(1, 1, hq).astype(np.float32))
+    kw = dict(causal=True, window_size=(90, 0), softcap=2.5)
+    _check(q, k, v, "bfloat16", dict(bias=bias.get(), alibi_slopes=slopes.get(), sinks=sinks.get(), **kw),
+           lse_rtol=5e-5, bias=bias, alibi_slopes=slopes, sinks=sinks, **kw)
+
+
+@pytest.mark.parametrize("shape_name,dtype", [("square", "float16"), ("q_longer", "bfloat16"), ("wide", "float16")])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_matches_the_reference_given_the_generators_mask(rng, shape_name, dtype, p):
+    import cuflash
+
+    q, k, v = _inputs(rng, shape_name, dtype)
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    seed, offset = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**40))
+    keep = cuflash.dropout_keep_mask(seed, offset, b, hq, nq, nk, p)
+    for causal in (False, True):
+        _check(q, k, v, dtype, dict(dropout_p=p, dropout_mask=keep, causal=causal), dropout_p=p, seed=seed,
+               offset=offset, causal=causal)
+
+
+def test_dropout_is_deterministic_and_reads_a_device_seed(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "bfloat16")
+    a = cuflash.forward(q, k, v, dropout_p=0.2, seed=7, offset=3)
+    assert bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=7, offset=3)).all())
+    assert not bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=8, offset=3)).all())
+    state = cupy.asarray(np.array([7, 3], np.uint64))
+    assert bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=state)).all())
+
+
+def test_dropout_mean_tends_to_the_undropped_output(rng):
+    """Averaged over seeds, dropout's output tends to the plain one (each kept p scaled by 1 / (1 - p))."""
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "one_query", "float16")
+    plain = cuflash.forward(q, k, v).astype(cupy.float64)
+    mean = sum(cuflash.forward(q, k, v, dropout_p=0.3, seed=s).astype(cupy.float64) for s in range(64)) / 64
+    err = float(cupy.linalg.norm(mean - plain) / cupy.linalg.norm(plain))
+    single = float(cupy.linalg.norm(cuflash.forward(q, k, v, dropout_p=0.3, seed=99).astype(cupy.float64) - plain)
+                   / cupy.linalg.norm(plain))
+    assert err < single / 4   # 64 draws: the error of the mean about 1/8 of one draw's
+
+
+@pytest.mark.parametrize("shape_name,dtype,block_size", [("square", "float16", 64), ("kv_longer", "bfloat16", (32, 96)),
+                                                        ("q_longer", "bfloat16", 128), ("wide", "float16", (48, 16))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mask(rng, shape_name, dtype, block_size, causal):
+    import cupy
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, shape_name, dtype)
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    nqb, nkb = block_grid(nq, nk, block_size)
+    blocks = rng.random((b, hq, nqb, nkb)) < 0.5
+    blocks[..., 0, :] = False   # rows that see nothing
+    _check(q, k, v, dtype, dict(block_mask=blocks, block_size=block_size, causal=causal),
+           block_mask=cupy.asarray(blocks), block_size=block_size, causal=causal)
+    per_head = blocks[:1]   # broadcast over the batch
+    _check(q, k, v, dtype, dict(block_mask=per_head, block_size=block_size, causal=causal),
+           block_mask=cupy.asarray(per_head), block_size=block_size, causal=causal)
+
+
+def test_relative_position_score_mod(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "kv_longer", "bfloat16")
+    hq = q.shape[2]
+    table = rng.normal(0, 1, (hq, 64)).astype(np.float32)
+    mod = cuflash.ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
+                           tensors={"table": cupy.asarray(table)})
+
+    def ref(s, b, h, qi, ki):
+        return s + table[h][np.minimum(np.abs(qi - ki), 63)]
+
+    _check(q, k, v, "bfloat16", dict(score_mod=ref, causal=True), score_mod=mod, causal=True)
+
+
+def test_document_mask_mod(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "float16")
+    nq = q.shape[1]
+    docs = np.sort(rng.integers(0, 8, nq)).astype(np.int32)
+    mod = cuflash.MaskMod("return docs[q_idx] == docs[kv_idx];", tensors={"docs": cupy.asarray(docs)})
+
+    def ref(b, h, qi, ki):
+        return docs[qi] == docs[ki]
+
+    _check(q, k, v, "float16", dict(mask_mod=ref, causal=True), mask_mod=mod, causal=True)
+
+
+def test_built_in_variants_as_modifiers_match_the_built_ins(rng):
+    """softcap, ALiBi and a window written as modifiers give the built-ins' results."""
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "kv_longer", "bfloat16")
+    hq, nq, nk = q.shape[2], q.shape[1], k.shape[1]
+    slopes = rng.uniform(0.01, 0.3, hq).astype(np.float32)
+    score = cuflash.ScoreMod(f"float t = tanhf(score / 2.5f);\nreturn 2.5f * t - slopes[h] * abs(q_idx + {nk - nq} - kv_idx);",
+                             grad="float t = tanhf(score / 2.5f);\nreturn 1.f - t * t;",
+                             tensors={"slopes": cupy.asarray(slopes)})
+    window = cuflash.MaskMod(f"int pos = q_idx + {nk - nq};\nreturn kv_idx <= pos && kv_idx >= pos - 90;")
+    built_in = cuflash.forward(q, k, v, causal=True, window_size=(90, 0), softcap=2.5,
+                               alibi_slopes=cupy.asarray(slopes), return_lse=True)
+    mods = cuflash.forward(q, k, v, score_mod=score, mask_mod=window, return_lse=True)
+    from conftest import assert_close_on_every_row as close
+
+    close("out", mods[0], built_in[0].astype(cupy.float64), "bfloat16", FWD_TOL)
+    assert_lse_matches(mods[1], built_in[1].get(), built_in[1].shape, rtol=5e-5)
+
+
+def test_everything_at_once(rng):
+    import cupy
+    import cuflash
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, "wide", "float16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    bias = cupy.asarray(rng.normal(0, 1, (b, 1, 1, nk)).astype(np.float16))
+    blocks = rng.random((1, hq) + block_grid(nq, nk, 64)) < 0.7
+    table = rng.normal(0, 0.5, (hq, 16)).astype(np.float32)
+    score = cuflash.ScoreMod("return score + table[h * 16 + (kv_idx & 15)];", tensors={"table": cupy.asarray(table)})
+    mask = cuflash.MaskMod("return (q_idx + kv_idx) % 7 != 0;")
+    keep = cuflash.dropout_keep_mask(5, 0, b, hq, nq, nk, 0.25)
+    _check(q, k, v, "float16",
+           dict(bias=bias.get().astype(np.float64), block_mask=blocks, block_size=64, dropout_p=0.25, dropout_mask=keep,
+                score_mod=lambda s, bb, h, qi, ki: s + table[h][ki & 15],
+                mask_mod=lambda bb, h, qi, ki: (qi + ki) % 7 != 0, causal=True),
+           bias=bias, block_mask=cupy.asarray(blocks), block_size=64, dropout_p=0.25, seed=5, score_mod=score,
+           mask_mod=mask, causal=True)

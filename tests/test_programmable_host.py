@@ -1,0 +1,113 @@
+"""CPU-only: programmable attention's host side (cuflash/programmable.py): the argument checks before any kernel
+(fake CuPy arrays: metadata only), the gate while its kernels are unvalidated, the kernel's variant and
+configuration, and the ProgParams a launch would pass."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import fake_cupy_array as arr
+
+from cuflash import heuristics, params, programmable
+from cuflash.variants import MaskVariant
+
+B, NQ, NK, HQ, HKV, D = 2, 100, 130, 4, 2, 64
+
+
+def _qkv(dtype=np.float16):
+    return arr((B, NQ, HQ, D), dtype), arr((B, NK, HKV, D), dtype), arr((B, NK, HKV, D), dtype)
+
+
+def _check(**kw):
+    q = kw.pop("q", _qkv()[0])
+    return programmable.check_arguments(q, batch=B, heads_q=HQ, seqlen_q=NQ, seqlen_k=NK, device_id=0, **kw)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(bias=np.zeros((NQ, NK), np.float32)), TypeError, "bias must be a CuPy array"),
+    (dict(bias="bias"), TypeError, "bias must be a CuPy array"),
+    (dict(bias=arr((NQ, NK), np.float64)), TypeError, "bias must be float32 or q's dtype"),
+    (dict(bias=arr((1, 1, 1, NQ, NK), np.float32)), ValueError, "at most 4 dimensions"),
+    (dict(bias=arr((B, HQ, NQ, NK + 1), np.float32)), ValueError, "bias must broadcast"),
+    (dict(bias=arr((3, 1, 1, NK), np.float32)), ValueError, "bias must broadcast"),
+    (dict(bias=arr((NQ, NK), np.float32, device_id=1)), ValueError, "bias is on device 1"),
+    (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p=-0.1, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p="0.1", seed=1), TypeError, "dropout_p must be a float"),
+    (dict(dropout_p=0.1), ValueError, "needs a seed"),
+    (dict(dropout_p=0.1, seed=-1), ValueError, "seed must be in"),
+    (dict(dropout_p=0.1, seed=1.5), TypeError, "seed must be an int"),
+    (dict(dropout_p=0.1, seed=1, offset=2**64), ValueError, "offset must be in"),
+    (dict(dropout_p=0.1, seed=arr((3,), np.uint64)), ValueError, r"uint64 array \(2,\)"),
+    (dict(dropout_p=0.1, seed=arr((2,), np.int64)), ValueError, r"uint64 array \(2,\)"),
+    (dict(block_mask=arr((1, 1, 2, 2), np.bool_)), ValueError, "block_mask must have shape"),
+    (dict(block_mask=arr((1, 1, 1, 2), np.int8)), TypeError, "dtype bool"),
+    (dict(block_mask=np.ones((1, 1, 1, 2), bool)), TypeError, "block_mask must be a CuPy array"),
+    (dict(block_mask=arr((1, 1, 4, 5), np.bool_), block_size=0), ValueError, "block_size"),
+    (dict(score_mod="return score;"), TypeError, "score_mod must be a cuflash.ScoreMod"),
+    (dict(mask_mod="return true;"), TypeError, "mask_mod must be a cuflash.MaskMod"),
+    (dict(q=arr((B, NQ, HQ, D), np.float32)), ValueError, "float16 or bfloat16 q"),
+])
+def test_bad_arguments_raise_before_any_kernel(kw, error, match):
+    with pytest.raises(error, match=match):
+        _check(**kw)
+
+
+def test_a_modifier_that_does_not_compile_names_its_line():
+    from cuflash import MaskMod, ModifierCompileError
+
+    with pytest.raises(ModifierCompileError, match=r"mask_mod, line 1: return q_idx >= kv_idxx;"):
+        _check(mask_mod=MaskMod("return q_idx >= kv_idxx;"))
+    from cuflash import ScoreMod
+
+    with pytest.raises(TypeError, match="modifier tensor 'table' must be a CuPy array"):
+        _check(score_mod=ScoreMod("return score + table[0];", tensors={"table": np.zeros(2, np.float32)}))
+
+
+def test_the_public_call_checks_then_refuses_until_enabled(device_forbidden):
+    import cuflash
+
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="bias must broadcast"):
+        cuflash.forward(q, k, v, bias=arr((3, NK), np.float32))
+    with pytest.raises(ValueError, match="CUFLASH_PROGRAMMABLE=1"):
+        cuflash.forward(q, k, v, bias=arr((NQ, NK), np.float32))
+    with pytest.raises(ValueError, match="needs a seed"):
+        cuflash.forward(q, k, v, dropout_p=0.5)
+
+
+def test_variant_and_configuration():
+    from cuflash import MaskMod
+    from cuflash.modifiers import Modifiers
+
+    mods = Modifiers(None, MaskMod("return q_idx != kv_idx;"))
+    prog = programmable.ProgArgs(bias=arr((B, HQ, NQ, NK), np.float32), dropout_p=0.1, seed=1, modifiers=mods)
+    var = prog.variant(MaskVariant(local=True))
+    assert (var.bias, var.dropout, var.block_sparse, var.mods, var.local) == ("float32", True, True, mods.key, True)
+    assert var.template_arg(True) == (f"ProgVariant<MaskVariant<true, true, false, false, false, false>, float, true, "
+                                      f"true, CuflashMods_{mods.key}>")
+    assert not var.plain and var.programmable and "+Bfloat32DXM" in var.tag()
+    for d in (32, 64, 96, 128, 192, 256, 512):
+        for cc in (80, 86, 90):
+            cfg = heuristics.prog_fwd_config("bfloat16", d, True, cc, var)
+            assert cfg.family == "sm80_fwd_prog" and cfg.block_n <= heuristics.PROG_FWD_MAX_BLOCK_N
+            assert cfg.variant == var and cfg.name_expression().startswith("fwd_prog_kernel<bf16_tag")
+    # The plain variants keep their C++ types and keys.
+    assert MaskVariant().template_arg(False) == "MaskVariant<false, false, false, false, false, false>"
+    assert MaskVariant(local=True).tag() == "L"
+
+
+def test_prog_params_of_a_broadcast_bias_and_dropout():
+    q = _qkv()[0]
+    prog = _check(q=q, bias=arr((B, 1, 1, NK), np.float16), dropout_p=0.1, seed=2**40 + 5, offset=9)
+    blob = programmable.prog_params(prog, seqlen_q=NQ, seqlen_k=NK, block_m=128, block_n=32, keep=[])
+    p = np.frombuffer(blob, params.PROG_PARAMS)[0]
+    assert (p["bias_batch_stride"], p["bias_head_stride"], p["bias_row_stride"], p["bias_col_stride"]) == (NK, 0, 0, 1)
+    assert (p["seed"], p["offset"], p["rng_state"]) == (2**40 + 5, 9, 0)
+    assert p["dropout_threshold"] == round(0.1 * 65536) and abs(p["dropout_scale"] - 1 / 0.9) < 1e-6
+    assert p["kv_tile_count"] == 0 and p["block_mask"] == 0
+    keys_broadcast = _check(q=q, bias=arr((B, HQ, NQ, 1), np.float32))
+    p = np.frombuffer(programmable.prog_params(keys_broadcast, seqlen_q=NQ, seqlen_k=NK, block_m=128, block_n=32,
+                                               keep=[]), params.PROG_PARAMS)[0]
+    assert (p["bias_batch_stride"], p["bias_head_stride"], p["bias_row_stride"], p["bias_col_stride"]) == \
+        (HQ * NQ, NQ, 1, 0)
