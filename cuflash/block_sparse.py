@@ -152,8 +152,13 @@ def tile_lists(block_mask, block_size: BlockSize, seqlen_q: int, seqlen_k: int, 
     counts (B', H', tiles) and indices (B', H', tiles, other tiles): per query tile its key tiles with an on
     block, last first, and per key tile its query tiles, last first; bit 31 (PARTIAL_BIT) marks a tile that an
     off block also covers, whose elements the kernel tests against the block mask."""
-    xp = _xp(block_mask)
-    any_on, all_on = tile_coverage(block_mask, block_size, seqlen_q, seqlen_k, block_m, block_n)
+    return lists_from_coverage(*tile_coverage(block_mask, block_size, seqlen_q, seqlen_k, block_m, block_n))
+
+
+def lists_from_coverage(any_on, all_on):
+    """:func:`tile_lists` from the tiles' coverage (bool (B', H', query tiles, key tiles): some / every element of
+    the tile visible), e.g. :func:`tile_coverage`'s, or a mask modifier's evaluated over the tiles."""
+    xp = _xp(any_on)
 
     def lists(on, full):
         tiles = on.shape[-1]

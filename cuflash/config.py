@@ -135,6 +135,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("decode_sm90_tma", "decode/decode_sm90.cu", "decode_sm90_tma_kernel", 90, True, direction="decode",
            backend="sm90"),
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
+    # A user mask modifier over the attention kernel's tiles (block_m x block_n; mask: its variant's modifiers).
+    _aux("mask_tiles", "aux/mask_tiles.cu", "mask_tiles_kernel", 80, ("block_m", "block_n", "num_warps", "mask")),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 89, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).

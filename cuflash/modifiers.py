@@ -143,13 +143,24 @@ class ScoreMod(_Modifier):
 
 class MaskMod(_Modifier):
     """``mask_mod``: CUDA C statements returning whether key ``kv_idx`` is visible from query row ``q_idx``
-    (bool) of batch ``b``, head ``h``, from them and ``tensors``. cuflash evaluates it once per shape over tiles
-    into a block mask, so that tiles it hides wholly are skipped."""
+    (bool) of batch ``b``, head ``h``, from them and ``tensors``. cuflash evaluates it once per shape over the
+    kernel's tiles (cached on this object: build a new MaskMod when its tensors change), so that tiles it hides
+    wholly are skipped and those it shows wholly are not tested. ``per_batch`` / ``per_head`` False: the mask does
+    not depend on b / h, and is evaluated for one of them."""
 
     kind = "mask_mod"
 
-    def __init__(self, source: str, *, tensors: Optional[Mapping[str, Any]] = None):
+    def __init__(self, source: str, *, tensors: Optional[Mapping[str, Any]] = None, per_batch: bool = True,
+                 per_head: bool = True):
         super().__init__(source, tensors)
+        for name, flag in (("per_batch", per_batch), ("per_head", per_head)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        # Whether the mask depends on b / h: where it does not, its tiles are evaluated for one batch / head.
+        self.per_batch, self.per_head = per_batch, per_head
+        # The tiles' states per shape and tile (programmable.mask_mod_coverage): evaluated once, so a mask whose
+        # tensors change in place needs a new MaskMod.
+        self.tile_cache: dict = {}
 
 
 def _function(ret: str, name: str, args: str, body: str, label: str, resume_line: int) -> str:

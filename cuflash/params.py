@@ -103,8 +103,12 @@ PROG_PARAMS = _struct(
     + [(f"mod_grad{i}", _P) for i in range(MOD_TENSOR_SLOTS)]
 )
 
+MASK_TILES_PARAMS = _struct([("state", _P), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads", _I32), ("m_tiles", _I32),
+                             ("n_tiles", _I32)])
+
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS, "DecodeParams": DECODE_PARAMS,
-           "CombineParams": COMBINE_PARAMS, "AppendParams": APPEND_PARAMS, "ProgParams": PROG_PARAMS}
+           "CombineParams": COMBINE_PARAMS, "AppendParams": APPEND_PARAMS, "ProgParams": PROG_PARAMS,
+           "MaskTilesParams": MASK_TILES_PARAMS}
 
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
                  np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}

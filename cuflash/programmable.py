@@ -2,8 +2,7 @@
 turned into the kernel's variant and its ``ProgParams`` (kernels_cu/common/params.cuh), and launched.
 
 Built so far: the portable forward (``sm80_fwd_prog``, every GPU from sm_80; Hopper runs it too), fp16 / bf16.
-Not yet: the backward (dq, dk, dv, dbias, the modifiers' tensors), the Hopper and float32 families, varlen, the
-tile classification of a mask modifier (a MaskMod is tested on every element of every visited tile for now).
+Not yet: the backward (dq, dk, dv, dbias, the modifiers' tensors), the Hopper and float32 families, varlen.
 Until its kernels have run against the float64 reference on a GPU, a call needs ``CUFLASH_PROGRAMMABLE=1``
 (Options.programmable); without it the arguments are checked and a ValueError says so.
 """
@@ -136,22 +135,51 @@ def check_arguments(q, *, bias=None, dropout_p=0.0, seed=None, offset=0, block_m
     return ProgArgs(b4, p, seed_, offset_, state, mask, bs, mods)
 
 
-def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
-    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: the block mask's (block_sparse.tile_lists),
-    every visited tile marked partial where a mask modifier must test its elements; a modifier alone: every tile,
-    each partial."""
+MASK_TILES_WARPS = 4
+
+
+def mask_mod_coverage(mods: Modifiers, *, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int,
+                      block_n: int, device_id: int, opts):
+    """(any, all): bool (B', H', query tiles, key tiles), whether the mask modifier shows some / every element of
+    each block_m x block_n tile (B' = batch or 1 where it does not depend on b, H' likewise), evaluated on the
+    device once per shape and tile and cached on the MaskMod (kernels_cu/aux/mask_tiles.cu)."""
     import cupy
 
+    from . import launch
+    from .config import KernelConfig
+    from .dispatch import get_kernel
+    from .variants import MaskVariant
+
+    mm = mods.mask_mod
+    nb, nh = (batch if mm.per_batch else 1), (heads if mm.per_head else 1)
+    mt, nt = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    key = (nb, nh, seqlen_q, seqlen_k, block_m, block_n, device_id, mods.key,
+           tuple(t.data.ptr for t in mods.tensor_arrays()))
+    found = mm.tile_cache.get(key)
+    if found is None:
+        cfg = KernelConfig("mask_tiles", "float16", 0, False, block_m, block_n, MASK_TILES_WARPS,
+                           MaskVariant(mods=mods.key))
+        kern = get_kernel(cfg, device_id, opts.nvrtc_defines)
+        state = cupy.empty((nb, nh, mt, nt), dtype=np.uint8)
+        t = params.pack_bytes(params.MASK_TILES_PARAMS, (state.data.ptr, seqlen_q, seqlen_k, nh, mt, nt))
+        pp = prog_params(ProgArgs(modifiers=mods), seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_m=block_m,
+                         block_n=block_n, keep=[])
+        launch.launch(kern, cfg, (nt, mt, nb * nh), t, 0, (np.frombuffer(pp, dtype=f"V{len(pp)}"),))
+        found = mm.tile_cache[key] = (state >= 1, state == 2)
+    return found
+
+
+def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, coverage=None):
+    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: those some on block and the mask modifier's
+    ``coverage`` (mask_mod_coverage) show, partial where either hides an element."""
     if prog.block_mask is not None:
-        lists = block_sparse.tile_lists(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m, block_n)
+        any_on, all_on = block_sparse.tile_coverage(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m,
+                                                    block_n)
+        if coverage is not None:
+            any_on, all_on = any_on & coverage[0], all_on & coverage[1]
     else:
-        whole = cupy.ones((1, 1, 1, 1), dtype=bool)
-        lists = block_sparse.tile_lists(whole, (block_m * (-(-seqlen_q // block_m)), block_n * (-(-seqlen_k // block_n))),
-                                        seqlen_q, seqlen_k, block_m, block_n)
-    if prog.modifiers is not None and prog.modifiers.has_mask_mod:
-        partial = np.int32(np.uint32(block_sparse.PARTIAL_BIT).view(np.int32))
-        lists = (lists[0], lists[1] | partial, lists[2], lists[3] | partial)
-    return lists
+        any_on, all_on = coverage
+    return block_sparse.lists_from_coverage(any_on, all_on)
 
 
 def _stride(shape: tuple, axis: int, elems: int) -> int:
@@ -159,9 +187,10 @@ def _stride(shape: tuple, axis: int, elems: int) -> int:
     return 0 if shape[axis] == 1 else elems
 
 
-def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, keep: list) -> bytes:
+def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, keep: list,
+                coverage=None) -> bytes:
     """The ProgParams bytes of a launch; ``keep`` receives the arrays made here (the tile lists), which must live
-    until the kernel has run."""
+    until the kernel has run; ``coverage``: the mask modifier's (mask_mod_coverage), where it has one."""
     p = {name: 0 for name in params.PROG_PARAMS.names}
     if prog.bias is not None:
         b = prog.bias
@@ -173,8 +202,9 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
         p["seed"], p["offset"] = prog.seed, prog.offset
         p["dropout_threshold"] = philox.dropout_threshold(prog.dropout_p)
         p["dropout_scale"] = 1.0 / (1.0 - prog.dropout_p)
-    if prog.block_sparse:
-        kv_count, kv_index, q_count, q_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n)
+    if prog.block_mask is not None or coverage is not None:
+        kv_count, kv_index, q_count, q_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n,
+                                                                   coverage)
         keep.extend(lists)
         mt, nt = kv_count.shape[2], q_count.shape[2]
         p.update(kv_tile_count=kv_count.data.ptr, kv_tile_index=kv_index.data.ptr, q_tile_count=q_count.data.ptr,
@@ -235,7 +265,12 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
         *params.element_strides(out), b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E,
         *var.param_values(nq, nk, scale), *params.DENSE_VARLEN_VALUES))
     keep: list = []
-    blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep)
+    coverage = None
+    if prog.modifiers is not None and prog.modifiers.has_mask_mod:
+        coverage = mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
+                                     block_n=cfg.block_n, device_id=device_id, opts=opts)
+    blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep,
+                       coverage=coverage)
     extra = np.frombuffer(blob, dtype=f"V{len(blob)}")   # the second by-value parameter
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (extra,))
     for x in keep:   # made for this launch: alive until it has run, captured graphs included

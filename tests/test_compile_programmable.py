@@ -48,3 +48,12 @@ def test_programmable_forward_fits_smaller_shared_memories(limit):
     for cfg, smem in sizes.items():
         fitted = heuristics.fit_shared_memory(cfg, limit, lambda c: kernel_smem([c], "80")[c])
         assert fitted.block_m >= 16 and kernel_smem([fitted], "80")[fitted] <= limit, cfg.key()
+
+
+def test_mask_tiles_kernel_compiles():
+    """The mask modifier's tile evaluation, at the programmable forward's tiles."""
+    from cuflash.config import KernelConfig
+
+    tiles = {(c.block_m, c.block_n) for c in configs()}
+    cfgs = [KernelConfig("mask_tiles", "float16", 0, False, bm, bn, 4, MaskVariant(mods=_MODS.key)) for bm, bn in tiles]
+    assert_all_compile(cfgs, "80")

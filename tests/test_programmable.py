@@ -214,3 +214,30 @@ def test_everything_at_once(rng):
                 mask_mod=lambda bb, h, qi, ki: (qi + ki) % 7 != 0, causal=True),
            bias=bias, block_mask=cupy.asarray(blocks), block_size=64, dropout_p=0.25, seed=5, score_mod=score,
            mask_mod=mask, causal=True)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_mask_modifier_tile_states_match_the_host(rng, per_head):
+    """Each tile's state (some / every element shown) as evaluated on the device, against NumPy over the same rule."""
+    import cupy
+    import cuflash
+    from cuflash import options, programmable
+    from cuflash.modifiers import Modifiers
+
+    b, h, nq, nk, bm, bn = 2, 3, 150, 230, 64, 32
+    docs = np.sort(rng.integers(0, 5, (b, nk))).astype(np.int32)
+    src = "return docs[b * 230 + q_idx] == docs[b * 230 + kv_idx]" + (" && (h + kv_idx) % 3 != 0;" if per_head else ";")
+    mods = Modifiers(None, cuflash.MaskMod(src, tensors={"docs": cupy.asarray(docs)}, per_head=per_head))
+    any_on, all_on = programmable.mask_mod_coverage(mods, batch=b, heads=h, seqlen_q=nq, seqlen_k=nk, block_m=bm,
+                                                    block_n=bn, device_id=0, opts=options.current())
+    assert any_on.shape == (b, h if per_head else 1, 3, 8)
+    for bi in range(b):
+        for hi in range(any_on.shape[1]):
+            i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+            vis = docs[bi][i] == docs[bi][j]
+            if per_head:
+                vis = vis & ((hi + j) % 3 != 0)
+            for m in range(3):
+                for n in range(8):
+                    tile = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+                    assert bool(any_on[bi, hi, m, n]) == bool(tile.any()) and bool(all_on[bi, hi, m, n]) == bool(tile.all())

@@ -111,3 +111,26 @@ def test_prog_params_of_a_broadcast_bias_and_dropout():
                                                keep=[]), params.PROG_PARAMS)[0]
     assert (p["bias_batch_stride"], p["bias_head_stride"], p["bias_row_stride"], p["bias_col_stride"]) == \
         (HQ * NQ, NQ, 1, 0)
+
+
+def test_tile_lists_combine_the_block_mask_and_the_mask_modifiers_coverage():
+    """A tile is visited where an on block and the modifier both show something, untested only where both show
+    everything; a modifier alone gives its own coverage."""
+    from cuflash import block_sparse
+
+    rng = np.random.default_rng(3)
+    nq, nk, bm, bn = 100, 130, 32, 32
+    mt, nt = 4, 5
+    blocks = rng.random((1, HQ, 2, 3)) < 0.6            # 64 x 64 user blocks
+    cov_any = rng.random((B, 1, mt, nt)) < 0.8
+    cov_all = cov_any & (rng.random((B, 1, mt, nt)) < 0.5)
+    prog = programmable.ProgArgs(block_mask=blocks, block_size=(64, 64))
+    got = programmable._tile_lists(prog, nq, nk, bm, bn, (cov_any, cov_all))
+    b_any, b_all = block_sparse.tile_coverage(blocks, (64, 64), nq, nk, bm, bn)
+    want = block_sparse.lists_from_coverage(b_any & cov_any, b_all & cov_all)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+    assert got[0].shape == (B, HQ, mt)
+    alone = programmable._tile_lists(programmable.ProgArgs(), nq, nk, bm, bn, (cov_any, cov_all))
+    for x, y in zip(alone, block_sparse.lists_from_coverage(cov_any, cov_all)):
+        np.testing.assert_array_equal(x, y)

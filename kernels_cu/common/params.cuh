@@ -267,3 +267,11 @@ struct ProgParams {
     float* mod_grad6;
     float* mod_grad7;
 };
+
+// A user mask modifier over the attention kernel's tiles (kernels_cu/aux/mask_tiles.cu).
+struct MaskTilesParams {
+    unsigned char* state;       // (batch', heads', m_tiles, n_tiles): 0 every element hidden, 1 some, 2 none
+    int seqlen_q, seqlen_k;
+    int heads;                  // heads' (1 where the modifier does not depend on h)
+    int m_tiles, n_tiles;
+};
