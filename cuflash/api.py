@@ -677,8 +677,10 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
              attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
              sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
              dq: Optional[ndarray] = None, dk: Optional[ndarray] = None,
-             dv: Optional[ndarray] = None, _mask_offsets: Optional[Tuple[int, int]] = None,
-             _padded: bool = False) -> Tuple[ndarray, ...]:
+             dv: Optional[ndarray] = None, bias: Optional[ndarray] = None, dropout_p: float = 0.0,
+             seed: Union[int, ndarray, None] = None, offset: int = 0, block_mask: Optional[ndarray] = None,
+             block_size: Union[int, Tuple[int, int]] = 128, score_mod=None, mask_mod=None,
+             _mask_offsets: Optional[Tuple[int, int]] = None, _padded: bool = False) -> Tuple[ndarray, ...]:
     """Gradients of ``out = forward(q, k, v)`` with respect to q, k and v.
 
     FlashAttention-2 backward: P is recomputed tile by tile from q, k and the forward's
@@ -704,6 +706,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
             are always deterministic.
         dq, dk, dv: optional output buffers shaped and typed like q, k, v (may be strided views),
             sharing no memory with each other or with dout, q, k, v, out, lse (ValueError otherwise).
+        bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: as given to the forward
+            (programmable attention, behind CUFLASH_PROGRAMMABLE=1: the portable kernels, deterministic).
 
     Arrays of another framework (CUDA torch tensors, JAX arrays) are read in place and the
     gradients come back in that framework, as in :func:`forward`.
@@ -711,8 +715,16 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     Returns:
         ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``, and with ``sinks`` ``(dq, dk, dv,
         dsinks)``, dsinks shaped and typed like sinks (deterministic). With GQA/MQA, dk and dv of a
-        KV head are the sums over the query heads that share it.
+        KV head are the sums over the query heads that share it. With a ``bias``, its gradient ``dbias``
+        (its shape and dtype, summed over its broadcast dims) follows; with a ``score_mod`` that has
+        ``tensor_grads``, a dict {tensor name: float32 gradient} comes last.
     """
+    if programmable.given(bias, dropout_p, seed, block_mask, score_mod, mask_mod):
+        return _backward_programmable(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse, dq=dq, dk=dk, dv=dv,
+                                      bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
+                                      block_size=block_size, score_mod=score_mod, mask_mod=mask_mod)
     # The call cache (call_cache.py): a call seen before replays its launches. Not with sinks (dsinks is
     # computed on the host side), a ring step's offsets, or the tests' poisoned workspaces (a replay would
     # skip the poisoning).
@@ -774,6 +786,78 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         return grads[:3]
     dsinks = grads[3] if grads[3].dtype == sinks.dtype else grads[3].astype(sinks.dtype)
     return (*grads[:3], dsinks)
+
+
+def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, attention_chunk, softcap,
+                           alibi_slopes, sinks, dlse, dq, dk, dv, bias, dropout_p, seed, offset, block_mask,
+                           block_size, score_mod, mask_mod):
+    """backward with programmable parts (the forward's, _forward_programmable): checked, then the programmable
+    kernels where Options.programmable allows them."""
+    import cupy
+
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+              "alibi_slopes": alibi_slopes, "sinks": sinks, "dlse": dlse, "bias": bias, "block_mask": block_mask}
+    if not (hasattr(seed, "shape") and hasattr(seed, "dtype")) and interop.needs_conversion(*arrays.values()):
+        return interop.call(_backward_programmable, arrays, buffers=("dq", "dk", "dv"), causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset, block_size=block_size,
+                            score_mod=score_mod, mask_mod=mask_mod)
+    opts = options.current()
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v)
+    out_shape = (b, nq, hq, v.shape[3])
+    _checks.check_like_cached("dout", dout, "q", q, out_shape)
+    _checks.check_like_cached("out", out, "q", q, out_shape)
+    dev = q.data.device_id
+    _checks.check_lse_cached(lse, (b, hq, nq), dev)
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=b, heads_q=hq, device_id=dev, q_dtype=q.dtype)
+    if dlse is not None:
+        _checks.check_lse_cached(dlse, (b, hq, nq), dev, name="dlse")
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
+    _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
+                             (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    prog = programmable.check_arguments(q, bias=bias, dropout_p=dropout_p, seed=seed, offset=offset,
+                                        block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                                        mask_mod=mask_mod, batch=b, heads_q=hq, seqlen_q=nq, seqlen_k=nk,
+                                        device_id=dev)
+    if score_mod is not None and score_mod.grad is None:
+        raise ValueError("the backward of a score_mod needs its grad (CUDA C returning d(new score) / d(score))")
+    if d > heuristics.MAX_HEAD_DIM:
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {heuristics.MAX_HEAD_DIM} in "
+                         f"the backward so far, got {d}")
+    if b == 0 or nq == 0 or nk == 0:
+        raise ValueError("bias, dropout, block masks and modifiers need batch, seqlen_q and seqlen_k >= 1 in the "
+                         "backward so far")
+    if not opts.programmable:
+        raise ValueError("bias, dropout, block masks and modifiers run on kernels that are built but not yet validated "
+                         "on a GPU (issue #45); set CUFLASH_PROGRAMMABLE=1 (Options.programmable) to run them")
+    try:
+        with cupy.cuda.Device(dev):
+            dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+            dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+            dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+            if not lse.flags.c_contiguous:
+                lse = cupy.ascontiguousarray(lse)
+            if dlse is not None and not dlse.flags.c_contiguous:
+                dlse = cupy.ascontiguousarray(dlse)
+            dsinks, dbias, tensor_grads = programmable.launch_backward(
+                dout, q, k, v, out, lse, dq, dk, dv, prog, causal=bool(causal), scale=scale,
+                dims=(b, nq, nk, hq, hkv, d), device_id=dev, opts=opts, var=var, dlse=dlse)
+    except RuntimeError as e:
+        device_check.reraise_explained(e)
+        raise
+    result = (dq, dk, dv)
+    if sinks is not None:
+        result += (dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype),)
+    if dbias is not None:
+        result += (dbias,)
+    if tensor_grads:
+        result += (tensor_grads,)
+    return result
 
 
 def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,

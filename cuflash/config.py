@@ -148,6 +148,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel"),
     _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic"),
     _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None),
+    # Programmable attention (issue #45): version 1 of dK / dV and the dQ kernel with ProgParams.
+    _bwd("sm80_bwd_dkdv_prog", "sm80/bwd.cu", "bwd_dkdv_prog_kernel", "sm80", "kernel"),
+    _bwd("sm80_bwd_dq_prog", "sm80/bwd.cu", "bwd_dq_prog_kernel", "sm80", None),
     _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled

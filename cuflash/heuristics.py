@@ -521,6 +521,24 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 
+def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant) -> BwdConfigs:
+    """Programmable attention's backward (issue #45): the preprocess, the portable dK / dV kernel version 1 and the
+    dQ kernel, as the deterministic mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass
+    alone), in their programmable families; head dims up to MAX_HEAD_DIM."""
+    from dataclasses import replace
+
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {MAX_HEAD_DIM} in the "
+                         f"backward so far, got {head_dim}")
+    bucket = head_dim_bucket(head_dim)
+    size = smem_class(cc)
+    dkdv = KernelConfig("sm80_bwd_dkdv_prog", dtype, bucket, causal, *_SM80_BWD_DKDV[size][bucket], variant)
+    qm, qn, qw = _SM80_BWD_DQ[size][bucket]
+    # At most 64 keys a step: S of 128 keys beside the bias's reads spilled (d32).
+    dq = KernelConfig("sm80_bwd_dq_prog", dtype, bucket, causal, qm, min(qn, 64), qw, variant)
+    return BwdConfigs(_aux_config("bwd_preprocess", dtype), dkdv, dq, None)
+
+
 # The Hopper backward of the large head dims (kernels_cu/sm90/bwd_split.cu): one kernel per gradient, 64 rows.
 SPLIT_BWD_PRODUCTS = ("dv", "dk", "dq")
 

@@ -98,7 +98,8 @@ PROG_PARAMS = _struct(
        ("kv_tiles_batch_stride", _I64), ("kv_tiles_head_stride", _I64), ("q_tiles_batch_stride", _I64),
        ("q_tiles_head_stride", _I64), ("q_tiles", _I32), ("kv_tiles", _I32), ("block_mask", _P),
        ("block_mask_batch_stride", _I64), ("block_mask_head_stride", _I64), ("block_mask_row_stride", _I64),
-       ("block_q", _I32), ("block_k", _I32)]
+       ("block_q", _I32), ("block_k", _I32), ("tile_state", _P), ("tile_state_batch_stride", _I64),
+       ("tile_state_head_stride", _I64)]
     + [(f"mod_tensor{i}", _P) for i in range(MOD_TENSOR_SLOTS)]
     + [(f"mod_grad{i}", _P) for i in range(MOD_TENSOR_SLOTS)]
 )

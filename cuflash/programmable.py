@@ -24,6 +24,7 @@ class ProgArgs:
     """A call's programmable arguments after their checks (device arrays as given or made usable)."""
 
     bias: Any = None                  # CuPy array viewed as 4-D (batch, heads_q, seqlen_q, seqlen_k), 0-strides
+    bias_shape: Tuple[int, ...] = ()  # the bias's own shape (dbias's)
     dropout_p: float = 0.0
     seed: int = 0
     offset: int = 0
@@ -132,7 +133,7 @@ def check_arguments(q, *, bias=None, dropout_p=0.0, seed=None, offset=0, block_m
         if mods.key not in _checked_modifiers:
             mods.check_compiles()
             _checked_modifiers.add(mods.key)
-    return ProgArgs(b4, p, seed_, offset_, state, mask, bs, mods)
+    return ProgArgs(b4, () if bias is None else tuple(bias.shape), p, seed_, offset_, state, mask, bs, mods)
 
 
 MASK_TILES_WARPS = 4
@@ -275,3 +276,116 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (extra,))
     for x in keep:   # made for this launch: alive until it has run, captured graphs included
         capture.keep_if_capturing(x)
+
+
+def _tile_state(prog: ProgArgs, coverage, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
+    """The backward's dK / dV tiles' states (uint8 (B', H', query tiles, key tiles): 0 hidden, 1 elements to test,
+    2 shown whole) from the block mask and the mask modifier's ``coverage`` at those tiles; None without either."""
+    if prog.block_mask is None and coverage is None:
+        return None
+    if prog.block_mask is not None:
+        any_on, all_on = block_sparse.tile_coverage(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m,
+                                                    block_n)
+        if coverage is not None:
+            any_on, all_on = any_on & coverage[0], all_on & coverage[1]
+    else:
+        any_on, all_on = coverage
+    return any_on.astype(np.uint8) + all_on.astype(np.uint8)
+
+
+def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, causal: bool, scale: float, dims,
+                    device_id: int, opts, var, dlse=None):
+    """The programmable backward on the current stream: the preprocess (delta), dK / dV with dbias and the
+    modifiers' tensor gradients (bwd_dkdv_prog_kernel), dQ (bwd_dq_prog_kernel). Returns (dsinks or None, dbias
+    in the bias's shape and dtype or None, {tensor name: float32 gradient} of the score modifier's tensor_grads)."""
+    import dataclasses
+
+    import cupy
+
+    from . import capture, heuristics, launch
+    from ._checks import dtype_name
+    from .api import LOG2E
+    from .dispatch import device_info, get_kernel, smem_bytes
+
+    b, nq, nk, hq, hkv, d = dims
+    variant = prog.variant(dataclasses.replace(var.kernel, sink=False))   # the backward has no sink code
+    key = ("bwd", dtype_name(q.dtype), d, causal, variant, device_id, opts.token)
+    plan = _plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id)
+        cfgs = heuristics.prog_bwd_configs(dtype_name(q.dtype), d, causal, cc, variant)
+        plan = _plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
+                                    smem_bytes(c, device_id, opts.nvrtc_defines))
+                                   for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq))
+    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = plan
+    delta = cupy.empty((b, hq, nq), dtype=np.float32)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
+        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
+        *params.element_strides(dk), *params.element_strides(dv),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
+        *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
+    # dbias: float32 sums in the bias's own (4-D) shape, broadcast dims at stride 0; then its dtype and shape.
+    dbias_accum = None
+    extra_fields = {}
+    if prog.bias is not None:
+        compact = (1,) * (4 - len(prog.bias_shape)) + prog.bias_shape
+        dbias_accum = cupy.zeros(compact, dtype=np.float32)
+        strides = [0 if n == 1 else st // 4 for n, st in zip(compact, dbias_accum.strides)]
+        extra_fields.update(dbias_accum=dbias_accum.data.ptr, dbias_batch_stride=strides[0],
+                            dbias_head_stride=strides[1], dbias_row_stride=strides[2], dbias_col_stride=strides[3])
+    grads = {}
+    if prog.modifiers is not None and prog.modifiers.score_mod is not None:
+        names = list(prog.modifiers.slots)
+        for name in prog.modifiers.score_mod.tensor_grads:
+            t = prog.modifiers.slots[name]
+            grads[name] = cupy.zeros(t.shape, dtype=np.float32)
+            extra_fields[f"mod_grad{names.index(name)}"] = grads[name].data.ptr
+    keep: list = [delta, dbias_accum]
+
+    def coverage_at(cfg):
+        if prog.modifiers is None or not prog.modifiers.has_mask_mod:
+            return None
+        return mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
+                                 block_n=cfg.block_n, device_id=device_id, opts=opts)
+
+    # dK / dV: the tiles' states at its tiles; dQ: the key-tile lists at its tiles.
+    kcov = coverage_at(kcfg)
+    state = _tile_state(prog, kcov, nq, nk, kcfg.block_m, kcfg.block_n)
+    fields = dict(extra_fields)
+    if state is not None:
+        keep.append(state)
+        fields.update(tile_state=state.data.ptr, q_tiles=state.shape[2], kv_tiles=state.shape[3],
+                      tile_state_batch_stride=_stride(state.shape, 0, state.shape[1] * state.shape[2] * state.shape[3]),
+                      tile_state_head_stride=_stride(state.shape, 1, state.shape[2] * state.shape[3]))
+    pp_dkdv = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=kcfg.block_m, block_n=kcfg.block_n,
+                                       keep=keep, coverage=kcov), fields)
+    pp_dq = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=qcfg.block_m, block_n=qcfg.block_n,
+                                     keep=keep, coverage=coverage_at(qcfg)), extra_fields)
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
+    dsinks = None
+    if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
+        dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
+    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(pp_dkdv),))
+    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(pp_dq),))
+    capture.keep_if_capturing(*keep)
+    dbias = None
+    if dbias_accum is not None:
+        dbias = dbias_accum.reshape(prog.bias_shape).astype(prog.bias.dtype)
+    return dsinks, dbias, grads
+
+
+def _v(blob: bytes) -> np.ndarray:
+    return np.frombuffer(blob, dtype=f"V{len(blob)}")
+
+
+def _with_fields(blob: bytes, fields: dict) -> bytes:
+    """ProgParams bytes with ``fields`` set."""
+    if not fields:
+        return blob
+    rec = np.frombuffer(blob, dtype=params.PROG_PARAMS).copy()
+    for name, value in fields.items():
+        rec[name] = value
+    return rec.tobytes()

@@ -36,6 +36,39 @@ def configs() -> list:
     return list({c.key(): c for c in out}.values())
 
 
+def bwd_configs() -> list:
+    """The backward's dK / dV and dQ kernels (sinks are the forward's alone) at every bucket up to 256."""
+    from dataclasses import replace
+
+    out = []
+    for name, var in VARIANTS.items():
+        var = replace(var, sink=False)
+        for d in (32, 64, 96, 128, 192, 256):
+            for causal in (False, True):
+                if name in ("dropout", "sparse_mods") and (causal or d in (32, 96, 192)):
+                    continue
+                out += heuristics.prog_bwd_configs("float16" if name == "all" else "bfloat16", d, causal, 80,
+                                                   var).all()[1:]
+    return list({c.key(): c for c in out}.values())
+
+
+def test_programmable_backward_compiles_without_spills():
+    cfgs = bwd_configs()
+    assert len(cfgs) >= 40 and {c.family for c in cfgs} == {"sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"}
+    assert_all_compile(cfgs, "80")
+
+
+def test_programmable_backward_tiles_fit_their_devices():
+    """The portable backward's tables per shared-memory class: the A100's 163 KB and the 99 KB of sm_86 / sm_89."""
+    from dataclasses import replace
+
+    for cc, limit in ((80, 166912), (86, 101376)):
+        for d in (64, 128, 256):
+            cfgs = heuristics.prog_bwd_configs("bfloat16", d, True, cc, replace(VARIANTS["all"], sink=False)).all()[1:]
+            for cfg, smem in kernel_smem(cfgs, "80").items():
+                assert smem <= limit, (cfg.key(), smem)
+
+
 def test_programmable_forward_compiles_without_spills():
     cfgs = configs()
     assert len(cfgs) >= 30

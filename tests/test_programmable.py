@@ -241,3 +241,127 @@ def test_mask_modifier_tile_states_match_the_host(rng, per_head):
                 for n in range(8):
                     tile = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
                     assert bool(any_on[bi, hi, m, n]) == bool(tile.any()) and bool(all_on[bi, hi, m, n]) == bool(tile.all())
+
+
+def _check_backward(rng, q, k, v, dtype: str, ref_kwargs: dict, *, dbias_of=None, tensor_refs=None, **kwargs):
+    """cuflash.backward with programmable ``kwargs`` against attention_reference_backward(**ref_kwargs): dq, dk,
+    dv, dbias (dbias_of: the bias, whose gradient comes back in its shape and dtype) and the modifiers' tensor
+    gradients (tensor_refs: name -> the reference's accumulated array, filled by its dscore_hook)."""
+    import cupy
+    import cuflash
+    from conftest import BWD_TOL, assert_grads_close_on_every_row
+    from cuflash.reference import attention_reference_backward
+
+    o, lse = cuflash.forward(q, k, v, return_lse=True, **kwargs)
+    dout = randn(rng, o.shape, dtype)
+    bufs = [poisoned(x.shape, dtype) for x in (q, k, v)]
+    grads = cuflash.backward(dout, q, k, v, o, lse, dq=bufs[0], dk=bufs[1], dv=bufs[2], **kwargs)
+    cupy.cuda.get_current_stream().synchronize()
+    refs = attention_reference_backward(dout, q, k, v, **ref_kwargs)
+    assert_grads_close_on_every_row(("dq", "dk", "dv"), grads[:3], refs[:3], dtype, BWD_TOL)
+    rest = list(grads[3:])
+    if dbias_of is not None:
+        dbias = rest.pop(0)
+        assert dbias.shape == dbias_of.shape and dbias.dtype == dbias_of.dtype
+        assert_grads_close_on_every_row(("dbias",), [dbias.astype(cupy.float64)], [refs[3]], dtype, BWD_TOL,
+                                        per_row=False)
+    if tensor_refs:
+        got = rest.pop(0)
+        for name, ref in tensor_refs.items():
+            assert_grads_close_on_every_row((f"d_{name}",), [got[name].reshape(ref.shape)], [ref], dtype, BWD_TOL,
+                                            per_row=False)
+    assert not rest
+
+
+@pytest.mark.parametrize("bias_shape", ["1hqk", "b11k", "bhqk", "bh1k"])
+@pytest.mark.parametrize("shape_name,dtype,bias_dtype", [("square", "float16", "float32"),
+                                                         ("kv_longer", "bfloat16", "bfloat16"),
+                                                         ("q_longer", "bfloat16", "float32")])
+def test_bias_backward(rng, bias_shape, shape_name, dtype, bias_dtype):
+    import cupy
+    from conftest import dtype_of
+
+    q, k, v = _inputs(rng, shape_name, dtype)
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    dims = {"b": b, "h": hq, "q": nq, "k": nk, "1": 1}
+    shape = tuple(dims[c] for c in bias_shape)
+    bias = cupy.asarray(rng.normal(0, 2, shape).astype(np.float32).astype(dtype_of(bias_dtype)))
+    for causal in (False, True):
+        _check_backward(rng, q, k, v, dtype, dict(bias=bias.get().astype(np.float64), causal=causal), dbias_of=bias,
+                        bias=bias, causal=causal)
+
+
+@pytest.mark.parametrize("shape_name,dtype", [("square", "float16"), ("q_longer", "bfloat16")])
+def test_dropout_backward(rng, shape_name, dtype):
+    import cuflash
+
+    q, k, v = _inputs(rng, shape_name, dtype)
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    keep = cuflash.dropout_keep_mask(17, 4, b, hq, nq, nk, 0.2)
+    for causal in (False, True):
+        _check_backward(rng, q, k, v, dtype, dict(dropout_p=0.2, dropout_mask=keep, causal=causal), dropout_p=0.2,
+                        seed=17, offset=4, causal=causal)
+
+
+def test_block_mask_backward(rng):
+    import cupy
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, "kv_longer", "bfloat16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    blocks = rng.random((b, hq) + block_grid(nq, nk, (32, 48))) < 0.5
+    _check_backward(rng, q, k, v, "bfloat16", dict(block_mask=blocks, block_size=(32, 48), causal=True),
+                    block_mask=cupy.asarray(blocks), block_size=(32, 48), causal=True)
+
+
+def test_modifiers_backward_with_the_tables_gradient(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "float16")
+    hq, nq = q.shape[2], q.shape[1]
+    table = rng.normal(0, 1, (hq, 64)).astype(np.float32)
+    docs = np.sort(rng.integers(0, 6, nq)).astype(np.int32)
+    score = cuflash.ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
+                             tensors={"table": cupy.asarray(table)},
+                             tensor_grads={"table": "atomicAdd(&d_table[h * 64 + min(abs(q_idx - kv_idx), 63)], dscore);"})
+    mask = cuflash.MaskMod("return docs[q_idx] == docs[kv_idx];", tensors={"docs": cupy.asarray(docs)}, per_batch=False,
+                           per_head=False)
+    dtable = np.zeros_like(table, dtype=np.float64)
+
+    def hook(ds, b, h, qi, ki):
+        np.add.at(dtable[h], np.broadcast_to(np.minimum(np.abs(qi - ki), 63), ds.shape), ds)
+
+    ref = dict(score_mod=lambda s, b, h, qi, ki: s + table[h][np.minimum(np.abs(qi - ki), 63)],
+               score_mod_grad=lambda s, *a: np.ones_like(s), dscore_hook=hook,
+               mask_mod=lambda b, h, qi, ki: docs[qi] == docs[ki], causal=True)
+    _check_backward(rng, q, k, v, "float16", ref, tensor_refs={"table": dtable}, score_mod=score, mask_mod=mask,
+                    causal=True)
+
+
+def test_softcap_as_a_score_modifier_backward(rng):
+    """A nonlinear modifier's derivative (grad) through the backward, against the built-in softcap's reference."""
+    import cuflash
+
+    q, k, v = _inputs(rng, "q_longer", "bfloat16")
+    mod = cuflash.ScoreMod("return 3.f * tanhf(score / 3.f);", grad="float t = tanhf(score / 3.f);\nreturn 1.f - t * t;")
+    _check_backward(rng, q, k, v, "bfloat16", dict(softcap=3.0, causal=True), score_mod=mod, causal=True)
+
+
+def test_everything_backward(rng):
+    import cupy
+    import cuflash
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, "square", "bfloat16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    bias = cupy.asarray(rng.normal(0, 1, (1, hq, nq, nk)).astype(np.float32))
+    blocks = rng.random((1, hq) + block_grid(nq, nk, 64)) < 0.7
+    keep = cuflash.dropout_keep_mask(9, 1, b, hq, nq, nk, 0.15)
+    slopes = cupy.asarray(rng.uniform(0.01, 0.2, hq).astype(np.float32))
+    kw = dict(causal=True, window_size=(100, 0), softcap=4.0)
+    _check_backward(rng, q, k, v, "bfloat16",
+                    dict(bias=bias.get(), block_mask=blocks, block_size=64, dropout_p=0.15, dropout_mask=keep,
+                         alibi_slopes=slopes.get(), **kw),
+                    dbias_of=bias, bias=bias, block_mask=cupy.asarray(blocks), block_size=64, dropout_p=0.15, seed=9,
+                    offset=1, alibi_slopes=slopes, **kw)

@@ -134,3 +134,30 @@ def test_tile_lists_combine_the_block_mask_and_the_mask_modifiers_coverage():
     alone = programmable._tile_lists(programmable.ProgArgs(), nq, nk, bm, bn, (cov_any, cov_all))
     for x, y in zip(alone, block_sparse.lists_from_coverage(cov_any, cov_all)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_the_backward_checks_then_refuses_until_enabled(device_forbidden):
+    import cuflash
+    from cuflash import ScoreMod
+
+    q, k, v = _qkv()
+    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
+    lse = arr((B, HQ, NQ), np.float32)
+    with pytest.raises(ValueError, match="bias must broadcast"):
+        cuflash.backward(dout, q, k, v, out, lse, bias=arr((3, NK), np.float32))
+    with pytest.raises(ValueError, match="needs its grad"):
+        cuflash.backward(dout, q, k, v, out, lse, score_mod=ScoreMod("return score * 2.f;"))
+    with pytest.raises(ValueError, match="CUFLASH_PROGRAMMABLE=1"):
+        cuflash.backward(dout, q, k, v, out, lse, dropout_p=0.1, seed=3)
+    big = arr((B, NQ, HQ, 320), np.float16), arr((B, NK, HKV, 320), np.float16)
+    with pytest.raises(ValueError, match="head dims up to 256 in the backward"):
+        cuflash.backward(arr((B, NQ, HQ, 320), np.float16), big[0], big[1], big[1], arr((B, NQ, HQ, 320), np.float16),
+                         lse, dropout_p=0.1, seed=3)
+
+
+def test_backward_configuration():
+    var = MaskVariant(bias="float16", dropout=True)
+    for cc in (80, 86, 90):
+        cfgs = heuristics.prog_bwd_configs("float16", 128, True, cc, var)
+        assert (cfgs.dkdv.family, cfgs.dq.family, cfgs.postprocess) == ("sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog", None)
+        assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<f16_tag, 128")

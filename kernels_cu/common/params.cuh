@@ -248,6 +248,10 @@ struct ProgParams {
     const unsigned char* block_mask;           // the user's block mask (bool), for the tiles it covers in part
     i64 block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride;
     int block_q, block_k;                      // its block size
+    // The backward's dK / dV pass: each (b, h, query tile, key tile)'s state, 0 (hidden: contributes nothing),
+    // 1 (elements to test), 2 (shown whole), at b * batch_stride + h * head_stride + m * kv_tiles + n; null: 2.
+    const unsigned char* tile_state;
+    i64 tile_state_batch_stride, tile_state_head_stride;
     // User modifiers' tensors (cuflash.ScoreMod / MaskMod, generated code reads them by name) and the float32
     // gradients of those that have one.
     const void* mod_tensor0;

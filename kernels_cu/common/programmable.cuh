@@ -135,6 +135,14 @@ struct KeyTiles<Mask, Variant, true> {
     __device__ __forceinline__ bool partial(int n) const { return list[entries - 1 - n] < 0; }
 };
 
+// The backward's state of tile (m_block, n_block) of (batch, head): 0 hidden, 1 elements to test, 2 shown whole
+// (ProgParams.tile_state; none: 2).
+__device__ __forceinline__ int prog_tile_state(const ProgParams& pp, int batch, int head, int m_block, int n_block) {
+    if (pp.tile_state == nullptr) return 2;
+    return pp.tile_state[batch * pp.tile_state_batch_stride + head * pp.tile_state_head_stride
+                         + static_cast<i64>(m_block) * pp.kv_tiles + n_block];
+}
+
 // Dropout of one (batch, head): the keep flags of the 8 elements one lane holds of a 16 x 16 score block whose
 // first row and column are row0 and col0 (multiples of 16), lane (g, c) = (lane / 4, lane % 4): bit slot s as
 // common/philox.cuh numbers them (s = (e >> 1) * 4 + jb * 2 + (e & 1) for accumulator element e of the block's
@@ -148,4 +156,12 @@ struct DropoutLanes {
         return stream.unit_keep(static_cast<unsigned>((row0 >> 4) * 8 + g), static_cast<unsigned>((col0 >> 4) * 4 + c));
     }
     static __device__ __forceinline__ int slot(int jb, int e) { return (e >> 1) * 4 + jb * 2 + (e & 1); }
+
+    // The transposed layout (S^T: keys as rows, a lane holding keys g, g + 8 and queries 2c, 2c + 1, 8 + 2c,
+    // 9 + 2c of a 16 x 16 block whose first query and key are i0 and j0): its flags come from two units, one per
+    // query parity e1; element (query half qh, key half h, parity e1) is bit t_slot(qh, h, g) of call e1.
+    __device__ __forceinline__ unsigned block_keep_t(int i0, int j0, int g, int c, int e1) const {
+        return stream.unit_keep(static_cast<unsigned>((i0 >> 4) * 8 + 2 * c + e1), static_cast<unsigned>((j0 >> 4) * 4 + (g >> 1)));
+    }
+    static __device__ __forceinline__ int t_slot(int qh, int h, int g) { return qh * 4 + h * 2 + (g & 1); }
 };

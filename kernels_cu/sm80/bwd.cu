@@ -27,6 +27,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/programmable.cuh"
 #include "../common/varlen.cuh"
 #include "../common/bwd_math.cuh"
 #include "mma.cuh"
@@ -221,13 +222,24 @@ struct BwdDkdvThread {
     // (16-bit, [key][query]). Element (t, n, e) of the accumulators: key row1 + t*16 + g + (e>>1)*8,
     // query col1 + n*8 + 2*t4 + (e&1). kStatPairs: lse2 / delta pairs read as one float2 each.
     // head: the query head (the score modifier's ALiBi slope).
+    // pp: programmable attention's parameters (Variant::kProg; else null): the bias, the user's modifiers and
+    // the tile's state under block sparsity on the scores, dropout on P (sP holds the dropped P that dV takes,
+    // dS the gradient through the dropped dP), dbias and the modifiers' tensor gradients accumulated.
     template <bool kStatPairs>
     __device__ __forceinline__ void store_p_ds(const float (&acc_s)[kMT1][kNT1][4], const float (&acc_dp)[kMT1][kNT1][4],
                                                const float* sLse2, const float* sDelta, int head, int m_block,
-                                               u16* sP, u16* sdS) const {
+                                               u16* sP, u16* sdS, const ProgParams* pp = nullptr) const {
         const int m0 = m_block * kBlockM;
         const bool mask = Mask(p).needs_mask(m_block, n_block);
         const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
+        int state = 2;                    // programmable: the tile's state (common/programmable.cuh)
+        unsigned keep_pairs[kMT1][2];     // dropout: the two units of each 16 x 16 block (kept from even n)
+        float dbias_rows[kMT1][2];        // a bias broadcast over the queries: each key row's sum
+        if constexpr (Variant::kBlockSparse) state = prog_tile_state(*pp, batch, head, m_block, n_block);
+        if constexpr (Variant::kBias) {
+#pragma unroll
+            for (int t = 0; t < kMT1; ++t) dbias_rows[t][0] = dbias_rows[t][1] = 0.f;
+        }
 #pragma unroll
         for (int n = 0; n < kNT1; ++n) {
             const int qc = col1 + n * 8 + 2 * t4;
@@ -238,6 +250,16 @@ struct BwdDkdvThread {
             } else {
                 l = make_float2(sLse2[qc], sLse2[qc + 1]);
                 d = make_float2(sDelta[qc], sDelta[qc + 1]);
+            }
+            if constexpr (Variant::kDropout) {
+                if ((n & 1) == 0) {
+                    const DropoutLanes lanes(*pp, batch, p.heads_q, head);
+#pragma unroll
+                    for (int t = 0; t < kMT1; ++t)
+#pragma unroll
+                        for (int e1 = 0; e1 < 2; ++e1)
+                            keep_pairs[t][e1] = lanes.block_keep_t(m0 + col1 + n * 8, n0 + row1 + t * 16, g, t4, e1);
+                }
             }
 #pragma unroll
             for (int t = 0; t < kMT1; ++t) {
@@ -252,6 +274,13 @@ struct BwdDkdvThread {
                         s0 = mod.modify_score(s0, m0 + qc, n0 + kr);
                         s1 = mod.modify_score(s1, m0 + qc + 1, n0 + kr);
                     }
+                    const float base0 = s0, base1 = s1;   // after the built-in modifiers
+                    float ugrad0 = 1.f, ugrad1 = 1.f;     // programmable: the user score modifier's derivatives
+                    if constexpr (Variant::kProg) {
+                        const ProgPolicy<Variant> prog(*pp, batch, head, p.softmax_scale);
+                        s0 = prog_score(prog, s0, m0 + qc, n0 + kr, ugrad0);
+                        s1 = prog_score(prog, s1, m0 + qc + 1, n0 + kr, ugrad1);
+                    }
                     float p0 = bwd_prob(s0, p.scale_log2, l.x);
                     float p1 = bwd_prob(s1, p.scale_log2, l.y);
                     if (mask) {
@@ -260,8 +289,17 @@ struct BwdDkdvThread {
                         if (!Mask(p).visible(m0 + qc, n0 + kr)) p0 = 0.f;
                         if (!Mask(p).visible(m0 + qc + 1, n0 + kr)) p1 = 0.f;
                     }
-                    float ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
-                    float ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                    float ds0, ds1;
+                    if constexpr (Variant::kProg) {
+                        const ProgPolicy<Variant> prog(*pp, batch, head, p.softmax_scale);
+                        ds0 = prog_element_t(prog, base0, ugrad0, p0, acc_dp[t][n][2 * h], d.x, state, m0 + qc,
+                                             n0 + kr, n & 1, h, keep_pairs[t][0], dbias_rows[t][h]);
+                        ds1 = prog_element_t(prog, base1, ugrad1, p1, acc_dp[t][n][2 * h + 1], d.y, state, m0 + qc + 1,
+                                             n0 + kr, n & 1, h, keep_pairs[t][1], dbias_rows[t][h]);
+                    } else {
+                        ds0 = p0 * (acc_dp[t][n][2 * h] - d.x);
+                        ds1 = p1 * (acc_dp[t][n][2 * h + 1] - d.y);
+                    }
                     if constexpr (Mask::kHasScoreMod) {
                         ds0 *= grad0;
                         ds1 *= grad1;
@@ -271,6 +309,84 @@ struct BwdDkdvThread {
                 }
             }
         }
+        if constexpr (Variant::kBias) {   // a bias broadcast over the queries: one add per key row and warp column
+            if (pp->dbias_row_stride == 0) {
+#pragma unroll
+                for (int t = 0; t < kMT1; ++t)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float sum = dbias_rows[t][h];
+                        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+                        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+                        const int key = n0 + row1 + t * 16 + g + h * 8;
+                        if (t4 == 0 && key < p.seqlen_k)
+                            atomicAdd(pp->dbias_accum + batch * pp->dbias_batch_stride + head * pp->dbias_head_stride
+                                      + key * pp->dbias_col_stride, sum);
+                    }
+            }
+        }
+    }
+
+    // Programmable attention's score at one element (query q, key k): the score after the built-in modifiers with
+    // the bias and the user's score modifier (ugrad: the latter's derivative), inside the sequences.
+    __device__ __forceinline__ float prog_score(const ProgPolicy<Variant>& prog, float s, int q, int k,
+                                                float& ugrad) const {
+        using Mods = typename Variant::Mods;
+        if constexpr (Variant::kBias || Mods::kScoreMod) {
+            if (q < p.seqlen_q && k < p.seqlen_k) {
+                const i64 row_at = Variant::kBias ? prog.bias_row(q) : 0;
+                if constexpr (Variant::kBias) s = fmaf(prog.bias(row_at, k), prog.inv_scale, s);
+                if constexpr (Mods::kScoreMod) {
+                    if constexpr (Mods::kScoreGrad)
+                        ugrad = Mods(prog.pp).score_grad(s * prog.scale, batch, prog.head, q, k);
+                    s = Mods(prog.pp).score_mod(s * prog.scale, batch, prog.head, q, k) * prog.inv_scale;
+                }
+            }
+        }
+        return s;
+    }
+
+    // Programmable attention's rest at one element of S^T (query q, key k; base: its score after the built-in
+    // modifiers; p_io its probability, the built-in masks applied): the tile's hidden elements, dropout (p_io
+    // becomes the dropped probability that dV takes), the modifiers' tensor gradients and dbias (per element, or into
+    // row_sum where the bias is broadcast over the queries). Returns dS before the built-in modifiers' derivative.
+    __device__ __forceinline__ float prog_element_t(const ProgPolicy<Variant>& prog, float base, float ugrad,
+                                                    float& p_io, float dp, float delta, int state, int q, int k, int qh,
+                                                    int h, unsigned keep_bits, float& row_sum) const {
+        using Mods = typename Variant::Mods;
+        const ProgParams& pp = prog.pp;
+        const bool inside = q < p.seqlen_q && k < p.seqlen_k;
+        float pr = p_io;
+        if constexpr (Variant::kBlockSparse) {
+            if (state == 0 || (state == 1 && !(inside && prog.visible(q, k)))) pr = 0.f;
+        }
+        float dpd = dp, pd = pr;
+        if constexpr (Variant::kDropout) {
+            const bool keep = (keep_bits >> DropoutLanes::t_slot(qh, h, g)) & 1u;
+            dpd = keep ? dp * pp.dropout_scale : 0.f;
+            pd = keep ? pr * pp.dropout_scale : 0.f;
+        }
+        const float dscore = pr * (dpd - delta);   // the gradient of the modifier's output
+        if constexpr (Mods::kTensorGrads) {
+            if (inside && pr != 0.f) {
+                float in = base;   // the modifier's input: the scaled score after the bias
+                if constexpr (Variant::kBias) in = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, in);
+                Mods(pp).tensor_grads(in * prog.scale, dscore, batch, prog.head, q, k);
+            }
+        }
+        const float ds = dscore * ugrad;           // of the score after the bias: dbias
+        if constexpr (Variant::kBias) {
+            if (inside) {
+                if (pp.dbias_row_stride == 0) {
+                    row_sum += ds;
+                } else {
+                    atomicAdd(pp.dbias_accum + batch * pp.dbias_batch_stride + prog.head * pp.dbias_head_stride
+                              + q * pp.dbias_row_stride + k * pp.dbias_col_stride, ds);
+                }
+            }
+        }
+        p_io = pd;
+        return ds;
     }
 
     // dq_accum[query tile (head, m_block)] += dS K; A = dS (query x key), read from dS^T
@@ -360,8 +476,9 @@ struct BwdDkdvTile
     static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
 };
 
+// pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, bool kAtomicDq>
-__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p, const ProgParams* pp = nullptr) {
     using Tile = BwdDkdvTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideP = Tile::kStrideP;
@@ -411,7 +528,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
             zero_acc(acc_dp);
             th.template key_query_product<kBwdKkUnroll>(acc_dp, sV, sdO);  // dP^T = V dO^T
 
-            th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, head, m_block, sP, sdS);
+            th.template store_p_ds<false>(acc_s, acc_dp, sLse2, sDelta, head, m_block, sP, sdS, pp);
             __syncthreads();  // P^T, dS^T complete; every warp is done with sLse2/sDelta
 
             th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
@@ -452,6 +569,17 @@ bwd_dkdv_dq_kernel(const BwdParams p) {
     });
 }
 
+// Programmable attention (Variant: a ProgVariant): dK / dV (dQ by bwd_dq_prog_kernel), dbias and the modifiers'
+// tensor gradients.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv_prog_kernel(const BwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "bwd_dkdv_prog_kernel takes a ProgVariant");
+    on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [&pp](const BwdParams& ps) {
+        bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(ps, &pp);
+    });
+}
+
 // ---------------------------------------------------------------------------
 // dQ kernel (deterministic mode): one CTA per (query tile, head, batch); each
 // warp owns kMTiles 16-row slices of the query tile (as the forward). Per key
@@ -478,8 +606,25 @@ struct BwdDqTile {
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
+// Programmable attention's score at one element of the dQ kernel's S (query q, key k): the bias and the user's
+// score modifier (ugrad: its derivative) on the score after the built-in modifiers, inside the sequences.
+template <class Variant>
+__device__ __forceinline__ float prog_score_dq(const ProgPolicy<Variant>& prog, const BwdParams& p, float s, int q, int k,
+                                               float& ugrad) {
+    using Mods = typename Variant::Mods;
+    if (q < p.seqlen_q && k < p.seqlen_k) {
+        if constexpr (Variant::kBias) s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
+        if constexpr (Mods::kScoreMod) {
+            if constexpr (Mods::kScoreGrad) ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
+            s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
+        }
+    }
+    return s;
+}
+
+// pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams* pp = nullptr) {
     using Tile = BwdDqTile<kHeadDim, kBlockM, kBlockN, kNWarps>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     using Mma = Mma16816<Tag>;
@@ -548,16 +693,20 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     };
 
     // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
-    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end.
-    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
-    const int n_block_max = Mask(p).n_block_max(m_block);
+    // a constant where the policy never skips leading tiles, so that the loop bounds fold in the front end. With
+    // block sparsity the loop walks positions in the query tile's list (KeyTiles, as the forward's).
+    const KeyTiles<Mask, Variant> key_tiles(pp, batch, head, m_block, p);
+    const int n_block_min = Mask::kLocal && !Variant::kBlockSparse ? Mask(p).n_block_min(m_block) : 0;
+    const int n_block_max = Variant::kBlockSparse ? key_tiles.count() : Mask(p).n_block_max(m_block);
     if (n_block_max > n_block_min) {
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
-        load_key_tile(sV, gV, p.v_row_stride, (n_block_max - 1) * kBlockN);
+        load_key_tile(sV, gV, p.v_row_stride,
+                      (Variant::kBlockSparse ? key_tiles.tile(n_block_max - 1) : n_block_max - 1) * kBlockN);
         cp_async_commit();
 
-        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+        for (int position = n_block_max - 1; position >= n_block_min; --position) {
+            const int n_block = key_tiles.tile(position);
             const int n0 = n_block * kBlockN;
             cp_async_wait<0>();
             __syncthreads();  // Q, dO, V_n landed; every warp is done reading K_{n+1}
@@ -569,8 +718,9 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
 
             cp_async_wait<0>();
             __syncthreads();  // K_n landed; every warp is done reading V_n
-            if (n_block > n_block_min) {
-                load_key_tile(sV, gV, p.v_row_stride, n0 - kBlockN);
+            if (position > n_block_min) {
+                load_key_tile(sV, gV, p.v_row_stride,
+                              Variant::kBlockSparse ? key_tiles.tile(position - 1) * kBlockN : n0 - kBlockN);
                 cp_async_commit();
             }
 
@@ -580,6 +730,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
             // dS = P * (dP - delta), in place in acc_s.
             const bool mask = Mask(p).needs_mask(m_block, n_block);
             const Mask mod(p, batch, head);   // the score modifier (unused, so not built, without one)
+            unsigned keep_blocks[kMTiles];    // dropout: each 16 x 16 block's flags (from even n)
             // A window's bounds once per row (MaskPolicy::row_keys).
             int lo[2 * kMTiles], hi[2 * kMTiles];
             if constexpr (Mask::kLocal) {
@@ -603,6 +754,11 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
                             grad = mod.score_derivative(sv, row, col);
                             sv = mod.modify_score(sv, row, col);
                         }
+                        float ugrad = 1.f;   // programmable: the user score modifier's derivative
+                        if constexpr (Variant::kProg)
+                            sv = prog_score_dq(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv,
+                                               m0 + warp_row0 + t * 16 + g + (e >> 1) * 8,
+                                               n0 + n * 8 + 2 * t4 + (e & 1), ugrad);
                         float pv = bwd_prob(sv, p.scale_log2, lse2[r]);
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
@@ -613,8 +769,27 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
                                 if (!Mask(p).visible(row, col)) pv = 0.f;
                             }
                         }
+                        float dpv = acc_dp[t][n][e];
+                        if constexpr (Variant::kProg) {   // hidden elements, dropout (keep_pairs: even n's units)
+                            const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + n * 8 + 2 * t4 + (e & 1);
+                            if constexpr (Variant::kBlockSparse) {
+                                if (key_tiles.partial(position)
+                                    && !(row < p.seqlen_q && col < p.seqlen_k
+                                         && ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale).visible(row, col)))
+                                    pv = 0.f;
+                            }
+                            if constexpr (Variant::kDropout) {
+                                if ((n & 1) == 0 && e == 0)
+                                    keep_blocks[t] = DropoutLanes(*pp, batch, p.heads_q, head).block_keep(
+                                        m0 + warp_row0 + t * 16, n0 + n * 8, g, t4);
+                                dpv = (keep_blocks[t] >> DropoutLanes::slot(n & 1, e)) & 1u ? dpv * pp->dropout_scale
+                                                                                              : 0.f;
+                            }
+                            pv *= ugrad;
+                        }
                         if constexpr (Mask::kHasScoreMod) pv *= grad;   // dS = P dP' * (d modified / d score)
-                        acc_s[t][n][e] = pv * (acc_dp[t][n][e] - delta[r]);
+                        acc_s[t][n][e] = pv * (dpv - delta[r]);
                     }
 
             // dQ += dS K_n, dS taken from the accumulators.
@@ -660,6 +835,17 @@ bwd_dq_kernel(const BwdParams p) {
     const int m_block = MaskPolicy<kBlockM, kBlockN, Variant>::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     on_cta_sequence<Variant::kVarlen, 2, true>(p, m_block * kBlockM, [](const BwdParams& ps) {
         bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
+    });
+}
+
+// Programmable attention (Variant: a ProgVariant): dQ.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dq_prog_kernel(const BwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "bwd_dq_prog_kernel takes a ProgVariant");
+    const int m_block = MaskPolicy<kBlockM, kBlockN, Variant>::kUnevenWork ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    on_cta_sequence<Variant::kVarlen, 2, true>(p, m_block * kBlockM, [&pp](const BwdParams& ps) {
+        bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps, &pp);
     });
 }
 
@@ -819,6 +1005,8 @@ bwd_dkdv2_dq_kernel(const BwdParams p) {
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv_kernel, BwdDkdvTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv_dq_kernel, BwdDkdvTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dq_kernel, BwdDqTile)
+CUFLASH_SM80_BWD_SMEM(bwd_dkdv_prog_kernel, BwdDkdvTile)
+CUFLASH_SM80_BWD_SMEM(bwd_dq_prog_kernel, BwdDqTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_kernel, BwdDkdvTile2)
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_dq_kernel, BwdDkdvTile2)
 #undef CUFLASH_SM80_BWD_SMEM
