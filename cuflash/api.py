@@ -160,6 +160,10 @@ def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attent
     if out is not None:
         _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
         _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
+    if prog.empty:   # e.g. a seed with dropout_p 0
+        return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                       attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                       return_lse=return_lse, out=out)
     if not opts.programmable:
         raise ValueError("bias, dropout, block masks and modifiers run on kernels that are built but not yet validated "
                          "on a GPU (issue #45); set CUFLASH_PROGRAMMABLE=1 (Options.programmable) to run them")
@@ -824,6 +828,10 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
                                         block_mask=block_mask, block_size=block_size, score_mod=score_mod,
                                         mask_mod=mask_mod, batch=b, heads_q=hq, seqlen_q=nq, seqlen_k=nk,
                                         device_id=dev)
+    if prog.empty:   # e.g. a seed with dropout_p 0
+        return backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                        attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                        dlse=dlse, deterministic=True, dq=dq, dk=dk, dv=dv)
     if score_mod is not None and score_mod.grad is None:
         raise ValueError("the backward of a score_mod needs its grad (CUDA C returning d(new score) / d(score))")
     if d > heuristics.MAX_HEAD_DIM:

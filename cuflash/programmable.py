@@ -34,6 +34,11 @@ class ProgArgs:
     modifiers: Optional[Modifiers] = None
 
     @property
+    def empty(self) -> bool:
+        """No programmable part (e.g. a seed given with dropout_p 0): the plain kernels serve."""
+        return self.bias is None and self.dropout_p == 0 and self.block_mask is None and self.modifiers is None
+
+    @property
     def block_sparse(self) -> bool:
         return self.block_mask is not None or (self.modifiers is not None and self.modifiers.has_mask_mod)
 

@@ -161,3 +161,15 @@ def test_backward_configuration():
         cfgs = heuristics.prog_bwd_configs("float16", 128, True, cc, var)
         assert (cfgs.dkdv.family, cfgs.dq.family, cfgs.postprocess) == ("sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog", None)
         assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<f16_tag, 128")
+
+
+def test_a_seed_without_dropout_is_the_plain_call(device_forbidden, monkeypatch):
+    """dropout_p 0 with a seed (a training loop's) takes the plain kernels, without the gate."""
+    import cuflash
+    from cuflash import api
+
+    q, k, v = _qkv()
+    seen = {}
+    monkeypatch.setattr(api, "_run_forward", lambda *a, **kw: seen.setdefault("plain", True))
+    cuflash.forward(q, k, v, dropout_p=0.0, seed=5)
+    assert seen == {"plain": True}
