@@ -48,6 +48,9 @@
 #              kernel, the Hopper cp.async and TMA rings), then dev/decode_ab.py A/B rows (default
 #              b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*) of the TMA ring against its switches under
 #              measurement (CUFLASH_DECODE_PDL=1, -DCUFLASH_DECODE_TMA_STAGES=4 / 5). Not part of all
+#   prog [ARGS...] : issue #45's programmable attention (CUFLASH_PROGRAMMABLE=1): its GPU tests (the forward and
+#              backward against the float64 reference: bias, dropout, block masks, modifiers), then any pytest ARGS
+#              (e.g. -k bias). Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -104,7 +107,7 @@ case $phase in
   variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
   varlen) python3 $HERE/precompile.py fwd bwd varlen_bench | tail -n 12 ;;  # a kernel that fails is named here
   large) python3 $HERE/precompile.py large | tail -n 12 ;;
-  decode|decode-ab) ;;  # the tests compile the few decode kernels they take
+  decode|decode-ab|prog) ;;  # the tests compile the few kernels they take
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -153,6 +156,11 @@ case $phase in
     python3 -m pytest -q tests/test_fwd_sm90.py -k sm90_split 2>&1 | tail -n 5 || status=1
     python3 -m cuflash --head-dims --markdown --json "$OUT/head-dims.json" "$@" 2>&1 \
       | tee "$OUT/head-dims.log" | tail -n 60 || status=1
+    ;;
+  prog)
+    CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider --require-gpu \
+      tests/test_programmable.py tests/test_programmable_host.py "$@" 2>&1 \
+      | tee "$OUT/prog-tests.log" | grep -av "arn" | tail -n 40 || status=1
     ;;
   decode-ab)
     rows=${1:-'b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*'}
