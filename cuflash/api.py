@@ -1195,15 +1195,23 @@ class AttentionVJP:
 def vjp(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0,
         softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None,
-        deterministic: bool = False) -> Tuple[ndarray, AttentionVJP]:
+        deterministic: bool = False, bias: Optional[ndarray] = None, dropout_p: float = 0.0,
+        seed: Union[int, ndarray, None] = None, offset: int = 0, block_mask: Optional[ndarray] = None,
+        block_size: Union[int, Tuple[int, int]] = 128, score_mod=None,
+        mask_mod=None) -> Tuple[ndarray, AttentionVJP]:
     """Forward pass plus its pullback, in the style of ``jax.vjp``; arguments as :func:`forward`.
 
-    ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)``.
-    The pullback keeps q, k, v, out and the log-sum-exp alive until it is dropped.
+    ``out, pullback = cuflash.vjp(q, k, v, causal=True)``, then ``dq, dk, dv = pullback(dout)`` (and what
+    :func:`backward` adds: dsinks, dbias, the modifiers' tensor gradients). The pullback keeps q, k, v, out and the
+    log-sum-exp alive until it is dropped; a dropout seed given on the device is read again by the backward, so it
+    must hold the same values then.
     """
     deterministic = _checks.check_flag("deterministic", deterministic)   # before the forward runs
     variant_args = dict(window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                         alibi_slopes=alibi_slopes, sinks=sinks)
+    if programmable.given(bias, dropout_p, seed, block_mask, score_mod, mask_mod):
+        variant_args.update(bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
+                            block_size=block_size, score_mod=score_mod, mask_mod=mask_mod)
     out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **variant_args)
     return out, AttentionVJP(q, k, v, out, lse, bool(causal), softmax_scale, deterministic, variant_args)
 

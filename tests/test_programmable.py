@@ -365,3 +365,20 @@ def test_everything_backward(rng):
                          alibi_slopes=slopes.get(), **kw),
                     dbias_of=bias, bias=bias, block_mask=cupy.asarray(blocks), block_size=64, dropout_p=0.15, seed=9,
                     offset=1, alibi_slopes=slopes, **kw)
+
+
+def test_vjp_carries_the_programmable_arguments(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "bfloat16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    bias = cupy.asarray(rng.normal(0, 1, (b, 1, 1, nk)).astype(np.float32))
+    out, pullback = cuflash.vjp(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3)
+    dout = randn(rng, out.shape, "bfloat16")
+    via_vjp = pullback(dout)
+    o, lse = cuflash.forward(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3, return_lse=True)
+    direct = cuflash.backward(dout, q, k, v, o, lse, causal=True, bias=bias, dropout_p=0.1, seed=3)
+    assert len(via_vjp) == len(direct) == 4
+    for x, y in zip(via_vjp, direct):
+        assert bool((x == y).all())

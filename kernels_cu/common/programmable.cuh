@@ -76,15 +76,6 @@ struct ProgPolicy {
         if constexpr (Mods::kScoreMod) s = Mods(pp).score_mod(s * scale, batch, head, row, col) * inv_scale;
         return s;
     }
-    // d(modified) / d(score before the bias) of an unscaled score s (the bias adds a constant).
-    __device__ __forceinline__ float score_derivative(float s, int row, int col, i64 row_at) const {
-        if constexpr (Mods::kScoreMod) {
-            if constexpr (Variant::kBias) s = fmaf(bias(row_at, col), inv_scale, s);
-            return Mods(pp).score_grad(s * scale, batch, head, row, col);
-        } else {
-            return 1.f;
-        }
-    }
     // An element of a tile the lists mark partial: the user's block covering it is on and the user's mask holds.
     __device__ __forceinline__ bool visible(int row, int col) const {
         bool on = true;
