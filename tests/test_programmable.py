@@ -380,5 +380,7 @@ def test_vjp_carries_the_programmable_arguments(rng):
     o, lse = cuflash.forward(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3, return_lse=True)
     direct = cuflash.backward(dout, q, k, v, o, lse, causal=True, bias=bias, dropout_p=0.1, seed=3)
     assert len(via_vjp) == len(direct) == 4
-    for x, y in zip(via_vjp, direct):
+    for x, y in zip(via_vjp[:3], direct[:3]):   # dq, dk, dv: no atomics, bitwise
         assert bool((x == y).all())
+    err = float(cupy.linalg.norm(via_vjp[3] - direct[3]) / cupy.linalg.norm(direct[3]))
+    assert err < 1e-5   # dbias: float32 atomics in any order
