@@ -138,12 +138,14 @@ def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attent
     the programmable kernels, where Options.programmable allows them."""
     arrays = {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes, "sinks": sinks, "bias": bias,
               "block_mask": block_mask}
-    if not (hasattr(seed, "shape") and hasattr(seed, "dtype")):
-        if interop.needs_conversion(*arrays.values()):
-            return interop.call(_forward_programmable, arrays, buffers=("out",), causal=causal,
-                                softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
-                                softcap=softcap, return_lse=return_lse, dropout_p=dropout_p, seed=seed,
-                                offset=offset, block_size=block_size, score_mod=score_mod, mask_mod=mask_mod)
+    numbers = {"seed": seed}
+    if hasattr(seed, "shape") and hasattr(seed, "dtype"):   # a device seed: an array like the others
+        arrays["seed"], numbers = seed, {}
+    if interop.needs_conversion(*arrays.values()):
+        return interop.call(_forward_programmable, arrays, buffers=("out",), causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
+                            softcap=softcap, return_lse=return_lse, dropout_p=dropout_p, offset=offset,
+                            block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, **numbers)
     opts = options.current()
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
     out_shape = (b, nq, hq, v.shape[3])
@@ -801,11 +803,14 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
               "alibi_slopes": alibi_slopes, "sinks": sinks, "dlse": dlse, "bias": bias, "block_mask": block_mask}
-    if not (hasattr(seed, "shape") and hasattr(seed, "dtype")) and interop.needs_conversion(*arrays.values()):
+    numbers = {"seed": seed}
+    if hasattr(seed, "shape") and hasattr(seed, "dtype"):   # a device seed: an array like the others
+        arrays["seed"], numbers = seed, {}
+    if interop.needs_conversion(*arrays.values()):
         return interop.call(_backward_programmable, arrays, buffers=("dq", "dk", "dv"), causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
-                            softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset, block_size=block_size,
-                            score_mod=score_mod, mask_mod=mask_mod)
+                            softcap=softcap, dropout_p=dropout_p, offset=offset, block_size=block_size,
+                            score_mod=score_mod, mask_mod=mask_mod, **numbers)
     opts = options.current()
     b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v)
     out_shape = (b, nq, hq, v.shape[3])

@@ -100,12 +100,12 @@ def _check_seed(dropout_p, seed, offset, device_id: Optional[int]):
                          "device): the backward regenerates the mask from it")
     if hasattr(seed, "dtype") and hasattr(seed, "shape"):
         state = _device_array("seed", seed, device_id)
-        if np.dtype(state.dtype) != np.dtype(np.uint64) or tuple(state.shape) != (2,):
-            raise ValueError(f"a device seed must be a uint64 array (2,) holding (seed, offset), got {state.dtype} "
-                             f"{tuple(state.shape)}")
+        if np.dtype(state.dtype) not in (np.dtype(np.uint64), np.dtype(np.int64)) or tuple(state.shape) != (2,):
+            raise ValueError(f"a device seed must be a uint64 (or int64) array (2,) holding (seed, offset), got "
+                             f"{state.dtype} {tuple(state.shape)}")
         if not state.flags.c_contiguous:
             raise ValueError("a device seed must be contiguous")
-        return p, 0, 0, state
+        return p, 0, 0, state.view(np.uint64)
     return p, philox._check_u64("seed", seed), philox._check_u64("offset", offset), None
 
 

@@ -41,7 +41,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             is made only where the last dimension is not contiguous or a stride is not a multiple of 16 bytes).
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device;
             heads_q % heads_kv == 0 (GQA / MQA); v may have a head dim of its own (the output then has it).
-        dropout_p: must be 0.0 (no dropout in cuflash's kernels).
+        dropout_p: dropout of the probabilities (cuflash.torch.attention: programmable attention's kernels,
+            behind CUFLASH_PROGRAMMABLE=1 until they are validated on a GPU; the seed is drawn from torch's CUDA
+            generator).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
         window_size: ``(left, right)`` as flash-attn (-1, or None as FA4 writes it: unbounded).
@@ -60,14 +62,16 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     Raises:
         TypeError: not torch tensors, not on a CUDA device, or an unsupported or mixed dtype; flags
             that are not bools.
-        ValueError: ``dropout_p != 0``, shapes that do not agree, an unsupported head_dim, bad variant
-            values (cuflash.forward's checks).
+        ValueError: shapes that do not agree, an unsupported head_dim, bad variant values (cuflash.forward's
+            checks).
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0: cuflash has no dropout, got {dropout_p}")
     if sinks is not None and learnable_sink is not None:
         raise ValueError("give sinks or learnable_sink (the same argument), not both")
     sinks = learnable_sink if sinks is None else sinks
+    if dropout_p != 0.0:   # programmable attention's kernels (cuflash/torch_programmable.py), deterministic
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                         attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                         dropout_p=dropout_p, return_lse=return_lse)
     head_dim = _check_inputs(q, k, v)
     scale = _checks.check_scale(softmax_scale, head_dim)
     causal = _checks.check_flag("causal", causal)
@@ -509,3 +513,7 @@ def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     b, nq, hq, _ = q.shape
     dv = kvcache.MLA_HEAD_DIMS[1] if v_cache is None else v_cache.shape[-1]
     return q.new_empty((b, nq, hq, dv)), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+# Programmable attention (bias, dropout, block masks, modifiers): its own ops, in their own module.
+from .torch_programmable import attention  # noqa: E402,F401

@@ -181,7 +181,7 @@ def _errors():
         (dict(q=q60, k=q60, v=q60), ValueError, "head_dim must be a multiple of 8"),
         (dict(q=q, k=k3h, v=k3h), ValueError, "multiple of heads_kv"),
         (dict(q=q, k=k, v=q), ValueError, "k and v must have the same shape"),
-        (dict(q=q, k=k, v=k, dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
+        (dict(q=q, k=k, v=k, dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
         (dict(q=q, k=k, v=k, causal="yes"), TypeError, "causal must be a bool"),
         (dict(q=q, k=k, v=k, deterministic=1), TypeError, "deterministic must be a bool"),
         (dict(q=q, k=k, v=k, return_lse=None), TypeError, "return_lse must be a bool"),

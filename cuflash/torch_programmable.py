@@ -1,0 +1,195 @@
+"""PyTorch front end of programmable attention (issue #45): ``cuflash.torch.attention`` with a bias, dropout, a
+block mask and user modifiers, differentiable with respect to q, k, v, the bias and the score modifier's tensors
+that have ``tensor_grads``, as the custom ops ``cuflash::attention_forward_prog`` /
+``cuflash::attention_backward_prog`` (fake implementations for ``torch.compile``; the backward registered as the
+forward's autograd formula).
+
+Modifiers cross the ops' fixed schema as their key (a string: cuflash.modifiers.Modifiers.key) and the list of
+their tensors: the ScoreMod / MaskMod objects are kept here by key, and each call binds them to the tensors it is
+given (as CuPy views). Dropout's seed is drawn on the device from torch's CUDA generator at each forward call
+(``torch.manual_seed`` reproduces it, and a captured CUDA graph draws a new one on each replay) and saved for the
+backward. Imported by :mod:`cuflash.torch`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import _checks, block_sparse, variants
+from .modifiers import MaskMod, Modifiers, ScoreMod
+
+Tensor = torch.Tensor
+
+# Modifiers.key -> (score_mod, mask_mod) as the caller built them; their tensors are replaced per call.
+_MODIFIERS: dict = {}
+# (key, tensor addresses) -> the bound MaskMod, so that its tile evaluation (cached on the object) is reused.
+_BOUND_MASKS: dict = {}
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+              window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
+              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+              dropout_p: float = 0.0, block_mask: Optional[Tensor] = None, block_size=128,
+              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None, return_lse: bool = False):
+    """Programmable attention on torch CUDA tensors (cuflash.forward's arguments and meaning, flash-attn's
+    layout), differentiable with respect to q, k, v, ``bias`` and the tensors of ``score_mod`` that have
+    ``tensor_grads``. The modifiers' tensors are torch CUDA tensors on q's device. Returns ``out`` or
+    ``(out, lse)``."""
+    head_dim = q.shape[-1]
+    scale = _checks.check_scale(softmax_scale, head_dim)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        window_size = tuple(-1 if w is None else w for w in window_size)
+    left, right = variants.check_window(window_size)
+    chunk = variants.check_chunk(attention_chunk)
+    cap = variants.check_softcap(softcap)
+    bq, bk = block_sparse.check_block_size(block_size)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    key, tensors = register(score_mod, mask_mod)
+    rng_state = None
+    if dropout_p > 0:
+        rng_state = torch.randint(0, 2**62, (2,), device=q.device, dtype=torch.int64)
+    out, lse = attention_forward_prog(q, k, v, bias, rng_state, block_mask, tensors, scale, causal, left, right, chunk,
+                                      cap, alibi_slopes, sinks, float(dropout_p), bq, bk, key)
+    return (out, lse) if return_lse else out
+
+
+def register(score_mod: Optional[ScoreMod], mask_mod: Optional[MaskMod]) -> Tuple[str, List[Tensor]]:
+    """(key, tensors) of the modifiers as the ops take them ("" and [] for none), kept by key."""
+    if score_mod is None and mask_mod is None:
+        return "", []
+    mods = Modifiers(score_mod, mask_mod)
+    _MODIFIERS[mods.key] = (score_mod, mask_mod)
+    tensors = list(mods.slots.values())
+    for name, t in zip(mods.slots, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"modifier tensor {name!r} must be a torch.Tensor here, got {type(t).__name__}")
+    return mods.key, tensors
+
+
+def _bound(key: str, tensors: List[Tensor]):
+    """The caller's modifiers of ``key`` bound to ``tensors`` (CuPy views, in slot order)."""
+    if not key:
+        return None, None
+    import cupy
+
+    score_mod, mask_mod = _MODIFIERS[key]
+    views = [cupy.from_dlpack(t.detach()) for t in tensors]
+    names = list(Modifiers(score_mod, mask_mod).slots)
+    arrays = dict(zip(names, views))
+    bound_score = None if score_mod is None else ScoreMod(
+        score_mod.source, score_mod.grad, tensors={n: arrays[n] for n in score_mod.tensors},
+        tensor_grads=score_mod.tensor_grads)
+    bound_mask = None
+    if mask_mod is not None:
+        addresses = (key,) + tuple(t.data_ptr() for t in tensors)
+        bound_mask = _BOUND_MASKS.get(addresses)
+        if bound_mask is None:
+            bound_mask = _BOUND_MASKS[addresses] = MaskMod(mask_mod.source,
+                                                           tensors={n: arrays[n] for n in mask_mod.tensors},
+                                                           per_batch=mask_mod.per_batch, per_head=mask_mod.per_head)
+    return bound_score, bound_mask
+
+
+def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.detach()
+
+
+@torch.library.custom_op("cuflash::attention_forward_prog", mutates_args=())
+def attention_forward_prog(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], rng_state: Optional[Tensor],
+                           block_mask: Optional[Tensor], mod_tensors: List[Tensor], softmax_scale: float, causal: bool,
+                           window_left: int, window_right: int, attention_chunk: int, softcap: float,
+                           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], dropout_p: float, block_q: int,
+                           block_k: int, mods: str) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of cuflash.forward with the programmable arguments."""
+    from . import api
+    from .torch import _kernel_ready, _out_shape
+
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    score_mod, mask_mod = _bound(mods, mod_tensors)
+    out = q.new_empty(_out_shape(q, v))
+    return api.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                       attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=_detached(alibi_slopes),
+                       sinks=_detached(sinks), return_lse=True, out=out, bias=_detached(bias), dropout_p=dropout_p,
+                       seed=rng_state, block_mask=block_mask, block_size=(block_q, block_k), score_mod=score_mod,
+                       mask_mod=mask_mod)
+
+
+@attention_forward_prog.register_fake
+def _attention_forward_prog_fake(q, k, v, bias, rng_state, block_mask, mod_tensors, softmax_scale, causal, window_left,
+                                 window_right, attention_chunk, softcap, alibi_slopes, sinks, dropout_p, block_q,
+                                 block_k, mods):
+    from .torch import _out_shape
+
+    b, nq, hq, _ = q.shape
+    return q.new_empty(_out_shape(q, v)), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_backward_prog", mutates_args=())
+def attention_backward_prog(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            dlse: Optional[Tensor], bias: Optional[Tensor], rng_state: Optional[Tensor],
+                            block_mask: Optional[Tensor], mod_tensors: List[Tensor], softmax_scale: float,
+                            causal: bool, window_left: int, window_right: int, attention_chunk: int, softcap: float,
+                            alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], dropout_p: float, block_q: int,
+                            block_k: int, mods: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, List[Tensor]]:
+    """``(dq, dk, dv, dsinks, dbias, mod_grads)``: dsinks / dbias empty without sinks / bias; mod_grads one per
+    modifier tensor (float32, the tensor's shape; empty for those without tensor_grads)."""
+    from . import api
+    from .torch import _kernel_ready
+
+    dout, q, k, v, out = (_kernel_ready(x) for x in (dout, q, k, v, out))
+    score_mod, mask_mod = _bound(mods, mod_tensors)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    grads = list(api.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                              window_size=(window_left, window_right), attention_chunk=attention_chunk,
+                              softcap=softcap, alibi_slopes=_detached(alibi_slopes), sinks=_detached(sinks),
+                              dlse=None if dlse is None else dlse.contiguous(), dq=dq, dk=dk, dv=dv,
+                              bias=_detached(bias), dropout_p=dropout_p, seed=rng_state, block_mask=block_mask,
+                              block_size=(block_q, block_k), score_mod=score_mod, mask_mod=mask_mod))
+    dq, dk, dv = grads[:3]
+    rest = grads[3:]
+    dsinks = rest.pop(0) if sinks is not None else q.new_empty((0,))
+    dbias = rest.pop(0) if bias is not None else q.new_empty((0,))
+    by_name = rest.pop(0) if rest else {}
+    names = list(Modifiers(*_MODIFIERS[mods]).slots) if mods else []
+    mod_grads = [by_name[n] if n in by_name else t.new_empty((0,), dtype=torch.float32)
+                 for n, t in zip(names, mod_tensors)]
+    return dq, dk, dv, dsinks, dbias, mod_grads
+
+
+@attention_backward_prog.register_fake
+def _attention_backward_prog_fake(dout, q, k, v, out, lse, dlse, bias, rng_state, block_mask, mod_tensors,
+                                  softmax_scale, causal, window_left, window_right, attention_chunk, softcap,
+                                  alibi_slopes, sinks, dropout_p, block_q, block_k, mods):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    dbias = bias.new_empty(bias.shape) if bias is not None else q.new_empty((0,))
+    with_grads = set(_MODIFIERS[mods][0].tensor_grads) if mods and _MODIFIERS[mods][0] is not None else set()
+    names = list(Modifiers(*_MODIFIERS[mods]).slots) if mods else []
+    mod_grads = [t.new_empty(t.shape, dtype=torch.float32) if n in with_grads else t.new_empty((0,), dtype=torch.float32)
+                 for n, t in zip(names, mod_tensors)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias, mod_grads
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, bias, rng_state, block_mask, mod_tensors, *options = inputs
+    out, lse = output
+    *flags, alibi_slopes, sinks, dropout_p, block_q, block_k, mods = options
+    ctx.save_for_backward(q, k, v, out, lse, bias, rng_state, block_mask, alibi_slopes, sinks, *mod_tensors)
+    ctx.flags, ctx.rest = tuple(flags), (dropout_p, block_q, block_k, mods)
+    ctx.n_mod = len(mod_tensors)
+
+
+def _vjp(ctx, dout, dlse):
+    q, k, v, out, lse, bias, rng_state, block_mask, alibi_slopes, sinks, *mod_tensors = ctx.saved_tensors
+    dq, dk, dv, dsinks, dbias, mod_grads = attention_backward_prog(
+        dout, q, k, v, out, lse, dlse, bias, rng_state, block_mask, mod_tensors, *ctx.flags, alibi_slopes, sinks,
+        *ctx.rest)
+    tensor_grads = [None if g.numel() == 0 and t.numel() != 0 else g.to(t.dtype) for g, t in zip(mod_grads, mod_tensors)]
+    return (dq, dk, dv, dbias if bias is not None else None, None, None, tensor_grads) + (None,) * 6 + \
+        (None, dsinks if sinks is not None else None) + (None,) * 4
+
+
+attention_forward_prog.register_autograd(_vjp, setup_context=_save_for_backward)
