@@ -119,8 +119,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Decoding over a KV cache (cuflash/kvcache.py): split-KV, paged, GQA packed (block_m: packed query rows
     # per CTA; head_dim / head_dim_v: 64-column buckets), and the merge of split results (tag: the output's).
     Family("decode", "decode/decode.cu", "decode_kernel", 80, False, direction="decode"),
-    # The same over fp8 (e4m3) caches (dtype: q's), converted by each warp (sm_89+: the e4m3 conversions).
-    Family("decode_fp8", "decode/decode.cu", "decode_fp8_kernel", 89, False, direction="decode", fp8=True),
+    # The same over fp8 (e4m3) caches (dtype: q's), converted by each warp (the e4m3 instructions from sm_89, integer
+    # code before: common/e4m3.cuh).
+    Family("decode_fp8", "decode/decode.cu", "decode_fp8_kernel", 80, False, direction="decode", fp8=True),
     # The same on Hopper, its keys streamed by producer warps (num_warps: the consumers and the producers).
     Family("decode_sm90", "decode/decode_sm90.cu", "decode_sm90_kernel", 90, True, direction="decode",
            backend="sm90"),
@@ -138,7 +139,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # A user mask modifier over the attention kernel's tiles (block_m x block_n; mask: its variant's modifiers).
     _aux("mask_tiles", "aux/mask_tiles.cu", "mask_tiles_kernel", 80, ("block_m", "block_n", "num_warps", "mask")),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
-    _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 89, ("tag", "num_warps")),
+    _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 80, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).
     _aux("bwd_preprocess", "aux/bwd_preprocess.cu", "bwd_preprocess_kernel", 80, ("tag", "num_warps")),
     _aux("bwd_postprocess", "aux/bwd_postprocess.cu", "bwd_postprocess_kernel", 80, ("tag", "num_warps")),

@@ -456,7 +456,7 @@ def flash_attn_with_kvcache(q: jax.Array, k_cache: jax.Array, v_cache: Optional[
     ``v_cache=None`` (and ``v=None``): MLA's latent cache (FlashMLA's layout, Hopper): head_dim 576, V the first 512
     columns of each K row; ``out`` is 512 wide, and with new ``k`` the call returns ``(out[, lse], k_cache)``.
 
-    fp8 caches (compute capability 8.9+): ``k_cache`` / ``v_cache`` ``jnp.float8_e4m3fn`` or uint8 (e4m3 bytes),
+    fp8 caches: ``k_cache`` / ``v_cache`` ``jnp.float8_e4m3fn`` or uint8 (e4m3 bytes),
     ``k_descale`` / ``v_descale`` a float or float32 arrays of one element, ``(heads_kv,)`` or ``(batch, heads_kv)``:
     each cached element is its e4m3 value times its KV head's descale; new tokens (q's dtype) are stored as
     ``e4m3(x / descale)``; the caches come back in their dtype."""

@@ -24,7 +24,8 @@ capacity, appended tokens past it are dropped), ``cache_leftpad[b]`` outside [0,
 block-table entries out of range (a read takes the nearest page that exists, an append skips the token): no read
 or write leaves the cache.
 
-fp8 caches (uint8 arrays of e4m3 bytes, compute capability 8.9+: ``decode_fp8``, Hopper's ``decode_sm90_fp8``,
+fp8 caches (uint8 arrays of e4m3 bytes; the e4m3 instructions from compute capability 8.9, common/e4m3.cuh's integer
+code before: ``decode_fp8``, Hopper's ``decode_sm90_fp8``,
 ``kvcache_append_fp8``): a stored element's value is its e4m3 value times its KV head's descale (``Descales``: a
 float, one element, ``(heads_kv,)`` or ``(batch, heads_kv)``). The kernel folds K's descale into the score scale (and
 the score modifiers' conversions) and V's into the output, so the dequantisation itself is a type conversion; appends
@@ -60,7 +61,6 @@ SPLIT_OVERHEAD_KEYS = 256    # a CTA's fixed cost in keys' worth of time (split_
 MAX_SPLITS = 128
 MAX_GRID_SPLITS = 65535      # the launch grid's y dimension
 BATCH_INVARIANT_KEYS = 2048  # keys per split in batch-invariant mode
-FP8_MIN_CC = 89   # fp8 caches: the e4m3 conversions (cvt ... e4m3x2) of the append and decode kernels
 MAX_HEAD_DIM = 256
 MLA_HEAD_DIMS = (576, 512)   # v_cache=None: MLA's latent cache (FlashMLA's shape), V its first 512 columns
 
@@ -486,13 +486,6 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
         return out, lse
     bt_stride = block_table.strides[0] // 4 if block_table is not None else 0
     # The decode kernel first: a configuration no kernel serves fails before the append.
-    if lay.fp8:
-        from .dispatch import device_info
-
-        cc = device_info(dev)[0]
-        if cc < FP8_MIN_CC:
-            raise ValueError(f"an fp8 KV cache needs compute capability {FP8_MIN_CC // 10}.{FP8_MIN_CC % 10} or newer "
-                             f"(its e4m3 conversions); device {dev} has {cc // 10}.{cc % 10}")
     plan = _decode_plan(dtype, lay, var, opts) if nq else None
     ds = descales or Descales()
     keep = list(ds.keep)

@@ -87,9 +87,11 @@ def test_tma_ring_depths_under_measurement_compile(stages):
         assert_all_compile(list(configs.values()), "90a")
 
 
-def test_portable_fp8_decode_compiles_for_ada():
-    """The portable kernel over fp8 caches and the fp8 append compile for sm_89 (L4, L40S: the first GPUs with the
-    e4m3 conversions) without spills, at the head-dim buckets and row tiles."""
+@pytest.mark.parametrize("arch", ["80", "89"])
+def test_portable_fp8_decode_compiles(arch):
+    """The portable kernel over fp8 caches and the fp8 append compile without spills, at the head-dim buckets and row
+    tiles, for sm_89 (L4, L40S: the first GPUs with the e4m3 instructions) and for sm_80 (the A100: the integer
+    conversions of common/e4m3.cuh)."""
     configs = {}
     for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64)):
         for rows in ((1, 8, 1), (16, 32, 8)):
@@ -99,7 +101,7 @@ def test_portable_fp8_decode_compiles_for_ada():
     for dtype in ("float16", "bfloat16"):
         c = KernelConfig("kvcache_append_fp8", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
         configs[c.key()] = c
-    assert_all_compile(list(configs.values()), "89")
+    assert_all_compile(list(configs.values()), arch)
 
 
 def test_every_head_dim_bucket_fits_a_99kb_device():

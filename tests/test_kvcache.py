@@ -708,19 +708,36 @@ FP8_CASES = {
 }
 
 
+SOFTWARE_E4M3_CASES = ("contig-bf16-float-append1-causal", "paged64-fp16-heads-q4-append3-softcap")
+
+
+@pytest.fixture(params=[False, True], ids=["e4m3-instructions", "e4m3-software"])
+def software(request):
+    """The e4m3 conversions as instructions (sm_89+) or as common/e4m3.cuh's integer code (before sm_89; forced on
+    newer GPUs by -DCUFLASH_SOFTWARE_E4M3); the latter for two cases (its code is the same for all)."""
+    if request.param:
+        from cuflash import options
+
+        with options.override(nvrtc_defines=("-DCUFLASH_SOFTWARE_E4M3",)):
+            yield True
+    else:
+        yield False
+
+
 @pytest.mark.parametrize("name", list(FP8_CASES))
-def test_fp8_cache(rng, decode_backend, name):
+def test_fp8_cache(rng, decode_backend, name, software):
     """forward_kvcache over uint8 caches of e4m3 bytes with k_descale / v_descale: the appended keys and values
     stored as e4m3(x / descale) (bit for bit, nothing else in the caches changed), out and lse against the float64
     reference over the dequantised caches (each byte's e4m3 value times its KV head's descale; bf16 queries take
-    fp16 products, each query row rescaled by a power of two); on the portable kernel too (compute capability 8.9+:
-    its e4m3 conversions)."""
+    fp16 products, each query row rescaled by a power of two); on the portable kernel too (the e4m3 instructions from
+    compute capability 8.9, integer code before: ``software`` forces the latter on any GPU)."""
     if decode_backend == "sm90_tma":
         pytest.skip("fp8 caches take the cp.async ring whatever the backend: run under sm90")
+    if software and name not in SOFTWARE_E4M3_CASES:
+        pytest.skip("the software conversions run two cases")
     import cupy
     import cuflash
     import ml_dtypes
-    from cuflash.dispatch import device_info
     from cuflash.reference import attention_reference_kvcache
 
     fp8 = ml_dtypes.float8_e4m3fn
@@ -749,10 +766,6 @@ def test_fp8_cache(rng, decode_backend, name):
     k8 = (ref["k_cache"].astype(np.float32) / k_rows[:, None, :, None]).astype(fp8)
     v8 = (ref["v_cache"].astype(np.float32) / v_rows[:, None, :, None]).astype(fp8)
     dev.update(k_cache=cupy.asarray(k8.view(np.uint8)), v_cache=cupy.asarray(v8.view(np.uint8)))
-    if device_info(0)[0] < 89:
-        with pytest.raises(ValueError, match="fp8"):
-            cuflash.forward_kvcache(**dev, k_descale=k_ds, v_descale=v_ds)
-        return
     # What the append must store: e4m3(x * (1 / descale)) of the new tokens (float32, as the kernel computes it).
     written = _written_mask(dev["k_cache"].shape[:2], lens, nnew, meta["rows"], table, meta["page"])
     k8_after, v8_after = k8.copy(), v8.copy()

@@ -1,6 +1,7 @@
 // Element types and conversions, written without <cuda_fp16.h> so that the
 // kernels compile with NVRTC alone (no CUDA headers needed at run time).
 #pragma once
+#include "e4m3.cuh"
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -51,13 +52,24 @@ template <> struct ElemTraits<bf16_tag> {
     }
 };
 
+// Whether the e4m3 conversions are the sm_89+ instructions or common/e4m3.cuh's integer code (before sm_89, and
+// everywhere with -DCUFLASH_SOFTWARE_E4M3, which the tests use to run the latter on newer GPUs).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890 || defined(CUFLASH_SOFTWARE_E4M3))
+#define CUFLASH_E4M3_IN_SOFTWARE 1
+#else
+#define CUFLASH_E4M3_IN_SOFTWARE 0
+#endif
+
 template <> struct ElemTraits<e4m3_tag> {
     static constexpr int kBytes = 1;
     using OutTag = bf16_tag;
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
     // Four floats -> one 32-bit word {a, b, c, d} (a in the low byte), round to nearest, saturated to
     // +-448 (e4m3 has no infinity).
     static __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
+#if CUFLASH_E4M3_IN_SOFTWARE
+        return f32_to_e4m3(a) | static_cast<u32>(f32_to_e4m3(b)) << 8 | static_cast<u32>(f32_to_e4m3(c)) << 16
+               | static_cast<u32>(f32_to_e4m3(d)) << 24;
+#else
         u32 r;
         asm("{\n .reg .b16 l, h;\n"
             " cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n"
@@ -65,8 +77,8 @@ template <> struct ElemTraits<e4m3_tag> {
             " mov.b32 %0, {l, h};\n}\n"
             : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
         return r;
-    }
 #endif
+    }
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -37,7 +37,11 @@ struct StoreRowE4m3 {
     unsigned char* dst;
     float inv_scale;
     __device__ __forceinline__ void put(int i, float x) const {
+#if CUFLASH_E4M3_IN_SOFTWARE
+        dst[i] = f32_to_e4m3(x * inv_scale);
+#else
         dst[i] = static_cast<unsigned char>(ElemTraits<e4m3_tag>::pack4(x * inv_scale, 0.f, 0.f, 0.f) & 0xff);
+#endif
     }
     __device__ __forceinline__ void copy(int i, u16 raw) const { put(i, ElemTraits<Tag>::to_float(raw)); }
 };
@@ -128,10 +132,8 @@ __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_kernel(const Appe
     kvcache_append_body<Tag, kNWarps, false>(p);
 }
 
-// The same into e4m3 caches (sm_89+).
+// The same into e4m3 caches (the conversions in software before sm_89: common/e4m3.cuh).
 template <typename Tag, int kNWarps>
 __global__ void __launch_bounds__(kNWarps * 32) kvcache_append_fp8_kernel(const AppendParams p) {
-#if __CUDA_ARCH__ >= 890
     kvcache_append_body<Tag, kNWarps, true>(p);
-#endif
 }

@@ -227,7 +227,12 @@ __device__ __forceinline__ void load_keys_by_row(const DecodeParams& p, const Ca
 template <typename Tag>
 __device__ __forceinline__ u32 e4m3x2_to(u16 x) {
     u32 h;
+#if CUFLASH_E4M3_IN_SOFTWARE   // before sm_89: common/e4m3.cuh's integer code
+    h = e4m3_to_f16_bits(static_cast<unsigned char>(x & 0xff))
+        | static_cast<u32>(e4m3_to_f16_bits(static_cast<unsigned char>(x >> 8))) << 16;
+#else
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(x));
+#endif
     if constexpr (kIsBf16<Tag>) {
         return ElemTraits<bf16_tag>::pack2(ElemTraits<f16_tag>::to_float(static_cast<u16>(h & 0xffff)),
                                            ElemTraits<f16_tag>::to_float(static_cast<u16>(h >> 16)));
