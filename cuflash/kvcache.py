@@ -399,7 +399,7 @@ def decode_backend(device_id: int, opts: options.Options) -> str:
     ring); Options.decode_backend forces one (ValueError for "sm90*" elsewhere)."""
     from .dispatch import device_info
 
-    cc = device_info(device_id)[0]
+    cc = device_info(device_id, opts)[0]
     choice = opts.decode_backend
     if choice == "auto":
         return "sm90_tma" if cc == 90 else "sm80"
@@ -458,7 +458,7 @@ def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.
     from .dispatch import device_info
 
     opts = opts or options.current()
-    limit = device_info(lay.device_id)[1]
+    limit = device_info(lay.device_id, opts)[1]
     configs = decode_configs(dtype, lay, causal, variant, decode_backend(lay.device_id, opts))
     for cfg in configs:
         if smem_bytes(cfg, lay.device_id, opts.nvrtc_defines) <= limit:
@@ -489,7 +489,7 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     if lay.fp8:
         from .dispatch import device_info
 
-        cc = device_info(dev)[0]
+        cc = device_info(dev, opts)[0]
         if cc < FP8_MIN_CC:
             raise ValueError(f"an fp8 KV cache needs compute capability {FP8_MIN_CC // 10}.{FP8_MIN_CC % 10} or newer "
                              f"(its e4m3 conversions); device {dev} has {cc // 10}.{cc % 10}")
