@@ -308,10 +308,11 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
 LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512), (64, 512), (272, 0), (512, 80))
 
 
-def large_fwd_configs() -> list[KernelConfig]:
-    """The large head dims' forward instantiations the CPU compile tests build: LARGE_TEST_PAIRS, both dtypes and
-    masks, the Hopper kernel, the portable one (its table tile) and float32."""
-    out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv, backend=backend) for dtype in ("float16", "bfloat16", "float32")
+def large_fwd_configs(cc: int = 90) -> list[KernelConfig]:
+    """The large head dims' forward instantiations the CPU compile tests build for a device of compute capability
+    ``cc``: LARGE_TEST_PAIRS, both dtypes and masks, the Hopper kernel (cc 9.0), the portable one (its table tile)
+    and float32."""
+    out = [fwd_config(dtype, d, causal, cc, head_dim_v=dv, backend=backend) for dtype in ("float16", "bfloat16", "float32")
            for d, dv in LARGE_TEST_PAIRS for causal in (False, True) for backend in ("auto", "sm80")]
     return list({c.key(): c for c in out}.values())
 
