@@ -570,9 +570,11 @@ def main(argv=None) -> int:
         return 1
     dev = cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    cc, smem = dispatch.device_info(dev.id)
+    cc = dispatch.device_info(dev.id)[0]
+    real_cc = dispatch.real_device_info(dev.id)[0]
+    planned = f" planned as sm_{cc} (CUFLASH_PLAN_CC)," if cc != real_cc else ""
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"cuflash {__version__} | {name} (sm_{cc}, {props['multiProcessorCount']} SMs) | "
+    print(f"cuflash {__version__} | {name} (sm_{real_cc},{planned} {props['multiProcessorCount']} SMs) | "
           f"CuPy {cupy.__version__} | CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()} | "
           f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))} | NumPy {np.__version__} | "
           f"Python {platform.python_version()}")
@@ -593,6 +595,8 @@ def main(argv=None) -> int:
               for short in (False, True)}
     needed |= {heuristics.fwd_config(dt, d, c, cc) for dt in ("float16", "bfloat16", "float32")
                for d in (64, 128) for c in (False, True)}
+    # The forward's tiles as the dispatcher narrows them to the device's shared memory (99 KB cards).
+    needed = {dispatch.fit_to_device(c, dev.id) for c in needed}
     # The backward's kernels for both length classes (heuristics.bwd_short), as the forward's above.
     if not args.forward_only:
         needed |= {cfg for s in shapes for short in (False, True)

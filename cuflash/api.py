@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # CuPy is imported lazily at run time
 from . import (_checks, call_cache, capture, device_check, fp8, head_dims, heuristics, interop, launch, options, params,
                programmable, sm90, variants, varlen)
 from .config import TILED_DQ_MODES
-from .dispatch import device_info, get_kernel, smem_bytes
+from .dispatch import device_info, fit_to_device, get_kernel, smem_bytes
 
 HEAD_DIMS = range(8, heuristics.MAX_HEAD_DIM + 1, 8)
 LOG2E = 1.4426950408889634
@@ -216,12 +216,10 @@ def _fwd_plan(dtype, head_dim: int, causal: bool, device_id: int, short: bool = 
     key = (dtype, head_dim, causal, device_id, opts.token, short, long_seqs, variant, head_dim_v)
     plan = _fwd_plans.get(key)
     if plan is None:
-        cc, smem_limit = device_info(device_id)
+        cc, _ = device_info(device_id, opts)
         cfg = heuristics.fwd_config(_checks.dtype_name(dtype), head_dim, causal, cc, short=short, long_seqs=long_seqs,
                                     opts=opts, variant=variant, head_dim_v=head_dim_v)
-        if not cfg.fam.arch_specific:  # portable tiles shrink on GPUs with less shared memory
-            cfg = heuristics.fit_shared_memory(cfg, smem_limit,
-                                               lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
+        cfg = fit_to_device(cfg, device_id, opts)   # portable tiles shrink on GPUs with less shared memory
         plan = _fwd_plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
                                   smem_bytes(cfg, device_id, opts.nvrtc_defines))
     return plan
@@ -934,7 +932,7 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id
     key = (dtype, head_dim, causal, deterministic, device_id, opts.token, backend, short, variant)
     plan = _bwd_plans.get(key)
     if plan is None:
-        cc, _ = device_info(device_id)
+        cc, _ = device_info(device_id, opts)
         cfgs = heuristics.bwd_configs(_checks.dtype_name(dtype), head_dim, causal, cc, deterministic, backend=backend,
                                       short=short, opts=opts, variant=variant)
         plan = _bwd_plans[key] = tuple(
@@ -1067,7 +1065,7 @@ def _split_bwd_plan(dtype, head_dim: int, head_dim_v: int, causal: bool, device_
     key = ("large", dtype, head_dim, head_dim_v, causal, device_id, opts.token, variant)
     plan = _bwd_plans.get(key)
     if plan is None:
-        cc, _ = device_info(device_id)
+        cc, _ = device_info(device_id, opts)
         cfgs = heuristics.large_bwd_configs(_checks.dtype_name(dtype), head_dim, head_dim_v, causal, cc, variant)
         plan = _bwd_plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
                                         smem_bytes(c, device_id, opts.nvrtc_defines)) for c in cfgs)

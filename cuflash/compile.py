@@ -123,8 +123,25 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
     without register spills) and, disassembled, to read SASS (tests/sass_tools.py). Options
     match what the dispatcher passes, plus the ``-ftz=true`` that CuPy adds.
     """
+    out, log, _ = _compile_program([config], cc, verbose_ptxas, ptx)
+    return out, log
+
+
+def compile_offline_many(configs, cc: str) -> tuple[bytes, str, dict[KernelConfig, str]]:
+    """Compile instantiations of one kernel source in one NVRTC program for sm_<cc>, as compile_offline does each:
+    returns (cubin, ptxas's -v log, {config: its kernel's lowered name}); the log's report and the SASS of each
+    kernel go by that name. One program shares the source's parsing and leaves one cubin to disassemble."""
+    return _compile_program(list(configs), cc, True, False)
+
+
+def _compile_program(configs: list, cc: str, verbose_ptxas: bool, ptx: bool) -> tuple[bytes, str, dict]:
     from cupy.cuda import nvrtc
 
+    sources = {(c.source, c.variant.mods) for c in configs}
+    if len(sources) != 1:
+        raise ValueError(f"one NVRTC program compiles one kernel source (and one set of user modifiers); got "
+                         f"{sorted(sources)}")
+    config = configs[0]
     src = config_source(config)
     # Options.nvrtc_defines as in dispatch.get_kernel, so that a tuning variant's SASS can be read too
     opts = list(compile_options(config, cc)) + ["-ftz=true"] + list(options.current().nvrtc_defines)
@@ -132,16 +149,19 @@ def compile_offline(config: KernelConfig, cc: str, *, verbose_ptxas: bool = True
         opts[0] = f"-arch=compute_{cc}"
     elif verbose_ptxas:
         opts.append("--ptxas-options=-v")
+    exprs = list(dict.fromkeys(c.name_expression() for c in configs))
     prog = nvrtc.createProgram(src, config.source, [], [])
     try:
-        nvrtc.addNameExpression(prog, config.name_expression())
+        for e in exprs:
+            nvrtc.addNameExpression(prog, e)
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed for {config.name_expression()} on sm_{cc}:\n"
+            raise RuntimeError(f"NVRTC failed for {', '.join(exprs)} on sm_{cc}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from e
         log = nvrtc.getProgramLog(prog)
-        return (nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)), log
+        lowered = {c: nvrtc.getLoweredName(prog, c.name_expression()) for c in configs}
+        return (nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)), log, lowered
     finally:
         nvrtc.destroyProgram(prog)
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import cupy
 
-from . import options
+from . import heuristics, options
 from .compile import compile_options, config_source, missing_smem_variable, smem_bytes_offline, target
 from .config import KernelConfig
 
@@ -23,11 +23,12 @@ _key_locks: dict[tuple, threading.Lock] = {}
 _kernels: dict[tuple[str, int], "cupy.RawKernel"] = {}
 _modules: dict[tuple, "cupy.RawModule"] = {}   # same keys: diagnostic builds read module globals
 _smem: dict[tuple, int] = {}   # same keys: the kernel's dynamic shared memory, read from its module
-_device_info: dict[int, tuple[int, int]] = {}
+_device_info: dict[int, tuple[int, int]] = {}   # real_device_info's: the devices' own, never a planned cc
 
 
-def device_info(device_id: int) -> tuple[int, int]:
-    """(compute capability as int, e.g. 90; opt-in shared memory per block in bytes)."""
+def real_device_info(device_id: int) -> tuple[int, int]:
+    """The device's own (compute capability as int, e.g. 90; opt-in shared memory per block in bytes): what its
+    kernels are compiled for and may use. Planning reads device_info, which Options.plan_cc may change."""
     info = _device_info.get(device_id)
     if info is None:
         dev = cupy.cuda.Device(device_id)
@@ -35,6 +36,38 @@ def device_info(device_id: int) -> tuple[int, int]:
         smem = dev.attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024)
         info = _device_info[device_id] = (cc, smem)
     return info
+
+
+def device_info(device_id: int, opts: options.Options | None = None) -> tuple[int, int]:
+    """(compute capability, opt-in shared memory per block in bytes) that the dispatcher plans for on ``device_id``:
+    the device's own (real_device_info), or as Options.plan_cc of ``opts`` (default: options.current()) says
+    (planned_device; ValueError where the device cannot honour it). Plan time only: a plan is keyed on the options
+    it was made under, so that one planned for another compute capability is never reused."""
+    return planned_device(real_device_info(device_id), (opts or options.current()).plan_cc, device_id)
+
+
+def plan_ccs(cc: int) -> tuple[int, ...]:
+    """The Options.plan_cc values that a device of compute capability ``cc`` can honour: 90 on cc 9.0 alone (the
+    Hopper kernels are built for sm_90a), values from 89 up on cc >= 8.9 only (their tables take kernels with the
+    fp8 conversions, e.g. the fp8 KV-cache decode), the others anywhere."""
+    return tuple(p for p in options.PLAN_CCS if (p != 90 or cc == 90) and (p < 89 or cc >= 89))
+
+
+def planned_device(real: tuple[int, int], plan_cc: int | None, device_id: int = 0) -> tuple[int, int]:
+    """(compute capability, shared-memory limit) to plan for on a device whose own are ``real``: ``real`` where
+    ``plan_cc`` is None, else ``plan_cc`` within the lesser of the device's limit and that compute capability's
+    (heuristics.SMEM_OPTIN). ValueError where the device cannot honour ``plan_cc`` (plan_ccs)."""
+    if plan_cc is None:
+        return real
+    cc, smem = real
+    allowed = plan_ccs(cc)
+    if plan_cc not in allowed:
+        why = ("90 plans the Hopper kernels, built for sm_90a: a compute capability 9.0 device only" if plan_cc == 90
+               else "the tables from 8.9 up take kernels with the fp8 conversions, which need such a device")
+        raise ValueError(f"{options.ENV['plan_cc']} (Options.plan_cc) = {plan_cc} cannot be honoured on device "
+                         f"{device_id} (compute capability {cc // 10}.{cc % 10}): {why}; there it may be one of "
+                         f"{', '.join(map(str, allowed))}, or unset")
+    return plan_cc, min(smem, heuristics.SMEM_OPTIN[plan_cc])
 
 
 def smem_bytes(config: KernelConfig, device_id: int | None = None, defines: tuple[str, ...] | None = None) -> int:
@@ -51,7 +84,18 @@ def smem_bytes(config: KernelConfig, device_id: int | None = None, defines: tupl
     found = _smem.get((config.key(), device_id, extra, options.current().kernel_dir))
     if found is not None:
         return found
-    return smem_bytes_offline(config, target(config, device_info(device_id)[0]), extra)
+    return smem_bytes_offline(config, target(config, real_device_info(device_id)[0]), extra)
+
+
+def fit_to_device(config: KernelConfig, device_id: int, opts: options.Options | None = None) -> KernelConfig:
+    """``config`` as the dispatcher runs a forward's on ``device_id``: a portable tile narrowed until its shared
+    memory fits the planned limit (device_info, heuristics.fit_shared_memory; the tables are tuned for the H100's
+    227 KB); the Hopper kernels' tiles as they are (sized for the H100)."""
+    if config.fam.arch_specific:
+        return config
+    opts = opts or options.current()
+    return heuristics.fit_shared_memory(config, device_info(device_id, opts)[1],
+                                        lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
 
 
 def _module_int(module: "cupy.RawModule", expr: str, device_id: int) -> int:
@@ -93,7 +137,7 @@ def get_kernel(config: KernelConfig, device_id: int, defines: tuple[str, ...] | 
 def _compile(config: KernelConfig, device_id: int, key: tuple, extra: tuple) -> "cupy.RawKernel":
     """Compiles (or loads from CuPy's cache) and publishes one kernel; the caller holds its key's lock. The
     module holds the kernel and its shared-memory size (``config.smem_expression()``), read once here."""
-    cc, smem_limit = device_info(device_id)
+    cc, smem_limit = real_device_info(device_id)   # the device's own: the kernel runs there whatever was planned
     fam = config.fam
     if cc < fam.min_cc:
         raise RuntimeError(f"cuflash kernel family {fam.name} needs compute capability "

@@ -219,7 +219,7 @@ def _plan(head_dim: int, causal: bool, device_id: int, short: bool = False,
     key = (head_dim, causal, device_id, short, opts.token, variant)
     plan = _plans.get(key)
     if plan is None:
-        cc, _ = device_info(device_id)
+        cc, _ = device_info(device_id, opts)
         if cc != 90:
             raise RuntimeError(f"the fp8 forward needs a Hopper GPU (compute capability 9.0), this one is "
                                f"{cc / 10:.1f}")

@@ -308,10 +308,11 @@ def _large_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend:
 LARGE_TEST_PAIRS = ((512, 0), (576, 512), (320, 0), (448, 0), (576, 128), (128, 512), (64, 512), (272, 0), (512, 80))
 
 
-def large_fwd_configs() -> list[KernelConfig]:
-    """The large head dims' forward instantiations the CPU compile tests build: LARGE_TEST_PAIRS, both dtypes and
-    masks, the Hopper kernel, the portable one (its table tile) and float32."""
-    out = [fwd_config(dtype, d, causal, 90, head_dim_v=dv, backend=backend) for dtype in ("float16", "bfloat16", "float32")
+def large_fwd_configs(cc: int = 90) -> list[KernelConfig]:
+    """The large head dims' forward instantiations the CPU compile tests build for a device of compute capability
+    ``cc``: LARGE_TEST_PAIRS, both dtypes and masks, the Hopper kernel (cc 9.0), the portable one (its table tile)
+    and float32."""
+    out = [fwd_config(dtype, d, causal, cc, head_dim_v=dv, backend=backend) for dtype in ("float16", "bfloat16", "float32")
            for d, dv in LARGE_TEST_PAIRS for causal in (False, True) for backend in ("auto", "sm80")]
     return list({c.key(): c for c in out}.values())
 
@@ -433,9 +434,18 @@ SM90_BWD_BACKENDS = ("sm90",)
 BWD_AUX_WARPS = 8
 
 
+# Opt-in shared memory per block (bytes) of the compute capabilities the tables know (options.PLAN_CCS, the values
+# CUFLASH_PLAN_CC takes): 163 KB on sm_80 / sm_87, 227 KB on sm_90 and the datacenter Blackwells (sm_100 / 101 /
+# 103 / 110), 99 KB on sm_86 / sm_89 and the consumer Blackwells (sm_120 / 121).
+SMEM_OPTIN = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: SM90_SMEM_OPTIN, 100: SM90_SMEM_OPTIN,
+              101: SM90_SMEM_OPTIN, 103: SM90_SMEM_OPTIN, 110: SM90_SMEM_OPTIN, 120: 101376, 121: 101376}
+LARGE_SMEM_CLASS = 160 * 1024   # the least opt-in shared memory of the 'large' tables
+
+
 def smem_class(cc: int) -> str:
-    """'large' where a block may use >= 160 KB of shared memory, else 'small' (~99 KB)."""
-    return "large" if cc in (80, 87, 90, 100, 101, 103, 110) else "small"
+    """'large' where a block may use >= 160 KB of shared memory (SMEM_OPTIN), else 'small' (~99 KB; a compute
+    capability the tables do not know takes these too)."""
+    return "large" if SMEM_OPTIN.get(cc, 0) >= LARGE_SMEM_CLASS else "small"
 
 
 class BwdConfigs:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -399,7 +399,7 @@ def decode_backend(device_id: int, opts: options.Options) -> str:
     ring); Options.decode_backend forces one (ValueError for "sm90*" elsewhere)."""
     from .dispatch import device_info
 
-    cc = device_info(device_id)[0]
+    cc = device_info(device_id, opts)[0]
     choice = opts.decode_backend
     if choice == "auto":
         return "sm90_tma" if cc == 90 else "sm80"
@@ -452,17 +452,23 @@ def decode_configs(dtype: str, lay: CacheLayout, causal: bool, variant: variants
     return out
 
 
+def first_fitting(configs: list, limit: int, smem_of: Callable[[KernelConfig], int]) -> Optional[KernelConfig]:
+    """The first of ``configs`` (decode_configs, best first) whose shared memory, ``smem_of(config)``, fits ``limit``;
+    None where none does."""
+    return next((cfg for cfg in configs if smem_of(cfg) <= limit), None)
+
+
 def decode_config(dtype: str, lay: CacheLayout, causal: bool, variant: variants.MaskVariant,
                   opts: Optional[options.Options] = None) -> KernelConfig:
-    """The first of decode_configs whose shared memory fits the device."""
+    """The first of decode_configs whose shared memory fits the device (first_fitting)."""
     from .dispatch import device_info
 
     opts = opts or options.current()
-    limit = device_info(lay.device_id)[1]
+    limit = device_info(lay.device_id, opts)[1]
     configs = decode_configs(dtype, lay, causal, variant, decode_backend(lay.device_id, opts))
-    for cfg in configs:
-        if smem_bytes(cfg, lay.device_id, opts.nvrtc_defines) <= limit:
-            return cfg
+    cfg = first_fitting(configs, limit, lambda c: smem_bytes(c, lay.device_id, opts.nvrtc_defines))
+    if cfg is not None:
+        return cfg
     raise ValueError(f"no decode kernel fits this device's {limit} bytes of shared memory at head dims "
                      f"({lay.head_dim}, {lay.head_dim_v})")
 

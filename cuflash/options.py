@@ -54,6 +54,16 @@ CUFLASH_KERNEL_DIR                        kernel_dir (None)           compile th
                                                                       kernels_cu/ (dev/fault_injection.py's
                                                                       patched trees); part of the kernel cache
                                                                       key
+CUFLASH_PLAN_CC                           plan_cc (None)              the compute capability (PLAN_CCS, e.g.
+                                                                      80) whose tile tables and shared-memory
+                                                                      limit the dispatcher plans for: 80 runs
+                                                                      the A100's tables on an H100 within
+                                                                      163 KB, 86 / 89 / 120 those of the 99 KB
+                                                                      cards; the kernels are still built for
+                                                                      the device. None: the device's own.
+                                                                      Refused when a kernel is planned where
+                                                                      the device cannot honour it: 90 on
+                                                                      cc 9.0 only, values from 89 on cc >= 8.9
 ========================================  ==========================  ==========================================
 
 An empty variable counts as unset. A value outside the allowed ones raises ValueError naming the variable.
@@ -78,6 +88,9 @@ DECODE_BACKENDS = ("auto", "sm80", "sm90", "sm90_tma")
 CLUSTER_MODES = ("auto", "0", "1")
 SM80_BWD_VARIANTS = (1, 2)
 LAUNCH_PATHS = ("packed", "cupy")
+# CUFLASH_PLAN_CC values: the compute capabilities whose tables and opt-in shared memory the dispatcher knows
+# (heuristics.SMEM_OPTIN has their limits; a test checks the two lists agree).
+PLAN_CCS = (80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
 
 # field -> environment variable
 ENV = {
@@ -103,6 +116,7 @@ ENV = {
     "launch": "CUFLASH_LAUNCH",
     "fa4_path": "CUFLASH_FA4_PATH",
     "kernel_dir": "CUFLASH_KERNEL_DIR",
+    "plan_cc": "CUFLASH_PLAN_CC",
 }
 
 
@@ -165,6 +179,7 @@ class Options:
     launch: str = "packed"
     fa4_path: Tuple[str, ...] = ()
     kernel_dir: Optional[str] = None
+    plan_cc: Optional[int] = None
     # Set when published (``_intern``): equal settings share one object and one token.
     token: int = field(default=0, init=False, compare=False, repr=False)
 
@@ -187,6 +202,9 @@ class Options:
         _check_strings("fa4_path", self.fa4_path)
         if self.kernel_dir is not None and not isinstance(self.kernel_dir, str):
             raise TypeError(f"{_name('kernel_dir')} must be None or a path (str); got {self.kernel_dir!r}")
+        if self.plan_cc is not None and (type(self.plan_cc) is not int or self.plan_cc not in PLAN_CCS):
+            raise ValueError(f"{_name('plan_cc')} must be None or a compute capability of "
+                             f"{', '.join(map(str, PLAN_CCS))} (e.g. 80 for sm_80); got {self.plan_cc!r}")
 
 
 def parse_tiles(field_name: str, text: str) -> Tiles:
@@ -219,6 +237,12 @@ def _parse(field_name: str, text: str):
         return tuple(p for p in text.split(os.pathsep) if p)
     if field_name == "kernel_dir":
         return text   # a path: case kept
+    if field_name == "plan_cc":
+        try:
+            return int(text)   # checked against PLAN_CCS by Options
+        except ValueError:
+            raise ValueError(f"{var} must be a compute capability as an int (e.g. 80 for sm_80); "
+                             f"got {text!r}") from None
     return text.lower()
 
 

@@ -245,7 +245,7 @@ def _plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, hea
     key = (dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, head_dim_v)
     plan = _plans.get(key)
     if plan is None:
-        cc, smem_limit = device_info(device_id)
+        cc, smem_limit = device_info(device_id, opts)
         cfg = heuristics.prog_fwd_config(dtype_name(dtype), head_dim, causal, cc, variant, head_dim_v=head_dim_v)
         cfg = heuristics.fit_shared_memory(cfg, smem_limit, lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
         plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
@@ -317,7 +317,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
     key = ("bwd", dtype_name(q.dtype), d, causal, variant, device_id, opts.token)
     plan = _plans.get(key)
     if plan is None:
-        cc, _ = device_info(device_id)
+        cc, _ = device_info(device_id, opts)
         cfgs = heuristics.prog_bwd_configs(dtype_name(q.dtype), d, causal, cc, variant)
         plan = _plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
                                     smem_bytes(c, device_id, opts.nvrtc_defines))

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
-from cuflash.compile import _inline, compile_offline, load_source, smem_bytes_offline_many
+from cuflash.compile import _inline, compile_offline, compile_offline_many, load_source, smem_bytes_offline_many
 
 # Shared memory of an H100 (sm_90): opt-in bytes per block, and per SM (each resident block also takes 1 KB
 # of it for the system), so that two blocks of a tile built for two per SM fit in TWO_CTA_SMEM bytes each.
@@ -23,6 +24,50 @@ def assert_no_spills(log: str, what: str) -> None:
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     assert frames and spills, f"{what}: no ptxas report in the log:\n{log}"
     assert max(frames) == 0 and max(spills) == 0, f"{what}: register spills / stack frame:\n{log}"
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def ptxas_reports(log: str) -> dict[str, str]:
+    """{lowered kernel name: its part of ptxas's -v report} of a program that compiled several kernels."""
+    starts = list(_ENTRY.finditer(log))
+    ends = [m.start() for m in starts[1:]] + [len(log)]
+    return {m.group(1): log[m.start():end] for m, end in zip(starts, ends)}
+
+
+# The SASS opcodes build_and_disassemble counts: tensor-core MMAs, local-memory loads and stores.
+SASS_OPCODES = ("HMMA", "LDL", "STL")
+
+
+def build_and_disassemble(configs, cc: str) -> dict[str, tuple]:
+    """Compiles configs of one kernel source for sm_<cc> in one NVRTC program (compile_offline_many) and
+    disassembles its cubin: {config key: (problem, {opcode: count} of SASS_OPCODES in its SASS)}, the problem
+    None, or what failed: NVRTC, register spills or a stack frame (assert_no_spills), a kernel missing from the
+    SASS. A program that fails is built again a config at a time, so that each failure names its own config."""
+    import sass_tools
+
+    configs = list(configs)
+    try:
+        cubin, log, lowered = compile_offline_many(configs, cc)
+        sass = sass_tools.functions(sass_tools.disassemble(cubin))
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        if len(configs) > 1:
+            return {k: v for c in configs for k, v in build_and_disassemble([c], cc).items()}
+        return {configs[0].key(): (str(e), {})}
+    reports = ptxas_reports(log)
+    out = {}
+    for cfg, name in lowered.items():
+        problem = None
+        try:
+            assert_no_spills(reports.get(name, ""), f"{cfg.key()} sm_{cc}")
+        except AssertionError as e:
+            problem = str(e)
+        if name not in sass:
+            problem = problem or f"{cfg.key()} sm_{cc}: {name} is not in the disassembly"
+        ops = sass_tools.opcode_counts(sass.get(name, ""))
+        out[cfg.key()] = (problem, {op: ops[op] for op in SASS_OPCODES})
+    return out
 
 
 def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:

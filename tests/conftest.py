@@ -32,6 +32,17 @@ requires_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None,
                                   reason=f"{GPU_REASON_PREFIX}: {GPU_SKIP_REASON}")
 
 
+def planned_cc() -> int:
+    """The compute capability that the dispatcher plans for on the current device (dispatch.device_info: the
+    device's own, or CUFLASH_PLAN_CC's), which decides the kernels a call takes: what the gates of the tests of
+    one GPU's kernels (the Hopper ones, the fp8 forward) read, so that an H100 planned as an A100 skips them."""
+    import cupy
+
+    from cuflash import dispatch
+
+    return dispatch.device_info(cupy.cuda.Device().id)[0]
+
+
 def pytest_addoption(parser) -> None:
     parser.addoption("--require-gpu", action="store_true",
                      help="fail (instead of skipping the GPU tests) where no usable GPU is found, and where "

@@ -16,32 +16,42 @@ PARTS = [(MaskVariant(local=True), False), (MaskVariant(local=True), True), (Mas
 PARTS_HEAD_DIM = 128
 
 
-def _tables(backend: str, dtype: str):
-    """(arch, configs) of the backend's tables for the devices whose tables differ, at the tuned head dims."""
-    for cc, arch in ((80, "80"), (86, "86"), (90, "90a")):
-        cfgs = heuristics.all_fwd_configs(cc, backend) + heuristics.all_bwd_configs(cc, backend)
-        yield arch, [c for c in cfgs if c.fam.backend == backend and c.dtype == dtype
-                     and c.head_dim in heuristics.TUNED_HEAD_DIMS]
+# The devices whose tables these builds are compiled for here (compute capability, NVRTC arch): the 99 KB cards'
+# table is compiled for sm_89 and sm_120 by test_compile_portable_archs.py, with the rest of their kernels.
+TABLE_ARCHS = ((80, "80"), (90, "90a"))
+
+
+def table_configs(cc: int, backend: str, dtype: str) -> list:
+    """The backend's configs of the tables of a device of compute capability ``cc``, at the tuned head dims."""
+    cfgs = heuristics.all_fwd_configs(cc, backend) + heuristics.all_bwd_configs(cc, backend)
+    return [c for c in cfgs if c.fam.backend == backend and c.dtype == dtype and c.head_dim in heuristics.TUNED_HEAD_DIMS]
 
 
 def _parts(family: str) -> list:
     return [(v, causal) for v, causal in PARTS if not (v.sink and FAMILIES[family].direction == "bwd")]
 
 
+def variant_builds(cfgs, parts_done: set) -> list:
+    """The variant builds of table configs: ALL_PARTS causal at each causal one, PARTS at the first of each family
+    at PARTS_HEAD_DIM whose family is not in ``parts_done`` (which records it)."""
+    out = []
+    for c in cfgs:
+        builds = [(ALL_PARTS, True)] if c.causal else []
+        if c.head_dim == PARTS_HEAD_DIM and c.family not in parts_done:
+            parts_done.add(c.family)
+            builds += _parts(c.family)
+        out += [replace(c, variant=v, causal=causal) for v, causal in builds]
+    return out
+
+
 def instantiations(backend: str, dtype: str) -> dict:
-    """{family: [(arch, config)]}: ALL_PARTS causal at every tile of the tables, PARTS at one config of each
-    family at PARTS_HEAD_DIM; each distinct instantiation once, for the first arch whose table picks it."""
+    """{family: [(arch, config)]}: ALL_PARTS causal at every tile of the tables of TABLE_ARCHS, PARTS at one config
+    of each family at PARTS_HEAD_DIM; each distinct instantiation once, for the first arch whose table picks it."""
     seen: dict = {}
     parts_done: set = set()
-    for arch, cfgs in _tables(backend, dtype):
-        for c in cfgs:
-            builds = [(ALL_PARTS, True)] if c.causal else []
-            if c.head_dim == PARTS_HEAD_DIM and c.family not in parts_done:
-                parts_done.add(c.family)
-                builds += _parts(c.family)
-            for v, causal in builds:
-                cv = replace(c, variant=v, causal=causal)
-                seen.setdefault(cv.key(), (arch, cv))
+    for cc, arch in TABLE_ARCHS:
+        for cv in variant_builds(table_configs(cc, backend, dtype), parts_done):
+            seen.setdefault(cv.key(), (arch, cv))
     out: dict = {}
     for arch, cv in seen.values():
         out.setdefault(cv.family, []).append((arch, cv))

@@ -60,6 +60,11 @@ def whole_elf(cubin: bytes) -> bytes:
 def sass(config: KernelConfig, cc: str) -> str:
     """SASS text of one instantiation for sm_<cc> (e.g. "80", "90a")."""
     cubin, _ = compile_offline(config, cc, verbose_ptxas=False)
+    return disassemble(cubin)
+
+
+def disassemble(cubin: bytes) -> str:
+    """cuobjdump's SASS of a cubin of NVRTC's (every kernel in it: functions() splits them)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin_path = Path(tmp) / "k.cubin"
         cubin_path.write_bytes(whole_elf(cubin))
@@ -68,6 +73,16 @@ def sass(config: KernelConfig, cc: str) -> str:
         res = subprocess.run([_find_tool("cuobjdump"), "-sass", str(cubin_path)], check=True,
                              capture_output=True, text=True, env=env)
     return res.stdout
+
+
+_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
+
+
+def functions(sass_text: str) -> dict[str, str]:
+    """{lowered kernel name: its SASS} of a disassembled cubin holding several kernels."""
+    starts = list(_FUNCTION.finditer(sass_text))
+    ends = [m.start() for m in starts[1:]] + [len(sass_text)]
+    return {m.group(1): sass_text[m.end():end] for m, end in zip(starts, ends)}
 
 
 def opcode_counts(sass_text: str) -> collections.Counter:

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, poisoned, randn, rel_err_gpu, requires_gpu
+from conftest import BWD_TOL, planned_cc, poisoned, randn, rel_err_gpu, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -147,10 +147,9 @@ def test_workspace_poisoned_negative_control(rng, monkeypatch, deterministic):
     (-DCUFLASH_SM90_BWD_FIRST_STORE=0 -DCUFLASH_SM90_BWD_CLAIM_FIRST=0) gets every sum zeroed and passes;
     the same build with the zeroing cut to what a stored first slice would cover
     (sm90._NEGATIVE_CONTROL_SKIP_ZEROING) leaves NaN in dQ, which the poisoned check must catch."""
-    import cupy
     from cuflash import api, options, sm90
 
-    if int(cupy.cuda.Device().compute_capability) != 90:
+    if planned_cc() != 90:
         pytest.skip("the first-slice stores are the Hopper backward's")
     monkeypatch.setattr(api, "_POISON_WORKSPACE", True)
     options.set(bwd_backend="sm90", nvrtc_defines=("-DCUFLASH_SM90_BWD_FIRST_STORE=0",

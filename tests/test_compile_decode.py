@@ -23,44 +23,57 @@ def _layout(seqlen_q: int, heads_q: int, heads_kv: int, d: int, dv: int) -> kvca
     return kvcache.CacheLayout(1, seqlen_q, heads_q, heads_kv, d, dv, 0, 4096, 1, 0, 0, tma_ok=True)
 
 
-def _configs(backends=("sm80",)) -> list:
-    out = {}
+def decode_calls(kind: str = "16-bit") -> list:
+    """(dtype, layout, causal, variant) of the decode calls whose kernels the compile tests build, for the caches of
+    ``kind``: "16-bit" (the head-dim pairs, packed rows 8 / 32 / 64, causal and the variants at one pair),
+    "float32" (the portable kernel's scalar products, every GPU) or "fp8" (e4m3, sm_89+: the head-dim buckets, tall
+    tiles, the variants)."""
+    if kind == "float32":
+        return [("float32", _layout(*rows, d, dv), causal, variant)
+                for d, dv, rows, causal, variant in ((128, 128, (1, 8, 1), True, VARIANTS[0]),
+                                                     (64, 64, (4, 8, 1), False, VARIANTS[1]),
+                                                     (256, 256, (1, 8, 1), False, VARIANTS[0]),
+                                                     (128, 64, (16, 32, 8), True, VARIANTS[0]))]
+    if kind == "fp8":
+        return [(dtype, dataclasses.replace(_layout(*rows, d, dv), fp8=True), causal, variant)
+                for d, dv, rows, dtype, causal, variant in ((64, 64, (1, 8, 1), "float16", False, VARIANTS[0]),
+                                                            (128, 128, (1, 8, 1), "bfloat16", True, VARIANTS[1]),
+                                                            (128, 128, (16, 32, 8), "bfloat16", False, VARIANTS[0]),
+                                                            (256, 256, (1, 8, 1), "bfloat16", False, VARIANTS[0]),
+                                                            (128, 64, (4, 8, 1), "float16", True, VARIANTS[0]))]
+    out = []
     for d, dv in ((64, 64), (128, 128), (256, 256), (128, 64), (72, 40)):
         for rows in ((1, 8, 1), (4, 8, 1), (16, 32, 8)):   # packed rows 8, 32, 64
             for causal, variant in ((False, VARIANTS[0]), (True, VARIANTS[0]), (False, VARIANTS[1])):
                 if variant is VARIANTS[1] and (d, rows) != (128, (1, 8, 1)):
                     continue
-                for backend in backends:
-                    for c in kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), causal, variant, backend):
-                        out[c.key()] = c
-    for backend in backends:
-        out.update({c.key(): c for c in kvcache.decode_configs("float16", _layout(1, 32, 8, 128, 128), False,
-                                                               VARIANTS[0], backend)})
-    for dtype in ("float16", "bfloat16", "float32"):
-        c = KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
-        out[c.key()] = c
-    if "sm80" in backends:   # float32 caches (the portable kernel's scalar products, every GPU), and their append
-        for d, dv, rows, causal, variant in ((128, 128, (1, 8, 1), True, VARIANTS[0]),
-                                             (64, 64, (4, 8, 1), False, VARIANTS[1]),
-                                             (256, 256, (1, 8, 1), False, VARIANTS[0]),
-                                             (128, 64, (16, 32, 8), True, VARIANTS[0])):
-            out.update({c.key(): c for c in kvcache.decode_configs("float32", _layout(*rows, d, dv), causal, variant)})
-        c = KernelConfig("kvcache_append", "float32", 0, False, 0, 0, kvcache.NUM_WARPS)
-        out[c.key()] = c
-    for dtype in ("float16", "bfloat16"):
-        for family in ("kvcache_append",) + (("kvcache_append_fp8",) if "sm90" in backends else ()):
-            c = KernelConfig(family, dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
-            out[c.key()] = c
-    if "sm90" in backends:   # fp8 caches (both families, sm_89+): the head-dim buckets, tall tiles, the variants
-        for d, dv, rows, dtype, causal, variant in ((64, 64, (1, 8, 1), "float16", False, VARIANTS[0]),
-                                                    (128, 128, (1, 8, 1), "bfloat16", True, VARIANTS[1]),
-                                                    (128, 128, (16, 32, 8), "bfloat16", False, VARIANTS[0]),
-                                                    (256, 256, (1, 8, 1), "bfloat16", False, VARIANTS[0]),
-                                                    (128, 64, (4, 8, 1), "float16", True, VARIANTS[0])):
-            lay = dataclasses.replace(_layout(*rows, d, dv), fp8=True)
-            for backend in ("sm80", "sm90"):
-                out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, backend)})
-        for dtype, causal, variant in (("bfloat16", True, VARIANTS[0]), ("float16", False, VARIANTS[1])):   # MLA
+                out.append(("bfloat16", _layout(*rows, d, dv), causal, variant))
+    return out + [("float16", _layout(1, 32, 8, 128, 128), False, VARIANTS[0])]
+
+
+def aux_configs(fp8: bool = False) -> list:
+    """The merge of split decoding (every dtype) and the appends (every cache dtype; ``fp8``: the e4m3 one too)."""
+    out = [KernelConfig("combine", dtype, 0, False, 0, 0, kvcache.NUM_WARPS) for dtype in ("float16", "bfloat16", "float32")]
+    out += [KernelConfig("kvcache_append", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+            for dtype in ("float32", "float16", "bfloat16")]
+    if fp8:
+        out += [KernelConfig("kvcache_append_fp8", dtype, 0, False, 0, 0, kvcache.NUM_WARPS)
+                for dtype in ("float16", "bfloat16")]
+    return out
+
+
+def _configs(backends=("sm80",)) -> list:
+    out = {}
+    calls = [(call, backend) for backend in backends for call in decode_calls()]
+    if "sm80" in backends:
+        calls += [(call, "sm80") for call in decode_calls("float32")]
+    if "sm90" in backends:   # fp8 caches, both families
+        calls += [(call, backend) for call in decode_calls("fp8") for backend in ("sm80", "sm90")]
+    for call, backend in calls:
+        out.update({c.key(): c for c in kvcache.decode_configs(*call, backend)})
+    out.update({c.key(): c for c in aux_configs(fp8="sm90" in backends)})
+    if "sm90" in backends:   # MLA
+        for dtype, causal, variant in (("bfloat16", True, VARIANTS[0]), ("float16", False, VARIANTS[1])):
             lay = dataclasses.replace(_layout(1, 16, 1, *kvcache.MLA_HEAD_DIMS), latent=True)
             out.update({c.key(): c for c in kvcache.decode_configs(dtype, lay, causal, variant, "sm90")})
     return list(out.values())

@@ -32,26 +32,34 @@ def _varlen_sm90() -> list:
     return _unique(out)
 
 
-def _varlen_portable() -> list:
+def varlen_portable(cc: int = 80) -> list:
+    """The portable varlen kernels of a device of compute capability ``cc``'s tables (forward, dK/dV, dQ)."""
     out = []
     for causal in (False, True):
         for dtype, d in (("float16", 64), ("bfloat16", 128), ("float32", 64), ("float32", 128)):
-            out.append(heuristics.fwd_config(dtype, d, causal, 80, backend="sm80", variant=VARLEN))
+            out.append(heuristics.fwd_config(dtype, d, causal, cc, backend="sm80", variant=VARLEN))
             for det in (False, True):
-                c = heuristics.bwd_configs(dtype, d, causal, 80, det, backend="sm80", variant=VARLEN)
+                c = heuristics.bwd_configs(dtype, d, causal, cc, det, backend="sm80", variant=VARLEN)
                 out += [x for x in (c.dkdv, c.dq) if x is not None]
     return _unique(out)
+
+
+DV_PAIRS = ((192, 128), (64, 128), (128, 64))   # (q / k, v) head dims
+
+
+def dv_portable(cc: int = 80) -> list:
+    """The portable forwards with a value head dim of its own (16-bit and float32) on a device of ``cc``."""
+    return _unique(heuristics.fwd_config(dtype, dqk, causal, cc, backend="sm80", head_dim_v=dv)
+                   for causal in (False, True) for dqk, dv in DV_PAIRS for dtype in ("float16", "float32"))
 
 
 def _dv() -> list:
     out = []
     for causal in (False, True):
-        for dqk, dv in ((192, 128), (64, 128), (128, 64)):
+        for dqk, dv in DV_PAIRS:
             out.append(heuristics.fwd_config("bfloat16", dqk, causal, 90, head_dim_v=dv))
             out.append(heuristics.fwd_config("bfloat16", dqk, causal, 90, variant=VARLEN, head_dim_v=dv))
-            out.append(heuristics.fwd_config("float16", dqk, causal, 80, backend="sm80", head_dim_v=dv))
-            out.append(heuristics.fwd_config("float32", dqk, causal, 80, head_dim_v=dv))
-    return _unique(out)
+    return _unique(out + dv_portable())
 
 
 def test_varlen_hopper_kernels_compile_without_spills():
@@ -59,7 +67,7 @@ def test_varlen_hopper_kernels_compile_without_spills():
 
 
 def test_varlen_portable_kernels_compile_without_spills():
-    assert_all_compile(_varlen_portable(), "80")
+    assert_all_compile(varlen_portable(), "80")
 
 
 def test_value_head_dim_forwards_compile_without_spills():

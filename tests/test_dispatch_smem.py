@@ -33,7 +33,7 @@ def fake_dispatch(monkeypatch):
     _FakeModule.built = []
     monkeypatch.setattr(cupy, "RawModule", _FakeModule)
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(dispatch, "device_info", lambda device_id: (90, 232448))
+    monkeypatch.setattr(dispatch, "real_device_info", lambda device_id: (90, 232448))
     for name in ("_kernels", "_modules", "_smem", "_key_locks"):
         monkeypatch.setattr(dispatch, name, {})
     options.set(nvrtc_defines=())   # conftest restores the options after the test
@@ -134,7 +134,7 @@ def test_the_loaded_module_holds_the_offline_value():
     from cuflash.compile import smem_bytes_offline, target
 
     dev = cupy.cuda.Device().id
-    cc, _ = dispatch.device_info(dev)
+    cc, _ = dispatch.real_device_info(dev)   # the kernels' target, whatever Options.plan_cc plans
     defines = options.current().nvrtc_defines
     cfgs = [heuristics.fwd_config("float16", 64, False, cc), heuristics.fwd_config("bfloat16", 128, True, cc),
             heuristics.fwd_config("float16", 64, False, cc, backend="sm80")]

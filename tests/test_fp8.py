@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import LSE_RTOL_FP8, assert_lse_matches, requires_gpu
+from conftest import LSE_RTOL_FP8, assert_lse_matches, planned_cc, requires_gpu
 from cuflash import heuristics, options
 from cuflash.config import KernelConfig
 
@@ -135,9 +135,7 @@ def test_host_arrays_rejected_without_a_device():
 
 
 def _hopper():
-    import cupy
-
-    if int(cupy.cuda.Device().compute_capability) != 90:
+    if planned_cc() != 90:
         pytest.skip("the fp8 forward needs compute capability 9.0")
 
 

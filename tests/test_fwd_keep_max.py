@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, poisoned, requires_gpu
+from conftest import FWD_TOL, assert_close_on_every_row, assert_lse_matches, planned_cc, poisoned, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -18,9 +18,7 @@ COUNT_DEFINE = "-DCUFLASH_SM90_FWD_COUNT_FALLBACKS"
 
 @pytest.fixture(autouse=True)
 def hopper():
-    import cupy
-
-    if int(cupy.cuda.Device().compute_capability) != 90:
+    if planned_cc() != 90:
         pytest.skip("needs compute capability 9.0 (sm_90a)")
 
 

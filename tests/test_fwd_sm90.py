@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_gpu
+from conftest import planned_cc, requires_gpu
 from test_fwd import _check
 
 pytestmark = requires_gpu
@@ -14,10 +14,9 @@ pytestmark = requires_gpu
 @pytest.fixture(autouse=True, params=["sm90", "sm90_overlap", "sm90_simple_p", "sm90_overlap_p",
                                       "sm90_overlap_x2", "sm90_overlap_x2_p", "sm90_split"])
 def sm90_backend(request, monkeypatch):
-    import cupy
     from cuflash import options
 
-    if int(cupy.cuda.Device().compute_capability) != 90:
+    if planned_cc() != 90:
         pytest.skip("needs compute capability 9.0 (sm_90a)")
     with options.override(fwd_backend=request.param, sm90_fwd_tiles=None):
         yield request.param

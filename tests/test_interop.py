@@ -16,7 +16,7 @@ import pytest
 
 import cuflash
 from cuflash import interop
-from conftest import BWD_TOL, FWD_TOL, GPU_SKIP_REASON, assert_lse_matches, fake_cupy_array as arr, to_host
+from conftest import BWD_TOL, FWD_TOL, GPU_SKIP_REASON, assert_lse_matches, fake_cupy_array as arr, planned_cc, to_host
 from cuflash.reference import attention_reference, attention_reference_backward, rel_err
 
 QKV = (1, 4, 2, 64)
@@ -308,10 +308,8 @@ def test_torch_mixed_with_cupy_is_named():
 
 
 def test_torch_fp8():
-    import cupy
-
     torch = _torch_cuda()
-    if int(cupy.cuda.Device().compute_capability) != 90:
+    if planned_cc() != 90:
         pytest.skip("the fp8 forward needs compute capability 9.0")
     q, k, v = _torch_qkv(torch, "bfloat16", d=128)
     (q8, dq), (k8, dk), (v8, _) = (cuflash.quantize_fp8(x) for x in (q, k, v))

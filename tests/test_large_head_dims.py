@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import (BWD_TOL, FWD_TOL, assert_close_on_every_row, assert_grads_close_on_every_row, assert_lse_matches,
-                      dtype_of, poisoned, requires_gpu)
+                      dtype_of, planned_cc, poisoned, requires_gpu)
 
 pytestmark = [requires_gpu, pytest.mark.usefixtures("hopper_kernels_only")]
 
@@ -29,9 +29,7 @@ def _rand(rng, shape, dtype):
 
 def _needs(dtype, portable: bool = False):
     """Skips what this GPU does not run: the Hopper kernels (fp16 / bf16 unless ``portable``) need cc 9.0."""
-    import cupy
-
-    if dtype != "float32" and not portable and int(cupy.cuda.Device().compute_capability) != 90:
+    if dtype != "float32" and not portable and planned_cc() != 90:
         pytest.skip("fp16 / bf16 at head dims above 256 on the Hopper kernels: compute capability 9.0")
 
 

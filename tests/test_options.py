@@ -69,6 +69,30 @@ def test_bad_fields():
         options.use({"fwd_backend": "sm80"})
 
 
+def test_plan_cc_parses_and_validates():
+    """CUFLASH_PLAN_CC: a known compute capability as an int (Options.plan_cc), None unset; anything else refused
+    naming the variable and the allowed values (what a device can honour is dispatch.device_info's check)."""
+    assert Options().plan_cc is None and options.from_environ({"CUFLASH_PLAN_CC": ""}).plan_cc is None
+    assert options.from_environ({"CUFLASH_PLAN_CC": " 86 "}).plan_cc == 86
+    assert Options(plan_cc=120).plan_cc == 120
+    for text in ("8.6", "sm_80", "85", "75", "0"):
+        with pytest.raises(ValueError, match="CUFLASH_PLAN_CC"):
+            options.from_environ({"CUFLASH_PLAN_CC": text})
+    for value in (85, 75, True, "80", 80.0):
+        with pytest.raises(ValueError, match=r"CUFLASH_PLAN_CC \(Options.plan_cc\) must be None or .*80, 86"):
+            Options(plan_cc=value)
+    assert options.set(plan_cc=89).plan_cc == 89 and options.set(plan_cc=None).plan_cc is None
+
+
+def test_plan_ccs_are_the_known_tables():
+    """The values CUFLASH_PLAN_CC takes are the compute capabilities whose opt-in shared memory the tables know,
+    and the 'large' class (>= 160 KB) is theirs that have it."""
+    assert options.PLAN_CCS == tuple(sorted(heuristics.SMEM_OPTIN))
+    for cc, limit in heuristics.SMEM_OPTIN.items():
+        assert (heuristics.smem_class(cc) == "large") == (limit >= 160 * 1024), cc
+    assert [cc for cc in options.PLAN_CCS if heuristics.smem_class(cc) == "small"] == [86, 89, 120, 121]
+
+
 def test_forced_backends_match_the_heuristics():
     assert options.FWD_BACKENDS == ("auto", "sm80") + heuristics.SM90_FWD_BACKENDS
     assert options.BWD_BACKENDS == ("auto", "sm80") + heuristics.SM90_BWD_BACKENDS

@@ -47,7 +47,7 @@ def fake_compiler(monkeypatch):
     _FakeModule.compiles, _FakeModule.running, _FakeModule.most_at_once = {}, 0, 0
     monkeypatch.setattr(cupy, "RawModule", _FakeModule)
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(dispatch, "device_info", lambda device_id: (90, 232448))
+    monkeypatch.setattr(dispatch, "real_device_info", lambda device_id: (90, 232448))
     monkeypatch.setattr(dispatch, "_kernels", {})
     monkeypatch.setattr(dispatch, "_modules", {})
     monkeypatch.setattr(dispatch, "_smem", {})
