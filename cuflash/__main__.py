@@ -311,11 +311,9 @@ def _row_names(text: str, rows_by_name) -> tuple:
     return names
 
 
-def _parse_variant_rows(text: str) -> tuple:
-    """"window8k,alibi" -> ("window8k", "alibi") (the variant table's rows)."""
-    from .bench_variants import rows_by_name
-
-    return _row_names(text, rows_by_name)
+def _parse_names(text: str) -> tuple:
+    """"a, b" -> ("a", "b"): --rows, checked against the table it serves in parse_args."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _parse_varlen_rows(text: str) -> tuple:
@@ -382,9 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of the standard table, the attention-variant table (cuflash/bench_variants.py: "
                          "window, chunk, softcap, ALiBi, sinks beside plain cuflash, FlashAttention-4 and cuDNN; "
                          "default distributions normal, outlier12, sink; --quick: two rows on normal inputs)")
-    ap.add_argument("--rows", type=_parse_variant_rows, metavar="NAME[,NAME...]",
+    ap.add_argument("--programmable", action="store_true",
+                    help="instead of the standard table, the programmable-attention table (cuflash/"
+                         "bench_programmable.py, issue #45): dropout, bias + dbias, key padding, 50 %% block "
+                         "sparsity, a relative-position score_mod and a document mask_mod at B=4 H=16 N=4096 D=128 "
+                         "bf16 beside plain cuflash, cuDNN, FlashAttention-4 and FlexAttention; default "
+                         "distributions normal, mixed, 20 repeats, 3 warm-ups; --quick: two rows on normal inputs")
+    ap.add_argument("--rows", type=_parse_names, metavar="NAME[,NAME...]",
                     help="with --variants: only these rows (window8k, window16k, softcap-causal, softcap, alibi, "
-                         "gpt-oss, gpt-oss-gqa, chunk)")
+                         "gpt-oss, gpt-oss-gqa, chunk); with --programmable: these rows (dropout, bias, keypad, "
+                         "sparse50, relpos, docmask)")
     ap.add_argument("--varlen", action="store_true",
                     help="instead of the standard table, the varlen table (cuflash/bench_varlen.py, issue #43): "
                          "forward_varlen / backward_varlen on 64 sequences of 128-8192 tokens beside the dense API "
@@ -420,6 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _checked_rows(parser: argparse.ArgumentParser, names: tuple, rows_by_name) -> tuple:
+    """``names`` where ``rows_by_name`` knows each; else the parser's error naming the unknown ones."""
+    try:
+        rows_by_name(names)
+    except ValueError as e:
+        parser.error(f"--rows: {e}")
+    return tuple(names)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; ``dists`` becomes None (no --dists) or a tuple of distribution names."""
     from .distributions import DISTRIBUTIONS
@@ -430,8 +444,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dists is not None:
         named = [x for group in args.dists for x in group]
         args.dists = tuple(dict.fromkeys(named)) or DISTRIBUTIONS
-    if args.rows is not None and not args.variants:
-        parser.error("--rows applies to --variants only")
+    if args.rows is not None and not (args.variants or args.programmable):
+        parser.error("--rows applies to --variants and --programmable only")
     if not args.varlen and (args.varlen_rows or args.varlen_shape or args.varlen_dists):
         parser.error("--varlen-rows, --varlen-shape and --varlen-dists apply to --varlen only")
     if args.varlen:   # rows, distributions, repeats of the varlen table (bench_varlen)
@@ -481,13 +495,27 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.repeats = bdc.DEFAULT_REPEATS
         if not _given(argv_list, "--warmup"):
             args.warmup = bdc.DEFAULT_WARMUP
+    if args.programmable:   # rows, distributions, repeats of the programmable table (bench_programmable)
+        from . import bench_programmable as bp
+
+        if args.variants or args.varlen or args.head_dims or args.decode or args.shape:
+            parser.error("--programmable does not combine with --variants, --varlen, --head-dims, --decode or --shape "
+                         "(name rows with --rows)")
+        args.rows = _checked_rows(parser, args.rows or (bp.QUICK_ROWS if args.quick else bp.ROW_NAMES),
+                                  bp.rows_by_name)
+        if args.dists is None:
+            args.dists = bp.QUICK_DISTS if args.quick else bp.DEFAULT_DISTS
+        if not _given(argv_list, "--repeats"):
+            args.repeats = bp.DEFAULT_REPEATS
+        if not _given(argv_list, "--warmup"):
+            args.warmup = bp.DEFAULT_WARMUP
     if args.variants:   # rows and distributions of the variant table (bench_variants)
         from . import bench_variants as bv
 
         if args.shape:
             parser.error("--shape does not apply to --variants: name rows with --rows")
-        if args.rows is None:
-            args.rows = bv.QUICK_ROWS if args.quick else bv.ROW_NAMES
+        args.rows = _checked_rows(parser, args.rows or (bv.QUICK_ROWS if args.quick else bv.ROW_NAMES),
+                                  bv.rows_by_name)
         if args.dists is None:
             args.dists = bv.QUICK_DISTS if args.quick else bv.DEFAULT_DISTS
     return args
@@ -508,6 +536,10 @@ def table_shapes(args: argparse.Namespace) -> list:
         from .bench_variants import rows_by_name
 
         return list(dict.fromkeys(r.shape for r in rows_by_name(args.rows)))
+    if getattr(args, "programmable", False):   # the plain calls' kernels (the programmable ones build on first use)
+        from .bench_programmable import rows_by_name as programmable_rows
+
+        return list(dict.fromkeys(r.shape for r in programmable_rows(args.rows)))
     if getattr(args, "head_dims", False):   # the reference head dims' shapes (the large ones build below)
         from .bench_shapes import rows_by_name as head_dim_rows
 
@@ -643,6 +675,10 @@ def main(argv=None) -> int:
         return 0
     if args.variants:
         return _run_variants(args, name, cc)
+    if args.programmable:
+        from . import bench_programmable
+
+        return bench_programmable.run(args, name, cc)
     if args.varlen:
         from . import bench_varlen
 

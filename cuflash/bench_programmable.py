@@ -905,7 +905,7 @@ def _case(row: ProgRow, dist: str, repeats: int, warmup: int, passes: tuple, ada
             na(impl, f"FAILED {_short(e)}")
     for name in PEERS:
         build, why = adapters.get(name, (None, "not run"))
-        why = why if build is None else static_na(name, row)
+        why = static_na(name, row) or (why if build is None else None)   # lacking the feature says more
         if why:
             na(name, why)
             continue
