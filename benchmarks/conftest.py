@@ -9,6 +9,7 @@ from cuflash.bench import STANDARD_SHAPES, Shape
 
 _ROWS: list[dict] = []
 _VARIANT_ROWS: list = []   # bench_variants.CaseResult of benchmarks/bench_variants.py
+_PROGRAMMABLE_ROWS: list = []   # bench_programmable.ProgResult of benchmarks/bench_programmable.py
 
 # (shape, input distribution) cases: the standard shapes on normal inputs, and a few shapes on the
 # distributions whose scores are large (cuflash.distributions), to keep the run short.
@@ -85,12 +86,23 @@ def record_variant():
     return _VARIANT_ROWS.append
 
 
+@pytest.fixture
+def record_programmable():
+    """record_programmable(result) -> adds a bench_programmable.ProgResult to the programmable table at the end."""
+    return _PROGRAMMABLE_ROWS.append
+
+
 def pytest_terminal_summary(terminalreporter):
     if _VARIANT_ROWS:
         from cuflash.bench_variants import format_table
 
         terminalreporter.write_sep("=", "attention variants (cuflash/bench_variants.py)")
         terminalreporter.write_line(format_table(_VARIANT_ROWS))
+    if _PROGRAMMABLE_ROWS:
+        from cuflash import bench_programmable
+
+        terminalreporter.write_sep("=", "programmable attention (cuflash/bench_programmable.py)")
+        terminalreporter.write_line(bench_programmable.format_table(_PROGRAMMABLE_ROWS))
     if not _ROWS:
         return
     from cuflash.__main__ import print_table
