@@ -2,14 +2,12 @@
 
 Each row is one call at B=4 H=16 N=4096 D=128 bf16, non-causal, with one programmable part:
 
-=========  =============================================================================================
-``dropout``  dropout 0.1 (Philox, a fixed seed)
-``bias``     a (1, H, N, N) bf16 bias, and its gradient dbias in the backward
-``keypad``   a key-padding bias (B, 1, 1, N): 0, and -inf past each sequence's length (drawn in [N/2, N])
-``sparse50`` a block mask of 128 x 128 blocks (1, H, 32, 32), exactly half of each block row on
-``relpos``   a relative-position score_mod: score + table[h, min(|q_idx - kv_idx|, 63)] (float32 (H, 64))
-``docmask``  a document mask_mod: each batch packs 8 documents (random boundaries), a query sees its own
-=========  =============================================================================================
+- ``dropout``: dropout 0.1 (Philox, a fixed seed);
+- ``bias``: a (1, H, N, N) bf16 bias, and its gradient dbias in the backward;
+- ``keypad``: a key-padding bias (B, 1, 1, N): 0, and -inf past each sequence's length (drawn in [N/2, N]);
+- ``sparse50``: a block mask of 128 x 128 blocks (1, H, 32, 32), exactly half of each block row on;
+- ``relpos``: a relative-position score_mod, score + table[h, min(|q_idx - kv_idx|, 63)] (float32 (H, 64));
+- ``docmask``: a document mask_mod: each sequence packs 8 documents (random boundaries), a query sees its own.
 
 Non-causal throughout: the issue names no causal mask, plain non-causal attention is the fastest baseline to be
 held against, and a causal mask on top of the sparse and document masks would mix two maskings in one figure.
@@ -324,7 +322,7 @@ def row_operands(row: ProgRow) -> dict:
     if row.name == "keypad":
         lengths = keypad_lengths(s.batch, s.nk)
         host = np.where(np.arange(s.nk)[None, :] < lengths[:, None], 0.0, -np.inf).astype(np.float32)
-        return {"bias": cupy.asarray(host.astype(io).reshape(s.batch, 1, 1, s.nk)),
+        return {"bias": cupy.asarray(host.reshape(s.batch, 1, 1, s.nk)).astype(io),
                 "lengths": cupy.asarray(lengths.astype(np.int32))}
     if row.name == "sparse50":
         return {"blocks": cupy.asarray(sparse_blocks(s.heads, s.seqlen, s.nk))}
@@ -508,9 +506,14 @@ def cudnn_adapter():
                 output(pack, ct, t, io)
             return finish(g, pack)
 
-        infer = forward_graph(False)
+        fns = {"_out": out.transpose(1, 2)}
+        try:
+            infer = forward_graph(False)
+        except Exception as e:  # noqa: BLE001 - e.g. dropout refused at inference: time the training forward
+            infer = forward_graph(True)
+            fns["_note"] = f"forward timed with its stats (the inference graph was refused: {_short(e)})"
         infer()
-        fns = {"fwd": infer, "_out": out.transpose(1, 2)}
+        fns["fwd"] = infer
         if "fwd+bwd" in passes:
             train, bwd = forward_graph(True), backward_graph()
 
@@ -574,11 +577,12 @@ def _fa4_block_sparse(torch, any_on: np.ndarray, all_on: np.ndarray, batch: int,
         shape = (batch, heads) + any_b.shape[2:]
         part_cnt, part_idx = block_lists(np.broadcast_to(any_b & ~all_b, shape))
         full_cnt, full_idx = block_lists(np.broadcast_to(all_b, shape))
-        parts = [torch.from_numpy(x).to(device) for x in (part_cnt, part_idx, full_cnt, full_idx)]
+        names = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+        parts = {n: torch.from_numpy(x).to(device) for n, x in zip(names, (part_cnt, part_idx, full_cnt, full_idx))}
         try:
-            return BlockSparseTensorsTorch(*parts, block_size=(BLOCK, BLOCK))
+            return BlockSparseTensorsTorch(**parts, block_size=(BLOCK, BLOCK))
         except TypeError:   # releases without block_size: their sm90 blocks are 128 x 128
-            return BlockSparseTensorsTorch(*parts)
+            return BlockSparseTensorsTorch(**parts)
 
     return tensors(any_on, all_on), tensors(np.swapaxes(any_on, -1, -2), np.swapaxes(all_on, -1, -2))
 
@@ -694,7 +698,7 @@ def flex_adapter():
         tdout = torch_views((inputs.dout,), sdpa_layout=True)[0]
         score_mod = block_mask = None
         if row.name == "sparse50":
-            blocks = to_torch(inputs.ops["blocks"])[0]
+            blocks = torch.from_numpy(inputs.ops["blocks"].get()[0]).to(tq.device)   # bool: no DLPack needed
             block_mask = create_block_mask(_flex_blocks(blocks), None, s.heads, s.seqlen, s.nk, device=tq.device,
                                            BLOCK_SIZE=BLOCK)
         elif row.name == "relpos":
