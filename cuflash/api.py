@@ -79,8 +79,10 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         gives zeros and -inf (the sinks).
     """
     # _mask_offsets (internal: ring attention's steps, cuflash/distributed/ring.py): the mask policy's
-    # (diag, key_offset) for q and k that are views of a longer sequence.
-    if programmable.given(bias, dropout_p, seed, block_mask, score_mod, mask_mod):
+    # (diag, key_offset) for q and k that are views of a longer sequence. The programmable arguments are tested
+    # inline (programmable.given's test): this is the plain call's hot path.
+    if (bias is not None or dropout_p or seed is not None or block_mask is not None or score_mod is not None
+            or mask_mod is not None):
         return _forward_programmable(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                      attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes,
                                      sinks=sinks, return_lse=return_lse, out=out, bias=bias, dropout_p=dropout_p,
