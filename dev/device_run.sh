@@ -49,8 +49,12 @@
 #              b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*) of the TMA ring against its switches under
 #              measurement (CUFLASH_DECODE_PDL=1, -DCUFLASH_DECODE_TMA_STAGES=4 / 5). Not part of all
 #   prog [ARGS...] : issue #45's programmable attention (CUFLASH_PROGRAMMABLE=1): its GPU tests (the forward and
-#              backward against the float64 reference: bias, dropout, block masks, modifiers), then any pytest ARGS
-#              (e.g. -k bias). Not part of all
+#              backward against the float64 reference: bias, dropout, block masks, modifiers; cuflash.torch.attention),
+#              then any pytest ARGS (e.g. -k bias). Not part of all
+#   progbench [ARGS...] : issue #45's table (python -m cuflash --programmable --markdown: dropout, bias, keypad,
+#              sparse50, relpos, docmask beside plain cuflash, cuDNN through cudnn-frontend, FA4, FlexAttention),
+#              FA4 and cudnn-frontend installed as for variants; ARGS to python -m cuflash, e.g. --rows dropout,bias
+#              (each row compiles NVRTC, FA4 and FlexAttention kernels on first use: two rows a call). Not part of all
 #   all : every phase but fa4setup, ncu, fp8, dists and variants in one go (GPU tests on the default and the forced
 #         portable kernels, fuzz, JAX, ring, compute-sanitizer with four tools, the benchmark table)
 # Outputs go to $OUT (default /tmp/cuflash-out); FA4 is installed in $FA4_SITE (default /tmp/fa4site);
@@ -107,7 +111,7 @@ case $phase in
   variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
   varlen) python3 $HERE/precompile.py fwd bwd varlen_bench | tail -n 12 ;;  # a kernel that fails is named here
   large) python3 $HERE/precompile.py large | tail -n 12 ;;
-  decode|decode-ab|prog) ;;  # the tests compile the few kernels they take
+  decode|decode-ab|prog|progbench) ;;  # the tests and rows compile the few kernels they take
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -159,8 +163,15 @@ case $phase in
     ;;
   prog)
     CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider --require-gpu \
-      tests/test_programmable.py tests/test_programmable_host.py "$@" 2>&1 \
+      tests/test_programmable.py tests/test_programmable_host.py tests/test_torch_programmable.py "$@" 2>&1 \
       | tee "$OUT/prog-tests.log" | grep -av "arn" | tail -n 40 || status=1
+    ;;
+  progbench)
+    if [ -d .fa4b ] && [ ! -d $FA4_SITE ]; then fa4_setup || status=1; fi
+    fa4_env
+    cudnnfe_env || status=1
+    timeout 560 python3 -m cuflash --programmable --markdown --json "$OUT/programmable.json" "$@" 2>&1 \
+      | tee "$OUT/programmable.log" | tail -n 80 || status=1
     ;;
   decode-ab)
     rows=${1:-'b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*'}
