@@ -173,3 +173,72 @@ def test_a_seed_without_dropout_is_the_plain_call(device_forbidden, monkeypatch)
     monkeypatch.setattr(api, "_run_forward", lambda *a, **kw: seen.setdefault("plain", True))
     cuflash.forward(q, k, v, dropout_p=0.0, seed=5)
     assert seen == {"plain": True}
+
+
+class _Launches:
+    """Stands in for the device: records what programmable.launch_forward / launch_backward would launch (kernel
+    configs, grids, both parameter blocks), with fake allocations and the compile skipped."""
+
+    def __init__(self, monkeypatch, cc: int = 80):
+        import cupy
+
+        from cuflash import capture, dispatch, launch
+
+        self.calls = []
+        monkeypatch.setattr(capture, "keep_if_capturing", lambda *arrays: None)
+        monkeypatch.setattr(dispatch, "device_info", lambda dev, opts=None: (cc, 166912))
+        monkeypatch.setattr(dispatch, "get_kernel", lambda cfg, dev, defines=(): ("kernel", cfg))
+        monkeypatch.setattr(dispatch, "smem_bytes", lambda cfg, dev=None, defines=(): 1024)
+        monkeypatch.setattr(launch, "launch", lambda kern, cfg, grid, p, smem, extra=(), programmatic=False:
+                            self.calls.append((cfg, grid, p, extra)))
+        monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: arr(shape, dtype))
+        monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: arr(shape, dtype))
+        programmable._plans.clear()
+
+    def prog(self, i: int):
+        blob = self.calls[i][3][0]
+        return np.frombuffer(blob.tobytes(), params.PROG_PARAMS)[0]
+
+
+def test_forward_launch_glue_without_a_device(monkeypatch):
+    from cuflash import api, variants
+
+    rec = _Launches(monkeypatch)
+    q, k, v = _qkv()
+    out, lse = arr(q.shape, np.float16), arr((B, HQ, NQ), np.float32)
+    prog = _check(q=q, bias=arr((B, 1, 1, NK), np.float16), dropout_p=0.25, seed=77, offset=5)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=True, batch=B, heads_q=HQ, device_id=None)
+    programmable.launch_forward(q, k, v, out, lse, prog, causal=True, scale=0.125, dims=(B, NQ, NK, HQ, HKV, D),
+                                device_id=0, opts=api.options.current(), var=var)
+    (cfg, grid, p, extra), = rec.calls
+    assert cfg.family == "sm80_fwd_prog" and cfg.variant.bias == "float16" and cfg.variant.dropout and cfg.causal
+    assert grid == (-(-NQ // cfg.block_m), HQ, B)
+    fwd = np.frombuffer(p, params.FWD_PARAMS)[0]
+    assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["heads_q"], fwd["heads_per_kv"]) == (NQ, NK, HQ, HQ // HKV)
+    pp = rec.prog(0)
+    assert (pp["seed"], pp["offset"], pp["dropout_threshold"]) == (77, 5, round(0.25 * 65536))
+    assert (pp["bias_batch_stride"], pp["bias_head_stride"], pp["bias_row_stride"], pp["bias_col_stride"]) == (NK, 0, 0, 1)
+
+
+def test_backward_launch_glue_without_a_device(monkeypatch):
+    from cuflash import api, variants
+
+    rec = _Launches(monkeypatch)
+    q, k, v = _qkv()
+    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
+    lse = arr((B, HQ, NQ), np.float32)
+    dq, dk, dv = arr(q.shape, np.float16), arr(k.shape, np.float16), arr(v.shape, np.float16)
+    prog = _check(q=q, dropout_p=0.1, seed=3)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=False, batch=B, heads_q=HQ, device_id=None)
+    dsinks, dbias, grads = programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False,
+                                                        scale=0.125, dims=(B, NQ, NK, HQ, HKV, D), device_id=0,
+                                                        opts=api.options.current(), var=var)
+    assert dsinks is None and dbias is None and grads == {}
+    families = [c.family for c, *_ in rec.calls]
+    assert families == ["bwd_preprocess", "sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"]
+    bwd = np.frombuffer(rec.calls[0][2], params.BWD_PARAMS)[0]
+    assert (bwd["dq_accum"], bwd["dq"], bwd["seqlen_q"], bwd["heads_q"]) == (0, dq.data.ptr, NQ, HQ)
+    for i in (1, 2):
+        assert rec.prog(i)["seed"] == 3 and rec.prog(i)["dropout_threshold"] == round(0.1 * 65536)
+    dkdv_cfg, dkdv_grid = rec.calls[1][:2]
+    assert dkdv_grid == (-(-NK // dkdv_cfg.block_n), HKV, B)
