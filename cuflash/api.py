@@ -751,24 +751,12 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic)
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True, head_dims_checked=_padded)
-    out_shape = (b, nq, hq, v.shape[3])
-    _checks.check_like_cached("dout", dout, "q", q, out_shape)
-    _checks.check_like_cached("out", out, "q", q, out_shape)
+    dims, scale, causal, var = _check_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale,
+                                               window_size, attention_chunk, softcap, alibi_slopes, sinks,
+                                               allow_dv=True, head_dims_checked=_padded)
+    b, nq, nk, hq, hkv, d = dims
     dev = q.data.device_id
-    _checks.check_lse_cached(lse, (b, hq, nq), dev)
-    scale = _checks.check_scale(softmax_scale, d)
-    causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
-    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
-                                  batch=b, heads_q=hq, device_id=dev, q_dtype=q.dtype)
-    if dlse is not None:
-        _checks.check_lse_cached(dlse, (b, hq, nq), dev, name="dlse")
-    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if buf is not None:
-            _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
-    _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
-                             (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     # A value head dim of its own: the kernels' one head dim, by zero padding (head_dims.py); the large head dims'
     # 16-bit kernels take both, and the 16-bit kernels a narrower v (_launch_bwd: head_dims.NarrowV).
     if v.shape[3] != d and not (q.dtype != np.float32 and (head_dims.is_large(d, v.shape[3]) or v.shape[3] < d)):
@@ -794,6 +782,30 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
     return (*grads[:3], dsinks)
 
 
+def _check_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale, window_size, attention_chunk,
+                    softcap, alibi_slopes, sinks, allow_dv: bool = False, head_dims_checked: bool = False):
+    """The backward's checks, before the device is touched: returns ((B, Nq, Nk, Hq, Hkv, D), scale, causal, the
+    checked Variants)."""
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=allow_dv, head_dims_checked=head_dims_checked)
+    out_shape = (b, nq, hq, v.shape[3])
+    _checks.check_like_cached("dout", dout, "q", q, out_shape)
+    _checks.check_like_cached("out", out, "q", q, out_shape)
+    dev = q.data.device_id
+    _checks.check_lse_cached(lse, (b, hq, nq), dev)
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
+                                  batch=b, heads_q=hq, device_id=dev, q_dtype=q.dtype)
+    if dlse is not None:
+        _checks.check_lse_cached(dlse, (b, hq, nq), dev, name="dlse")
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
+    _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
+                             (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    return (b, nq, nk, hq, hkv, d), scale, causal, var
+
+
 def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, attention_chunk, softcap,
                            alibi_slopes, sinks, dlse, dq, dk, dv, bias, dropout_p, seed, offset, block_mask,
                            block_size, score_mod, mask_mod):
@@ -812,23 +824,10 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
                             softcap=softcap, dropout_p=dropout_p, offset=offset, block_size=block_size,
                             score_mod=score_mod, mask_mod=mask_mod, **numbers)
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v)
-    out_shape = (b, nq, hq, v.shape[3])
-    _checks.check_like_cached("dout", dout, "q", q, out_shape)
-    _checks.check_like_cached("out", out, "q", q, out_shape)
+    dims, scale, causal, var = _check_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale,
+                                               window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    b, nq, nk, hq, hkv, d = dims
     dev = q.data.device_id
-    _checks.check_lse_cached(lse, (b, hq, nq), dev)
-    scale = _checks.check_scale(softmax_scale, d)
-    causal = _checks.check_flag("causal", causal)
-    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal,
-                                  batch=b, heads_q=hq, device_id=dev, q_dtype=q.dtype)
-    if dlse is not None:
-        _checks.check_lse_cached(dlse, (b, hq, nq), dev, name="dlse")
-    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if buf is not None:
-            _checks.check_out_cached(name, buf, ref.shape, ref.dtype, dev)
-    _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
-                             (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
     prog = programmable.check_arguments(q, bias=bias, dropout_p=dropout_p, seed=seed, offset=offset,
                                         block_mask=block_mask, block_size=block_size, score_mod=score_mod,
                                         mask_mod=mask_mod, batch=b, heads_q=hq, seqlen_q=nq, seqlen_k=nk,

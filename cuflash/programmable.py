@@ -175,17 +175,21 @@ def mask_mod_coverage(mods: Modifiers, *, batch: int, heads: int, seqlen_q: int,
     return found
 
 
+def _coverage(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, coverage=None):
+    """(any, all) of the kernel's block_m x block_n tiles: whether some / every element is shown by the block mask
+    and the mask modifier's ``coverage`` (mask_mod_coverage); None without either."""
+    if prog.block_mask is None:
+        return coverage
+    any_on, all_on = block_sparse.tile_coverage(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m, block_n)
+    if coverage is not None:
+        any_on, all_on = any_on & coverage[0], all_on & coverage[1]
+    return any_on, all_on
+
+
 def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, coverage=None):
-    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: those some on block and the mask modifier's
-    ``coverage`` (mask_mod_coverage) show, partial where either hides an element."""
-    if prog.block_mask is not None:
-        any_on, all_on = block_sparse.tile_coverage(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m,
-                                                    block_n)
-        if coverage is not None:
-            any_on, all_on = any_on & coverage[0], all_on & coverage[1]
-    else:
-        any_on, all_on = coverage
-    return block_sparse.lists_from_coverage(any_on, all_on)
+    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: those that some on block and the mask modifier
+    show, partial where either hides an element (_coverage)."""
+    return block_sparse.lists_from_coverage(*_coverage(prog, seqlen_q, seqlen_k, block_m, block_n, coverage))
 
 
 def _stride(shape: tuple, axis: int, elems: int) -> int:
@@ -286,16 +290,10 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
 def _tile_state(prog: ProgArgs, coverage, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
     """The backward's dK / dV tiles' states (uint8 (B', H', query tiles, key tiles): 0 hidden, 1 elements to test,
     2 shown whole) from the block mask and the mask modifier's ``coverage`` at those tiles; None without either."""
-    if prog.block_mask is None and coverage is None:
+    found = _coverage(prog, seqlen_q, seqlen_k, block_m, block_n, coverage)
+    if found is None:
         return None
-    if prog.block_mask is not None:
-        any_on, all_on = block_sparse.tile_coverage(prog.block_mask, prog.block_size, seqlen_q, seqlen_k, block_m,
-                                                    block_n)
-        if coverage is not None:
-            any_on, all_on = any_on & coverage[0], all_on & coverage[1]
-    else:
-        any_on, all_on = coverage
-    return any_on.astype(np.uint8) + all_on.astype(np.uint8)
+    return found[0].astype(np.uint8) + found[1].astype(np.uint8)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, causal: bool, scale: float, dims,

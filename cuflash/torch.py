@@ -77,17 +77,22 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     causal = _checks.check_flag("causal", causal)
     deterministic = _checks.check_flag("deterministic", deterministic)
     return_lse = _checks.check_flag("return_lse", return_lse)
-    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
-        window_size = tuple(-1 if w is None else w for w in window_size)
-    left, right = variants.check_window(window_size)
-    chunk = variants.check_chunk(attention_chunk)
-    cap = variants.check_softcap(softcap)
+    left, right, chunk, cap = _variant_options(window_size, attention_chunk, softcap)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None and (not isinstance(x, torch.Tensor) or x.device != q.device):
             raise TypeError(f"{name} must be a torch.Tensor on {q.device}, got {type(x).__name__}"
                             + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
     out, lse = attention_forward(q, k, v, scale, causal, left, right, chunk, cap, alibi_slopes, sinks, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _variant_options(window_size, attention_chunk, softcap) -> Tuple[int, int, int, float]:
+    """(window left, right, attention_chunk, softcap) checked as cuflash.forward checks them; a window bound may be
+    None (FA4's unbounded)."""
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        window_size = tuple(-1 if w is None else w for w in window_size)
+    left, right = variants.check_window(window_size)
+    return left, right, variants.check_chunk(attention_chunk), variants.check_softcap(softcap)
 
 
 def _check_inputs(q, k, v) -> int:

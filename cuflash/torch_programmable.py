@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _checks, block_sparse, variants
+from . import _checks, block_sparse
 from .modifiers import MaskMod, Modifiers, ScoreMod
 
 Tensor = torch.Tensor
@@ -36,15 +36,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     layout), differentiable with respect to q, k, v, ``bias`` and the tensors of ``score_mod`` that have
     ``tensor_grads``. The modifiers' tensors are torch CUDA tensors on q's device. Returns ``out`` or
     ``(out, lse)``."""
-    head_dim = q.shape[-1]
-    scale = _checks.check_scale(softmax_scale, head_dim)
+    from .torch import _check_inputs, _variant_options
+
+    scale = _checks.check_scale(softmax_scale, _check_inputs(q, k, v))
     causal = _checks.check_flag("causal", causal)
     return_lse = _checks.check_flag("return_lse", return_lse)
-    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
-        window_size = tuple(-1 if w is None else w for w in window_size)
-    left, right = variants.check_window(window_size)
-    chunk = variants.check_chunk(attention_chunk)
-    cap = variants.check_softcap(softcap)
+    left, right, chunk, cap = _variant_options(window_size, attention_chunk, softcap)
     bq, bk = block_sparse.check_block_size(block_size)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")

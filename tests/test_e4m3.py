@@ -3,25 +3,13 @@ against ml_dtypes: every byte to fp16, and floats to bytes (round to nearest eve
 on random values of every scale."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import numpy as np
-import pytest
 
-from cuflash.compile import load_source
+from host_cxx import run_header
 
 
 def _run(tmp_path, body: str, stdin: str = "") -> str:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler (g++) to build kernels_cu/common/e4m3.cuh for the CPU")
-    src = tmp_path / "e4m3_host.cpp"
-    src.write_text("#define CUFLASH_HD inline\n#include <cstdio>\n#include <cmath>\n" + load_source("common/e4m3.cuh")
-                   + "\nint main() {\n" + body + "\n return 0;\n}\n")
-    exe = tmp_path / "e4m3_host"
-    subprocess.run([cxx, "-O1", "-std=c++17", "-o", str(exe), str(src)], check=True, capture_output=True)
-    return subprocess.run([str(exe)], input=stdin, check=True, capture_output=True, text=True).stdout
+    return run_header(tmp_path, "common/e4m3.cuh", body, stdin)
 
 
 def test_every_byte_to_fp16(tmp_path):

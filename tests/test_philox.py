@@ -3,14 +3,13 @@ built as host C++, against cuflash.philox bit for bit; and the keep rule's stati
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 from cuflash import philox
 from cuflash.compile import load_source
+from host_cxx import run_header
 
 # Random123's kat_vectors, "philox4x32 10": counter (4 words), key (2 words), result (4 words).
 KNOWN_ANSWERS = [
@@ -27,16 +26,7 @@ def test_numpy_philox_known_answers(counter, key, expected):
 
 
 def _host_program(tmp_path, body: str) -> str:
-    """Builds philox.cuh as host C++ with ``body`` as main's and returns what it prints."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler (g++) to build kernels_cu/common/philox.cuh for the CPU")
-    src = tmp_path / "philox_host.cpp"
-    src.write_text("#define CUFLASH_HD inline\n#include <cstdio>\n" + load_source("common/philox.cuh")
-                   + "\nint main() {\n" + body + "\n return 0;\n}\n")
-    exe = tmp_path / "philox_host"
-    subprocess.run([cxx, "-O1", "-std=c++17", "-o", str(exe), str(src)], check=True, capture_output=True)
-    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return run_header(tmp_path, "common/philox.cuh", body)
 
 
 def test_header_matches_known_answers_and_numpy(tmp_path):

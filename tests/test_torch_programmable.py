@@ -48,7 +48,12 @@ def test_fake_shapes_and_gradients_on_meta():
 
 
 def test_attention_checks_before_the_op():
-    q = _meta((1, 4, 2, 64))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):   # CUDA tensors from metadata alone (a CPU-only torch)
+        q = torch.empty((1, 4, 2, 64), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="q must be on a CUDA device"):
+        ct.attention(_meta((1, 4, 2, 64)), q, q)
     with pytest.raises(ValueError, match="dropout_p"):
         ct.attention(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="block_size"):
