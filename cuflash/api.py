@@ -109,19 +109,11 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
     # Every check runs before the device is touched (fwd_key declines when there is no usable device),
     # so a machine without a GPU reports a bad argument as one with a GPU does.
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
-    out_shape = (b, nq, hq, v.shape[3])
-    scale = _checks.check_scale(softmax_scale, d)
-    causal = _checks.check_flag("causal", causal)
-    return_lse = _checks.check_flag("return_lse", return_lse)
+    dims, out_shape, scale, causal, return_lse, var = _check_forward(
+        q, k, v, out, causal, softmax_scale, return_lse, window_size, attention_chunk, softcap, alibi_slopes, sinks,
+        plain=variant_sig == ())
+    b, nq, nk, hq, hkv, d = dims
     dev = q.data.device_id
-    var = variants.NONE if variant_sig == () else variants.from_arguments(
-        window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b, heads_q=hq,
-        device_id=dev, q_dtype=q.dtype)
-    if out is not None:
-        _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
-        # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
-        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
 
     def launch_fn(o, l_):
         prepared = _launch_fwd(q, k, v, o, l_, causal=bool(causal), scale=scale, dims=(b, nq, nk, hq, hkv, d),
@@ -131,6 +123,26 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
             _fwd_calls.record(key, prepared, o, l_, dev)
 
     return _run_forward(launch_fn, out, out_shape, q.dtype, (b, hq, nq), nk, return_lse, dev, lse, var.sinks)
+
+
+def _check_forward(q, k, v, out, causal, softmax_scale, return_lse, window_size, attention_chunk, softcap,
+                   alibi_slopes, sinks, plain: bool = False):
+    """The forward's checks, before the device is touched: returns ((B, Nq, Nk, Hq, Hkv, D), out's shape, scale,
+    causal, return_lse, the checked Variants: variants.NONE where ``plain`` says no variant argument was given)."""
+    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
+    out_shape = (b, nq, hq, v.shape[3])
+    scale = _checks.check_scale(softmax_scale, d)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    dev = q.data.device_id
+    var = variants.NONE if plain else variants.from_arguments(
+        window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b, heads_q=hq,
+        device_id=dev, q_dtype=q.dtype)
+    if out is not None:
+        _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
+        # Here only: a call cache hit has the addresses, shapes and strides of a call that passed.
+        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
+    return (b, nq, nk, hq, hkv, d), out_shape, scale, causal, return_lse, var
 
 
 def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attention_chunk, softcap, alibi_slopes,
@@ -149,21 +161,14 @@ def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attent
                             softcap=softcap, return_lse=return_lse, dropout_p=dropout_p, offset=offset,
                             block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, **numbers)
     opts = options.current()
-    b, nq, nk, hq, hkv, d = _checks.check_qkv_cached(q, k, v, allow_dv=True)
-    out_shape = (b, nq, hq, v.shape[3])
-    scale = _checks.check_scale(softmax_scale, d)
-    causal = _checks.check_flag("causal", causal)
-    return_lse = _checks.check_flag("return_lse", return_lse)
+    dims, out_shape, scale, causal, return_lse, var = _check_forward(
+        q, k, v, out, causal, softmax_scale, return_lse, window_size, attention_chunk, softcap, alibi_slopes, sinks)
+    b, nq, nk, hq, hkv, d = dims
     dev = q.data.device_id
-    var = variants.from_arguments(window_size, attention_chunk, softcap, alibi_slopes, sinks, causal=causal, batch=b,
-                                  heads_q=hq, device_id=dev, q_dtype=q.dtype)
     prog = programmable.check_arguments(q, bias=bias, dropout_p=dropout_p, seed=seed, offset=offset,
                                         block_mask=block_mask, block_size=block_size, score_mod=score_mod,
                                         mask_mod=mask_mod, batch=b, heads_q=hq, seqlen_q=nq, seqlen_k=nk,
                                         device_id=dev)
-    if out is not None:
-        _checks.check_out_cached("out", out, out_shape, q.dtype, dev)
-        _checks.check_no_overlap((("out", out),), (("q", q), ("k", k), ("v", v)))
     if prog.empty:   # e.g. a seed with dropout_p 0
         return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                        attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -60,7 +59,7 @@ import numpy as np
 
 from . import options
 from .bench import PASS_FLOPS, Shape, free_memory
-from .bench_report import markdown_report, print_results, run_header, text_report
+from .bench_report import markdown_report, na_and_note_lines, print_results, run_grid, run_header, text_report
 from .bench_variants import CHECK_BOUND, _ms, _ratio, _short, _tf, pick_rows, rel_diff, tflops
 
 PASSES = ("fwd", "fwd+bwd")
@@ -968,24 +967,22 @@ def benchmark_programmable(rows, dists, *, repeats: int = DEFAULT_REPEATS, warmu
     """ProgResults for every row x distribution x pass, a progress line per row and distribution."""
     if adapters is None:
         adapters = peer_adapters()
-    out = []
-    for row in rows:
-        for dist in dists:
-            try:
-                res = benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward,
-                                     adapters=adapters, log=log)
-            except Exception as e:  # noqa: BLE001 - a harness bug or a dead context: say so, go on
-                res = [ProgResult(row.name, row.label(), dist, p, work(row), row.accounting, row.target,
-                                  na={"cuflash": f"FAILED (the case raised) {_short(e)}"})
-                       for p in (PASSES if backward else ("fwd",))]
-                log(f"  FAILED {row.name} [{dist}]: {_short(e)}")
-                free_memory()
-            out.extend(res)
-            log(f"  {row.name:<9} {dist:<8} | " + " | ".join(
-                f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms {_tf(r.tflops())} TF/s x plain {_ratio(r.vs_plain())} "
-                f"x peer {_ratio(r.vs_peer())}" for r in res))
-            sys.stdout.flush()
-    return out
+
+    def case(row, dist):
+        return benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward, adapters=adapters,
+                              log=log)
+
+    def failed(row, dist, why):
+        return [ProgResult(row.name, row.label(), dist, p, work(row), row.accounting, row.target,
+                           na={"cuflash": f"FAILED (the case raised) {why}"})
+                for p in (PASSES if backward else ("fwd",))]
+
+    def progress(row, dist, res):
+        return f"  {row.name:<9} {dist:<8} | " + " | ".join(
+            f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms {_tf(r.tflops())} TF/s x plain {_ratio(r.vs_plain())} "
+            f"x peer {_ratio(r.vs_peer())}" for r in res)
+
+    return run_grid(rows, dists, case, failed, progress, log, free_memory)
 
 
 def failures(results) -> list:
@@ -1047,25 +1044,14 @@ def _row_descriptions(results) -> list:
     return list(out.values())
 
 
-def _row_notes(results) -> list:
-    """One line per (row, impl) n/a reason and per note, deduplicated over distributions and passes."""
-    lines = {}
-    for r in results:
-        for impl, why in r.na.items():
-            lines.setdefault(f"{r.row}: {impl} n/a: {why}", None)
-        for note in r.notes:
-            lines.setdefault(f"{r.row} [{r.dist}]: {note}", None)
-    return list(lines)
-
-
 def format_table(results) -> str:
     return text_report(TABLE_HEAD, [_cells(r) for r in results], range(3), _row_descriptions(results),
-                       "n/a and notes:", _row_notes(results), CONVENTIONS)
+                       "n/a and notes:", na_and_note_lines(results), CONVENTIONS)
 
 
 def markdown_table(results, header: str = "") -> str:
     return markdown_report(TABLE_HEAD, [_cells(r) for r in results], _row_descriptions(results), "n/a and notes:",
-                           _row_notes(results), CONVENTIONS, header)
+                           na_and_note_lines(results), CONVENTIONS, header)
 
 
 def peer_versions() -> str:

@@ -1,13 +1,51 @@
-"""What the benchmark tables of ``python -m cuflash`` (bench_variants, bench_varlen, bench_shapes, bench_decode)
-share in their reports: the text table with aligned columns and the Markdown table, each followed by the rows'
-descriptions, the notes and the conventions; the run's header (device, date, commit, versions) and what a run
-prints and writes at its end."""
+"""What the benchmark tables of ``python -m cuflash`` (bench_variants, bench_varlen, bench_shapes, bench_decode,
+bench_programmable) share: the loop over rows and distributions that goes on past a failing case, and in their
+reports the text table with aligned columns and the Markdown table, each followed by the rows' descriptions, the
+notes and the conventions; the run's header (device, date, commit, versions) and what a run prints and writes at its
+end."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from typing import Callable, Iterable, Sequence
+
+from .bench import _short
+
+
+def run_grid(rows, dists, case: Callable, failed: Callable, progress: Callable[[object, str, list], str],
+             log: Callable[[str], None] = print, cleanup: Callable[[], None] = lambda: None) -> list:
+    """The results of ``case(row, dist)`` (a list each) for every row x distribution, in that order, and a progress
+    line per pair (``progress(row, dist, results)``). A case that raises (a harness bug, a dead context) gives
+    ``failed(row, dist, reason)`` instead, is logged as FAILED, ``cleanup`` runs, and the grid goes on."""
+    out = []
+    for row in rows:
+        for dist in dists:
+            try:
+                res = case(row, dist)
+            except Exception as e:  # noqa: BLE001 - one case's failure is a line of the table, not the end of the run
+                why = _short(e)
+                res = failed(row, dist, why)
+                log(f"  FAILED {row.name} [{dist}]: {why}")
+                cleanup()
+            out.extend(res)
+            log(progress(row, dist, res))
+            sys.stdout.flush()
+    return out
+
+
+def na_and_note_lines(results, with_dist: bool = True) -> list:
+    """One line per (row, implementation) n/a reason and per note of ``results`` (objects with ``row``, ``dist``,
+    ``na`` and ``notes``), deduplicated over distributions and passes; the notes name their distribution where
+    ``with_dist``."""
+    lines = {}
+    for r in results:
+        for impl, why in r.na.items():
+            lines.setdefault(f"{r.row}: {impl} n/a: {why}", None)
+        for note in r.notes:
+            lines.setdefault(f"{r.row} [{r.dist}]: {note}" if with_dist else f"{r.row}: {note}", None)
+    return list(lines)
 
 
 def aligned_rows(head: Sequence[str], rows: Iterable[Sequence], left) -> list:

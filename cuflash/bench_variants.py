@@ -31,14 +31,13 @@ something else (a window off by one, other ALiBi slopes) is reported as a mismat
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import numpy as np
 
 from .bench import PASS_FLOPS, Shape, _short, free_memory
-from .bench_report import markdown_report, text_report
+from .bench_report import markdown_report, na_and_note_lines, run_grid, text_report
 
 TILE = 128                       # the accounting convention: 128 x 128 tiles
 VARIANT_PASSES = ("fwd", "fwd+bwd")
@@ -694,18 +693,23 @@ def benchmark_variants(rows, dists, *, repeats: int = 20, warmup: int = 3, backw
                        log: Callable[[str], None] = print) -> list:
     """CaseResults for every row x distribution x pass, with one progress line per row and distribution."""
     adapters = {"fa4": fa4_adapter(), "cudnn": cudnn_adapter()}
-    out = []
-    for row in rows:
-        for dist in dists:
-            res = benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward, adapters=adapters,
-                                 log=log)
-            out.extend(res)
-            log(f"  {row.name:<15} {dist:<10} | " + " | ".join(
-                f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms x plain {_ratio(r.vs_plain())} "
-                f"x peer {_ratio(r.vs_peer())}"
-                for r in res))
-            sys.stdout.flush()
-    return out
+
+    def case(row, dist):
+        return benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward, adapters=adapters,
+                              log=log)
+
+    def failed(row, dist, why):
+        shape, var = row.shape, row.variant
+        return [CaseResult(row.name, replace(shape, causal=False).label(), var.label(), dist, p, work(shape, var),
+                           work(shape, var.plain), na={"cuflash": f"FAILED (the case raised) {why}"})
+                for p in (VARIANT_PASSES if backward else ("fwd",))]
+
+    def progress(row, dist, res):
+        return f"  {row.name:<15} {dist:<10} | " + " | ".join(
+            f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms x plain {_ratio(r.vs_plain())} x peer {_ratio(r.vs_peer())}"
+            for r in res)
+
+    return run_grid(rows, dists, case, failed, progress, log, free_memory)
 
 
 def failures(results) -> list:
@@ -761,17 +765,6 @@ CONVENTIONS = (f"TF/s tiles: the key tiles the mask policy visits, counted as {T
                "out of it. Medians of interleaved, L2-flushed samples.")
 
 
-def _row_notes(results) -> list:
-    """One line per (row, impl) n/a reason and per note, deduplicated over distributions and passes."""
-    lines = {}
-    for r in results:
-        for impl, why in r.na.items():
-            lines.setdefault(f"{r.row}: {impl} n/a: {why}", None)
-        for note in r.notes:
-            lines.setdefault(f"{r.row}: {note}", None)
-    return list(lines)
-
-
 def _row_descriptions(results) -> list:
     table = {row.name: row for row in VARIANT_ROWS}
     seen = []
@@ -789,12 +782,12 @@ def _row_descriptions(results) -> list:
 
 def format_table(results) -> str:
     return text_report(TABLE_HEAD, [_cells(r) for r in results], range(3), _row_descriptions(results),
-                       "n/a and notes:", _row_notes(results), CONVENTIONS)
+                       "n/a and notes:", na_and_note_lines(results, with_dist=False), CONVENTIONS)
 
 
 def markdown_table(results) -> str:
     return markdown_report(TABLE_HEAD, [_cells(r) for r in results], _row_descriptions(results), "n/a and notes:",
-                           _row_notes(results), CONVENTIONS)
+                           na_and_note_lines(results, with_dist=False), CONVENTIONS)
 
 
 # ---------------------------------------------------------------------------

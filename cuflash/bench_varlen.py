@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import numpy as np
 
 from .bench import PASS_FLOPS, Shape, free_memory
-from .bench_report import fa4_version, markdown_report, print_results, run_header, text_report
+from .bench_report import fa4_version, markdown_report, print_results, run_grid, run_header, text_report
 from .bench_variants import CHECK_BOUND, Variant, _ms, _ratio, _short, _tf, tflops, visible_pairs
 
 SEED = 43                          # the lengths' seed (issue #43)
@@ -762,24 +761,22 @@ def benchmark_varlen(rows, dists, *, repeats: int = DEFAULT_REPEATS, warmup: int
     """VarlenResults for every row x distribution x pass, a progress line per row and distribution."""
     if adapters is None:
         adapters = peer_adapters()
-    out = []
-    for row in rows:
-        for dist in dists:
-            try:
-                res = benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward,
-                                     adapters=adapters, log=log)
-            except Exception as e:  # noqa: BLE001 - a harness bug or a dead context: say so, go on to the next
-                res = [VarlenResult(row.name, row.label(), dist, ps, work(row), desc=describe(row),
-                                    na={"cuflash": f"FAILED (the case raised) {_short(e)}"})
-                       for ps in (VARLEN_PASSES if backward else ("fwd",))]
-                log(f"  FAILED {row.name} [{dist}]: {_short(e)}")
-                free_memory()
-            out.extend(res)
-            log(f"  {row.name:<18} {dist:<10} | " + " | ".join(
-                f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms {_tf(r.tflops())} TF/s x dense {_ratio(r.vs_dense())} "
-                f"x peer {_ratio(r.vs_peer())}" for r in res))
-            sys.stdout.flush()
-    return out
+
+    def case(row, dist):
+        return benchmark_case(row, dist, repeats=repeats, warmup=warmup, backward=backward, adapters=adapters,
+                              log=log)
+
+    def failed(row, dist, why):
+        return [VarlenResult(row.name, row.label(), dist, ps, work(row), desc=describe(row),
+                             na={"cuflash": f"FAILED (the case raised) {why}"})
+                for ps in (VARLEN_PASSES if backward else ("fwd",))]
+
+    def progress(row, dist, res):
+        return f"  {row.name:<18} {dist:<10} | " + " | ".join(
+            f"{r.pass_name} {_ms(r.ms.get('cuflash'))} ms {_tf(r.tflops())} TF/s x dense {_ratio(r.vs_dense())} "
+            f"x peer {_ratio(r.vs_peer())}" for r in res)
+
+    return run_grid(rows, dists, case, failed, progress, log, free_memory)
 
 
 # ---------------------------------------------------------------------------

@@ -535,8 +535,6 @@ def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: 
     """Programmable attention's backward (issue #45): the preprocess, the portable dK / dV kernel version 1 and the
     dQ kernel, as the deterministic mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass
     alone), in their programmable families; head dims up to MAX_HEAD_DIM."""
-    from dataclasses import replace
-
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {MAX_HEAD_DIM} in the "
                          f"backward so far, got {head_dim}")
