@@ -47,6 +47,8 @@ class Family:
     # ``<kernel>_smem_bytes<same template arguments>`` (KernelConfig.smem_expression), which the dispatcher
     # reads from the compiled module (dispatch.smem_bytes); False: none (the aux kernels).
     dynamic_smem: bool = True
+    # Whether the kernel takes programmable attention's parameters (ProgParams, issue #45) after its others.
+    prog: bool = False
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("direction", self.direction, DIRECTIONS), ("backend", self.backend, BACKENDS),
@@ -54,7 +56,7 @@ class Family:
                                       ("dq_mode", self.dq_mode, (None,) + DQ_MODES)):
             if value not in allowed:
                 raise ValueError(f"Family {self.name!r}: {field} must be one of {allowed}, got {value!r}")
-        for field in ("persistent", "fp8", "arch_specific", "dynamic_smem"):
+        for field in ("persistent", "fp8", "arch_specific", "dynamic_smem", "prog"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"Family {self.name!r}: {field} must be a bool, got {getattr(self, field)!r}")
         if isinstance(self.cluster, bool) or not isinstance(self.cluster, int) or self.cluster < 1:
@@ -72,13 +74,16 @@ class Family:
 
 
 def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, cluster: int = 1,
-              fp8: bool = False) -> Family:
+              fp8: bool = False, prog: bool = False) -> Family:
     return Family(name, "sm90/fwd.cu", kernel, 90, True, ("tag", "head_dim", "block_m", "block_n", "num_warps", "mask"),
-                  direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8)
+                  direction="fwd", backend="sm90", schedule=schedule, persistent=persistent, cluster=cluster, fp8=fp8,
+                  prog=prog)
 
 
-def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80) -> Family:
-    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode)
+def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80,
+         prog: bool = False) -> Family:
+    return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode,
+                  prog=prog)
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
@@ -90,7 +95,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("simt_fwd", "simt/fwd.cu", "fwd_kernel", 80, False, direction="fwd", backend="simt"),
     # Programmable attention (issue #45: bias, dropout, block sparsity, user modifiers; the variant's
     # programmable parts): the same kernels with ProgParams as a second parameter.
-    Family("sm80_fwd_prog", "sm80/fwd.cu", "fwd_prog_kernel", 80, False, direction="fwd", backend="sm80"),
+    Family("sm80_fwd_prog", "sm80/fwd.cu", "fwd_prog_kernel", 80, False, direction="fwd", backend="sm80", prog=True),
     # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
     # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
     _sm90_fwd("sm90_fwd_overlap", "fwd_overlap_kernel", "overlap"),
@@ -104,6 +109,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # computes S and the softmax for both (kernels_cu/sm90/fwd_split.cuh); one CTA per tile.
     _sm90_fwd("sm90_fwd_split", "fwd_split_kernel", "split"),
     _sm90_fwd("sm90_fwd_overlap_x2_p", "fwd_overlap_x2_persistent_kernel", "overlap", persistent=True, cluster=2),
+    # Programmable attention (issue #45) on the overlap schedule, one CTA per tile, ProgParams after the maps.
+    _sm90_fwd("sm90_fwd_prog", "fwd_prog_overlap_kernel", "overlap", prog=True),
     # fp8 (e4m3) inputs with V transposed (cuflash/fp8.py), the overlap schedule; one CTA per tile or
     # persistent.
     _sm90_fwd("sm90_fwd_fp8", "fwd_fp8_kernel", "overlap", fp8=True),
@@ -150,8 +157,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic"),
     _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None),
     # Programmable attention (issue #45): version 1 of dK / dV and the dQ kernel with ProgParams.
-    _bwd("sm80_bwd_dkdv_prog", "sm80/bwd.cu", "bwd_dkdv_prog_kernel", "sm80", "kernel"),
-    _bwd("sm80_bwd_dq_prog", "sm80/bwd.cu", "bwd_dq_prog_kernel", "sm80", None),
+    _bwd("sm80_bwd_dkdv_prog", "sm80/bwd.cu", "bwd_dkdv_prog_kernel", "sm80", "kernel", prog=True),
+    _bwd("sm80_bwd_dq_prog", "sm80/bwd.cu", "bwd_dq_prog_kernel", "sm80", None, prog=True),
     _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled

@@ -102,7 +102,7 @@ def split_fwd_smem(head_dim: int, head_dim_v: int, block_n: int) -> tuple:
 def sm90_fwd_family(schedule: str, persistent: bool, cluster: int = 1, fp8: bool = False) -> str:
     """The name of the sm90 forward family with these traits (config.find_family)."""
     return find_family(backend="sm90", direction="fwd", schedule=schedule, persistent=persistent, cluster=cluster,
-                       fp8=fp8).name
+                       fp8=fp8, prog=False).name
 
 
 SM90_FWD_FAMILIES = {name: sm90_fwd_family(*kind) for name, kind in SM90_FWD_KINDS.items()}
@@ -331,14 +331,28 @@ def all_sm90_fwd_configs(backend: str = "sm90") -> list[KernelConfig]:
 # held two row slices): the bias, dropout's Philox rounds and the tile lists take the registers that the plain
 # kernels give to 64-key sub-tiles and 32-row warps (both spilled at d64 / d128, tests/test_compile_programmable.py).
 PROG_FWD_MAX_BLOCK_N = 32
+# The Hopper one (sm90_fwd_prog): at most 64 keys a tile, 32 at head dim 256 (128, or 64 at 256, spilled with the
+# bias's loads, Philox's rounds, the lists' partial bits or a modifier's registers beside S, P and O).
+PROG_SM90_FWD_MAX_BLOCK_N = 64
 
 
 def prog_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant,
-                    head_dim_v: int = 0) -> KernelConfig:
+                    head_dim_v: int = 0, opts: Options | None = None) -> KernelConfig:
     """The programmable forward's instantiation (variant: with its programmable parts) for a device of ``cc``
-    (the caller fits it to the device's shared memory)."""
+    (the caller fits it to the device's shared memory): on Hopper, 16-bit, head dims up to 256, dense, the
+    overlap schedule's kernel (sm90_fwd_prog) with the table's tile (two consumer warpgroups), unless
+    Options.fwd_backend asks for the portable kernels; elsewhere the portable one (sm80_fwd_prog)."""
     from dataclasses import replace
 
+    opts = opts or options.current()
+    if (cc == 90 and dtype in ("float16", "bfloat16") and opts.fwd_backend in ("auto",) + SM90_FWD_BACKENDS
+            and not variant.varlen and not head_dims.is_large(head_dim, head_dim_v or head_dim)):
+        block_m, block_n, warps, _, _ = _SM90_FWD[head_dim_bucket(max(head_dim, head_dim_v))]
+        if block_m == 192:
+            block_m, warps = 128, 12   # three warpgroups have no registers to spare for the per-element parts
+        block_n = min(block_n, PROG_SM90_FWD_MAX_BLOCK_N if head_dim_bucket(max(head_dim, head_dim_v)) < 256 else 32)
+        return KernelConfig("sm90_fwd_prog", dtype, head_dim, causal, block_m, block_n, warps, variant,
+                            0 if head_dim_v == head_dim else head_dim_v)
     base = fwd_config(dtype, head_dim, causal, cc, backend="sm80", variant=variant, head_dim_v=head_dim_v)
     return replace(base, family="sm80_fwd_prog", block_n=min(base.block_n, PROG_FWD_MAX_BLOCK_N),
                    num_warps=max(base.num_warps, base.block_m // 16))

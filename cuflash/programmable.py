@@ -240,17 +240,20 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
     return params.pack_bytes(params.PROG_PARAMS, tuple(p[name] for name in params.PROG_PARAMS.names))
 
 
-def _plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, head_dim_v: int):
-    """(kernel, config, shared memory) of the programmable forward, cached per call shape like the plain plans."""
+def _plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, head_dim_v: int, portable: bool = False):
+    """(kernel, config, shared memory) of the programmable forward, cached per call shape like the plain plans;
+    ``portable``: the portable kernel's even on Hopper (where TMA cannot address the inputs)."""
     from . import heuristics
     from ._checks import dtype_name
     from .dispatch import device_info, get_kernel, smem_bytes
 
-    key = (dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, head_dim_v)
+    key = (dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, head_dim_v, portable)
     plan = _plans.get(key)
     if plan is None:
         cc, smem_limit = device_info(device_id, opts)
-        cfg = heuristics.prog_fwd_config(dtype_name(dtype), head_dim, causal, cc, variant, head_dim_v=head_dim_v)
+        cc = 80 if portable else cc
+        cfg = heuristics.prog_fwd_config(dtype_name(dtype), head_dim, causal, cc, variant, head_dim_v=head_dim_v,
+                                         opts=opts)
         cfg = heuristics.fit_shared_memory(cfg, smem_limit, lambda c: smem_bytes(c, device_id, opts.nvrtc_defines))
         plan = _plans[key] = (get_kernel(cfg, device_id, opts.nvrtc_defines), cfg,
                               smem_bytes(cfg, device_id, opts.nvrtc_defines))
@@ -264,11 +267,19 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
                    var) -> None:
     """The programmable forward on the current stream (arguments as api._launch_fwd's, and the checked
     ``prog``)."""
-    from . import capture, launch
+    from . import capture, launch, sm90
     from .api import LOG2E
 
     b, nq, nk, hq, hkv, d = dims
-    kern, cfg, smem = _plan(q.dtype, d, causal, prog.variant(var.kernel), device_id, opts, v.shape[3])
+    variant = prog.variant(var.kernel)
+    kern, cfg, smem = _plan(q.dtype, d, causal, variant, device_id, opts, v.shape[3])
+    maps = ()
+    if cfg.fam.sm90_fwd:   # the tensor maps of q, k and v, or the portable kernel where TMA cannot address them
+        found = sm90.fwd_tensor_maps(cfg, q, k, v)
+        if found is None:
+            kern, cfg, smem = _plan(q.dtype, d, causal, variant, device_id, opts, v.shape[3], portable=True)
+        else:
+            maps = (found,)
     fwd = params.pack_bytes(params.FWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
@@ -282,7 +293,7 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
     blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep,
                        coverage=coverage)
     extra = np.frombuffer(blob, dtype=f"V{len(blob)}")   # the second by-value parameter
-    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (extra,))
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (*maps, extra))
     for x in keep:   # made for this launch: alive until it has run, captured graphs included
         capture.keep_if_capturing(x)
 

@@ -24,7 +24,7 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
     if not cfg.fam.sm90_fwd:
         return kern, cfg, smem, (), out
     if not cfg.fam.persistent:
-        maps = _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
+        maps = fwd_tensor_maps(cfg, q, k, v)
         if maps is None:
             return (*_portable_fwd(cfg, device_id), (), out)
         return kern, cfg, smem, (maps,), out
@@ -38,6 +38,12 @@ def fwd_launch_args(kern, cfg: KernelConfig, smem: int, q, k, v, device_id: int,
     if maps is None:
         return (*_portable_fwd(cfg, device_id), (), out)
     return kern, cfg, smem, (maps, tile_counters.for_device(device_id)), out
+
+
+def fwd_tensor_maps(cfg: KernelConfig, q, k, v):
+    """The tensor maps of q, k and v for a Hopper forward kernel that takes one CTA per tile (a ``PackedTail``),
+    or None where TMA cannot address one of them."""
+    return _maps((q, k, v), cfg.dtype, (cfg.block_m, cfg.block_n, cfg.block_n))
 
 
 def _portable_fwd(cfg: KernelConfig, device_id: int):

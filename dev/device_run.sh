@@ -50,7 +50,8 @@
 #              measurement (CUFLASH_DECODE_PDL=1, -DCUFLASH_DECODE_TMA_STAGES=4 / 5). Not part of all
 #   prog [ARGS...] : issue #45's programmable attention (CUFLASH_PROGRAMMABLE=1): its GPU tests (the forward and
 #              backward against the float64 reference: bias, dropout, block masks, modifiers; cuflash.torch.attention),
-#              then any pytest ARGS (e.g. -k bias). Not part of all
+#              then any pytest ARGS (e.g. -k bias); in eight processes where .whl/ carries pytest-xdist and execnet.
+#              Not part of all
 #   progbench [ARGS...] : issue #45's table (python -m cuflash --programmable --markdown: dropout, bias, keypad,
 #              sparse50, relpos, docmask beside plain cuflash, cuDNN through cudnn-frontend, FA4, FlexAttention),
 #              FA4 and cudnn-frontend installed as for variants; ARGS to python -m cuflash, e.g. --rows dropout,bias
@@ -162,7 +163,11 @@ case $phase in
       | tee "$OUT/head-dims.log" | tail -n 60 || status=1
     ;;
   prog)
-    CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider --require-gpu \
+    # pytest-xdist carried in .whl/ (pip download pytest-xdist execnet): eight processes compile and run at once
+    xdist=()
+    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
+        .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 8); fi
+    CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider --require-gpu "${xdist[@]}" \
       tests/test_programmable.py tests/test_programmable_host.py tests/test_torch_programmable.py "$@" 2>&1 \
       | tee "$OUT/prog-tests.log" | grep -av "arn" | tail -n 40 || status=1
     ;;

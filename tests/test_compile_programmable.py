@@ -1,6 +1,7 @@
-"""CPU-only: programmable attention's portable forward (sm80_fwd_prog) compiles without register spills at every
-head-dim bucket, causal or not, for each programmable part and all of them at once with the built-in variants, and
-its shared memory fits the 99 KB devices after fit_shared_memory."""
+"""CPU-only: programmable attention's portable forward (sm80_fwd_prog) and Hopper forward (sm90_fwd_prog) compile
+without register spills at every head-dim bucket, causal or not, for each programmable part and all of them at
+once with the built-in variants, and the portable one's shared memory fits the 99 KB devices after
+fit_shared_memory."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +25,7 @@ VARIANTS = {
 }
 
 
-def configs() -> list:
+def configs(cc: int = 80) -> list:
     out = []
     for name, var in VARIANTS.items():
         dtype = "float16" if name == "all" else "bfloat16"
@@ -32,7 +33,7 @@ def configs() -> list:
             for causal in (False, True):
                 if name in ("dropout", "sparse_mods") and (causal or d in (32, 96, 192)):
                     continue   # one build per bucket family suffices for the parts alone
-                out.append(heuristics.prog_fwd_config(dtype, d, causal, 80, var))
+                out.append(heuristics.prog_fwd_config(dtype, d, causal, cc, var))
     return list({c.key(): c for c in out}.values())
 
 
@@ -73,6 +74,12 @@ def test_programmable_forward_compiles_without_spills():
     cfgs = configs()
     assert len(cfgs) >= 30
     assert_all_compile(cfgs, "80")
+
+
+def test_hopper_programmable_forward_compiles_without_spills():
+    cfgs = [c for c in configs(90) if c.family == "sm90_fwd_prog"]
+    assert len(cfgs) >= 20 and {c.block_n for c in cfgs} == {32, 64}
+    assert_all_compile(cfgs, "90a")
 
 
 @pytest.mark.parametrize("limit", [101376, 166912])

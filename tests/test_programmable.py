@@ -23,12 +23,29 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _programmable_on():
-    from cuflash import options
+def pytest_generate_tests(metafunc):
+    """The forward tests run on each forward family a GPU has (Hopper: its own kernel, then the portable one
+    forced); the backward tests on the default forward."""
+    if "fwd_family" in metafunc.fixturenames:
+        forward = "backward" not in metafunc.function.__name__ and "vjp" not in metafunc.function.__name__
+        metafunc.parametrize("fwd_family", ["default", "portable"] if forward else ["default"])
 
-    with options.override(programmable=True):
+
+@pytest.fixture(autouse=True)
+def _programmable_on(fwd_family):
+    """Programmable attention on, on the forward family asked for; on Hopper, the default family's tests check
+    that its Hopper kernel ran (the portable one takes over only where TMA cannot address the inputs)."""
+    import cupy
+    from cuflash import options, programmable
+
+    programmable._plans.clear()
+    with options.override(programmable=True, fwd_backend="sm80" if fwd_family == "portable" else "auto"):
         yield
+    families = {plan[1].family for plan in programmable._plans.values()}
+    hopper = cupy.cuda.Device().compute_capability == "90" and options.current().plan_cc in (None, 0, 90)
+    if families and hopper:
+        want = "sm80_fwd_prog" if fwd_family == "portable" else "sm90_fwd_prog"
+        assert want in families, f"the {fwd_family} forward family did not run: {sorted(families)}"
 
 
 def _inputs(rng, shape_name: str, dtype: str):

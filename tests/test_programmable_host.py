@@ -8,7 +8,7 @@ import pytest
 
 from conftest import fake_cupy_array as arr
 
-from cuflash import heuristics, params, programmable
+from cuflash import heuristics, options, params, programmable
 from cuflash.variants import MaskVariant
 
 B, NQ, NK, HQ, HKV, D = 2, 100, 130, 4, 2, 64
@@ -90,8 +90,16 @@ def test_variant_and_configuration():
     for d in (32, 64, 96, 128, 192, 256, 512):
         for cc in (80, 86, 90):
             cfg = heuristics.prog_fwd_config("bfloat16", d, True, cc, var)
+            if cc == 90 and d <= 256:   # Hopper's own kernel, at most 64 keys a tile with dropout or a mask
+                assert cfg.family == "sm90_fwd_prog" and cfg.block_n <= heuristics.PROG_SM90_FWD_MAX_BLOCK_N
+                assert cfg.block_m == 128 and cfg.num_warps == 12
+                assert cfg.name_expression().startswith("fwd_prog_overlap_kernel<bf16_tag")
+                with options.override(fwd_backend="sm80"):   # the portable kernels asked for
+                    assert heuristics.prog_fwd_config("bfloat16", d, True, cc, var).family == "sm80_fwd_prog"
+                continue
             assert cfg.family == "sm80_fwd_prog" and cfg.block_n <= heuristics.PROG_FWD_MAX_BLOCK_N
             assert cfg.variant == var and cfg.name_expression().startswith("fwd_prog_kernel<bf16_tag")
+
     # The plain variants keep their C++ types and keys.
     assert MaskVariant().template_arg(False) == "MaskVariant<false, false, false, false, false, false>"
     assert MaskVariant(local=True).tag() == "L"

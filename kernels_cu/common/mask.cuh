@@ -75,6 +75,7 @@ struct MaskPolicy {
     static constexpr bool kHasScoreMod = Variant::kSoftcap || Variant::kAlibi;
     static constexpr bool kHasSink = Variant::kSink;
     static constexpr bool kVarlen = Variant::kVarlen;
+    using VariantType = Variant;
     using Range = BlockRange<kBlockM, kBlockN, kCausal>;
 
     int seqlen_q, seqlen_k;

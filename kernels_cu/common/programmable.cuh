@@ -44,13 +44,14 @@ template <class T> __device__ __forceinline__ float bias_to_float(const void* ba
 // The score modifiers and the element tests of one (batch, head), built where asked (as MaskPolicy). Scores are
 // the kernels' unscaled q.k after the built-in modifiers (MaskPolicy::modify_score); the user's modifier sees them
 // scaled (FlexAttention's convention), so the policy multiplies by softmax_scale and divides back.
-template <class Variant>
+template <class Variant, bool kBiasFirstKernel = true>
 struct ProgPolicy {
     using Mods = typename Variant::Mods;
     // Whether scores change (kernels then call modify_score on every visible element) and whether the tiles the
     // lists mark as partial have elements to test.
-    // The bias goes into S's accumulators before Q K^T (kBiasFirst) unless softcap comes between them.
-    static constexpr bool kBiasFirst = Variant::kBias && !Variant::kSoftcap;
+    // The bias goes into S's accumulators before Q K^T (kBiasFirst) unless softcap comes between them or the
+    // kernel adds it after (kBiasFirstKernel false: the Hopper forward, whose wgmma S has no registers to spare).
+    static constexpr bool kBiasFirst = kBiasFirstKernel && Variant::kBias && !Variant::kSoftcap;
     static constexpr bool kModifiesScore = (Variant::kBias && !kBiasFirst) || Mods::kScoreMod;
     static constexpr bool kTestsElements = Variant::kBlockSparse || Mods::kMaskMod;
 
@@ -156,3 +157,54 @@ struct DropoutLanes {
     }
     static __device__ __forceinline__ int t_slot(int qh, int h, int g) { return qh * 4 + h * 2 + (g & 1); }
 };
+
+// Programmable attention on one S sub-tile (the mma.sync / wgmma accumulator layout: kMTiles x kNTiles blocks of
+// 16 x 8, lane (g, t4)) whose first row and key are row0 and col0: the bias and the user's score modifier on the
+// elements inside the sequences, then, in a tile the lists mark partial, the elements the user's blocks or mask
+// hide.
+template <int kMTiles, int kNTiles, class Variant, bool kBiasFirstKernel = true>
+__device__ __forceinline__ void prog_scores(float (&acc_s)[kMTiles][kNTiles][4], const ProgParams& pp,
+                                            const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4,
+                                            bool partial) {
+    using Prog = ProgPolicy<Variant, kBiasFirstKernel>;
+    const Prog prog(pp, seq, head, p.softmax_scale);
+    // One row at a time, so that only its bias offset is live next to the accumulators.
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + t * 16 + g + h * 8;
+            const i64 row_at = Variant::kBias ? prog.bias_row(row) : 0;
+#pragma unroll
+            for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    const int col = col0 + n * 8 + 2 * t4 + (e & 1);
+                    const bool inside = row < p.seqlen_q && col < p.seqlen_k;   // a modifier reads memory by them
+                    if constexpr (Prog::kModifiesScore) {
+                        if (inside) acc_s[t][n][e] = prog.modify_score(acc_s[t][n][e], row, col, row_at);
+                    }
+                    if constexpr (Prog::kTestsElements) {
+                        if (partial && !(inside && prog.visible(row, col))) acc_s[t][n][e] = -CUFLASH_INF;
+                    }
+                }
+        }
+}
+
+// Dropout of one P sub-tile (probabilities in the S accumulators, first row and key row0 and col0): the dropped
+// elements zeroed; 1 / (1 - dropout_p) is folded into the epilogue's 1 / rowsum.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4],
+                                              const DropoutLanes& lanes, int row0, int col0, int g, int t4) {
+#pragma unroll
+    for (int t = 0; t < kMTiles; ++t)
+#pragma unroll
+        for (int nn = 0; nn < kNTiles / 2; ++nn) {
+            const unsigned keep = lanes.block_keep(row0 + t * 16, col0 + nn * 16, g, t4);
+#pragma unroll
+            for (int jb = 0; jb < 2; ++jb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!((keep >> DropoutLanes::slot(jb, e)) & 1u)) acc_s[t][2 * nn + jb][e] = 0.f;
+        }
+}

@@ -78,38 +78,6 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int fwd_kernel_smem_bytes = FwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>::kSmemElems * 2;
 
-// Programmable attention on one S sub-tile whose first row and key are row0 and col0 (common/programmable.cuh):
-// the bias and the user's score modifier on the elements inside the sequences, then, in a tile the lists mark
-// partial, the elements the user's blocks or mask hide.
-template <class Tile, class Variant>
-__device__ __forceinline__ void prog_scores(float (&acc_s)[Tile::kMTiles][Tile::kNTilesS][4], const ProgParams& pp,
-                                            const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4,
-                                            bool partial) {
-    using Prog = ProgPolicy<Variant>;
-    const Prog prog(pp, seq, head, p.softmax_scale);
-    // One row at a time, so that only its bias offset is live next to the accumulators.
-#pragma unroll
-    for (int t = 0; t < Tile::kMTiles; ++t)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + t * 16 + g + h * 8;
-            const i64 row_at = Variant::kBias ? prog.bias_row(row) : 0;
-#pragma unroll
-            for (int n = 0; n < Tile::kNTilesS; ++n)
-#pragma unroll
-                for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    const int col = col0 + n * 8 + 2 * t4 + (e & 1);
-                    const bool inside = row < p.seqlen_q && col < p.seqlen_k;   // a modifier reads memory by them
-                    if constexpr (Prog::kModifiesScore) {
-                        if (inside) acc_s[t][n][e] = prog.modify_score(acc_s[t][n][e], row, col, row_at);
-                    }
-                    if constexpr (Prog::kTestsElements) {
-                        if (partial && !(inside && prog.visible(row, col))) acc_s[t][n][e] = -CUFLASH_INF;
-                    }
-                }
-        }
-}
-
 // S's start where the bias is added first (ProgPolicy::kBiasFirst): bias / softmax_scale at the elements inside
 // the sequences, 0 elsewhere.
 template <class Tile, class Variant>
@@ -129,24 +97,6 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[Tile::kMTiles][Tile::
                     const int col = col0 + n * 8 + 2 * t4 + (e & 1);
                     acc_s[t][n][e] = row < p.seqlen_q && col < p.seqlen_k ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
                 }
-        }
-}
-
-// Dropout of one P sub-tile (probabilities in the S accumulators, first row and key row0 and col0): the dropped
-// elements zeroed; 1 / (1 - dropout_p) is folded into the epilogue's 1 / rowsum.
-template <class Tile>
-__device__ __forceinline__ void dropout_probs(float (&acc_s)[Tile::kMTiles][Tile::kNTilesS][4],
-                                              const DropoutLanes& lanes, int row0, int col0, int g, int t4) {
-#pragma unroll
-    for (int t = 0; t < Tile::kMTiles; ++t)
-#pragma unroll
-        for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {
-            const unsigned keep = lanes.block_keep(row0 + t * 16, col0 + nn * 16, g, t4);
-#pragma unroll
-            for (int jb = 0; jb < 2; ++jb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!((keep >> DropoutLanes::slot(jb, e)) & 1u)) acc_s[t][2 * nn + jb][e] = 0.f;
         }
 }
 
@@ -281,7 +231,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                                     n0 + sub * Tile::kSubN + n * 8 + 2 * t4 + (e & 1));
                 }
                 if constexpr (Variant::kProg) {
-                    prog_scores<Tile, Variant>(acc_s, *pp, p, seq, head, row_base + warp_row0,
+                    prog_scores<Tile::kMTiles, Tile::kNTilesS, Variant>(acc_s, *pp, p, seq, head, row_base + warp_row0,
                                                n0 + sub * Tile::kSubN, g, t4, tile_partial);
                 }
                 if (tile_needs_mask) {
@@ -330,7 +280,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                             for (int e = 0; e < 4; ++e) acc_o[t][n][e] *= rescale[2 * t + (e >> 1)];
                 }
                 if constexpr (Variant::kDropout) {   // after the row sums: lse is that of the undropped P
-                    dropout_probs<Tile>(acc_s, DropoutLanes(*pp, seq, p.heads_q, head), row_base + warp_row0,
+                    dropout_probs<Tile::kMTiles, Tile::kNTilesS>(acc_s, DropoutLanes(*pp, seq, p.heads_q, head), row_base + warp_row0,
                                         n0 + sub * Tile::kSubN, g, t4);
                 }
 

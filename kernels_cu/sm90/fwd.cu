@@ -43,7 +43,8 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, cla
 __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
                                              const FwdSmem<Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>, kQBuffers>& smem,
                                              volatile int* tile_slot, const PersistentOrder& order, const int cw,
-                                             int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o) {
+                                             int* tile_counter, Fp8Descale descale, const TmaDesc* tma_o,
+                                             const ProgParams* pp) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using OutTag = typename ElemTraits<Tag>::OutTag;
@@ -94,7 +95,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
         }
         const FwdParams& p = Variant::kVarlen ? seq : params;
         // The key tiles this query tile visits (the producer loads the same ones in the same order).
-        const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
+        const FwdKeyTiles<Mask, Variant> key_tiles(p, m_block, pp, batch, head);
         const int n_tiles = key_tiles.count();
         const int row0 = m_block * kBlockM + cw * 64 + warp * 16 + g;   // this thread's rows: row0, row0 + 8
 
@@ -122,6 +123,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
             else scale_log2 *= *descale.q * *descale.k;
             o_scale = *descale.v;
         }
+        if constexpr (Variant::kDropout) o_scale = pp->dropout_scale;   // 1 / (1 - dropout_p), with 1 / rowsum
 
         // A warpgroup whose 64 rows all lie past seqlen_q (the last query tile when seqlen_q is not a
         // multiple of kBlockM, e.g. 1024 rows in 192-row tiles) keeps the ring's phases (waits for each
@@ -139,6 +141,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
             }
         }
         if (!kPersistent && n_tiles > 0 && !idle) mbar_wait(smem.q_full(0), 0);
+        static_assert(!Variant::kProg || kMode == kModeOverlap, "programmable parts: the overlap schedule");
         if (n_tiles > 0 && !idle && kMode != kModeOverlap) {
             softmax = fwd_mainloop_simple<Tile, Mask, kMode, kCluster, kQBuffers>(
                 p, smem, it, key_tiles, scale_log2, acc_o, softmax, qa, qb, cw, lane, warp, t4, m_block, head, batch, row0);
@@ -146,7 +149,7 @@ __device__ __forceinline__ void fwd_consumer(const FwdParams& params,
         if (n_tiles > 0 && !idle && kMode == kModeOverlap) {
             softmax = fwd_mainloop_overlap<Tile, Mask, kMode, kCluster, kQBuffers, kPersistent>(
                 p, smem, it, key_tiles, scale_log2, s_descale, acc_o, softmax, qa, settle_tiles, kept_failed, qb, cw, lane,
-                warp, t4, m_block, head, batch, row0, k_tile, tile_counter);
+                warp, t4, m_block, head, batch, row0, k_tile, tile_counter, pp);
         }
 
         constexpr bool kStageO = Tile::template kStageO<kPersistent>;
@@ -177,7 +180,8 @@ template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, cla
           bool kPersistent = false, int kCluster = 1, int kHeadDimV = 0>
 __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                          const TmaDesc& tma_v, int* tile_counter = nullptr,
-                                         Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr) {
+                                         Fp8Descale descale = {}, const TmaDesc* tma_o = nullptr,
+                                         const ProgParams* pp = nullptr) {
     using Tile = Sm90FwdTile<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     constexpr int kStages = Tile::kStages;
     constexpr int kPad = Tile::kHeadDimPad;
@@ -240,7 +244,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
         setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x == 0) {
             fwd_producer<Tile, Mask, kQBuffers, kMode, kPersistent, kCluster>(p, tma_q, tma_k, tma_v, tile_counter, smem,
-                                                                              tile_slot, order);
+                                                                              tile_slot, order, pp);
         }
     } else {
         // Consumer warpgroups: 64 query rows each.
@@ -249,7 +253,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p, const TmaDesc& tma_
             fwd_split_consumer<Tile, Variant>(p, smem, order, wg - 1);
         } else {
             fwd_consumer<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kMode, kPersistent, kCluster, kQBuffers,
-                         kHeadDimV>(p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o);
+                         kHeadDimV>(p, smem, tile_slot, order, wg - 1, tile_counter, descale, tma_o, pp);
         }
     }
     if constexpr (kCluster > 1) cluster_sync();   // the other CTA may still signal this one's barriers
@@ -303,6 +307,18 @@ CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_persistent_kernel, kModeOverlap, 
 CUFLASH_SM90_FWD_PERSISTENT_KERNEL(fwd_overlap_x2_persistent_kernel, kModeOverlap, 2, __cluster_dims__(2, 1, 1))
 #undef CUFLASH_SM90_FWD_KERNEL
 #undef CUFLASH_SM90_FWD_PERSISTENT_KERNEL
+
+// Programmable attention (Variant: a ProgVariant; issue #45): the overlap schedule, one CTA per tile, with
+// ProgParams after the tensor maps (__grid_constant__: read in place through the pointer the parts take).
+CUFLASH_SM90_FWD_SMEM(fwd_prog_overlap_kernel, false)
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_prog_overlap_kernel(const FwdParams p, const __grid_constant__ TmaDesc tma_q, const __grid_constant__ TmaDesc tma_k,
+                        const __grid_constant__ TmaDesc tma_v, const __grid_constant__ ProgParams pp) {
+    static_assert(Variant::kProg && !Variant::kVarlen, "fwd_prog_overlap_kernel takes a dense ProgVariant");
+    fwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kModeOverlap, false, 1, kHeadDimV>(
+        p, tma_q, tma_k, tma_v, nullptr, {}, nullptr, &pp);
+}
 
 CUFLASH_SM90_FWD_SMEM(fwd_fp8_kernel, false)
 CUFLASH_SM90_FWD_SMEM(fwd_fp8_persistent_kernel, true)

@@ -7,12 +7,13 @@
 #include "fwd_tile.cuh"
 #include "fwd_math.cuh"
 #include "fwd_scheduler.cuh"
+#include "fwd_prog.cuh"
 
 // The simple schedule's key loop: per key tile, S, the softmax and P V, each waited for. `key_tiles`: the key
 // tiles of query tile m_block (at least one); `it`: the K/V ring iterations before them.
-template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, class Softmax>
+template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, class Softmax, class KeyTiles>
 __device__ __forceinline__ Softmax fwd_mainloop_simple(
-    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const FwdKeyTiles<Mask> key_tiles,
+    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const KeyTiles key_tiles,
     const float scale_log2, float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
     u32 (&qa)[FwdMath<Tile, kMode>::kQInRegs ? Tile::kHeadDimPad / 16 : 1][4], const int qb, const int cw, const int lane,
     const int warp, const int t4, const int m_block, const int head, const int batch, const int row0) {
@@ -51,14 +52,18 @@ __device__ __forceinline__ Softmax fwd_mainloop_simple(
 // The overlap schedule's key loop: Q K^T of key tile i and O += P_{i-1} V_{i-1} issued back to back, the
 // softmax of tile i while P V computes. `key_tiles`: the key tiles of query tile m_block (at least one); `it`:
 // the K/V ring iterations before them. s_descale: fp8 with a score modifier (FwdMath::apply_mask).
-template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, bool kPersistent, class Softmax>
+template <class Tile, class Mask, int kMode, int kCluster, int kQBuffers, bool kPersistent, class Softmax, class KeyTiles>
 __device__ __forceinline__ Softmax fwd_mainloop_overlap(
-    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const FwdKeyTiles<Mask> key_tiles,
+    const FwdParams& p, const FwdSmem<Tile, kQBuffers>& smem, const int it, const KeyTiles key_tiles,
     const float scale_log2, const float s_descale, float (&acc_o)[Tile::kHeadDimV / 2], Softmax softmax,
     u32 (&qa)[FwdMath<Tile, kMode>::kQInRegs ? Tile::kHeadDimPad / 16 : 1][4], int& settle_tiles, bool& kept_failed,
     const int qb, const int cw, const int lane, const int warp, const int t4, const int m_block, const int head,
-    const int batch, const int row0, const int k_tile, int* tile_counter) {
+    const int batch, const int row0, const int k_tile, int* tile_counter, const ProgParams* pp) {
     using Math = FwdMath<Tile, kMode>;
+    using Variant = typename Mask::VariantType;
+    // Programmable attention (FwdProg): the bias, the user's modifiers and the partial tiles' tests between the
+    // built-in modifiers and the built-in mask, dropout on P once the row sums have it.
+    const FwdProg<Variant, Tile::kBlockN> prog(pp, batch, head, p.heads_q, row0 - (lane >> 2), lane);
     using Tag = typename Tile::Tag;
     constexpr int kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPSteps = Math::kPSteps;
@@ -82,7 +87,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     // holds up to 2^15; bf16 P has float32's range, and 2^48 still leaves O's float32 sums 2^79 of room
     // for |V| times the number of keys. The wider bound makes re-bases rarer on sharp heads.
     constexpr int kKeepMaxBoundLog2 = kIsBf16<Tag> ? 48 : 14;
-    constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8;
+    // Programmable variants take the full step: the kept max's recompute (qk_warp) knows no bias or modifier.
+    constexpr bool kKeepMax = CUFLASH_SM90_FWD_KEEP_MAX && !Tile::kFp8 && !Variant::kProg;
     u32 pa[kPSteps][4];
     // Per warp: whether its rows' max has settled, so that the next key tile tries the kept max. It
     // starts unsettled (the first key tile, partial or on the causal diagonal, may leave a row a weak
@@ -119,9 +125,16 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
-        Math::template apply_mask<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4, batch, head, s_descale);
+        if constexpr (Variant::kProg) {
+            Math::template modify_scores<Mask>(acc_s, key_tiles.tile(0), p, row0, t4, batch, head, s_descale);
+            prog.scores(Math::s3_of(acc_s), p, key_tiles.tile(0), key_tiles.partial(0));
+            Math::template mask_scores<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4);
+        } else {
+            Math::template apply_mask<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4, batch, head, s_descale);
+        }
         float rescale[2];
         softmax.step(Math::s3_of(acc_s), scale_log2, rescale);  // acc_o is still 0: no rescale
+        if constexpr (Variant::kDropout) prog.dropout(Math::s3_of(acc_s), key_tiles.tile(0));
         Math::pack_p(pa, acc_s);
     }
     // At head dims 65-128, O's rescale for key tile i is applied at step i + 1 while Q K^T_{i+1} runs,
@@ -149,7 +162,13 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         const bool full_step = !kKeepMax || settled < settle_tiles;
         // The kept-max state holds K for a possible recompute; the full step frees it at once.
         if (full_step) Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
-        Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head, s_descale);
+        if constexpr (Variant::kProg) {
+            Math::template modify_scores<Mask>(acc_s, n_block, p, row0, t4, batch, head, s_descale);
+            prog.scores(Math::s3_of(acc_s), p, n_block, key_tiles.partial(i));
+            Math::template mask_scores<Mask>(acc_s, n_block, p, m_block, row0, t4);
+        } else {
+            Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head, s_descale);
+        }
         float rescale[2] = {1.f, 1.f};
         bool max_changed = false, unset = false;
         if (full_step) {
@@ -199,6 +218,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         }
         if (kKeepMax && full_step)
             settled = (kMovesAbsorbed ? __any_sync(0xffffffff, unset) : warp_moved) ? 0 : settled + 1;
+        if constexpr (Variant::kDropout) prog.dropout(Math::s3_of(acc_s), n_block);
         Math::pack_p(pa, acc_s);
         Math::template release_kv<kCluster>(lane, smem.v_empty(prev));
     }

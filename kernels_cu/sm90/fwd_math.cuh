@@ -136,6 +136,13 @@ struct FwdMath {
     static __device__ __forceinline__ void apply_mask(float (&acc_s)[kBlockN / 2], int n_block, const FwdParams& p,
                                                       int m_block, int row0, int t4, int batch, int head,
                                                       float s_descale = 1.f) {
+        modify_scores<Mask>(acc_s, n_block, p, row0, t4, batch, head, s_descale);
+        mask_scores<Mask>(acc_s, n_block, p, m_block, row0, t4);
+    }
+    // apply_mask's two halves, between which the programmable parts go (FwdProg).
+    template <class Mask>
+    static __device__ __forceinline__ void modify_scores(float (&acc_s)[kBlockN / 2], int n_block, const FwdParams& p,
+                                                         int row0, int t4, int batch, int head, float s_descale) {
         if constexpr (Mask::kHasScoreMod) {
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
@@ -146,6 +153,10 @@ struct FwdMath {
                                                                          n_block * kBlockN + 8 * j + 2 * t4 + (e & 1));
                 }
         }
+    }
+    template <class Mask>
+    static __device__ __forceinline__ void mask_scores(float (&acc_s)[kBlockN / 2], int n_block, const FwdParams& p,
+                                                       int m_block, int row0, int t4) {
         if (Mask(p).needs_mask(m_block, n_block)) {
             const int n0 = n_block * kBlockN;
             if constexpr (Mask::kLocal) {   // a window's bounds once per row (MaskPolicy::row_keys)

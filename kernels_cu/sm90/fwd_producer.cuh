@@ -13,11 +13,12 @@
 // each key tile the mask policy visits (FwdKeyTiles: the consumers walk the same ones in the same order) into
 // the kStages-deep ring; each load completes on a "full" mbarrier and waits for the stage's "empty" one.
 // Varlen: the tensor maps span the packed rows (batch 1), and a tile's rows start at its sequence's.
+// pp: programmable attention's parameters (null unless Mask::VariantType::kProg), for a block-sparse list.
 template <class Tile, class Mask, int kQBuffers, int kMode, bool kPersistent, int kCluster>
 __device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaDesc& tma_q, const TmaDesc& tma_k,
                                              const TmaDesc& tma_v, int* tile_counter,
                                              const FwdSmem<Tile, kQBuffers>& smem, volatile int* tile_slot,
-                                             const PersistentOrder& order) {
+                                             const PersistentOrder& order, const ProgParams* pp) {
     constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kStages = Tile::kStages;
     constexpr int kPadV = Tile::kHeadDimV;
     const u32 sQ = smem.q, sK = smem.k, sV = smem.v;
@@ -104,7 +105,7 @@ __device__ __forceinline__ void fwd_producer(const FwdParams& params, const TmaD
         const FwdParams& p = Mask::kVarlen ? seq : params;
         const int t_cur = t;
         const int head_kv = head / p.heads_per_kv;
-        const FwdKeyTiles<Mask> key_tiles(Mask(p), m_block);
+        const FwdKeyTiles<Mask, typename Mask::VariantType> key_tiles(p, m_block, pp, batch, head);
         const int n_tiles = key_tiles.count();
         auto publish = [&]() {   // persistent: hand the tile to the consumers with its Q
             mbar_wait(smem.q_empty(qb), q_phase ^ 1);

@@ -2,6 +2,8 @@
 #pragma once
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
+#include "../common/mask.cuh"
+#include "../common/programmable.cuh"
 
 // Persistent tile order (kPersistent): tiles t = 0 .. num_m * heads_q * batch - 1, handed out
 // dynamically (CTA c starts with tile c, then takes the next one from a global counter). Where every
@@ -67,8 +69,9 @@ struct PersistentOrder {
 // The key tiles query tile m_block visits, in the order the producer loads them and the consumers take them:
 // [n_block_min, n_block_max) from the last down (masked tiles at the diagonal first). The producer, the
 // consumers' key loops and the idle warpgroups all walk count() tiles through tile(i), the one place that
-// knows the range (a block-sparse policy would give a list here), and the K/V ring advances by count().
-template <class Mask>
+// knows the range, and the K/V ring advances by count(). A block-sparse programmable variant walks its list
+// instead (below).
+template <class Mask, class Variant = PlainVariant, bool kSparse = Variant::kBlockSparse>
 struct FwdKeyTiles {
     int n_block_min, n_block_max;
     __device__ __forceinline__ FwdKeyTiles(const Mask& mask, int m_block)
@@ -76,8 +79,24 @@ struct FwdKeyTiles {
         // Varlen: the grid covers the longest sequence; a tile past this one's rows visits nothing.
         if (Mask::kVarlen && m_block * Mask::kBlockM >= mask.seqlen_q) n_block_max = n_block_min;
     }
+    __device__ __forceinline__ FwdKeyTiles(const FwdParams& p, int m_block, const ProgParams*, int, int)
+        : FwdKeyTiles(Mask(p), m_block) {}
     // Tiles visited (none when <= 0).
     __device__ __forceinline__ int count() const { return n_block_max - n_block_min; }
     // The i-th key tile visited (0 <= i < count()).
     __device__ __forceinline__ int tile(int i) const { return n_block_max - 1 - i; }
+    // Whether an off block or the user's mask hides elements of the i-th tile (block sparsity alone).
+    static __device__ __forceinline__ bool partial(int) { return false; }
+};
+
+// Block sparsity (ProgParams' lists, common/programmable.cuh: KeyTiles): the query tile's listed key tiles within
+// the mask policy's range, last first, as the range's tiles are.
+template <class Mask, class Variant>
+struct FwdKeyTiles<Mask, Variant, true> {
+    KeyTiles<Mask, Variant, true> list;
+    __device__ __forceinline__ FwdKeyTiles(const FwdParams& p, int m_block, const ProgParams* pp, int batch, int head)
+        : list(pp, batch, head, m_block, p) {}
+    __device__ __forceinline__ int count() const { return list.count(); }
+    __device__ __forceinline__ int tile(int i) const { return list.tile(list.count() - 1 - i); }
+    __device__ __forceinline__ bool partial(int i) const { return list.partial(list.count() - 1 - i); }
 };
