@@ -735,7 +735,8 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
                                       window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
                                       alibi_slopes=alibi_slopes, sinks=sinks, dlse=dlse, dq=dq, dk=dk, dv=dv,
                                       bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, block_mask=block_mask,
-                                      block_size=block_size, score_mod=score_mod, mask_mod=mask_mod)
+                                      block_size=block_size, score_mod=score_mod, mask_mod=mask_mod,
+                                      deterministic=deterministic)
     # The call cache (call_cache.py): a call seen before replays its launches. Not with sinks (dsinks is
     # computed on the host side), a ring step's offsets, or the tests' poisoned workspaces (a replay would
     # skip the poisoning).
@@ -813,7 +814,7 @@ def _check_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_s
 
 def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, attention_chunk, softcap,
                            alibi_slopes, sinks, dlse, dq, dk, dv, bias, dropout_p, seed, offset, block_mask,
-                           block_size, score_mod, mask_mod):
+                           block_size, score_mod, mask_mod, deterministic=False):
     """backward with programmable parts (the forward's, _forward_programmable): checked, then the programmable
     kernels where Options.programmable allows them."""
     import cupy
@@ -827,8 +828,9 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
         return interop.call(_backward_programmable, arrays, buffers=("dq", "dk", "dv"), causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk,
                             softcap=softcap, dropout_p=dropout_p, offset=offset, block_size=block_size,
-                            score_mod=score_mod, mask_mod=mask_mod, **numbers)
+                            score_mod=score_mod, mask_mod=mask_mod, deterministic=deterministic, **numbers)
     opts = options.current()
+    deterministic = _checks.check_flag("deterministic", deterministic)
     dims, scale, causal, var = _check_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale,
                                                window_size, attention_chunk, softcap, alibi_slopes, sinks)
     b, nq, nk, hq, hkv, d = dims
@@ -863,7 +865,8 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
                 dlse = cupy.ascontiguousarray(dlse)
             dsinks, dbias, tensor_grads = programmable.launch_backward(
                 dout, q, k, v, out, lse, dq, dk, dv, prog, causal=bool(causal), scale=scale,
-                dims=(b, nq, nk, hq, hkv, d), device_id=dev, opts=opts, var=var, dlse=dlse)
+                dims=(b, nq, nk, hq, hkv, d), device_id=dev, opts=opts, var=var, dlse=dlse,
+                deterministic=deterministic)
     except RuntimeError as e:
         device_check.reraise_explained(e)
         raise
@@ -951,11 +954,14 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, deterministic: bool, device_id
 def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: float, deterministic: bool,
                 dims, device_id: int, var: variants.Variants = variants.NONE, dlse=None,
                 mask_offsets: Optional[Tuple[int, int]] = None, record: bool = False,
-                opts: Optional[options.Options] = None):
+                opts: Optional[options.Options] = None, plans: Optional[tuple] = None, dkdv_tail: tuple = ()):
     """Launches the backward's kernels on the current stream; returns ``(dsinks, launches, workspaces)``:
     dsinks (float32, heads_q) with sinks, else None; with ``record``, the launches as ``launch.Prepared``
     and the workspaces as (size, dtype, address) in allocation order, for the call cache (launches None
-    where they cannot be replayed as they are). ``mask_offsets``: as in _launch_fwd."""
+    where they cannot be replayed as they are). ``mask_offsets``: as in _launch_fwd. ``plans``: (preprocess,
+    Hopper dK / dV, postprocess) plans to run instead of the dispatcher's, the dK / dV kernel taking
+    ``dkdv_tail`` after its tensor maps (programmable attention: programmable.launch_backward, which has checked
+    that TMA addresses the inputs)."""
     import cupy
 
     workspaces = []
@@ -973,8 +979,11 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         return _launch_bwd_large(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale, dims=dims,
                                  device_id=device_id, var=var, variant=variant, dlse=dlse, mask_offsets=mask_offsets,
                                  opts=opts)
-    pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
-                                           short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
+    if plans is None:
+        pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id,
+                                               short=heuristics.bwd_short(nk, causal, opts), opts=opts, variant=variant)
+    else:
+        (pre, dkdv, post), dq_kernel = plans, None
     kern, cfg, smem = dkdv
     extra = ()
     stat_rows = 0
@@ -982,13 +991,15 @@ def _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, causal: bool, scale: flo
         maps = sm90.bwd_tensor_maps(cfg, q, k, v, dout)
         # lse2 and delta rows padded to whole query tiles (BwdParams.stats), indexed in 32 bits.
         stat_rows = -(-nq // cfg.block_m) * cfg.block_m
+        if plans is not None and (maps is None or b * hq * 2 * stat_rows >= 2**32):
+            raise RuntimeError("internal: the programmable Hopper backward's inputs were not checked for TMA")
         if maps is None or b * hq * 2 * stat_rows >= 2**32:
             pre, dkdv, dq_kernel, post = _bwd_plan(q.dtype, d, causal, deterministic, device_id, backend="sm80",
                                                    opts=opts, variant=variant)
             kern, cfg, smem = dkdv
             stat_rows = 0
         else:
-            extra = (maps,)
+            extra = (maps, *dkdv_tail)
     narrow = head_dims.NarrowV(dout, q, k, v, out, dv, sm90_reads=bool(extra))
     if narrow:
         dout, q, k, v, out, dv = narrow.arrays()

@@ -165,6 +165,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
     _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),
     _bwd("sm90_bwd_dkdv_dqtile_ordered", "sm90/bwd.cu", "bwd_dkdv_dqtile_ordered_kernel", "sm90", "ordered", 90),
+    # Programmable attention (issue #45): the tiled dQ kernel with ProgParams after the maps.
+    _bwd("sm90_bwd_dkdv_dqtile_prog", "sm90/bwd.cu", "bwd_dkdv_dqtile_prog_kernel", "sm90", "tile", 90, prog=True),
     # Head dims above 256 (head_dims.py): one kernel per gradient, its 64 rows' float32 sums split by columns over
     # two consumer warpgroups, no atomics (block_m: the rows, block_n: the other side's rows per step).
     _bwd("sm90_bwd_split_dv", "sm90/bwd_split.cu", "bwd_split_dv_kernel", "sm90", None, 90),

@@ -545,10 +545,32 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 
-def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant) -> BwdConfigs:
-    """Programmable attention's backward (issue #45): the preprocess, the portable dK / dV kernel version 1 and the
-    dQ kernel, as the deterministic mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass
-    alone), in their programmable families; head dims up to MAX_HEAD_DIM."""
+def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant,
+                     deterministic: bool = False, opts: Options | None = None) -> BwdConfigs:
+    """Programmable attention's backward (issue #45). On Hopper (16-bit, the Hopper backward's head dims, not
+    deterministic, unless Options.bwd_backend asks for the portable kernels): the preprocess, the Hopper dK / dV
+    kernel with dQ in tiles (sm90_bwd_dkdv_dqtile_prog) and the tiled postprocess, as the plain backward's.
+    Elsewhere: the preprocess, the portable dK / dV kernel version 1 and the dQ kernel, as the deterministic
+    mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass alone), in their programmable
+    families; head dims up to MAX_HEAD_DIM."""
+    opts = opts or options.current()
+    if (cc == 90 and not deterministic and opts.bwd_backend in ("auto",) + SM90_BWD_BACKENDS
+            and dtype in ("float16", "bfloat16") and head_dim <= MAX_HEAD_DIM and not variant.varlen):
+        plain = bwd_configs(dtype, head_dim, causal, 90, backend="sm90", opts=opts, variant=variant)
+        if plain.dkdv.fam.sm90_bwd:
+            from dataclasses import replace
+
+            bm, bn, w = plain.dkdv.block_m, plain.dkdv.block_n, plain.dkdv.num_warps
+            bucket = head_dim_bucket(head_dim)
+            if not opts.sm90_bwd_tiles:
+                # 64-row query steps: the per-element parts beside 128 rows spilled (dropout at d64); with
+                # dropout's rounds or a modifier at 65..128, split-D tiles (two warpgroups on the same 64 keys).
+                bm = 64
+                if bucket in (96, 128) and (variant.dropout or variant.mods):
+                    bn, w = 64, 12
+            post = replace(plain.postprocess, block_m=bm)
+            return BwdConfigs(plain.preprocess, KernelConfig("sm90_bwd_dkdv_dqtile_prog", dtype, bucket, causal, bm, bn,
+                                                             w, variant), None, post)
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {MAX_HEAD_DIM} in the "
                          f"backward so far, got {head_dim}")

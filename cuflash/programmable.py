@@ -308,39 +308,27 @@ def _tile_state(prog: ProgArgs, coverage, seqlen_q: int, seqlen_k: int, block_m:
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, causal: bool, scale: float, dims,
-                    device_id: int, opts, var, dlse=None):
-    """The programmable backward on the current stream: the preprocess (delta), dK / dV with dbias and the
-    modifiers' tensor gradients (bwd_dkdv_prog_kernel), dQ (bwd_dq_prog_kernel). Returns (dsinks or None, dbias
-    in the bias's shape and dtype or None, {tensor name: float32 gradient} of the score modifier's tensor_grads)."""
+                    device_id: int, opts, var, dlse=None, deterministic: bool = False):
+    """The programmable backward on the current stream. On Hopper (heuristics.prog_bwd_configs): the plain
+    backward's launches (api._launch_bwd) with the Hopper dK / dV kernel that takes ProgParams; elsewhere, where
+    TMA cannot address the inputs, or ``deterministic``: the preprocess (delta), dK / dV with dbias and the
+    modifiers' tensor gradients (bwd_dkdv_prog_kernel), dQ (bwd_dq_prog_kernel). Returns (dsinks or None, dbias in
+    the bias's shape and dtype or None, {tensor name: float32 gradient} of the score modifier's tensor_grads)."""
     import dataclasses
 
     import cupy
 
-    from . import capture, heuristics, launch
-    from ._checks import dtype_name
+    from . import capture, launch, sm90
     from .api import LOG2E
-    from .dispatch import device_info, get_kernel, smem_bytes
 
     b, nq, nk, hq, hkv, d = dims
     variant = prog.variant(dataclasses.replace(var.kernel, sink=False))   # the backward has no sink code
-    key = ("bwd", dtype_name(q.dtype), d, causal, variant, device_id, opts.token)
-    plan = _plans.get(key)
-    if plan is None:
-        cc, _ = device_info(device_id, opts)
-        cfgs = heuristics.prog_bwd_configs(dtype_name(q.dtype), d, causal, cc, variant)
-        plan = _plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
-                                    smem_bytes(c, device_id, opts.nvrtc_defines))
-                                   for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq))
-    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = plan
-    delta = cupy.empty((b, hq, nq), dtype=np.float32)
-    p = params.pack_bytes(params.BWD_PARAMS, (
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
-        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
-        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
-        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
-        *params.element_strides(dk), *params.element_strides(dv),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
-        *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
+    plan = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic)
+    hopper = plan[1][1].fam.sm90_bwd
+    if hopper and (v.shape[3] != d or sm90.bwd_tensor_maps(plan[1][1], q, k, v, dout) is None
+                   or b * hq * 2 * -(-nq // plan[1][1].block_m) * plan[1][1].block_m >= 2**32):
+        plan, hopper = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, portable=True), False
+    (pkern, pcfg, psmem), (kkern, kcfg, ksmem) = plan[0], plan[1]
     # dbias: float32 sums in the bias's own (4-D) shape, broadcast dims at stride 0; then its dtype and shape.
     dbias_accum = None
     extra_fields = {}
@@ -357,7 +345,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
             t = prog.modifiers.slots[name]
             grads[name] = cupy.zeros(t.shape, dtype=np.float32)
             extra_fields[f"mod_grad{names.index(name)}"] = grads[name].data.ptr
-    keep: list = [delta, dbias_accum]
+    keep: list = [dbias_accum]
 
     def coverage_at(cfg):
         if prog.modifiers is None or not prog.modifiers.has_mask_mod:
@@ -365,7 +353,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
         return mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
                                  block_n=cfg.block_n, device_id=device_id, opts=opts)
 
-    # dK / dV: the tiles' states at its tiles; dQ: the key-tile lists at its tiles.
+    # dK / dV: the tiles' states at its tiles (and, portable, dQ: the key-tile lists at its tiles).
     kcov = coverage_at(kcfg)
     state = _tile_state(prog, kcov, nq, nk, kcfg.block_m, kcfg.block_n)
     fields = dict(extra_fields)
@@ -376,19 +364,58 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
                       tile_state_head_stride=_stride(state.shape, 1, state.shape[2] * state.shape[3]))
     pp_dkdv = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=kcfg.block_m, block_n=kcfg.block_n,
                                        keep=keep, coverage=kcov), fields)
-    pp_dq = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=qcfg.block_m, block_n=qcfg.block_n,
-                                     keep=keep, coverage=coverage_at(qcfg)), extra_fields)
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
-    dsinks = None
-    if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
-        dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
-    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(pp_dkdv),))
-    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(pp_dq),))
+    if hopper:   # the plain backward's workspaces and launches, this dK / dV kernel with ProgParams
+        from .api import _launch_bwd
+
+        dsinks, _, _ = _launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, causal=causal, scale=scale,
+                                   deterministic=False, dims=dims, device_id=device_id, var=var, dlse=dlse, opts=opts,
+                                   plans=plan, dkdv_tail=(_v(pp_dkdv),))
+    else:
+        (qkern, qcfg, qsmem) = plan[2]
+        delta = cupy.empty((b, hq, nq), dtype=np.float32)
+        keep.append(delta)
+        p = params.pack_bytes(params.BWD_PARAMS, (
+            q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
+            dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+            *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
+            *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
+            *params.element_strides(dk), *params.element_strides(dv),
+            b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
+            *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
+        pp_dq = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=qcfg.block_m, block_n=qcfg.block_n,
+                                         keep=keep, coverage=coverage_at(qcfg)), extra_fields)
+        launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
+        dsinks = None
+        if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
+            dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
+        launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(pp_dkdv),))
+        launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(pp_dq),))
     capture.keep_if_capturing(*keep)
     dbias = None
     if dbias_accum is not None:
         dbias = dbias_accum.reshape(prog.bias_shape).astype(prog.bias.dtype)
     return dsinks, dbias, grads
+
+
+def _bwd_plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, deterministic: bool,
+              portable: bool = False) -> tuple:
+    """((kernel, config, shared memory) of the preprocess, the dK / dV kernel, then the dQ kernel (portable) or
+    the postprocess (Hopper)) of the programmable backward, cached; ``portable``: the portable kernels even on
+    Hopper."""
+    from . import heuristics
+    from ._checks import dtype_name
+    from .dispatch import device_info, get_kernel, smem_bytes
+
+    key = ("bwd", dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, deterministic, portable)
+    plan = _plans.get(key)
+    if plan is None:
+        cc, _ = device_info(device_id, opts)
+        cfgs = heuristics.prog_bwd_configs(dtype_name(dtype), head_dim, causal, 80 if portable else cc, variant,
+                                           deterministic=deterministic, opts=opts)
+        plan = _plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
+                                    smem_bytes(c, device_id, opts.nvrtc_defines))
+                                   for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq or cfgs.postprocess))
+    return plan
 
 
 def _v(blob: bytes) -> np.ndarray:

@@ -24,28 +24,32 @@ SHAPES = {
 
 
 def pytest_generate_tests(metafunc):
-    """The forward tests run on each forward family a GPU has (Hopper: its own kernel, then the portable one
-    forced); the backward tests on the default forward."""
-    if "fwd_family" in metafunc.fixturenames:
-        forward = "backward" not in metafunc.function.__name__ and "vjp" not in metafunc.function.__name__
-        metafunc.parametrize("fwd_family", ["default", "portable"] if forward else ["default"])
+    """Every test runs on each family a GPU has: Hopper's own kernels, then the portable ones forced."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", ["default", "portable"])
 
 
 @pytest.fixture(autouse=True)
-def _programmable_on(fwd_family):
-    """Programmable attention on, on the forward family asked for; on Hopper, the default family's tests check
-    that its Hopper kernel ran (the portable one takes over only where TMA cannot address the inputs)."""
+def _programmable_on(family):
+    """Programmable attention on, on the kernel family asked for; on Hopper, the default family's tests check that
+    its Hopper kernels ran (the portable ones take over only where TMA cannot address the inputs)."""
     import cupy
     from cuflash import options, programmable
 
     programmable._plans.clear()
-    with options.override(programmable=True, fwd_backend="sm80" if fwd_family == "portable" else "auto"):
+    backend = "sm80" if family == "portable" else "auto"
+    with options.override(programmable=True, fwd_backend=backend, bwd_backend=backend):
         yield
-    families = {plan[1].family for plan in programmable._plans.values()}
+    families = set()
+    for plan in programmable._plans.values():   # forward plans: (kernel, config, smem); backward: three of them
+        families.update(x[1].family for x in plan) if isinstance(plan[0], tuple) else families.add(plan[1].family)
     hopper = cupy.cuda.Device().compute_capability == "90" and options.current().plan_cc in (None, 0, 90)
-    if families and hopper:
-        want = "sm80_fwd_prog" if fwd_family == "portable" else "sm90_fwd_prog"
-        assert want in families, f"the {fwd_family} forward family did not run: {sorted(families)}"
+    if hopper and any(f.endswith("fwd_prog") for f in families):
+        want = "sm80_fwd_prog" if family == "portable" else "sm90_fwd_prog"
+        assert want in families, f"the {family} forward family did not run: {sorted(families)}"
+    if hopper and any("bwd" in f for f in families):
+        want = "sm80_bwd_dkdv_prog" if family == "portable" else "sm90_bwd_dkdv_dqtile_prog"
+        assert want in families, f"the {family} backward family did not run: {sorted(families)}"
 
 
 def _inputs(rng, shape_name: str, dtype: str):

@@ -166,9 +166,21 @@ def test_the_backward_checks_then_refuses_until_enabled(device_forbidden):
 def test_backward_configuration():
     var = MaskVariant(bias="float16", dropout=True)
     for cc in (80, 86, 90):
-        cfgs = heuristics.prog_bwd_configs("float16", 128, True, cc, var)
-        assert (cfgs.dkdv.family, cfgs.dq.family, cfgs.postprocess) == ("sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog", None)
-        assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<f16_tag, 128")
+        for deterministic in (False, True):
+            cfgs = heuristics.prog_bwd_configs("float16", 128, True, cc, var, deterministic=deterministic)
+            if cc == 90 and not deterministic:   # Hopper's: the tiled dQ kernel with its postprocess
+                assert (cfgs.dkdv.family, cfgs.dq, cfgs.postprocess.family) == (
+                    "sm90_bwd_dkdv_dqtile_prog", None, "bwd_postprocess_tiled")
+                assert (cfgs.dkdv.block_m, cfgs.dkdv.block_n, cfgs.postprocess.block_m) == (64, 64, 64)
+                assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_dqtile_prog_kernel<f16_tag, 128, 64, 64, 12")
+                continue
+            assert (cfgs.dkdv.family, cfgs.dq.family, cfgs.postprocess) == ("sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog",
+                                                                            None)
+            assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<f16_tag, 128")
+    with options.override(bwd_backend="sm80"):   # the portable kernels asked for
+        assert heuristics.prog_bwd_configs("float16", 64, False, 90, var).dkdv.family == "sm80_bwd_dkdv_prog"
+    bias = heuristics.prog_bwd_configs("bfloat16", 128, False, 90, MaskVariant(bias="float32"))
+    assert (bias.dkdv.block_m, bias.dkdv.block_n, bias.dkdv.num_warps) == (64, 128, 12)
 
 
 def test_a_seed_without_dropout_is_the_plain_call(device_forbidden, monkeypatch):

@@ -208,3 +208,67 @@ __device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4
                     if (!((keep >> DropoutLanes::slot(jb, e)) & 1u)) acc_s[t][2 * nn + jb][e] = 0.f;
         }
 }
+
+// The backward's score at one element (query q, key k): the score after the built-in modifiers with the bias and
+// the user's score modifier (ugrad: the latter's derivative), inside the sequences.
+template <class Variant, bool kBiasFirstKernel>
+__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kBiasFirstKernel>& prog, float s, int q, int k,
+                                                int seqlen_q, int seqlen_k, float& ugrad) {
+    using Mods = typename Variant::Mods;
+    if constexpr (Variant::kBias || Mods::kScoreMod) {
+        if (q < seqlen_q && k < seqlen_k) {
+            const i64 row_at = Variant::kBias ? prog.bias_row(q) : 0;
+            if constexpr (Variant::kBias) s = fmaf(prog.bias(row_at, k), prog.inv_scale, s);
+            if constexpr (Mods::kScoreMod) {
+                if constexpr (Mods::kScoreGrad)
+                    ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
+                s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
+            }
+        }
+    }
+    return s;
+}
+
+// The backward's rest at one element (query q, key k; base: its score after the built-in modifiers; p_io its
+// probability, the built-in masks applied; state: its tile's, prog_tile_state; keep: its dropout flag): the tile's
+// hidden elements, dropout (p_io becomes the dropped probability that dV takes), the modifiers' tensor gradients
+// and dbias (per element, or into row_sum where the bias is broadcast over the queries). Returns dS before the
+// built-in modifiers' derivative.
+template <class Variant, bool kBiasFirstKernel>
+__device__ __forceinline__ float prog_bwd_element(const ProgPolicy<Variant, kBiasFirstKernel>& prog, float base,
+                                                  float ugrad, float& p_io, float dp, float delta, int state, int q,
+                                                  int k, int seqlen_q, int seqlen_k, bool keep, float& row_sum) {
+    using Mods = typename Variant::Mods;
+    const ProgParams& pp = prog.pp;
+    const bool inside = q < seqlen_q && k < seqlen_k;
+    float pr = p_io;
+    if constexpr (Variant::kBlockSparse) {
+        if (state == 0 || (state == 1 && !(inside && prog.visible(q, k)))) pr = 0.f;
+    }
+    float dpd = dp, pd = pr;
+    if constexpr (Variant::kDropout) {
+        dpd = keep ? dp * pp.dropout_scale : 0.f;
+        pd = keep ? pr * pp.dropout_scale : 0.f;
+    }
+    const float dscore = pr * (dpd - delta);   // the gradient of the modifier's output
+    if constexpr (Mods::kTensorGrads) {
+        if (inside && pr != 0.f) {
+            float in = base;   // the modifier's input: the scaled score after the bias
+            if constexpr (Variant::kBias) in = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, in);
+            Mods(pp).tensor_grads(in * prog.scale, dscore, prog.batch, prog.head, q, k);
+        }
+    }
+    const float ds = dscore * ugrad;           // of the score after the bias: dbias
+    if constexpr (Variant::kBias) {
+        if (inside) {
+            if (pp.dbias_row_stride == 0) {
+                row_sum += ds;
+            } else {
+                atomicAdd(pp.dbias_accum + prog.batch * pp.dbias_batch_stride + prog.head * pp.dbias_head_stride
+                          + q * pp.dbias_row_stride + k * pp.dbias_col_stride, ds);
+            }
+        }
+    }
+    p_io = pd;
+    return ds;
+}

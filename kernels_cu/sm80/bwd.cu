@@ -327,66 +327,16 @@ struct BwdDkdvThread {
         }
     }
 
-    // Programmable attention's score at one element (query q, key k): the score after the built-in modifiers with
-    // the bias and the user's score modifier (ugrad: the latter's derivative), inside the sequences.
+    // Programmable attention's score and rest at one element of S^T (common/programmable.cuh).
     __device__ __forceinline__ float prog_score(const ProgPolicy<Variant>& prog, float s, int q, int k,
                                                 float& ugrad) const {
-        using Mods = typename Variant::Mods;
-        if constexpr (Variant::kBias || Mods::kScoreMod) {
-            if (q < p.seqlen_q && k < p.seqlen_k) {
-                const i64 row_at = Variant::kBias ? prog.bias_row(q) : 0;
-                if constexpr (Variant::kBias) s = fmaf(prog.bias(row_at, k), prog.inv_scale, s);
-                if constexpr (Mods::kScoreMod) {
-                    if constexpr (Mods::kScoreGrad)
-                        ugrad = Mods(prog.pp).score_grad(s * prog.scale, batch, prog.head, q, k);
-                    s = Mods(prog.pp).score_mod(s * prog.scale, batch, prog.head, q, k) * prog.inv_scale;
-                }
-            }
-        }
-        return s;
+        return prog_bwd_score(prog, s, q, k, p.seqlen_q, p.seqlen_k, ugrad);
     }
-
-    // Programmable attention's rest at one element of S^T (query q, key k; base: its score after the built-in
-    // modifiers; p_io its probability, the built-in masks applied): the tile's hidden elements, dropout (p_io
-    // becomes the dropped probability that dV takes), the modifiers' tensor gradients and dbias (per element, or into
-    // row_sum where the bias is broadcast over the queries). Returns dS before the built-in modifiers' derivative.
     __device__ __forceinline__ float prog_element_t(const ProgPolicy<Variant>& prog, float base, float ugrad,
                                                     float& p_io, float dp, float delta, int state, int q, int k, int qh,
                                                     int h, unsigned keep_bits, float& row_sum) const {
-        using Mods = typename Variant::Mods;
-        const ProgParams& pp = prog.pp;
-        const bool inside = q < p.seqlen_q && k < p.seqlen_k;
-        float pr = p_io;
-        if constexpr (Variant::kBlockSparse) {
-            if (state == 0 || (state == 1 && !(inside && prog.visible(q, k)))) pr = 0.f;
-        }
-        float dpd = dp, pd = pr;
-        if constexpr (Variant::kDropout) {
-            const bool keep = (keep_bits >> DropoutLanes::t_slot(qh, h, g)) & 1u;
-            dpd = keep ? dp * pp.dropout_scale : 0.f;
-            pd = keep ? pr * pp.dropout_scale : 0.f;
-        }
-        const float dscore = pr * (dpd - delta);   // the gradient of the modifier's output
-        if constexpr (Mods::kTensorGrads) {
-            if (inside && pr != 0.f) {
-                float in = base;   // the modifier's input: the scaled score after the bias
-                if constexpr (Variant::kBias) in = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, in);
-                Mods(pp).tensor_grads(in * prog.scale, dscore, batch, prog.head, q, k);
-            }
-        }
-        const float ds = dscore * ugrad;           // of the score after the bias: dbias
-        if constexpr (Variant::kBias) {
-            if (inside) {
-                if (pp.dbias_row_stride == 0) {
-                    row_sum += ds;
-                } else {
-                    atomicAdd(pp.dbias_accum + batch * pp.dbias_batch_stride + prog.head * pp.dbias_head_stride
-                              + q * pp.dbias_row_stride + k * pp.dbias_col_stride, ds);
-                }
-            }
-        }
-        p_io = pd;
-        return ds;
+        return prog_bwd_element(prog, base, ugrad, p_io, dp, delta, state, q, k, p.seqlen_q, p.seqlen_k,
+                                (keep_bits >> DropoutLanes::t_slot(qh, h, g)) & 1u, row_sum);
     }
 
     // dq_accum[query tile (head, m_block)] += dS K; A = dS (query x key), read from dS^T
@@ -606,22 +556,6 @@ struct BwdDqTile {
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
-// Programmable attention's score at one element of the dQ kernel's S (query q, key k): the bias and the user's
-// score modifier (ugrad: its derivative) on the score after the built-in modifiers, inside the sequences.
-template <class Variant>
-__device__ __forceinline__ float prog_score_dq(const ProgPolicy<Variant>& prog, const BwdParams& p, float s, int q, int k,
-                                               float& ugrad) {
-    using Mods = typename Variant::Mods;
-    if (q < p.seqlen_q && k < p.seqlen_k) {
-        if constexpr (Variant::kBias) s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
-        if constexpr (Mods::kScoreMod) {
-            if constexpr (Mods::kScoreGrad) ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
-            s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
-        }
-    }
-    return s;
-}
-
 // pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams* pp = nullptr) {
@@ -756,9 +690,9 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
                         }
                         float ugrad = 1.f;   // programmable: the user score modifier's derivative
                         if constexpr (Variant::kProg)
-                            sv = prog_score_dq(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv,
-                                               m0 + warp_row0 + t * 16 + g + (e >> 1) * 8,
-                                               n0 + n * 8 + 2 * t4 + (e & 1), ugrad);
+                            sv = prog_bwd_score(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), sv,
+                                                m0 + warp_row0 + t * 16 + g + (e >> 1) * 8,
+                                                n0 + n * 8 + 2 * t4 + (e & 1), p.seqlen_q, p.seqlen_k, ugrad);
                         float pv = bwd_prob(sv, p.scale_log2, lse2[r]);
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;

@@ -92,7 +92,7 @@ __host__ __device__ constexpr int bwd_seq_smem_bytes() {
 // A consumer warpgroup: the mainloop over the CTA's steps, then the epilogue.
 template <typename Tag, class Tile, class Mask, class Steps>
 __device__ __forceinline__ void bwd_consumer(const BwdParams& p, const BwdSmem<Tile>& smem, int n_block, int n0,
-                                             int head_kv, int batch, int wg) {
+                                             int head_kv, int batch, int wg, const ProgParams* pp) {
     setmaxnreg_inc<BwdRegs<Tile, Mask>::kConsumer>();
     // The steps again (not the CTA's), from an opaque copy of seqlen_q so that ptxas cannot hoist them
     // above setmaxnreg: a value live across setmaxnreg may go to local memory (128-row tiles). (Batch and
@@ -101,13 +101,13 @@ __device__ __forceinline__ void bwd_consumer(const BwdParams& p, const BwdSmem<T
     asm volatile("" : "+r"(seqlen_q_opaque));
     const Steps steps(n_block, Mask(p, seqlen_q_opaque, 0, 0), p.seqlen_k, p.heads_per_kv);
     const BwdConsumerThread<Tile> thr(wg);
-    const BwdMainloop<Tag, Tile, Mask> mainloop(p, smem, thr, n_block, n0);
+    const BwdMainloop<Tag, Tile, Mask> mainloop(p, smem, thr, n_block, n0, pp);
     mainloop.template run<BwdEpilogue<Tag, Tile>>(steps, head_kv, batch);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDqMode>
 __device__ __forceinline__ void bwd_body(const BwdParams& params, const TmaDesc& tma_q, const TmaDesc& tma_k,
-                                         const TmaDesc& tma_v, const TmaDesc& tma_do) {
+                                         const TmaDesc& tma_v, const TmaDesc& tma_do, const ProgParams* pp = nullptr) {
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant>;
     using Tile = Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kDqMode>;
     using Scheduler = BwdTileScheduler<kBlockM, kBlockN, kHeadDim, Mask, kDqMode>;
@@ -162,7 +162,7 @@ __device__ __forceinline__ void bwd_body(const BwdParams& params, const TmaDesc&
             DqWriter::run(p, smem, steps, blk.n_block, batch, head0, warp - 2);
         }
     } else {
-        bwd_consumer<Tag, Tile, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, batch, wg);
+        bwd_consumer<Tag, Tile, Mask, Steps>(p, smem, blk.n_block, n0, blk.head_kv, batch, wg, pp);
     }
 }
 
@@ -182,6 +182,17 @@ CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
 // Each entry point's dynamic shared memory, <name>_smem_bytes<same template arguments> (the dispatcher reads
 // it from the compiled module): Sm90BwdTile::kSmemBytes after the base, and 1024 bytes of slack for the
 // base's alignment.
+// Programmable attention (Variant: a dense ProgVariant; issue #45): dK / dV with dQ in tiles as
+// bwd_dkdv_dqtile_kernel, dbias and the modifiers' tensor gradients, with ProgParams after the tensor maps.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, (Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kDqTile>::kCtasPerSm))
+bwd_dkdv_dqtile_prog_kernel(const BwdParams p, const __grid_constant__ TmaDesc tma_q,
+                            const __grid_constant__ TmaDesc tma_k, const __grid_constant__ TmaDesc tma_v,
+                            const __grid_constant__ TmaDesc tma_do, const __grid_constant__ ProgParams pp) {
+    static_assert(Variant::kProg && !Variant::kVarlen, "bwd_dkdv_dqtile_prog_kernel takes a dense ProgVariant");
+    bwd_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kDqTile>(p, tma_q, tma_k, tma_v, tma_do, &pp);
+}
+
 #define CUFLASH_SM90_BWD_SMEM(name, mode)                                                                    \
     template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>                \
     __device__ const int name##_smem_bytes =                                                                   \
@@ -189,4 +200,5 @@ CUFLASH_SM90_BWD_KERNEL(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
         + bwd_seq_smem_bytes<Sm90BwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, mode>, Variant>();
 CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_kernel, kDqTile)
 CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_ordered_kernel, kDqTileOrdered)
+CUFLASH_SM90_BWD_SMEM(bwd_dkdv_dqtile_prog_kernel, kDqTile)
 #undef CUFLASH_SM90_BWD_SMEM

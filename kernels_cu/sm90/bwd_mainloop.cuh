@@ -37,7 +37,8 @@ struct BwdMainloop {
     // lse2 / delta of this thread's query columns read while S^T / dP^T run, not after the wait, where
     // their shared-memory latency sat at the head of the P^T / dS^T chain. Not where tiles are skipped
     // (causal: slower there) nor with 128-row query steps (64 registers of them spill).
-    static constexpr bool kStatsEarly = kQCols <= 64 && !Mask::kSkipsTiles;
+    // Nor with programmable parts (their per-element work needs the registers).
+    static constexpr bool kStatsEarly = kQCols <= 64 && !Mask::kSkipsTiles && !Mask::VariantType::kProg;
     // dV, then dQ, then dK, as three wgmma groups, so that the dQ slice is written to shared memory while
     // dK runs (the tensor cores were idle while it was, after a wait for all three). Not split-D: no
     // registers for it (and the slices wait for the ring stage there).
@@ -49,16 +50,20 @@ struct BwdMainloop {
     using Frags = u32[kQCols / 16][4];      // P^T or dS^T as wgmma A fragments, one per k16 step
     using StatRow = float2[kQCols / 8];     // lse2 or delta of this thread's query columns
 
+    using Variant = typename Mask::VariantType;
+
     const BwdParams& p;
     const BwdSmem<Tile>& smem;
     const BwdConsumerThread<Tile>& thr;
     int n_block, n0;
+    const ProgParams* pp;   // programmable attention's parameters (Variant::kProg; else null)
 
     // The helpers that were lambdas of the earlier single function are plain inline functions (not
     // __forceinline__), so that the compiler simplifies and inlines them as it did the lambdas.
     __device__ __forceinline__ BwdMainloop(const BwdParams& p_, const BwdSmem<Tile>& smem_,
-                                           const BwdConsumerThread<Tile>& thr_, int n_block_, int n0_)
-        : p(p_), smem(smem_), thr(thr_), n_block(n_block_), n0(n0_) {}
+                                           const BwdConsumerThread<Tile>& thr_, int n_block_, int n0_,
+                                           const ProgParams* pp_ = nullptr)
+        : p(p_), smem(smem_), thr(thr_), n_block(n_block_), n0(n0_), pp(pp_) {}
     // The mask policy, built from the kernel parameters at each question (as the kernel has always read
     // them: at each use, nothing kept in registers across the loop). The score modifier's is built per step
     // with the step's query head (probs_and_ds).
@@ -98,7 +103,9 @@ struct BwdMainloop {
     __device__ __forceinline__ void probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp, const float* lse2_s,
                                                  const float* delta_s, StatRow& lse2_v, StatRow& delta_v,
                                                  [[maybe_unused]] int head, [[maybe_unused]] int batch) const {
-        if constexpr (Mask::kHasScoreMod) {
+        if constexpr (Variant::kProg) {
+            prog_probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch);
+        } else if constexpr (Mask::kHasScoreMod) {
             // One pass per element (modifier, mask, P, dS), so that a score's derivative is live for that
             // element only: a row of them (kQCols / 2 registers) spills the consumer.
             const Mask mod(p, batch, head);
@@ -154,6 +161,71 @@ struct BwdMainloop {
                     const float pr = bwd_prob(acc_s[4 * j + e], p.scale_log2, (e & 1) ? l2.y : l2.x);
                     acc_dp[4 * j + e] = pr * (acc_dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
                     acc_s[4 * j + e] = pr;
+                }
+            }
+        }
+    }
+
+    // probs_and_ds with programmable attention's parts (common/programmable.cuh), one pass per element as with a
+    // score modifier: the built-in modifiers, the bias and the user's score modifier, the built-in mask, P, then
+    // the tile's hidden elements, dropout (P^T becomes the dropped probabilities that dV takes), the modifiers'
+    // tensor gradients and dbias. Dropout's flags come from the forward's units read transposed
+    // (DropoutLanes::block_keep_t): this thread's keys are rows g, g + 8 of its warp's 16, its queries columns.
+    __device__ __forceinline__ void prog_probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp,
+                                                      const float* lse2_s, const float* delta_s, StatRow& lse2_v,
+                                                      StatRow& delta_v, int head, int batch) const {
+        const Mask mod(p, batch, head);
+        const ProgPolicy<Variant, false> prog(*pp, batch, head, p.softmax_scale);
+        const bool masked = mask().needs_mask(m_block, n_block);
+        const int state = Variant::kBlockSparse ? prog_tile_state(*pp, batch, head, m_block, n_block) : 2;
+        const int key0 = n0 + thr.key_wg * 64 + thr.warp * 16;   // the warp's first key
+        float dbias_keys[2] = {0.f, 0.f};                         // a bias broadcast over the queries: per key
+        unsigned keep_units[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < kQCols / 8; ++j) {
+            if constexpr (!kStatsEarly) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
+            const float2 l2 = lse2_v[j], dl = delta_v[j];
+            if constexpr (Variant::kDropout) {
+                if ((j & 1) == 0) {
+                    const DropoutLanes lanes(*pp, batch, p.heads_q, head);
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1)
+                        keep_units[e1] = lanes.block_keep_t(m0 + thr.q_off + 8 * j, key0, thr.g, thr.t4, e1);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + thr.q_off + 8 * j + 2 * thr.t4 + (e & 1);
+                const int col = n0 + thr.key_local + 8 * (e >> 1);
+                float s = acc_s[4 * j + e];
+                float grad = 1.f;
+                if constexpr (Mask::kHasScoreMod) {
+                    grad = mod.score_derivative(s, row, col);
+                    s = mod.modify_score(s, row, col);
+                }
+                const float base = s;
+                float ugrad = 1.f;
+                s = prog_bwd_score(prog, s, row, col, p.seqlen_q, p.seqlen_k, ugrad);
+                if (masked && !mask().visible(row, col)) s = -CUFLASH_INF;
+                float pr = bwd_prob(s, p.scale_log2, (e & 1) ? l2.y : l2.x);
+                const bool keep = (keep_units[e & 1] >> DropoutLanes::t_slot(j & 1, e >> 1, thr.g)) & 1u;
+                const float ds = prog_bwd_element(prog, base, ugrad, pr, acc_dp[4 * j + e], (e & 1) ? dl.y : dl.x,
+                                                  state, row, col, p.seqlen_q, p.seqlen_k, keep, dbias_keys[e >> 1]);
+                acc_dp[4 * j + e] = ds * grad;
+                acc_s[4 * j + e] = pr;
+            }
+        }
+        if constexpr (Variant::kBias) {   // a bias broadcast over the queries: one add per key and quad
+            if (pp->dbias_row_stride == 0) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float sum = dbias_keys[h];
+                    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+                    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+                    const int key = n0 + thr.key_local + 8 * h;
+                    if (thr.t4 == 0 && key < p.seqlen_k)
+                        atomicAdd(pp->dbias_accum + batch * pp->dbias_batch_stride + head * pp->dbias_head_stride
+                                  + key * pp->dbias_col_stride, sum);
                 }
             }
         }

@@ -5,6 +5,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/bwd_math.cuh"
+#include "../common/programmable.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
 #include "pipeline.cuh"
