@@ -37,7 +37,7 @@ def configs(cc: int = 80) -> list:
     return list({c.key(): c for c in out}.values())
 
 
-def bwd_configs() -> list:
+def bwd_configs(cc: int = 80) -> list:
     """The backward's dK / dV and dQ kernels (sinks are the forward's alone) at every bucket up to 256."""
     from dataclasses import replace
 
@@ -48,7 +48,7 @@ def bwd_configs() -> list:
             for causal in (False, True):
                 if name in ("dropout", "sparse_mods") and (causal or d in (32, 96, 192)):
                     continue
-                out += heuristics.prog_bwd_configs("float16" if name == "all" else "bfloat16", d, causal, 80,
+                out += heuristics.prog_bwd_configs("float16" if name == "all" else "bfloat16", d, causal, cc,
                                                    var).all()[1:]
     return list({c.key(): c for c in out}.values())
 
@@ -57,6 +57,12 @@ def test_programmable_backward_compiles_without_spills():
     cfgs = bwd_configs()
     assert len(cfgs) >= 40 and {c.family for c in cfgs} == {"sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"}
     assert_all_compile(cfgs, "80")
+
+
+def test_hopper_programmable_backward_compiles_without_spills():
+    cfgs = [c for c in bwd_configs(90) if c.family == "sm90_bwd_dkdv_dqtile_prog"]
+    assert len(cfgs) >= 20 and {(c.block_m, c.block_n) for c in cfgs} == {(64, 64), (64, 128)}
+    assert_all_compile(cfgs, "90a")
 
 
 def test_programmable_backward_tiles_fit_their_devices():
