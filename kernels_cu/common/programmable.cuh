@@ -44,15 +44,16 @@ template <class T> __device__ __forceinline__ float bias_to_float(const void* ba
 // The score modifiers and the element tests of one (batch, head), built where asked (as MaskPolicy). Scores are
 // the kernels' unscaled q.k after the built-in modifiers (MaskPolicy::modify_score); the user's modifier sees them
 // scaled (FlexAttention's convention), so the policy multiplies by softmax_scale and divides back.
-template <class Variant, bool kBiasFirstKernel = true>
+template <class Variant, bool kKernelAddsBias = false>
 struct ProgPolicy {
     using Mods = typename Variant::Mods;
     // Whether scores change (kernels then call modify_score on every visible element) and whether the tiles the
     // lists mark as partial have elements to test.
-    // The bias goes into S's accumulators before Q K^T (kBiasFirst) unless softcap comes between them or the
-    // kernel adds it after (kBiasFirstKernel false: the Hopper forward, whose wgmma S has no registers to spare).
-    static constexpr bool kBiasFirst = kBiasFirstKernel && Variant::kBias && !Variant::kSoftcap;
-    static constexpr bool kModifiesScore = (Variant::kBias && !kBiasFirst) || Mods::kScoreMod;
+    // The portable forward puts the bias into S's accumulators before Q K^T (kBiasFirst) unless softcap comes
+    // between them; the Hopper forward adds the bias it prefetched itself (kKernelAddsBias); else modify_score.
+    static constexpr bool kBiasFirst = Variant::kBias && !Variant::kSoftcap;
+    static constexpr bool kPolicyAddsBias = Variant::kBias && !kBiasFirst && !kKernelAddsBias;
+    static constexpr bool kModifiesScore = kPolicyAddsBias || Mods::kScoreMod;
     static constexpr bool kTestsElements = Variant::kBlockSparse || Mods::kMaskMod;
 
     const ProgParams& pp;
@@ -73,7 +74,7 @@ struct ProgPolicy {
     }
     // The modified unscaled score of element (row, col), whose bias row starts at row_at (kBias).
     __device__ __forceinline__ float modify_score(float s, int row, int col, i64 row_at) const {
-        if constexpr (Variant::kBias && !kBiasFirst) s = fmaf(bias(row_at, col), inv_scale, s);
+        if constexpr (kPolicyAddsBias) s = fmaf(bias(row_at, col), inv_scale, s);
         if constexpr (Mods::kScoreMod) s = Mods(pp).score_mod(s * scale, batch, head, row, col) * inv_scale;
         return s;
     }
@@ -162,11 +163,11 @@ struct DropoutLanes {
 // 16 x 8, lane (g, t4)) whose first row and key are row0 and col0: the bias and the user's score modifier on the
 // elements inside the sequences, then, in a tile the lists mark partial, the elements the user's blocks or mask
 // hide.
-template <int kMTiles, int kNTiles, class Variant, bool kBiasFirstKernel = true>
+template <int kMTiles, int kNTiles, class Variant, bool kKernelAddsBias = false>
 __device__ __forceinline__ void prog_scores(float (&acc_s)[kMTiles][kNTiles][4], const ProgParams& pp,
                                             const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4,
                                             bool partial) {
-    using Prog = ProgPolicy<Variant, kBiasFirstKernel>;
+    using Prog = ProgPolicy<Variant, kKernelAddsBias>;
     const Prog prog(pp, seq, head, p.softmax_scale);
     // One row at a time, so that only its bias offset is live next to the accumulators.
 #pragma unroll
@@ -174,7 +175,7 @@ __device__ __forceinline__ void prog_scores(float (&acc_s)[kMTiles][kNTiles][4],
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + t * 16 + g + h * 8;
-            const i64 row_at = Variant::kBias ? prog.bias_row(row) : 0;
+            const i64 row_at = Prog::kPolicyAddsBias ? prog.bias_row(row) : 0;
 #pragma unroll
             for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
@@ -211,8 +212,8 @@ __device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4
 
 // The backward's score at one element (query q, key k): the score after the built-in modifiers with the bias and
 // the user's score modifier (ugrad: the latter's derivative), inside the sequences.
-template <class Variant, bool kBiasFirstKernel>
-__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kBiasFirstKernel>& prog, float s, int q, int k,
+template <class Variant, bool kKernelAddsBias>
+__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kKernelAddsBias>& prog, float s, int q, int k,
                                                 int seqlen_q, int seqlen_k, float& ugrad) {
     using Mods = typename Variant::Mods;
     if constexpr (Variant::kBias || Mods::kScoreMod) {
@@ -234,8 +235,8 @@ __device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kBiasF
 // hidden elements, dropout (p_io becomes the dropped probability that dV takes), the modifiers' tensor gradients
 // and dbias (per element, or into row_sum where the bias is broadcast over the queries). Returns dS before the
 // built-in modifiers' derivative.
-template <class Variant, bool kBiasFirstKernel>
-__device__ __forceinline__ float prog_bwd_element(const ProgPolicy<Variant, kBiasFirstKernel>& prog, float base,
+template <class Variant, bool kKernelAddsBias>
+__device__ __forceinline__ float prog_bwd_element(const ProgPolicy<Variant, kKernelAddsBias>& prog, float base,
                                                   float ugrad, float& p_io, float dp, float delta, int state, int q,
                                                   int k, int seqlen_q, int seqlen_k, bool keep, float& row_sum) {
     using Mods = typename Variant::Mods;

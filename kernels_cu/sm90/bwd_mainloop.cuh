@@ -175,7 +175,7 @@ struct BwdMainloop {
                                                       const float* lse2_s, const float* delta_s, StatRow& lse2_v,
                                                       StatRow& delta_v, int head, int batch) const {
         const Mask mod(p, batch, head);
-        const ProgPolicy<Variant, false> prog(*pp, batch, head, p.softmax_scale);
+        const ProgPolicy<Variant> prog(*pp, batch, head, p.softmax_scale);
         const bool masked = mask().needs_mask(m_block, n_block);
         const int state = Variant::kBlockSparse ? prog_tile_state(*pp, batch, head, m_block, n_block) : 2;
         const int key0 = n0 + thr.key_wg * 64 + thr.warp * 16;   // the warp's first key

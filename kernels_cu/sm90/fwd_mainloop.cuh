@@ -122,12 +122,14 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         CUFLASH_FWD_TRACE(2, clock64());
         CUFLASH_FWD_TRACE(6, n_tiles);
         Math::issue_qk(acc_s, sK + stage0 * Tile::kKSlotBytes, qa, sQ, qb, cw);
+        typename FwdProg<Variant, Tile::kBlockN>::BiasRegs bias;
+        if constexpr (Variant::kProg) prog.load_bias(bias, p, key_tiles.tile(0));
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
         if constexpr (Variant::kProg) {
             Math::template modify_scores<Mask>(acc_s, key_tiles.tile(0), p, row0, t4, batch, head, s_descale);
-            prog.scores(Math::s3_of(acc_s), p, key_tiles.tile(0), key_tiles.partial(0));
+            prog.scores(Math::s3_of(acc_s), bias, p, key_tiles.tile(0), key_tiles.partial(0));
             Math::template mask_scores<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4);
         } else {
             Math::template apply_mask<Mask>(acc_s, key_tiles.tile(0), p, m_block, row0, t4, batch, head, s_descale);
@@ -155,6 +157,8 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
         mbar_wait(smem.v_full(prev), prev_parity);
         Math::issue_pv(acc_o, pa, sV + prev * Tile::kVSlotBytes);
+        typename FwdProg<Variant, Tile::kBlockN>::BiasRegs bias;
+        if constexpr (Variant::kProg) prog.load_bias(bias, p, n_block);
         wgmma_wait<1>();  // S_i is ready (groups complete in order)
         fence_operand(acc_s);
         // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the
@@ -164,7 +168,7 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         if (full_step) Math::template release_kv<kCluster>(lane, smem.k_empty(stage));
         if constexpr (Variant::kProg) {
             Math::template modify_scores<Mask>(acc_s, n_block, p, row0, t4, batch, head, s_descale);
-            prog.scores(Math::s3_of(acc_s), p, n_block, key_tiles.partial(i));
+            prog.scores(Math::s3_of(acc_s), bias, p, n_block, key_tiles.partial(i));
             Math::template mask_scores<Mask>(acc_s, n_block, p, m_block, row0, t4);
         } else {
             Math::template apply_mask<Mask>(acc_s, n_block, p, m_block, row0, t4, batch, head, s_descale);

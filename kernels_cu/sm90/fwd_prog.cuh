@@ -8,21 +8,52 @@
 // For a plain variant: nothing (the key loop's calls sit behind `if constexpr (Variant::kProg)`).
 template <class Variant, int kBlockN, bool kProg = Variant::kProg>
 struct FwdProg {
+    using BiasRegs = float[1][4];
     __device__ __forceinline__ FwdProg(const ProgParams*, int, int, int, int, int) {}
 };
 
 template <class Variant, int kBlockN>
 struct FwdProg<Variant, kBlockN, true> {
+    // A tile's bias / softmax_scale in this thread's accumulator elements, loaded while Q K^T runs (read after S
+    // landed, the loads' latency stalled every key tile); not beside a user modifier, whose registers with these
+    // spilled (the policy then adds the bias after S lands).
+    static constexpr bool kPrefetchBias = Variant::kBias && !Variant::Mods::kScoreMod && !Variant::Mods::kMaskMod;
+    using BiasRegs = float[kPrefetchBias ? kBlockN / 8 : 1][4];
+    using Policy = ProgPolicy<Variant, kPrefetchBias>;
+
     const ProgParams& pp;
     int batch, head, heads, row0, g, t4;   // row0: the warp's first row; (g, t4): the lane
     __device__ __forceinline__ FwdProg(const ProgParams* pp_, int batch_, int head_, int heads_, int row0_, int lane)
         : pp(*pp_), batch(batch_), head(head_), heads(heads_), row0(row0_), g(lane >> 2), t4(lane & 3) {}
-    // The bias (added here, not before Q K^T as the portable kernel does: ProgPolicy::kBiasFirst) and the user's
-    // score modifier, then (a tile the block-sparse lists mark partial) the elements an off block or the user's
-    // mask hides: on unscaled scores, before the built-in mask.
-    __device__ __forceinline__ void scores(float (&s)[1][kBlockN / 8][4], const FwdParams& p, int n_block,
-                                           bool partial) const {
-        prog_scores<1, kBlockN / 8, Variant, false>(s, pp, p, batch, head, row0, n_block * kBlockN, g, t4, partial);
+
+    __device__ __forceinline__ void load_bias(BiasRegs& b, const FwdParams& p, int n_block) const {
+        if constexpr (kPrefetchBias) {
+            const Policy prog(pp, batch, head, p.softmax_scale);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + g + 8 * h;
+                const i64 row_at = prog.bias_row(row);
+#pragma unroll
+                for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        const int col = n_block * kBlockN + 8 * j + 2 * t4 + (e & 1);
+                        b[j][e] = row < p.seqlen_q && col < p.seqlen_k ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
+                    }
+            }
+        }
+    }
+    // The bias (b: load_bias's) and the user's score modifier, then (a tile the block-sparse lists mark partial)
+    // the elements an off block or the user's mask hides: on unscaled scores, before the built-in mask.
+    __device__ __forceinline__ void scores(float (&s)[1][kBlockN / 8][4], const BiasRegs& b, const FwdParams& p,
+                                           int n_block, bool partial) const {
+        if constexpr (kPrefetchBias) {
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][j][e] += b[j][e];
+        }
+        prog_scores<1, kBlockN / 8, Variant, kPrefetchBias>(s, pp, p, batch, head, row0, n_block * kBlockN, g, t4, partial);
     }
     // Dropout on the probabilities (their row sums taken: lse is the undropped one).
     __device__ __forceinline__ void dropout(float (&s)[1][kBlockN / 8][4], int n_block) const {
