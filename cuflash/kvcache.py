@@ -522,6 +522,8 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
             int(bool(rotary_interleaved)), cos.shape[0] if rotary else 0,
             int(var.causal or var.local), lay.capacity, lay.cache_rows, lay.page_size, *scale_fields))
         warps = (b * lay.seqlen_new * hkv if k is not None else 0) + (b * nq * hq if rotary else 0)
+        if warps >= 2**31:   # the kernel counts rows in 32 bits (unreachable: k alone would pass 256 GB)
+            raise ValueError(f"at most 2^31 - 1 rows of new keys and rotated queries in one call, got {warps}")
         if warps:   # (no new token and no query to rotate: nothing to launch)
             launch.launch(kern, append_cfg, (-(-warps // NUM_WARPS), 1, 1), p, smem)
         if rotary:

@@ -55,7 +55,7 @@ KNOWN_GAPS = {
     **{("120", key): _SM120_PTXAS_SPILLS
        for key in ("simt_fwd:float32:d16:full:m64n64w4", "simt_fwd:float32:d16:causal:m64n64w4",
                    "simt_bwd_dkdv:float32:d32:causal:m32n32w8", "simt_bwd_dq:float32:d256:full:m16n16w8",
-                   "simt_bwd_dq:float32:d256:causal:m16n16w8", "kvcache_append:float32:d0:full:m0n0w4")},
+                   "simt_bwd_dq:float32:d256:causal:m16n16w8")},
 }
 
 

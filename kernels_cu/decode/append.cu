@@ -66,16 +66,18 @@ __device__ __forceinline__ void rotate_row(const AppendParams& p, const Elem<Tag
 }
 
 // kFp8: the caches hold e4m3 (new keys and values in Tag, stored divided by their KV head's scale).
+// Rows (one per warp) are counted in 32 bits: the host keeps them below 2^31 (kvcache.py), and 64-bit division
+// went through a called routine whose registers spilled on sm_120.
 template <typename Tag, int kNWarps, bool kFp8>
 __device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
-    const i64 warp = blockIdx.x * static_cast<i64>(kNWarps) + threadIdx.x / 32;
+    const unsigned warp = blockIdx.x * kNWarps + threadIdx.x / 32;
     const int lane = threadIdx.x & 31;
-    const i64 kv_rows = p.k_new != nullptr ? static_cast<i64>(p.batch) * p.seqlen_new * p.heads_kv : 0;
-    const i64 q_rows = p.q != nullptr ? static_cast<i64>(p.batch) * p.seqlen_q * p.heads_q : 0;
+    const unsigned kv_rows = p.k_new != nullptr ? static_cast<unsigned>(p.batch * p.seqlen_new * p.heads_kv) : 0u;
+    const unsigned q_rows = p.q != nullptr ? static_cast<unsigned>(p.batch * p.seqlen_q * p.heads_q) : 0u;
     if (warp < kv_rows) {
         const int h = static_cast<int>(warp % p.heads_kv);
         const int i = static_cast<int>((warp / p.heads_kv) % p.seqlen_new);
-        const int b = static_cast<int>(warp / (static_cast<i64>(p.heads_kv) * p.seqlen_new));
+        const int b = static_cast<int>(warp / (p.heads_kv * p.seqlen_new));
         const int pos = max(p.cache_seqlens[b], 0) + i;   // the cache position; rotary counts from the left pad
         const int pad = p.cache_leftpad != nullptr ? max(p.cache_leftpad[b], 0) : 0;
         if (pos >= p.cache_capacity) return;
@@ -113,10 +115,10 @@ __device__ __forceinline__ void kvcache_append_body(const AppendParams& p) {
                             false, lane);
         }
     } else if (warp < kv_rows + q_rows) {
-        const i64 r = warp - kv_rows;
+        const unsigned r = warp - kv_rows;
         const int h = static_cast<int>(r % p.heads_q);
         const int t = static_cast<int>((r / p.heads_q) % p.seqlen_q);
-        const int b = static_cast<int>(r / (static_cast<i64>(p.heads_q) * p.seqlen_q));
+        const int b = static_cast<int>(r / (p.heads_q * p.seqlen_q));
         const int pad = p.cache_leftpad != nullptr ? max(p.cache_leftpad[b], 0) : 0;
         const int pos = max(p.cache_seqlens[b], 0) - pad + t * p.q_positions_step;
         const Elem<Tag>* src = static_cast<const Elem<Tag>*>(p.q) + b * p.q_batch_stride + t * p.q_row_stride
