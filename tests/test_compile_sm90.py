@@ -149,7 +149,8 @@ def test_kernel_smem_sizes_and_persistent_q_buffers():
     configs = list({c.key(): c for c in configs if c.fam.sm90_fwd}.values())
     # The one-CTA kernel of each persistent one's tile (shared memory depends on the tile and persistence only).
     single = {c: replace(c, family=find_family(backend="sm90", direction="fwd", schedule="overlap",
-                                                persistent=False, cluster=c.cluster, fp8=c.fam.fp8).name)
+                                                persistent=False, cluster=c.cluster, fp8=c.fam.fp8,
+                                                prog=False).name)
               for c in configs if c.fam.persistent}
     sizes = kernel_smem(configs + list(single.values()), "90a")
     for c in configs:
