@@ -212,19 +212,17 @@ __device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4
 
 // The backward's score at one element (query q, key k): the score after the built-in modifiers with the bias and
 // the user's score modifier (ugrad: the latter's derivative), inside the sequences.
-template <class Variant, bool kKernelAddsBias>
-__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kKernelAddsBias>& prog, float s, int q, int k,
-                                                int seqlen_q, int seqlen_k, float& ugrad) {
+// (p: the kernel's parameters, for the sequences' lengths: read where used, as ints passed in they spilled the
+// portable dQ kernel at d128.)
+template <class Variant, bool kKernelAddsBias, class Params>
+__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kKernelAddsBias>& prog, const Params& p,
+                                                float s, int q, int k, float& ugrad) {
     using Mods = typename Variant::Mods;
-    if constexpr (Variant::kBias || Mods::kScoreMod) {
-        if (q < seqlen_q && k < seqlen_k) {
-            const i64 row_at = Variant::kBias ? prog.bias_row(q) : 0;
-            if constexpr (Variant::kBias) s = fmaf(prog.bias(row_at, k), prog.inv_scale, s);
-            if constexpr (Mods::kScoreMod) {
-                if constexpr (Mods::kScoreGrad)
-                    ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
-                s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
-            }
+    if (q < p.seqlen_q && k < p.seqlen_k) {
+        if constexpr (Variant::kBias) s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
+        if constexpr (Mods::kScoreMod) {
+            if constexpr (Mods::kScoreGrad) ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
+            s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
         }
     }
     return s;

@@ -330,7 +330,7 @@ struct BwdDkdvThread {
     // Programmable attention's score and rest at one element of S^T (common/programmable.cuh).
     __device__ __forceinline__ float prog_score(const ProgPolicy<Variant>& prog, float s, int q, int k,
                                                 float& ugrad) const {
-        return prog_bwd_score(prog, s, q, k, p.seqlen_q, p.seqlen_k, ugrad);
+        return prog_bwd_score(prog, p, s, q, k, ugrad);
     }
     __device__ __forceinline__ float prog_element_t(const ProgPolicy<Variant>& prog, float base, float ugrad,
                                                     float& p_io, float dp, float delta, int state, int q, int k, int qh,
@@ -556,22 +556,6 @@ struct BwdDqTile {
     static_assert(kHeadDim % 8 == 0, "head_dim must be a multiple of 8");
 };
 
-// Programmable attention's score at one element of the dQ kernel's S (query q, key k): prog_bwd_score's, written
-// out here because calling that one spilled this kernel at d128 (sm_80).
-template <class Variant>
-__device__ __forceinline__ float prog_score_dq(const ProgPolicy<Variant>& prog, const BwdParams& p, float s, int q, int k,
-                                               float& ugrad) {
-    using Mods = typename Variant::Mods;
-    if (q < p.seqlen_q && k < p.seqlen_k) {
-        if constexpr (Variant::kBias) s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
-        if constexpr (Mods::kScoreMod) {
-            if constexpr (Mods::kScoreGrad) ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
-            s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;
-        }
-    }
-    return s;
-}
-
 // pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams* pp = nullptr) {
@@ -706,9 +690,9 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
                         }
                         float ugrad = 1.f;   // programmable: the user score modifier's derivative
                         if constexpr (Variant::kProg)
-                            sv = prog_score_dq(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv,
-                                               m0 + warp_row0 + t * 16 + g + (e >> 1) * 8,
-                                               n0 + n * 8 + 2 * t4 + (e & 1), ugrad);
+                            sv = prog_bwd_score(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv,
+                                                m0 + warp_row0 + t * 16 + g + (e >> 1) * 8,
+                                                n0 + n * 8 + 2 * t4 + (e & 1), ugrad);
                         float pv = bwd_prob(sv, p.scale_log2, lse2[r]);
                         if (mask) {
                             const int row = m0 + warp_row0 + t * 16 + g + (e >> 1) * 8;

@@ -205,7 +205,7 @@ struct BwdMainloop {
                 }
                 const float base = s;
                 float ugrad = 1.f;
-                s = prog_bwd_score(prog, s, row, col, p.seqlen_q, p.seqlen_k, ugrad);
+                s = prog_bwd_score(prog, p, s, row, col, ugrad);
                 if (masked && !mask().visible(row, col)) s = -CUFLASH_INF;
                 float pr = bwd_prob(s, p.scale_log2, (e & 1) ? l2.y : l2.x);
                 const bool keep = (keep_units[e & 1] >> DropoutLanes::t_slot(j & 1, e >> 1, thr.g)) & 1u;
