@@ -38,7 +38,10 @@ _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                           softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                           attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[jax.Array] = None,
-                          sinks: Optional[jax.Array] = None, deterministic: bool = False) -> jax.Array:
+                          sinks: Optional[jax.Array] = None, deterministic: bool = False,
+                          bias: Optional[jax.Array] = None, dropout_p: float = 0.0,
+                          dropout_seed: Union[int, jax.Array, None] = None, block_mask: Optional[jax.Array] = None,
+                          block_size: Union[int, Tuple[int, int]] = 128) -> jax.Array:
     """Exact attention ``softmax(q k^T * softmax_scale) v`` by cuflash's kernels, with a custom VJP.
 
     Args:
@@ -53,6 +56,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (not differentiated).
         sinks: ``(heads_q,)``, float32 or q's dtype: a learned logit per head (differentiated).
         deterministic: bitwise reproducible gradients (see ``cuflash.backward``).
+        bias: an additive bias broadcastable to ``(batch, heads_q, seqlen_q, seqlen_k)`` (at most 4 dims, each 1
+            or that size), float32 or q's dtype, added to the scaled score (differentiated: its gradient in its
+            own shape). Programmable attention (issue #45; ``cuflash.forward``): 16-bit q.
+        dropout_p: dropout of the probabilities, with ``dropout_seed``: a Python int, or a uint32 array ``(4,)``
+            of the (seed, offset) pair as little-endian 32-bit words (:func:`dropout_seed`: from a JAX key), an
+            operand, so that a jitted step draws a new mask per call without retracing.
+        block_mask: bool ``(batch or 1, heads_q or 1, ceil(seqlen_q / bq), ceil(seqlen_k / bk))`` at
+            ``block_size`` bq or (bq, bk): keys in off blocks are hidden and their tiles skipped.
 
     Returns:
         ``out`` shaped and typed like ``q``. Rows that see no key are 0.
@@ -73,7 +84,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
     register_targets()
     opts = _Opts(causal, scale, deterministic, left, right, chunk, cap)
-    return _attention(q, k, v, alibi_slopes, sinks, opts)
+    if bias is None and not dropout_p and block_mask is None:
+        return _attention(q, k, v, alibi_slopes, sinks, opts)
+    bias, rng, block_mask, popts = _check_programmable(q, k, bias, dropout_p, dropout_seed, block_mask, block_size,
+                                                       opts)
+    return _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)
 
 
 class _Opts(tuple):
@@ -174,6 +189,111 @@ def _backward(dout, q, k, v, alibi_slopes, sinks, out, lse, opts: _Opts):
                  deterministic=opts[2])
     dsinks = None if sinks is None else grads[3].astype(sinks.dtype)
     return grads[0], grads[1], grads[2], dsinks
+
+
+# ---------------------------------------------------------------------------
+# Programmable attention: bias (with its gradient), dropout, block masks
+
+
+class _ProgOpts(tuple):
+    """The static options of a programmable call: the dense ones, dropout_p, the block size and which optional
+    operands there are."""
+
+    def __new__(cls, opts: _Opts, dropout_p: float, block_q: int, block_k: int):
+        return super().__new__(cls, (opts, dropout_p, block_q, block_k))
+
+    def attrs(self, bias, block_mask, rng) -> dict:
+        opts, p, bq, bk = self
+        return dict(**opts.attrs(), dropout_p=np.float32(p), block_q=np.int32(bq), block_k=np.int32(bk),
+                    has_bias=bias is not None, has_block_mask=block_mask is not None, has_rng=rng is not None)
+
+
+def dropout_seed(key: jax.Array) -> jax.Array:
+    """A ``dropout_seed`` operand (uint32 ``(4,)``: a 64-bit seed and offset) drawn from a JAX PRNG key."""
+    return jax.random.bits(key, (4,), jnp.uint32)
+
+
+def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, opts: _Opts) -> tuple:
+    """(bias, rng words or None, block_mask, _ProgOpts), checked as ``cuflash.forward`` checks them."""
+    from . import block_sparse, philox
+
+    if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"bias, dropout and block masks take float16 or bfloat16 q so far, got {q.dtype}")
+    b, nq, hq, _ = q.shape
+    full = (b, hq, nq, k.shape[1])
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if np.dtype(bias.dtype) not in (np.dtype(jnp.float32), np.dtype(q.dtype)):
+            raise TypeError(f"bias must be float32 or q's dtype {q.dtype}, got {bias.dtype}")
+        shape4 = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        if bias.ndim > 4 or any(n not in (1, f) for n, f in zip(shape4, full)):
+            raise ValueError(f"bias must broadcast to (batch, heads_q, seqlen_q, seqlen_k) = {full} (at most 4 dims, "
+                             f"each 1 or that size), got shape {tuple(bias.shape)}")
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    rng = None
+    if p > 0:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout_seed (an int, or a uint32 array (4,): "
+                             "cuflash.jax.dropout_seed(key)): the backward regenerates the mask from it")
+        if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+            s = philox._check_u64("dropout_seed", seed)
+            rng = jnp.asarray(np.array([s & 0xFFFFFFFF, s >> 32, 0, 0], dtype=np.uint32))
+        else:
+            rng = jnp.asarray(seed)
+            if rng.shape != (4,) or np.dtype(rng.dtype) != np.dtype(np.uint32):
+                raise ValueError(f"dropout_seed must be an int or a uint32 array (4,), got {rng.dtype} "
+                                 f"{tuple(rng.shape)}")
+    bq, bk = block_sparse.check_block_size(block_size)
+    if block_mask is not None:
+        block_mask = jnp.asarray(block_mask)
+        block_sparse.check_block_mask(block_mask, b, hq, nq, k.shape[1], (bq, bk))
+    return bias, rng, block_mask, _ProgOpts(opts, p, bq, bk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
+    return _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)[0]
+
+
+def _attention_prog_fwd(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
+    out, lse = _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)
+    return out, (q, k, v, alibi_slopes, sinks, bias, block_mask, rng, out, lse)
+
+
+def _attention_prog_bwd(popts: _ProgOpts, residuals, dout):
+    q, k, v, alibi_slopes, sinks, bias, block_mask, rng, out, lse = residuals
+    extra, flags = _extras(alibi_slopes, sinks)
+    prog = tuple(x for x in (bias, block_mask, rng) if x is not None)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if sinks is not None:
+        results.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
+    if bias is not None:
+        results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    call = jax.ffi.ffi_call(jax_targets.BACKWARD_PROG, tuple(results), vmap_method="sequential")
+    grads = list(call(dout.astype(q.dtype), q, k, v, out, lse, *extra, *prog, **popts.attrs(bias, block_mask, rng),
+                      **flags, deterministic=popts[0][2]))
+    dsinks = grads.pop(3).astype(sinks.dtype) if sinks is not None else None
+    dbias = grads.pop(3) if bias is not None else None
+    dslopes = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)   # slopes are not learned
+    return grads[0], grads[1], grads[2], dslopes, dsinks, dbias, None, None
+
+
+_attention_prog.defvjp(_attention_prog_fwd, _attention_prog_bwd)
+
+
+def _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
+    """(out, lse) of a programmable call."""
+    b, nq, hq, _ = q.shape
+    extra, flags = _extras(alibi_slopes, sinks)
+    prog = tuple(x for x in (bias, block_mask, rng) if x is not None)
+    call = jax.ffi.ffi_call(jax_targets.FORWARD_PROG, (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
+                                                       jax.ShapeDtypeStruct((b, hq, nq), jnp.float32)),
+                            vmap_method="sequential")
+    return call(q, k, v, *extra, *prog, **popts.attrs(bias, block_mask, rng), **flags)
 
 
 # ---------------------------------------------------------------------------
@@ -642,5 +762,5 @@ def register_targets() -> None:
         _registered = True
 
 
-__all__ = ["dot_product_attention", "dot_product_attention_varlen", "flash_attn_with_kvcache", "register_targets",
-           "ffi_api_version"]
+__all__ = ["dot_product_attention", "dot_product_attention_varlen", "dropout_seed", "flash_attn_with_kvcache",
+           "register_targets", "ffi_api_version"]

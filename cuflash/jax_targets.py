@@ -41,6 +41,8 @@ BACKWARD = "cuflash_attention_bwd"
 FORWARD_VARLEN = "cuflash_attention_varlen_fwd"
 BACKWARD_VARLEN = "cuflash_attention_varlen_bwd"
 KVCACHE = "cuflash_attention_kvcache"
+FORWARD_PROG = "cuflash_attention_prog_fwd"
+BACKWARD_PROG = "cuflash_attention_prog_bwd"
 
 # Tests set this to a list: each call then appends (target, [argument pointers], [result pointers], stream),
 # so that they can check that the kernels read and wrote JAX's own buffers on XLA's stream.
@@ -183,6 +185,70 @@ def cuda_backward(call: Call) -> None:
                          deterministic=bool(call.attrs["deterministic"]), dq=dq, dk=dk, dv=dv, **kwargs)
         if kwargs["sinks"] is not None:
             arrays[-1][...] = grads[3]
+
+
+def _prog_kwargs(call: Call, operands: list, device: bool) -> dict:
+    """Programmable attention's arguments of ``cuflash.forward`` / ``backward`` from a programmable call: the
+    operands after the variants' ``[bias][, block_mask][, rng]`` (as has_bias / has_block_mask / has_rng say; rng:
+    uint32 (4,), the (seed, offset) pair as little-endian words) and the attributes dropout_p, block_q, block_k.
+    ``device``: the rng words as the uint64 (2,) device array the kernels read; else (host) as ints."""
+    a = call.attrs
+    rest = list(operands)
+    bias = rest.pop(0) if a.get("has_bias") else None
+    block_mask = rest.pop(0) if a.get("has_block_mask") else None
+    p = float(a.get("dropout_p", 0.0))
+    kwargs = dict(bias=bias, block_mask=block_mask, block_size=(int(a["block_q"]), int(a["block_k"])), dropout_p=p)
+    if a.get("has_rng"):
+        words = rest.pop(0)
+        if device:
+            kwargs["seed"] = words.view(np.uint64)
+        else:
+            w = [int(x) for x in np.asarray(words, dtype=np.uint32)]
+            kwargs.update(seed=w[0] | w[1] << 32, offset=w[2] | w[3] << 32)
+    return kwargs
+
+
+def _n_prog(call: Call) -> int:
+    return sum(int(bool(call.attrs.get(f))) for f in ("has_bias", "has_block_mask", "has_rng"))
+
+
+def cuda_forward_prog(call: Call) -> None:
+    """(q, k, v[, alibi_slopes][, sinks][, bias][, block_mask][, rng]) -> (out, lse) with cuflash's programmable
+    forward on XLA's stream (lse copied into XLA's buffer)."""
+    from .api import forward
+
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        q, k, v = arrays[:3]
+        out, lse = arrays[-2:]
+        n_extra = _n_extras(call)
+        _log(FORWARD_PROG, call, stream)
+        _, lse_ = forward(q, k, v, causal=bool(call.attrs["causal"]), softmax_scale=float(call.attrs["softmax_scale"]),
+                          return_lse=True, out=out, **_variant_kwargs(call, arrays[3:3 + n_extra]),
+                          **_prog_kwargs(call, arrays[3 + n_extra:-2], True))
+        lse[...] = lse_
+
+
+def cuda_backward_prog(call: Call) -> None:
+    """(dout, q, k, v, out, lse[, alibi_slopes][, sinks][, bias][, block_mask][, rng]) -> (dq, dk, dv[, dsinks]
+    [, dbias]) with cuflash's programmable backward on XLA's stream."""
+    from .api import backward
+
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        n_args = len(call.args)
+        dout, q, k, v, out, lse = arrays[:6]
+        n_extra = _n_extras(call)
+        kwargs = _variant_kwargs(call, arrays[6:6 + n_extra])
+        prog = _prog_kwargs(call, arrays[6 + n_extra:n_args], True)
+        rets = arrays[n_args:]
+        _log(BACKWARD_PROG, call, stream)
+        grads = backward(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                         softmax_scale=float(call.attrs["softmax_scale"]),
+                         deterministic=bool(call.attrs["deterministic"]), dq=rets[0], dk=rets[1], dv=rets[2],
+                         **kwargs, **prog)
+        for buf, g in zip(rets[3:], grads[3:]):   # dsinks, dbias
+            buf[...] = g
 
 
 def _forward_varlen_into(q, k, v, out, lse, **kwargs) -> None:
@@ -466,6 +532,55 @@ def _host_kvcache_fp8(call: Call, q, k_cache, v_cache, k, v, kwargs: dict, rets:
 
 
 # (target name, platform as jax.ffi.register_ffi_target names it) -> body
+def _host_prog(call: Call, operands: list, q_shape: tuple, k_shape: tuple) -> dict:
+    """The reference's programmable fields (Programmable) of a programmable call's operands: dropout's keep mask
+    drawn as the kernels draw it (cuflash.philox.dropout_keep_mask)."""
+    from .philox import dropout_keep_mask
+
+    kw = _prog_kwargs(call, operands, False)
+    out = dict(bias=kw["bias"], block_mask=kw["block_mask"], block_size=kw["block_size"])
+    if kw["dropout_p"] > 0:
+        b, nq, hq = q_shape[0], q_shape[1], q_shape[2]
+        out.update(dropout_p=kw["dropout_p"], dropout_mask=dropout_keep_mask(kw["seed"], kw["offset"], b, hq, nq,
+                                                                             k_shape[1], kw["dropout_p"]))
+    return out
+
+
+def host_forward_prog(call: Call) -> None:
+    """The programmable forward by ``cuflash.attention_reference`` (float64)."""
+    from .reference import attention_reference
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    q, k, v = arrays[:3]
+    out, lse = arrays[-2:]
+    n_extra = _n_extras(call)
+    _log(FORWARD_PROG, call, 0)
+    o, l_ = attention_reference(q, k, v, causal=bool(call.attrs["causal"]),
+                                softmax_scale=float(call.attrs["softmax_scale"]),
+                                **_variant_kwargs(call, arrays[3:3 + n_extra]),
+                                **_host_prog(call, arrays[3 + n_extra:-2], q.shape, k.shape))
+    out[...] = o.astype(out.dtype)
+    lse[...] = l_.astype(np.float32)
+
+
+def host_backward_prog(call: Call) -> None:
+    """The programmable backward by ``cuflash.attention_reference_backward`` (float64): dq, dk, dv[, dsinks]
+    [, dbias]."""
+    from .reference import attention_reference_backward
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    n_args = len(call.args)
+    dout, q, k, v = arrays[:4]
+    n_extra = _n_extras(call)
+    _log(BACKWARD_PROG, call, 0)
+    grads = attention_reference_backward(dout, q, k, v, causal=bool(call.attrs["causal"]),
+                                         softmax_scale=float(call.attrs["softmax_scale"]),
+                                         **_variant_kwargs(call, arrays[6:6 + n_extra]),
+                                         **_host_prog(call, arrays[6 + n_extra:n_args], q.shape, k.shape))
+    for buf, g in zip(arrays[n_args:], grads):
+        buf[...] = np.asarray(g).astype(buf.dtype)
+
+
 BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (FORWARD, "CUDA"): cuda_forward,
     (BACKWARD, "CUDA"): cuda_backward,
@@ -477,6 +592,10 @@ BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (FORWARD_VARLEN, "cpu"): host_forward_varlen,
     (BACKWARD_VARLEN, "cpu"): host_backward_varlen,
     (KVCACHE, "cpu"): host_kvcache,
+    (FORWARD_PROG, "CUDA"): cuda_forward_prog,
+    (BACKWARD_PROG, "CUDA"): cuda_backward_prog,
+    (FORWARD_PROG, "cpu"): host_forward_prog,
+    (BACKWARD_PROG, "cpu"): host_backward_prog,
 }
 
 
