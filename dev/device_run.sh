@@ -167,7 +167,9 @@ case $phase in
     xdist=()
     if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
         .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 8); fi
-    CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider --require-gpu "${xdist[@]}" \
+    # (JAX takes 75 % of the GPU's memory per process unless told not to: eight processes share one GPU)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider \
+      --require-gpu "${xdist[@]}" \
       tests/test_programmable.py tests/test_programmable_host.py tests/test_torch_programmable.py \
       tests/test_jax_programmable.py "$@" 2>&1 \
       | tee "$OUT/prog-tests.log" | grep -av "arn" | tail -n 40 || status=1
