@@ -102,6 +102,8 @@ def _back(framework, result, originals: dict):
     original = originals.get(id(result))
     if original is not None:
         return original
+    if isinstance(result, dict):   # e.g. the backward's {tensor name: gradient} of a score modifier
+        return {name: _back(framework, r, originals) for name, r in result.items()}
     return framework.from_cupy(result) if isinstance(result, _ndarray) else result
 
 

@@ -267,12 +267,12 @@ def test_mask_modifier_tile_states_match_the_host(rng, per_head):
 
 
 def _check_backward(rng, q, k, v, dtype: str, ref_kwargs: dict, *, dbias_of=None, tensor_refs=None,
-                    dq_per_row: bool = True, **kwargs):
+                    per_row: bool = True, **kwargs):
     """cuflash.backward with programmable ``kwargs`` against attention_reference_backward(**ref_kwargs): dq, dk,
     dv, dbias (dbias_of: the bias, whose gradient comes back in its shape and dtype) and the modifiers' tensor
-    gradients (tensor_refs: name -> the reference's accumulated array, filled by its dscore_hook). ``dq_per_row``
-    False: dq as a whole (dropout: a row that keeps a few probabilities of a few keys has a dq that the 16-bit
-    rounding of dS moves past the row bound, on both families, while dk and dv keep theirs)."""
+    gradients (tensor_refs: name -> the reference's accumulated array, filled by its dscore_hook). ``per_row``
+    False: the gradients as wholes (dropout: a row that keeps a few probabilities of a few keys has a dq that the
+    16-bit rounding of dS moves past the row bound, on both families)."""
     import cupy
     import cuflash
     from conftest import BWD_TOL, assert_grads_close_on_every_row
@@ -284,8 +284,7 @@ def _check_backward(rng, q, k, v, dtype: str, ref_kwargs: dict, *, dbias_of=None
     grads = cuflash.backward(dout, q, k, v, o, lse, dq=bufs[0], dk=bufs[1], dv=bufs[2], **kwargs)
     cupy.cuda.get_current_stream().synchronize()
     refs = attention_reference_backward(dout, q, k, v, **ref_kwargs)
-    assert_grads_close_on_every_row(("dq",), grads[:1], refs[:1], dtype, BWD_TOL, per_row=dq_per_row)
-    assert_grads_close_on_every_row(("dk", "dv"), grads[1:3], refs[1:3], dtype, BWD_TOL)
+    assert_grads_close_on_every_row(("dq", "dk", "dv"), grads[:3], refs[:3], dtype, BWD_TOL, per_row=per_row)
     rest = list(grads[3:])
     if dbias_of is not None:
         dbias = rest.pop(0)
@@ -327,7 +326,7 @@ def test_dropout_backward(rng, shape_name, dtype):
     keep = cuflash.dropout_keep_mask(17, 4, b, hq, nq, nk, 0.2)
     for causal in (False, True):
         _check_backward(rng, q, k, v, dtype, dict(dropout_p=0.2, dropout_mask=keep, causal=causal), dropout_p=0.2,
-                        seed=17, offset=4, causal=causal, dq_per_row=False)
+                        seed=17, offset=4, causal=causal, per_row=False)
 
 
 def test_block_mask_backward(rng):

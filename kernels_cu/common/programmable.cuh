@@ -44,15 +44,19 @@ template <class T> __device__ __forceinline__ float bias_to_float(const void* ba
 // The score modifiers and the element tests of one (batch, head), built where asked (as MaskPolicy). Scores are
 // the kernels' unscaled q.k after the built-in modifiers (MaskPolicy::modify_score); the user's modifier sees them
 // scaled (FlexAttention's convention), so the policy multiplies by softmax_scale and divides back.
-template <class Variant, bool kKernelAddsBias = false>
+// Who adds a forward's bias (ProgPolicy's kBiasBy): the portable forward, into S's accumulators before Q K^T
+// unless softcap comes between them (then modify_score); the kernel itself (the Hopper forward's prefetched
+// bias); modify_score.
+enum : int { kBiasFirstUnlessSoftcap = 0, kBiasByKernel = 1, kBiasByPolicy = 2 };
+
+template <class Variant, int kBiasBy = kBiasFirstUnlessSoftcap>
 struct ProgPolicy {
     using Mods = typename Variant::Mods;
     // Whether scores change (kernels then call modify_score on every visible element) and whether the tiles the
     // lists mark as partial have elements to test.
-    // The portable forward puts the bias into S's accumulators before Q K^T (kBiasFirst) unless softcap comes
-    // between them; the Hopper forward adds the bias it prefetched itself (kKernelAddsBias); else modify_score.
     static constexpr bool kBiasFirst = Variant::kBias && !Variant::kSoftcap;
-    static constexpr bool kPolicyAddsBias = Variant::kBias && !kBiasFirst && !kKernelAddsBias;
+    static constexpr bool kPolicyAddsBias =
+        Variant::kBias && (kBiasBy == kBiasByPolicy || (kBiasBy == kBiasFirstUnlessSoftcap && !kBiasFirst));
     static constexpr bool kModifiesScore = kPolicyAddsBias || Mods::kScoreMod;
     static constexpr bool kTestsElements = Variant::kBlockSparse || Mods::kMaskMod;
 
@@ -163,11 +167,11 @@ struct DropoutLanes {
 // 16 x 8, lane (g, t4)) whose first row and key are row0 and col0: the bias and the user's score modifier on the
 // elements inside the sequences, then, in a tile the lists mark partial, the elements the user's blocks or mask
 // hide.
-template <int kMTiles, int kNTiles, class Variant, bool kKernelAddsBias = false>
+template <int kMTiles, int kNTiles, class Variant, int kBiasBy = kBiasFirstUnlessSoftcap>
 __device__ __forceinline__ void prog_scores(float (&acc_s)[kMTiles][kNTiles][4], const ProgParams& pp,
                                             const FwdParams& p, int seq, int head, int row0, int col0, int g, int t4,
                                             bool partial) {
-    using Prog = ProgPolicy<Variant, kKernelAddsBias>;
+    using Prog = ProgPolicy<Variant, kBiasBy>;
     const Prog prog(pp, seq, head, p.softmax_scale);
     // One row at a time, so that only its bias offset is live next to the accumulators.
 #pragma unroll
@@ -214,8 +218,8 @@ __device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4
 // the user's score modifier (ugrad: the latter's derivative), inside the sequences.
 // (p: the kernel's parameters, for the sequences' lengths: read where used, as ints passed in they spilled the
 // portable dQ kernel at d128.)
-template <class Variant, bool kKernelAddsBias, class Params>
-__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kKernelAddsBias>& prog, const Params& p,
+template <class Variant, int kBiasBy, class Params>
+__device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kBiasBy>& prog, const Params& p,
                                                 float s, int q, int k, float& ugrad) {
     using Mods = typename Variant::Mods;
     if (q < p.seqlen_q && k < p.seqlen_k) {
@@ -233,8 +237,8 @@ __device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kKerne
 // hidden elements, dropout (p_io becomes the dropped probability that dV takes), the modifiers' tensor gradients
 // and dbias (per element, or into row_sum where the bias is broadcast over the queries). Returns dS before the
 // built-in modifiers' derivative.
-template <class Variant, bool kKernelAddsBias>
-__device__ __forceinline__ float prog_bwd_element(const ProgPolicy<Variant, kKernelAddsBias>& prog, float base,
+template <class Variant, int kBiasBy>
+__device__ __forceinline__ float prog_bwd_element(const ProgPolicy<Variant, kBiasBy>& prog, float base,
                                                   float ugrad, float& p_io, float dp, float delta, int state, int q,
                                                   int k, int seqlen_q, int seqlen_k, bool keep, float& row_sum) {
     using Mods = typename Variant::Mods;

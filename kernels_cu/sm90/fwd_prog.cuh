@@ -16,10 +16,11 @@ template <class Variant, int kBlockN>
 struct FwdProg<Variant, kBlockN, true> {
     // A tile's bias / softmax_scale in this thread's accumulator elements, loaded while Q K^T runs (read after S
     // landed, the loads' latency stalled every key tile); not beside a user modifier, whose registers with these
-    // spilled (the policy then adds the bias after S lands).
+    // spilled (modify_score then adds the bias after S lands: kBiasByPolicy).
     static constexpr bool kPrefetchBias = Variant::kBias && !Variant::Mods::kScoreMod && !Variant::Mods::kMaskMod;
     using BiasRegs = float[kPrefetchBias ? kBlockN / 8 : 1][4];
-    using Policy = ProgPolicy<Variant, kPrefetchBias>;
+    static constexpr int kBiasBy = kPrefetchBias ? kBiasByKernel : kBiasByPolicy;
+    using Policy = ProgPolicy<Variant, kBiasBy>;
 
     const ProgParams& pp;
     int batch, head, heads, row0, g, t4;   // row0: the warp's first row; (g, t4): the lane
@@ -53,7 +54,7 @@ struct FwdProg<Variant, kBlockN, true> {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[0][j][e] += b[j][e];
         }
-        prog_scores<1, kBlockN / 8, Variant, kPrefetchBias>(s, pp, p, batch, head, row0, n_block * kBlockN, g, t4, partial);
+        prog_scores<1, kBlockN / 8, Variant, kBiasBy>(s, pp, p, batch, head, row0, n_block * kBlockN, g, t4, partial);
     }
     // Dropout on the probabilities (their row sums taken: lse is the undropped one).
     __device__ __forceinline__ void dropout(float (&s)[1][kBlockN / 8][4], int n_block) const {
