@@ -26,7 +26,6 @@ CASES = [(row, dist) for row in ROWS for dist in DISTS]
 def test_programmable(benchmark, record_programmable, case):
     import cupy
 
-    from cuflash import options
     from cuflash.bench import random_inputs
     from cuflash.distributions import make_inputs
 
@@ -51,8 +50,7 @@ def test_programmable(benchmark, record_programmable, case):
     fns = bp.cuflash_fns(inputs, bp.cuflash_kwargs(row, inputs.ops))
 
     def fwd_bwd():
-        with options.override(programmable=True):
-            fns["fwd+bwd"]()
+        fns["fwd+bwd"]()
         cupy.cuda.get_current_stream().synchronize()
 
     benchmark.pedantic(fwd_bwd, rounds=5, iterations=1)

@@ -61,8 +61,7 @@ def forward(q: ndarray, k: ndarray, v: ndarray, *, causal: bool = False,
         out: optional output buffer ``(batch, seqlen_q, heads_q, head_dim_v)`` in q's dtype, sharing no memory
             with q, k or v (ValueError otherwise).
         bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: programmable attention
-            (cuflash/programmable.py; fp16 / bf16, forward only so far, behind CUFLASH_PROGRAMMABLE=1 until its
-            kernels are validated on a GPU). ``bias``: float32 or q's dtype, broadcastable to (batch, heads_q,
+            (cuflash/programmable.py; fp16 / bf16, dense; Hopper's kernels or the portable ones). ``bias``: float32 or q's dtype, broadcastable to (batch, heads_q,
             seqlen_q, seqlen_k), added to the scaled score after softcap and ALiBi. ``dropout_p`` in [0, 1) with
             ``seed`` (an int, or a CuPy uint64 (2,) array of (seed, offset) read on the device) and ``offset``:
             Philox dropout of the probabilities (cuflash.philox.dropout_keep_mask gives the mask); lse is that of
@@ -149,7 +148,7 @@ def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attent
                           sinks, return_lse, out, bias, dropout_p, seed, offset, block_mask, block_size, score_mod,
                           mask_mod):
     """forward with programmable parts: every argument checked (the programmable ones by programmable.py), then
-    the programmable kernels, where Options.programmable allows them."""
+    the programmable kernels."""
     arrays = {"q": q, "k": k, "v": v, "out": out, "alibi_slopes": alibi_slopes, "sinks": sinks, "bias": bias,
               "block_mask": block_mask}
     numbers = {"seed": seed}
@@ -173,9 +172,6 @@ def _forward_programmable(q, k, v, *, causal, softmax_scale, window_size, attent
         return forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                        attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                        return_lse=return_lse, out=out)
-    if not opts.programmable:
-        raise ValueError("bias, dropout, block masks and modifiers run on kernels that are built but not yet validated "
-                         "on a GPU (issue #45); set CUFLASH_PROGRAMMABLE=1 (Options.programmable) to run them")
 
     def launch_fn(o, l_):
         programmable.launch_forward(q, k, v, o, l_, prog, causal=bool(causal), scale=scale,
@@ -718,7 +714,7 @@ def backward(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndarray, ls
         dq, dk, dv: optional output buffers shaped and typed like q, k, v (may be strided views),
             sharing no memory with each other or with dout, q, k, v, out, lse (ValueError otherwise).
         bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: as given to the forward
-            (programmable attention, behind CUFLASH_PROGRAMMABLE=1: the portable kernels, deterministic).
+            (programmable attention: Hopper's kernels, or the portable pair elsewhere and with ``deterministic``).
 
     Arrays of another framework (CUDA torch tensors, JAX arrays) are read in place and the
     gradients come back in that framework, as in :func:`forward`.
@@ -816,7 +812,7 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
                            alibi_slopes, sinks, dlse, dq, dk, dv, bias, dropout_p, seed, offset, block_mask,
                            block_size, score_mod, mask_mod, deterministic=False):
     """backward with programmable parts (the forward's, _forward_programmable): checked, then the programmable
-    kernels where Options.programmable allows them."""
+    kernels."""
     import cupy
 
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
@@ -851,9 +847,6 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
     if b == 0 or nq == 0 or nk == 0:
         raise ValueError("bias, dropout, block masks and modifiers need batch, seqlen_q and seqlen_k >= 1 in the "
                          "backward so far")
-    if not opts.programmable:
-        raise ValueError("bias, dropout, block masks and modifiers run on kernels that are built but not yet validated "
-                         "on a GPU (issue #45); set CUFLASH_PROGRAMMABLE=1 (Options.programmable) to run them")
     try:
         with cupy.cuda.Device(dev):
             dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq

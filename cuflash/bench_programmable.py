@@ -46,7 +46,7 @@ sizes, the noise averaging out over 33 M elements) and its noise ``|e| / |r|`` s
 have ``|c - 1| <= DROPOUT_BIAS_BOUND`` and noise within a factor DROPOUT_NOISE_FACTOR of cuflash's.
 
 Timings: every implementation of one pass sample by sample in turn (bench.time_interleaved, the L2 cache flushed
-before each sample), the median of ``repeats`` samples; all of it under ``options.override(programmable=True)``.
+before each sample), the median of ``repeats`` samples.
 """
 from __future__ import annotations
 
@@ -860,8 +860,7 @@ def benchmark_case(row: ProgRow, dist: str, *, repeats: int = DEFAULT_REPEATS, w
     peer_adapters()), all on the same CuPy inputs, interleaved sample by sample within each pass."""
     if adapters is None:
         adapters = peer_adapters()
-    with options.override(programmable=True):   # the programmable kernels are refused without it (issue #45)
-        return _case(row, dist, repeats, warmup, PASSES if backward else ("fwd",), adapters, log)
+    return _case(row, dist, repeats, warmup, PASSES if backward else ("fwd",), adapters, log)
 
 
 def _sync() -> None:

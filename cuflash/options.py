@@ -24,9 +24,6 @@ CUFLASH_DECODE_FP32                       decode_fp32 (False)         "1": forwa
 CUFLASH_DECODE_PDL                        decode_pdl (False)          "1": the split merge launched as a
                                                                       programmatic dependent (cc 9.0), under
                                                                       measurement
-CUFLASH_PROGRAMMABLE                      programmable (False)        "1": forward's bias, dropout, block masks
-                                                                      and modifiers run (built, not yet
-                                                                      validated on a GPU); else refused
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -99,7 +96,6 @@ ENV = {
     "decode_backend": "CUFLASH_DECODE_BACKEND",
     "decode_fp32": "CUFLASH_DECODE_FP32",
     "decode_pdl": "CUFLASH_DECODE_PDL",
-    "programmable": "CUFLASH_PROGRAMMABLE",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -162,7 +158,6 @@ class Options:
     decode_backend: str = "auto"
     decode_fp32: bool = False
     decode_pdl: bool = False
-    programmable: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -189,7 +184,6 @@ class Options:
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
         _check_flag("decode_fp32", self.decode_fp32, optional=False)
         _check_flag("decode_pdl", self.decode_pdl, optional=False)
-        _check_flag("programmable", self.programmable, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -223,7 +217,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl", "programmable"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

@@ -1,10 +1,10 @@
 """Programmable attention on the host (issue #45): a call's bias, dropout, block mask and user modifiers checked,
 turned into the kernel's variant and its ``ProgParams`` (kernels_cu/common/params.cuh), and launched.
 
-Built so far: the portable forward (``sm80_fwd_prog``, every GPU from sm_80; Hopper runs it too), fp16 / bf16.
-Not yet: the backward (dq, dk, dv, dbias, the modifiers' tensors), the Hopper and float32 families, varlen.
-Until its kernels have run against the float64 reference on a GPU, a call needs ``CUFLASH_PROGRAMMABLE=1``
-(Options.programmable); without it the arguments are checked and a ValueError says so.
+Forward and backward (dq, dk, dv, dbias, the modifiers' tensors), fp16 / bf16, dense: on Hopper its own kernels
+(``sm90_fwd_prog``, ``sm90_bwd_dkdv_dqtile_prog``), elsewhere, where TMA cannot address the inputs and for the
+deterministic backward the portable ones (``sm80_fwd_prog``, ``sm80_bwd_dkdv_prog`` / ``sm80_bwd_dq_prog``). Not
+yet: the float32 family, varlen.
 """
 from __future__ import annotations
 

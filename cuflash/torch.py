@@ -41,9 +41,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             is made only where the last dimension is not contiguous or a stride is not a multiple of 16 bytes).
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``, same dtype and device;
             heads_q % heads_kv == 0 (GQA / MQA); v may have a head dim of its own (the output then has it).
-        dropout_p: dropout of the probabilities (cuflash.torch.attention: programmable attention's kernels,
-            behind CUFLASH_PROGRAMMABLE=1 until they are validated on a GPU; the seed is drawn from torch's CUDA
-            generator).
+        dropout_p: dropout of the probabilities (cuflash.torch.attention: programmable attention's kernels; the
+            seed is drawn from torch's CUDA generator).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
         window_size: ``(left, right)`` as flash-attn (-1, or None as FA4 writes it: unbounded).

@@ -48,7 +48,7 @@
 #              kernel, the Hopper cp.async and TMA rings), then dev/decode_ab.py A/B rows (default
 #              b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*) of the TMA ring against its switches under
 #              measurement (CUFLASH_DECODE_PDL=1, -DCUFLASH_DECODE_TMA_STAGES=4 / 5). Not part of all
-#   prog [ARGS...] : issue #45's programmable attention (CUFLASH_PROGRAMMABLE=1): its GPU tests (the forward and
+#   prog [ARGS...] : issue #45's programmable attention: its GPU tests on both families (the forward and
 #              backward against the float64 reference: bias, dropout, block masks, modifiers; cuflash.torch.attention),
 #              then any pytest ARGS (e.g. -k bias); in eight processes where .whl/ carries pytest-xdist and execnet.
 #              Not part of all
@@ -168,7 +168,7 @@ case $phase in
     if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
         .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 8); fi
     # (JAX takes 75 % of the GPU's memory per process unless told not to: eight processes share one GPU)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false CUFLASH_PROGRAMMABLE=1 timeout 540 python3 -m pytest -q -p no:cacheprovider \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider \
       --require-gpu "${xdist[@]}" \
       tests/test_programmable.py tests/test_programmable_host.py tests/test_torch_programmable.py \
       tests/test_jax_programmable.py "$@" 2>&1 \

@@ -1,7 +1,7 @@
 """cuflash.jax with programmable attention (issue #45): a bias with its gradient, dropout from a seed operand and
 block masks through the programmable custom calls, under jit and grad, against the float64 reference. On the CPU
 backend the calls run the reference (the plumbing: operands, attributes, dbias, the seed's words); on a GPU the
-kernels (CUFLASH_PROGRAMMABLE=1). Tests skip where JAX is not installed."""
+kernels. Tests skip where JAX is not installed."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,6 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import cuflash.jax as cj  # noqa: E402
-from cuflash import options  # noqa: E402
 from cuflash.philox import dropout_keep_mask  # noqa: E402
 from cuflash.reference import attention_reference, attention_reference_backward, rel_err  # noqa: E402
 from test_jax import CPU, GPU  # noqa: E402
@@ -63,8 +62,7 @@ def test_programmable_under_jit_and_grad(case, platform):
         return (out.astype(jnp.float32) * dout).sum(), out
 
     argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    with options.override(programmable=True):
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
     host = dict(causal=causal, bias=None if bias is None else np.asarray(bias),
                 block_mask=None if block_mask is None else np.asarray(block_mask), block_size=(32, 16))
     if p:

@@ -38,7 +38,7 @@ def _programmable_on(family):
 
     programmable._plans.clear()
     backend = "sm80" if family == "portable" else "auto"
-    with options.override(programmable=True, fwd_backend=backend, bwd_backend=backend):
+    with options.override(fwd_backend=backend, bwd_backend=backend):
         yield
     families = set()
     for plan in programmable._plans.values():   # forward plans: (kernel, config, smem); backward: three of them
@@ -398,7 +398,7 @@ def test_vjp_carries_the_programmable_arguments(rng):
     import cuflash
 
     q, k, v = _inputs(rng, "square", "bfloat16")
-    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    b, nk = q.shape[0], k.shape[1]
     bias = cupy.asarray(rng.normal(0, 1, (b, 1, 1, nk)).astype(np.float32))
     out, pullback = cuflash.vjp(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3)
     dout = randn(rng, out.shape, "bfloat16")

@@ -64,19 +64,14 @@ def test_a_modifier_that_does_not_compile_names_its_line():
         _check(score_mod=ScoreMod("return score + table[0];", tensors={"table": np.zeros(2, np.float32)}))
 
 
-def test_the_public_call_checks_then_refuses_until_enabled(device_forbidden):
-    from cuflash import options
+def test_the_public_call_checks_before_the_device(device_forbidden):
+    import cuflash
 
-    with options.override(programmable=False):   # the gate closed, whatever the environment says
-        import cuflash
-
-        q, k, v = _qkv()
-        with pytest.raises(ValueError, match="bias must broadcast"):
-            cuflash.forward(q, k, v, bias=arr((3, NK), np.float32))
-        with pytest.raises(ValueError, match="CUFLASH_PROGRAMMABLE=1"):
-            cuflash.forward(q, k, v, bias=arr((NQ, NK), np.float32))
-        with pytest.raises(ValueError, match="needs a seed"):
-            cuflash.forward(q, k, v, dropout_p=0.5)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="bias must broadcast"):
+        cuflash.forward(q, k, v, bias=arr((3, NK), np.float32))
+    with pytest.raises(ValueError, match="needs a seed"):
+        cuflash.forward(q, k, v, dropout_p=0.5)
 
 
 def test_variant_and_configuration():
@@ -147,26 +142,21 @@ def test_tile_lists_combine_the_block_mask_and_the_mask_modifiers_coverage():
         np.testing.assert_array_equal(x, y)
 
 
-def test_the_backward_checks_then_refuses_until_enabled(device_forbidden):
-    from cuflash import options
+def test_the_backward_checks_before_the_device(device_forbidden):
+    import cuflash
+    from cuflash import ScoreMod
 
-    with options.override(programmable=False):   # the gate closed, whatever the environment says
-        import cuflash
-        from cuflash import ScoreMod
-
-        q, k, v = _qkv()
-        out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
-        lse = arr((B, HQ, NQ), np.float32)
-        with pytest.raises(ValueError, match="bias must broadcast"):
-            cuflash.backward(dout, q, k, v, out, lse, bias=arr((3, NK), np.float32))
-        with pytest.raises(ValueError, match="needs its grad"):
-            cuflash.backward(dout, q, k, v, out, lse, score_mod=ScoreMod("return score * 2.f;"))
-        with pytest.raises(ValueError, match="CUFLASH_PROGRAMMABLE=1"):
-            cuflash.backward(dout, q, k, v, out, lse, dropout_p=0.1, seed=3)
-        big = arr((B, NQ, HQ, 320), np.float16), arr((B, NK, HKV, 320), np.float16)
-        with pytest.raises(ValueError, match="head dims up to 256 in the backward"):
-            cuflash.backward(arr((B, NQ, HQ, 320), np.float16), big[0], big[1], big[1], arr((B, NQ, HQ, 320), np.float16),
-                             lse, dropout_p=0.1, seed=3)
+    q, k, v = _qkv()
+    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
+    lse = arr((B, HQ, NQ), np.float32)
+    with pytest.raises(ValueError, match="bias must broadcast"):
+        cuflash.backward(dout, q, k, v, out, lse, bias=arr((3, NK), np.float32))
+    with pytest.raises(ValueError, match="needs its grad"):
+        cuflash.backward(dout, q, k, v, out, lse, score_mod=ScoreMod("return score * 2.f;"))
+    big = arr((B, NQ, HQ, 320), np.float16), arr((B, NK, HKV, 320), np.float16)
+    with pytest.raises(ValueError, match="head dims up to 256 in the backward"):
+        cuflash.backward(arr((B, NQ, HQ, 320), np.float16), big[0], big[1], big[1], arr((B, NQ, HQ, 320), np.float16),
+                         lse, dropout_p=0.1, seed=3)
 
 
 def test_backward_configuration():

@@ -68,7 +68,6 @@ def test_attention_checks_before_the_op():
 def test_attention_matches_cuflash_on_the_gpu():
     import cupy
     import cuflash
-    from cuflash import options
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -80,19 +79,22 @@ def test_attention_matches_cuflash_on_the_gpu():
     score = ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
                      tensors={"table": table},
                      tensor_grads={"table": "atomicAdd(&d_table[h * 64 + min(abs(q_idx - kv_idx), 63)], dscore);"})
-    with options.override(programmable=True):
-        out = ct.attention(q, k, v, causal=True, bias=bias, score_mod=score)
-        dout = torch.randn_like(out)
-        out.backward(dout)
-        cq, ck, cv = (cupy.from_dlpack(x.detach()) for x in (q, k, v))
-        cscore = ScoreMod(score.source, score.grad, tensors={"table": cupy.from_dlpack(table.detach())},
-                          tensor_grads=score.tensor_grads)
-        cb = cupy.from_dlpack(bias.detach())
-        o, lse = cuflash.forward(cq, ck, cv, causal=True, bias=cb, score_mod=cscore, return_lse=True)
-        grads = cuflash.backward(cupy.from_dlpack(dout), cq, ck, cv, o, lse, causal=True, bias=cb, score_mod=cscore)
+    out = ct.attention(q, k, v, causal=True, bias=bias, score_mod=score)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    cq, ck, cv = (cupy.from_dlpack(x.detach()) for x in (q, k, v))
+    cscore = ScoreMod(score.source, score.grad, tensors={"table": cupy.from_dlpack(table.detach())},
+                      tensor_grads=score.tensor_grads)
+    cb = cupy.from_dlpack(bias.detach())
+    o, lse = cuflash.forward(cq, ck, cv, causal=True, bias=cb, score_mod=cscore, return_lse=True)
+    grads = cuflash.backward(cupy.from_dlpack(dout), cq, ck, cv, o, lse, causal=True, bias=cb, score_mod=cscore)
     assert bool(cupy.all(cupy.from_dlpack(out.detach()) == o))
-    for t, g in zip((q, k, v), grads[:3]):
+    for t, g in zip((k, v), grads[1:3]):
         assert bool(cupy.all(cupy.from_dlpack(t.grad) == g))
+    # dq: Hopper's tiles add their slices in the order they finish, so two runs may round differently
+    err = float(cupy.linalg.norm((cupy.from_dlpack(q.grad) - grads[0]).astype(cupy.float32))
+                / cupy.linalg.norm(grads[0].astype(cupy.float32)))
+    assert err < 2e-3
     for t, g in ((bias, grads[3]), (table, grads[4]["table"])):
         err = float(cupy.linalg.norm(cupy.from_dlpack(t.grad) - g) / cupy.linalg.norm(g))
         assert err < 1e-5   # float32 atomics in any order
