@@ -159,23 +159,27 @@ def lists_from_coverage(any_on, all_on):
     """:func:`tile_lists` from the tiles' coverage (bool (B', H', query tiles, key tiles): some / every element of
     the tile visible), e.g. :func:`tile_coverage`'s, or a mask modifier's evaluated over the tiles."""
     xp = _xp(any_on)
-
-    def lists(on, full):
-        tiles = on.shape[-1]
-        order = xp.arange(tiles - 1, -1, -1)                         # last first
-        on_r, full_r = on[..., order], full[..., order]
-        # on tiles first, in the last-first order, then the off ones: each tile's place from running counts (a
-        # permutation of each row, scattered at once: no sort, and no host synchronisation on a device)
-        on_i = on_r.astype(xp.int32)
-        count = on_i.sum(axis=-1, keepdims=True)
-        place = xp.where(on_r, xp.cumsum(on_i, axis=-1) - 1, count + xp.cumsum(1 - on_i, axis=-1) - 1)
-        value = (xp.broadcast_to(order, on_r.shape).astype(xp.int64) | xp.where(full_r, 0, PARTIAL_BIT))
-        rows = xp.arange(on_r.size // tiles, dtype=xp.int64).reshape(on_r.shape[:-1] + (1,)) * tiles
-        index = xp.empty(on_r.size, dtype=xp.int64)
-        index[(rows + place).ravel()] = value.ravel()
-        index = index.reshape(on_r.shape).astype(xp.uint32).view(xp.int32)
-        return count[..., 0].astype(xp.int32), index
-
-    kv_count, kv_index = lists(any_on, all_on)
-    q_count, q_index = lists(xp.swapaxes(any_on, -1, -2), xp.swapaxes(all_on, -1, -2))
+    kv_count, kv_index = key_tile_lists(any_on, all_on)
+    q_count, q_index = key_tile_lists(xp.swapaxes(any_on, -1, -2), xp.swapaxes(all_on, -1, -2))
     return kv_count, kv_index, q_count, q_index
+
+
+def key_tile_lists(on, full):
+    """(count, index) of :func:`tile_lists` along the last axis alone: per row of ``on`` (the query tiles', or, with
+    the last two axes swapped, the key tiles') the tiles on, last first, then the others; PARTIAL_BIT where ``full``
+    is not set. The kernels read the key-tile lists only."""
+    xp = _xp(on)
+    tiles = on.shape[-1]
+    order = xp.arange(tiles - 1, -1, -1)                         # last first
+    on_r, full_r = on[..., order], full[..., order]
+    # on tiles first, in the last-first order, then the off ones: each tile's place from running counts (a
+    # permutation of each row, scattered at once: no sort, and no host synchronisation on a device)
+    on_i = on_r.astype(xp.int32)
+    count = on_i.sum(axis=-1, keepdims=True)
+    place = xp.where(on_r, xp.cumsum(on_i, axis=-1) - 1, count + xp.cumsum(1 - on_i, axis=-1) - 1)
+    value = (xp.broadcast_to(order, on_r.shape).astype(xp.int64) | xp.where(full_r, 0, PARTIAL_BIT))
+    rows = xp.arange(on_r.size // tiles, dtype=xp.int64).reshape(on_r.shape[:-1] + (1,)) * tiles
+    index = xp.empty(on_r.size, dtype=xp.int64)
+    index[(rows + place).ravel()] = value.ravel()
+    index = index.reshape(on_r.shape).astype(xp.uint32).view(xp.int32)
+    return count[..., 0].astype(xp.int32), index

@@ -94,9 +94,8 @@ PROG_PARAMS = _struct(
     + [(f"bias_{d}_stride", _I64) for d in ("batch", "head", "row", "col")]
     + [(f"dbias_{d}_stride", _I64) for d in ("batch", "head", "row", "col")]
     + [("rng_state", _P), ("seed", _P), ("offset", _P), ("dropout_threshold", _U32), ("dropout_scale", _F32),
-       ("kv_tile_count", _P), ("kv_tile_index", _P), ("q_tile_count", _P), ("q_tile_index", _P),
-       ("kv_tiles_batch_stride", _I64), ("kv_tiles_head_stride", _I64), ("q_tiles_batch_stride", _I64),
-       ("q_tiles_head_stride", _I64), ("q_tiles", _I32), ("kv_tiles", _I32), ("block_mask", _P),
+       ("kv_tile_count", _P), ("kv_tile_index", _P), ("kv_tiles_batch_stride", _I64),
+       ("kv_tiles_head_stride", _I64), ("q_tiles", _I32), ("kv_tiles", _I32), ("block_mask", _P),
        ("block_mask_batch_stride", _I64), ("block_mask_head_stride", _I64), ("block_mask_row_stride", _I64),
        ("block_q", _I32), ("block_k", _I32), ("tile_state", _P), ("tile_state_batch_stride", _I64),
        ("tile_state_head_stride", _I64)]

@@ -187,9 +187,9 @@ def _coverage(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_
 
 
 def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, coverage=None):
-    """(kv_count, kv_index, q_count, q_index) of the kernel's tiles: those that some on block and the mask modifier
-    show, partial where either hides an element (_coverage)."""
-    return block_sparse.lists_from_coverage(*_coverage(prog, seqlen_q, seqlen_k, block_m, block_n, coverage))
+    """(kv_count, kv_index) of the kernel's tiles: per query tile the key tiles that some on block and the mask
+    modifier show, partial where either hides an element (_coverage)."""
+    return block_sparse.key_tile_lists(*_coverage(prog, seqlen_q, seqlen_k, block_m, block_n, coverage))
 
 
 def _stride(shape: tuple, axis: int, elems: int) -> int:
@@ -213,16 +213,12 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
         p["dropout_threshold"] = philox.dropout_threshold(prog.dropout_p)
         p["dropout_scale"] = 1.0 / (1.0 - prog.dropout_p)
     if prog.block_mask is not None or coverage is not None:
-        kv_count, kv_index, q_count, q_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n,
-                                                                   coverage)
+        kv_count, kv_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n, coverage)
         keep.extend(lists)
-        mt, nt = kv_count.shape[2], q_count.shape[2]
-        p.update(kv_tile_count=kv_count.data.ptr, kv_tile_index=kv_index.data.ptr, q_tile_count=q_count.data.ptr,
-                 q_tile_index=q_index.data.ptr, q_tiles=mt, kv_tiles=nt,
+        mt, nt = kv_count.shape[2], kv_index.shape[3]
+        p.update(kv_tile_count=kv_count.data.ptr, kv_tile_index=kv_index.data.ptr, q_tiles=mt, kv_tiles=nt,
                  kv_tiles_batch_stride=_stride(kv_count.shape, 0, kv_count.shape[1] * mt),
-                 kv_tiles_head_stride=_stride(kv_count.shape, 1, mt),
-                 q_tiles_batch_stride=_stride(q_count.shape, 0, q_count.shape[1] * nt),
-                 q_tiles_head_stride=_stride(q_count.shape, 1, nt))
+                 kv_tiles_head_stride=_stride(kv_count.shape, 1, mt))
     if prog.block_mask is not None:
         m = prog.block_mask
         if not m.flags.c_contiguous:

@@ -234,16 +234,14 @@ struct ProgParams {
     unsigned long long offset;
     unsigned int dropout_threshold;   // common/philox.cuh: keep when an element's 16 bits are >= this
     float dropout_scale;              // 1 / (1 - dropout_p)
-    // Block sparsity in the kernel's own tiles (cuflash/block_sparse.py: tile_lists): per (b, h, query tile) the
-    // number of key tiles it visits and their indices, last first (bit 31: an off block covers part of the tile,
-    // whose elements are tested against block_mask); per (b, h, key tile) the same of query tiles, for the
-    // backward's dK / dV pass. Counts of (b, h, tile) at b * *_batch_stride + h * *_head_stride + tile (0 where
-    // broadcast); a list is a count's index times the other side's tiles.
+    // Block sparsity in the kernel's own tiles (cuflash/block_sparse.py: key_tile_lists): per (b, h, query tile)
+    // the number of key tiles it visits and their indices, last first (bit 31: an off block covers part of the
+    // tile, whose elements are tested against block_mask). Counts of (b, h, query tile) at b * kv_tiles_batch_stride
+    // + h * kv_tiles_head_stride + tile (0 where broadcast); a list is a count's index times kv_tiles. (The
+    // backward's dK / dV pass reads tile_state below.)
     const int* kv_tile_count;
     const int* kv_tile_index;
-    const int* q_tile_count;
-    const int* q_tile_index;
-    i64 kv_tiles_batch_stride, kv_tiles_head_stride, q_tiles_batch_stride, q_tiles_head_stride;
+    i64 kv_tiles_batch_stride, kv_tiles_head_stride;
     int q_tiles, kv_tiles;                     // tiles per (b, h): the lists' row lengths
     const unsigned char* block_mask;           // the user's block mask (bool), for the tiles it covers in part
     i64 block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride;
