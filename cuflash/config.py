@@ -145,6 +145,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _aux("combine", "decode/combine.cu", "combine_kernel", 80, ("tag", "num_warps")),
     # A user mask modifier over the attention kernel's tiles (block_m x block_n; mask: its variant's modifiers).
     _aux("mask_tiles", "aux/mask_tiles.cu", "mask_tiles_kernel", 80, ("block_m", "block_n", "num_warps", "mask")),
+    # The block-sparse key-tile lists of a programmable call in one launch (cuflash/block_sparse.py: device_key_tile_lists).
+    _aux("block_lists", "aux/block_lists.cu", "block_lists_kernel", 80, ("num_warps",)),
     _aux("kvcache_append", "decode/append.cu", "kvcache_append_kernel", 80, ("tag", "num_warps")),
     _aux("kvcache_append_fp8", "decode/append.cu", "kvcache_append_fp8_kernel", 80, ("tag", "num_warps")),
     # Backward (kernels instantiated per head-dim bucket; head_dim is the bucket).

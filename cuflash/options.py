@@ -24,6 +24,10 @@ CUFLASH_DECODE_FP32                       decode_fp32 (False)         "1": forwa
 CUFLASH_DECODE_PDL                        decode_pdl (False)          "1": the split merge launched as a
                                                                       programmatic dependent (cc 9.0), under
                                                                       measurement
+CUFLASH_BLOCK_LISTS_KERNEL                block_lists_kernel (False)  "1": a block-sparse call's key-tile lists
+                                                                      by one kernel (aux/block_lists.cu; built,
+                                                                      not yet validated on a GPU); else by
+                                                                      array operations
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -96,6 +100,7 @@ ENV = {
     "decode_backend": "CUFLASH_DECODE_BACKEND",
     "decode_fp32": "CUFLASH_DECODE_FP32",
     "decode_pdl": "CUFLASH_DECODE_PDL",
+    "block_lists_kernel": "CUFLASH_BLOCK_LISTS_KERNEL",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -158,6 +163,7 @@ class Options:
     decode_backend: str = "auto"
     decode_fp32: bool = False
     decode_pdl: bool = False
+    block_lists_kernel: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -184,6 +190,7 @@ class Options:
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
         _check_flag("decode_fp32", self.decode_fp32, optional=False)
         _check_flag("decode_pdl", self.decode_pdl, optional=False)
+        _check_flag("block_lists_kernel", self.block_lists_kernel, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -217,7 +224,8 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl",
+                      "block_lists_kernel"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

@@ -106,9 +106,15 @@ PROG_PARAMS = _struct(
 MASK_TILES_PARAMS = _struct([("state", _P), ("seqlen_q", _I32), ("seqlen_k", _I32), ("heads", _I32), ("m_tiles", _I32),
                              ("n_tiles", _I32)])
 
+BLOCK_LISTS_PARAMS = _struct([("block_mask", _P), ("mask_batch_stride", _I64), ("mask_head_stride", _I64),
+                              ("mask_row_stride", _I64), ("state", _P), ("state_batch_stride", _I64),
+                              ("state_head_stride", _I64), ("count", _P), ("index", _P), ("heads", _I32),
+                              ("seqlen_q", _I32), ("seqlen_k", _I32), ("block_q", _I32), ("block_k", _I32),
+                              ("block_m", _I32), ("block_n", _I32), ("m_tiles", _I32), ("n_tiles", _I32)])
+
 STRUCTS = {"FwdParams": FWD_PARAMS, "BwdParams": BWD_PARAMS, "DecodeParams": DECODE_PARAMS,
            "CombineParams": COMBINE_PARAMS, "AppendParams": APPEND_PARAMS, "ProgParams": PROG_PARAMS,
-           "MaskTilesParams": MASK_TILES_PARAMS}
+           "MaskTilesParams": MASK_TILES_PARAMS, "BlockListsParams": BLOCK_LISTS_PARAMS}
 
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
                  np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}

@@ -192,15 +192,65 @@ def _tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, bloc
     return block_sparse.key_tile_lists(*_coverage(prog, seqlen_q, seqlen_k, block_m, block_n, coverage))
 
 
+BLOCK_LISTS_WARPS = 4
+
+
+def _device_tile_lists(prog: ProgArgs, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, coverage,
+                       device_id: int, opts):
+    """_tile_lists by one kernel (kernels_cu/aux/block_lists.cu): (kv_count, kv_index) with the same entries up to
+    each count (those past it unwritten)."""
+    import cupy
+
+    from . import launch
+    from .config import KernelConfig
+    from .dispatch import get_kernel
+
+    mt, nt = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    shapes = []
+    mask = prog.block_mask
+    if mask is not None:
+        if not mask.flags.c_contiguous:
+            mask = cupy.ascontiguousarray(mask)
+        shapes.append(mask.shape[:2])
+    state = None
+    if coverage is not None:   # mask_mod_coverage's (any, all) as its states 0 / 1 / 2
+        state = coverage[0].astype(np.uint8) + coverage[1].astype(np.uint8)
+        shapes.append(state.shape[:2])
+    nb, nh = max(s[0] for s in shapes), max(s[1] for s in shapes)
+    count = cupy.empty((nb, nh, mt), dtype=np.int32)
+    index = cupy.empty((nb, nh, mt, nt), dtype=np.int32)
+    values = dict(block_mask=0, mask_batch_stride=0, mask_head_stride=0, mask_row_stride=0, state=0,
+                  state_batch_stride=0, state_head_stride=0, count=count.data.ptr, index=index.data.ptr, heads=nh,
+                  seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_q=prog.block_size[0], block_k=prog.block_size[1],
+                  block_m=block_m, block_n=block_n, m_tiles=mt, n_tiles=nt)
+    if mask is not None:
+        qb, kb = mask.shape[2], mask.shape[3]
+        values.update(block_mask=mask.data.ptr, mask_batch_stride=_stride(mask.shape, 0, mask.shape[1] * qb * kb),
+                      mask_head_stride=_stride(mask.shape, 1, qb * kb), mask_row_stride=kb)
+    if state is not None:
+        values.update(state=state.data.ptr, state_batch_stride=_stride(state.shape, 0, state.shape[1] * mt * nt),
+                      state_head_stride=_stride(state.shape, 1, mt * nt))
+    cfg = KernelConfig("block_lists", "float16", 0, False, 0, 0, BLOCK_LISTS_WARPS)
+    kern = get_kernel(cfg, device_id, opts.nvrtc_defines)
+    p = params.pack_bytes(params.BLOCK_LISTS_PARAMS, tuple(values[n] for n in params.BLOCK_LISTS_PARAMS.names))
+    launch.launch(kern, cfg, (mt, nb * nh, 1), p, 0)
+    from . import capture
+
+    capture.keep_if_capturing(mask, state)   # inputs made here, read by the kernel
+    return count, index
+
+
 def _stride(shape: tuple, axis: int, elems: int) -> int:
     """Elements between (b, h) groups along ``axis`` of a (B', H', ...) array, 0 where it is broadcast."""
     return 0 if shape[axis] == 1 else elems
 
 
 def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, keep: list,
-                coverage=None) -> bytes:
+                coverage=None, lists: bool = True, device: Optional[tuple] = None) -> bytes:
     """The ProgParams bytes of a launch; ``keep`` receives the arrays made here (the tile lists), which must live
-    until the kernel has run; ``coverage``: the mask modifier's (mask_mod_coverage), where it has one."""
+    until the kernel has run; ``coverage``: the mask modifier's (mask_mod_coverage), where it has one; ``lists``:
+    whether the kernel reads the key-tile lists (the dK / dV kernels read tile_state instead); ``device``:
+    (device id, Options) of the launch, for Options.block_lists_kernel."""
     p = {name: 0 for name in params.PROG_PARAMS.names}
     if prog.bias is not None:
         b = prog.bias
@@ -212,9 +262,13 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
         p["seed"], p["offset"] = prog.seed, prog.offset
         p["dropout_threshold"] = philox.dropout_threshold(prog.dropout_p)
         p["dropout_scale"] = 1.0 / (1.0 - prog.dropout_p)
-    if prog.block_mask is not None or coverage is not None:
-        kv_count, kv_index = lists = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n, coverage)
-        keep.extend(lists)
+    if lists and (prog.block_mask is not None or coverage is not None):
+        if device is not None and device[1].block_lists_kernel:
+            kv_count, kv_index = found = _device_tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n, coverage,
+                                                            *device)
+        else:
+            kv_count, kv_index = found = _tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n, coverage)
+        keep.extend(found)
         mt, nt = kv_count.shape[2], kv_index.shape[3]
         p.update(kv_tile_count=kv_count.data.ptr, kv_tile_index=kv_index.data.ptr, q_tiles=mt, kv_tiles=nt,
                  kv_tiles_batch_stride=_stride(kv_count.shape, 0, kv_count.shape[1] * mt),
@@ -287,7 +341,7 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
         coverage = mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
                                      block_n=cfg.block_n, device_id=device_id, opts=opts)
     blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep,
-                       coverage=coverage)
+                       coverage=coverage, device=(device_id, opts))
     extra = np.frombuffer(blob, dtype=f"V{len(blob)}")   # the second by-value parameter
     launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (*maps, extra))
     for x in keep:   # made for this launch: alive until it has run, captured graphs included
@@ -359,7 +413,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
                       tile_state_batch_stride=_stride(state.shape, 0, state.shape[1] * state.shape[2] * state.shape[3]),
                       tile_state_head_stride=_stride(state.shape, 1, state.shape[2] * state.shape[3]))
     pp_dkdv = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=kcfg.block_m, block_n=kcfg.block_n,
-                                       keep=keep, coverage=kcov), fields)
+                                       keep=keep, coverage=kcov, lists=False), fields)
     if hopper:   # the plain backward's workspaces and launches, this dK / dV kernel with ProgParams
         from .api import _launch_bwd
 
@@ -379,7 +433,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
             b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
             *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
         pp_dq = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=qcfg.block_m, block_n=qcfg.block_n,
-                                         keep=keep, coverage=coverage_at(qcfg)), extra_fields)
+                                         keep=keep, coverage=coverage_at(qcfg), device=(device_id, opts)),
+                             extra_fields)
         launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
         dsinks = None
         if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order

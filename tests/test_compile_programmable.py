@@ -103,3 +103,11 @@ def test_mask_tiles_kernel_compiles():
     tiles = {(c.block_m, c.block_n) for c in configs()}
     cfgs = [KernelConfig("mask_tiles", "float16", 0, False, bm, bn, 4, MaskVariant(mods=_MODS.key)) for bm, bn in tiles]
     assert_all_compile(cfgs, "80")
+
+
+def test_block_lists_kernel_compiles():
+    """The block-sparse key-tile lists' kernel (kernels_cu/aux/block_lists.cu)."""
+    from cuflash import programmable
+    from cuflash.config import KernelConfig
+
+    assert_all_compile([KernelConfig("block_lists", "float16", 0, False, 0, 0, programmable.BLOCK_LISTS_WARPS)], "80")

@@ -410,3 +410,43 @@ def test_vjp_carries_the_programmable_arguments(rng):
         assert bool((x == y).all())
     err = float(cupy.linalg.norm(via_vjp[3] - direct[3]) / cupy.linalg.norm(direct[3]))
     assert err < 1e-5   # dbias: float32 atomics in any order
+
+
+@pytest.mark.parametrize("tile", [(128, 64), (64, 32), (128, 128)])
+@pytest.mark.parametrize("with_mask_mod", [False, True])
+def test_block_lists_kernel_matches_the_array_lists(rng, tile, with_mask_mod):
+    """aux/block_lists.cu (CUFLASH_BLOCK_LISTS_KERNEL) against the array operations' lists: the counts, and every
+    entry up to each count (the kernel leaves the rest unwritten)."""
+    import cupy
+    from cuflash import options, programmable
+    from cuflash.block_sparse import block_grid
+
+    nq, nk, hq = 700, 1300, 3
+    bm, bn = tile
+    blocks = cupy.asarray(rng.random((2, hq) + block_grid(nq, nk, (96, 80))) < 0.5)
+    prog = programmable.ProgArgs(block_mask=blocks, block_size=(96, 80))
+    coverage = None
+    if with_mask_mod:
+        mt, nt = -(-nq // bm), -(-nk // bn)
+        any_on = cupy.asarray(rng.random((1, hq, mt, nt)) < 0.8)
+        coverage = (any_on, any_on & cupy.asarray(rng.random((1, hq, mt, nt)) < 0.5))
+    want = programmable._tile_lists(prog, nq, nk, bm, bn, coverage)
+    got = programmable._device_tile_lists(prog, nq, nk, bm, bn, coverage, 0, options.current())
+    cupy.testing.assert_array_equal(got[0], want[0])
+    counts, want_index, got_index = want[0].get(), want[1].get(), got[1].get()
+    for at in np.ndindex(counts.shape):
+        np.testing.assert_array_equal(got_index[at][:counts[at]], want_index[at][:counts[at]])
+
+
+def test_block_mask_forward_with_the_lists_kernel(rng, family):
+    import cupy
+    from cuflash import options
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, "kv_longer", "bfloat16")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    blocks = rng.random((b, hq) + block_grid(nq, nk, 64)) < 0.5
+    blocks[..., 0] = True
+    with options.override(block_lists_kernel=True):
+        _check(q, k, v, "bfloat16", dict(block_mask=blocks, block_size=64), block_mask=cupy.asarray(blocks),
+               block_size=64)

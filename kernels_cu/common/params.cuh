@@ -277,3 +277,17 @@ struct MaskTilesParams {
     int heads;                  // heads' (1 where the modifier does not depend on h)
     int m_tiles, n_tiles;
 };
+
+// The block-sparse key-tile lists built on the device (aux/block_lists.cu, cuflash/block_sparse.py's
+// key_tile_lists in one launch): per (b, h, query tile) of the kernel's block_m x block_n tiles, the key tiles that
+// an on block of the user's mask and the mask modifier's tile states both show, last first.
+struct BlockListsParams {
+    const unsigned char* block_mask;   // (B', H', query blocks, key blocks) bool, or null
+    i64 mask_batch_stride, mask_head_stride, mask_row_stride;   // elements (0 where broadcast)
+    const unsigned char* state;        // the mask modifier's tile states (mask_tiles_kernel), or null
+    i64 state_batch_stride, state_head_stride;   // elements (0 where broadcast); rows of n_tiles
+    int* count;                        // (batch'', heads'', m_tiles)
+    int* index;                        // (batch'', heads'', m_tiles, n_tiles)
+    int heads;                         // heads'' of the output
+    int seqlen_q, seqlen_k, block_q, block_k, block_m, block_n, m_tiles, n_tiles;
+};
