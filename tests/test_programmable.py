@@ -196,6 +196,25 @@ def test_document_mask_mod(rng):
     _check(q, k, v, "float16", dict(mask_mod=ref, causal=True), mask_mod=mod, causal=True)
 
 
+def test_prefix_lm_mask_mod(rng):
+    """A prefix-LM mask (a per-sequence prefix seen whole, causal after it), forward and backward: the mask depends
+    on the batch and not on the head."""
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "bfloat16")
+    b, nq = q.shape[0], q.shape[1]
+    prefix = rng.integers(1, nq, b).astype(np.int32)
+    mod = cuflash.MaskMod("return kv_idx <= q_idx || kv_idx < prefix[b];", tensors={"prefix": cupy.asarray(prefix)},
+                          per_head=False)
+
+    def ref(bb, h, qi, ki):
+        return (ki <= qi) | (ki < prefix[bb])
+
+    _check(q, k, v, "bfloat16", dict(mask_mod=ref), mask_mod=mod)
+    _check_backward(rng, q, k, v, "bfloat16", dict(mask_mod=ref), mask_mod=mod)
+
+
 def test_built_in_variants_as_modifiers_match_the_built_ins(rng):
     """softcap, ALiBi and a window written as modifiers give the built-ins' results."""
     import cupy
