@@ -41,7 +41,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
                           sinks: Optional[jax.Array] = None, deterministic: bool = False,
                           bias: Optional[jax.Array] = None, dropout_p: float = 0.0,
                           dropout_seed: Union[int, jax.Array, None] = None, block_mask: Optional[jax.Array] = None,
-                          block_size: Union[int, Tuple[int, int]] = 128) -> jax.Array:
+                          block_size: Union[int, Tuple[int, int]] = 128, score_mod=None, mask_mod=None) -> jax.Array:
     """Exact attention ``softmax(q k^T * softmax_scale) v`` by cuflash's kernels, with a custom VJP.
 
     Args:
@@ -64,6 +64,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
             operand, so that a jitted step draws a new mask per call without retracing.
         block_mask: bool ``(batch or 1, heads_q or 1, ceil(seqlen_q / bq), ceil(seqlen_k / bk))`` at
             ``block_size`` bq or (bq, bk): keys in off blocks are hidden and their tiles skipped.
+        score_mod, mask_mod: ``cuflash.ScoreMod`` / ``cuflash.MaskMod`` whose tensors are JAX arrays (operands of
+            the calls; a score modifier's ``tensor_grads`` are their gradients, cast to their dtypes). GPU only:
+            XLA:CPU has no CUDA compiler for them.
 
     Returns:
         ``out`` shaped and typed like ``q``. Rows that see no key are 0.
@@ -84,11 +87,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, b, hq, q.dtype)
     register_targets()
     opts = _Opts(causal, scale, deterministic, left, right, chunk, cap)
-    if bias is None and not dropout_p and block_mask is None:
+    if bias is None and not dropout_p and block_mask is None and score_mod is None and mask_mod is None:
         return _attention(q, k, v, alibi_slopes, sinks, opts)
-    bias, rng, block_mask, popts = _check_programmable(q, k, bias, dropout_p, dropout_seed, block_mask, block_size,
-                                                       opts)
-    return _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)
+    bias, rng, block_mask, tensors, popts = _check_programmable(q, k, bias, dropout_p, dropout_seed, block_mask,
+                                                                block_size, score_mod, mask_mod, opts)
+    return _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts)
 
 
 class _Opts(tuple):
@@ -196,16 +199,26 @@ def _backward(dout, q, k, v, alibi_slopes, sinks, out, lse, opts: _Opts):
 
 
 class _ProgOpts(tuple):
-    """The static options of a programmable call: the dense ones, dropout_p, the block size and which optional
-    operands there are."""
+    """The static options of a programmable call: the dense ones, dropout_p, the block size, the modifiers' key
+    ("" for none: their templates in _MODIFIERS) and which optional operands there are."""
 
-    def __new__(cls, opts: _Opts, dropout_p: float, block_q: int, block_k: int):
-        return super().__new__(cls, (opts, dropout_p, block_q, block_k))
+    def __new__(cls, opts: _Opts, dropout_p: float, block_q: int, block_k: int, mods: str = ""):
+        return super().__new__(cls, (opts, dropout_p, block_q, block_k, mods))
 
     def attrs(self, bias, block_mask, rng) -> dict:
-        opts, p, bq, bk = self
+        opts, p, bq, bk, mods = self
         return dict(**opts.attrs(), dropout_p=np.float32(p), block_q=np.int32(bq), block_k=np.int32(bk),
-                    has_bias=bias is not None, has_block_mask=block_mask is not None, has_rng=rng is not None)
+                    has_bias=bias is not None, has_block_mask=block_mask is not None, has_rng=rng is not None,
+                    mods=mods)
+
+
+# The modifiers of the calls traced so far by key (their templates: the handlers bind them to XLA's buffers).
+_MODIFIERS: dict = {}
+
+
+def modifiers_of(key: str) -> tuple:
+    """(score_mod, mask_mod) of a traced call's modifiers ``key`` (jax_targets binds them to the operands)."""
+    return _MODIFIERS[key]
 
 
 def dropout_seed(key: jax.Array) -> jax.Array:
@@ -213,9 +226,12 @@ def dropout_seed(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (4,), jnp.uint32)
 
 
-def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, opts: _Opts) -> tuple:
-    """(bias, rng words or None, block_mask, _ProgOpts), checked as ``cuflash.forward`` checks them."""
+def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, score_mod, mask_mod,
+                        opts: _Opts) -> tuple:
+    """(bias, rng words or None, block_mask, the modifiers' tensors in slot order, _ProgOpts), checked as
+    ``cuflash.forward`` checks them."""
     from . import block_sparse, philox
+    from .modifiers import Modifiers, bind
 
     if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
         raise ValueError(f"bias, dropout and block masks take float16 or bfloat16 q so far, got {q.dtype}")
@@ -251,45 +267,74 @@ def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, opt
     if block_mask is not None:
         block_mask = jnp.asarray(block_mask)
         block_sparse.check_block_mask(block_mask, b, hq, nq, k.shape[1], (bq, bk))
-    return bias, rng, block_mask, _ProgOpts(opts, p, bq, bk)
+    tensors, key = (), ""
+    if score_mod is not None or mask_mod is not None:
+        mods = Modifiers(score_mod, mask_mod)
+        for name, t in mods.slots.items():
+            if not isinstance(t, jax.Array):
+                raise TypeError(f"modifier tensor {name!r} must be a JAX array here, got {type(t).__name__}")
+        mods.check_compiles()
+        key = mods.key
+        # Templates over shapes and dtypes alone (a traced call's tensors are tracers, not to be kept).
+        _MODIFIERS[key] = bind(score_mod, mask_mod, {n: jax.ShapeDtypeStruct(t.shape, t.dtype)
+                                                     for n, t in mods.slots.items()})
+        tensors = tuple(mods.slots.values())
+    return bias, rng, block_mask, tensors, _ProgOpts(opts, p, bq, bk, key)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
-    return _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts: _ProgOpts):
+    return _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts)[0]
 
 
-def _attention_prog_fwd(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
-    out, lse = _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts)
-    return out, (q, k, v, alibi_slopes, sinks, bias, block_mask, rng, out, lse)
+def _attention_prog_fwd(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts: _ProgOpts):
+    out, lse = _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts)
+    return out, (q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse)
+
+
+def _tensor_grads(popts: _ProgOpts, tensors: tuple) -> list:
+    """The slots (index, tensor) whose gradient the score modifier's tensor_grads give, in slot order."""
+    if not popts[4]:
+        return []
+    from .modifiers import Modifiers
+
+    score_mod, mask_mod = _MODIFIERS[popts[4]]
+    names = list(Modifiers(score_mod, mask_mod).slots)
+    wanted = set(score_mod.tensor_grads) if score_mod is not None else set()
+    return [(i, t) for i, (name, t) in enumerate(zip(names, tensors)) if name in wanted]
 
 
 def _attention_prog_bwd(popts: _ProgOpts, residuals, dout):
-    q, k, v, alibi_slopes, sinks, bias, block_mask, rng, out, lse = residuals
+    q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse = residuals
     extra, flags = _extras(alibi_slopes, sinks)
-    prog = tuple(x for x in (bias, block_mask, rng) if x is not None)
+    prog = tuple(x for x in (bias, block_mask, rng) if x is not None) + tuple(tensors)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     if sinks is not None:
         results.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
     if bias is not None:
         results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    with_grads = _tensor_grads(popts, tensors)
+    results += [jax.ShapeDtypeStruct(t.shape, jnp.float32) for _, t in with_grads]
     call = jax.ffi.ffi_call(jax_targets.BACKWARD_PROG, tuple(results), vmap_method="sequential")
     grads = list(call(dout.astype(q.dtype), q, k, v, out, lse, *extra, *prog, **popts.attrs(bias, block_mask, rng),
                       **flags, deterministic=popts[0][2]))
     dsinks = grads.pop(3).astype(sinks.dtype) if sinks is not None else None
     dbias = grads.pop(3) if bias is not None else None
+    dtensors = [None] * len(tensors)   # tensors without tensor_grads (and integer ones): no gradient
+    for (i, t), g in zip(with_grads, grads[3:]):
+        dtensors[i] = g.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.floating) else None
     dslopes = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)   # slopes are not learned
-    return grads[0], grads[1], grads[2], dslopes, dsinks, dbias, None, None
+    return grads[0], grads[1], grads[2], dslopes, dsinks, dbias, None, None, tuple(dtensors)
 
 
 _attention_prog.defvjp(_attention_prog_fwd, _attention_prog_bwd)
 
 
-def _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, popts: _ProgOpts):
+def _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts: _ProgOpts):
     """(out, lse) of a programmable call."""
     b, nq, hq, _ = q.shape
     extra, flags = _extras(alibi_slopes, sinks)
-    prog = tuple(x for x in (bias, block_mask, rng) if x is not None)
+    prog = tuple(x for x in (bias, block_mask, rng) if x is not None) + tuple(tensors)
     call = jax.ffi.ffi_call(jax_targets.FORWARD_PROG, (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
                                                        jax.ShapeDtypeStruct((b, hq, nq), jnp.float32)),
                             vmap_method="sequential")

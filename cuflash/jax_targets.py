@@ -189,9 +189,11 @@ def cuda_backward(call: Call) -> None:
 
 def _prog_kwargs(call: Call, operands: list, device: bool) -> dict:
     """Programmable attention's arguments of ``cuflash.forward`` / ``backward`` from a programmable call: the
-    operands after the variants' ``[bias][, block_mask][, rng]`` (as has_bias / has_block_mask / has_rng say; rng:
-    uint32 (4,), the (seed, offset) pair as little-endian words) and the attributes dropout_p, block_q, block_k.
-    ``device``: the rng words as the uint64 (2,) device array the kernels read; else (host) as ints."""
+    operands after the variants' ``[bias][, block_mask][, rng][, modifier tensors...]`` (as has_bias /
+    has_block_mask / has_rng and the modifiers of the ``mods`` key say; rng: uint32 (4,), the (seed, offset) pair as
+    little-endian words) and the attributes dropout_p, block_q, block_k, mods. ``device``: the rng words as the
+    uint64 (2,) device array the kernels read, the modifiers bound to the tensors' buffers; else (host) the seed
+    as ints, and modifiers refused."""
     a = call.attrs
     rest = list(operands)
     bias = rest.pop(0) if a.get("has_bias") else None
@@ -205,6 +207,15 @@ def _prog_kwargs(call: Call, operands: list, device: bool) -> dict:
         else:
             w = [int(x) for x in np.asarray(words, dtype=np.uint32)]
             kwargs.update(seed=w[0] | w[1] << 32, offset=w[2] | w[3] << 32)
+    if a.get("mods"):
+        if not device:
+            raise ValueError("score_mod / mask_mod run on a GPU only (XLA:CPU has no CUDA compiler for them)")
+        from .jax import modifiers_of
+        from .modifiers import Modifiers, bind
+
+        score_mod, mask_mod = modifiers_of(a["mods"])
+        names = list(Modifiers(score_mod, mask_mod).slots)
+        kwargs["score_mod"], kwargs["mask_mod"] = bind(score_mod, mask_mod, dict(zip(names, rest[:len(names)])))
     return kwargs
 
 
@@ -247,7 +258,13 @@ def cuda_backward_prog(call: Call) -> None:
                          softmax_scale=float(call.attrs["softmax_scale"]),
                          deterministic=bool(call.attrs["deterministic"]), dq=rets[0], dk=rets[1], dv=rets[2],
                          **kwargs, **prog)
-        for buf, g in zip(rets[3:], grads[3:]):   # dsinks, dbias
+        rest = list(grads[3:])
+        if rest and isinstance(rest[-1], dict):   # the score modifier's tensor gradients, in slot order
+            from .modifiers import Modifiers
+
+            by_name = rest.pop()
+            rest += [by_name[n] for n in Modifiers(prog.get("score_mod"), prog.get("mask_mod")).slots if n in by_name]
+        for buf, g in zip(rets[3:], rest):   # dsinks, dbias, the tensors' gradients
             buf[...] = g
 
 

@@ -295,3 +295,14 @@ class Modifiers:
         """The arrays in slot order (ProgParams.mod_tensor0, ...)."""
         return list(self.slots.values())
 
+
+def bind(score_mod: Optional[ScoreMod], mask_mod: Optional[MaskMod], arrays: Mapping[str, Any]) -> tuple:
+    """(score_mod, mask_mod) as given, their tensors replaced by ``arrays`` (name -> array, every slot): the same
+    modifiers (and generated code) over another framework's arrays, e.g. CuPy views of JAX's buffers."""
+    score = None if score_mod is None else ScoreMod(
+        score_mod.source, score_mod.grad, tensors={n: arrays[n] for n in score_mod.tensors},
+        tensor_grads=score_mod.tensor_grads)
+    mask = None if mask_mod is None else MaskMod(
+        mask_mod.source, tensors={n: arrays[n] for n in mask_mod.tensors}, per_batch=mask_mod.per_batch,
+        per_head=mask_mod.per_head)
+    return score, mask

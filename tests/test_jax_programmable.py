@@ -94,3 +94,67 @@ def test_programmable_argument_errors():
         cj.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                  bias=jnp.zeros((NQ, NK)))
     assert cj.dropout_seed(jax.random.PRNGKey(0)).shape == (4,)
+
+
+def _relpos_mod(table):
+    import cuflash
+
+    return cuflash.ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
+                            tensors={"table": table},
+                            tensor_grads={"table": "atomicAdd(&d_table[h * 64 + min(abs(q_idx - kv_idx), 63)], "
+                                                   "dscore);"})
+
+
+def _table(device):
+    return jax.device_put(jnp.asarray(np.random.default_rng(5).normal(0, 0.5, HQ * 64).astype(np.float32)), device)
+
+
+def test_modifiers_are_checked_and_refused_on_the_cpu_backend():
+    import cuflash
+
+    q = jax.device_put(jnp.zeros((B, NQ, HQ, D), jnp.bfloat16), CPU)
+    k = v = jax.device_put(jnp.zeros((B, NK, HKV, D), jnp.bfloat16), CPU)
+    with pytest.raises(TypeError, match="must be a JAX array"):
+        cj.dot_product_attention(q, k, v, mask_mod=cuflash.MaskMod("return docs[q_idx] == docs[kv_idx];",
+                                                                   tensors={"docs": np.zeros(NK, np.int32)}))
+    with pytest.raises(Exception, match="run on a GPU only"):
+        cj.dot_product_attention(q, k, v, score_mod=_relpos_mod(_table(CPU))).block_until_ready()
+
+
+def test_modifiers_on_the_gpu_with_the_tables_gradient():
+    """A relative-position score modifier and a document mask through the custom calls, under jit and grad: the
+    output, dq, dk, dv and the table's gradient against float64 (the reference's dscore hook)."""
+    import cuflash
+
+    if GPU is None:
+        pytest.skip("needs a CUDA JAX backend and a CuPy device")
+    rng = np.random.default_rng(13)
+    put = lambda x: jax.device_put(jnp.asarray(x), GPU)   # noqa: E731
+    q, k, v = (put(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)
+               for s in ((B, NQ, HQ, D), (B, NK, HKV, D), (B, NK, HKV, D)))
+    dout = put(rng.standard_normal((B, NQ, HQ, D)).astype(np.float32))
+    docs = np.sort(rng.integers(0, 4, max(NQ, NK))).astype(np.int32)
+    mask = cuflash.MaskMod("return docs[q_idx] == docs[kv_idx];", tensors={"docs": put(docs)})
+
+    def loss(q, k, v, table):
+        out = cj.dot_product_attention(q, k, v, causal=True, score_mod=_relpos_mod(table), mask_mod=mask)
+        return (out.astype(jnp.float32) * dout).sum(), out
+
+    table0 = _table(GPU)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, table0)
+    t = np.asarray(table0, np.float64).reshape(HQ, 64)
+    dtable = np.zeros_like(t)
+
+    def hook(dscore, bb, h, qi, ki):
+        np.add.at(dtable[h], np.minimum(np.abs(qi - ki), 63), dscore)
+
+    host = dict(causal=True, score_mod=lambda s, bb, h, qi, ki: s + t[h][np.minimum(np.abs(qi - ki), 63)],
+                score_mod_grad=lambda s, bb, h, qi, ki: np.ones_like(s),
+                mask_mod=lambda bb, h, qi, ki: docs[qi] == docs[ki])
+    ref_o, _ = attention_reference(_f64(q), _f64(k), _f64(v), **host)
+    refs = attention_reference_backward(np.asarray(dout, np.float64), _f64(q), _f64(k), _f64(v), dscore_hook=hook,
+                                        **host)
+    assert rel_err(_f64(out), ref_o) <= FWD_TOL["bfloat16"]
+    for name, g, r in zip(("dq", "dk", "dv", "dtable"), grads, list(refs[:3]) + [dtable.reshape(-1)]):
+        err = rel_err(_f64(g), r)
+        assert err <= BWD_TOL["bfloat16"], f"{name} rel err {err:.3e}"
