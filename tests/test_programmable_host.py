@@ -212,7 +212,7 @@ class _Launches:
         programmable._plans.clear()
 
     def prog(self, i: int):
-        blob = self.calls[i][3][0]
+        blob = self.calls[i][3][-1]   # after the tensor maps of a Hopper kernel
         return np.frombuffer(blob.tobytes(), params.PROG_PARAMS)[0]
 
 
@@ -234,6 +234,55 @@ def test_forward_launch_glue_without_a_device(monkeypatch):
     pp = rec.prog(0)
     assert (pp["seed"], pp["offset"], pp["dropout_threshold"]) == (77, 5, round(0.25 * 65536))
     assert (pp["bias_batch_stride"], pp["bias_head_stride"], pp["bias_row_stride"], pp["bias_col_stride"]) == (NK, 0, 0, 1)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_hopper_forward_launch_glue(monkeypatch, tma):
+    """On Hopper the forward launches sm90_fwd_prog with the tensor maps, then ProgParams; where TMA cannot address
+    the inputs, the portable kernel with ProgParams alone."""
+    from cuflash import api, launch, sm90, variants
+
+    rec = _Launches(monkeypatch, cc=90)
+    monkeypatch.setattr(sm90, "fwd_tensor_maps", lambda cfg, q, k, v: "MAPS" if tma else None)
+    q, k, v = _qkv()
+    out, lse = arr(q.shape, np.float16), arr((B, HQ, NQ), np.float32)
+    prog = _check(q=q, bias=arr((B, 1, 1, NK), np.float16), dropout_p=0.25, seed=77)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=True, batch=B, heads_q=HQ, device_id=None)
+    programmable.launch_forward(q, k, v, out, lse, prog, causal=True, scale=0.125, dims=(B, NQ, NK, HQ, HKV, D),
+                                device_id=0, opts=api.options.current(), var=var)
+    (cfg, grid, p, extra), = rec.calls
+    assert cfg.family == ("sm90_fwd_prog" if tma else "sm80_fwd_prog")
+    assert grid == launch.fwd_grid(cfg, B, HQ, NQ) and len(extra) == (2 if tma else 1)
+    assert extra[0] == "MAPS" if tma else True
+    pp = rec.prog(0)
+    assert (pp["seed"], pp["dropout_threshold"], pp["bias_col_stride"]) == (77, round(0.25 * 65536), 1)
+
+
+def test_hopper_backward_launch_glue(monkeypatch):
+    """On Hopper the backward runs the plain Hopper backward's launches (preprocess, dK / dV with dQ tiles,
+    postprocess) with the programmable dK / dV kernel, its tensor maps, then ProgParams."""
+    from cuflash import api, sm90, variants
+
+    rec = _Launches(monkeypatch, cc=90)
+    monkeypatch.setattr(sm90, "bwd_tensor_maps", lambda cfg, q, k, v, dout: "MAPS")
+    q, k, v = _qkv()
+    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
+    lse = arr((B, HQ, NQ), np.float32)
+    dq, dk, dv = arr(q.shape, np.float16), arr(k.shape, np.float16), arr(v.shape, np.float16)
+    prog = _check(q=q, dropout_p=0.1, seed=3)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=False, batch=B, heads_q=HQ, device_id=None)
+    programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False, scale=0.125,
+                                 dims=(B, NQ, NK, HQ, HKV, D), device_id=0, opts=api.options.current(), var=var)
+    families = [c.family for c, *_ in rec.calls]
+    assert families == ["bwd_preprocess", "sm90_bwd_dkdv_dqtile_prog", "bwd_postprocess_tiled"]
+    dkdv_cfg, _, _, extra = rec.calls[1]
+    assert extra[0] == "MAPS" and len(extra) == 2 and rec.prog(1)["seed"] == 3
+    assert rec.calls[2][0].block_m == dkdv_cfg.block_m == 64   # the postprocess reads the dQ tiles of the dK / dV kernel
+    with api.options.override(bwd_backend="sm80"):   # or deterministic: the portable pair
+        rec.calls.clear()
+        programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False, scale=0.125,
+                                     dims=(B, NQ, NK, HQ, HKV, D), device_id=0, opts=api.options.current(), var=var)
+        assert [c.family for c, *_ in rec.calls] == ["bwd_preprocess", "sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"]
 
 
 def test_backward_launch_glue_without_a_device(monkeypatch):
