@@ -236,6 +236,22 @@ def test_forward_launch_glue_without_a_device(monkeypatch):
     assert (pp["bias_batch_stride"], pp["bias_head_stride"], pp["bias_row_stride"], pp["bias_col_stride"]) == (NK, 0, 0, 1)
 
 
+def _launch_backward(**prog_kwargs):
+    """programmable.launch_backward of a non-causal call with ``prog_kwargs`` on fake arrays (under _Launches):
+    its result and dq."""
+    from cuflash import api, variants
+
+    q, k, v = _qkv()
+    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
+    lse = arr((B, HQ, NQ), np.float32)
+    dq, dk, dv = arr(q.shape, np.float16), arr(k.shape, np.float16), arr(v.shape, np.float16)
+    prog = _check(q=q, **prog_kwargs)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=False, batch=B, heads_q=HQ, device_id=None)
+    return programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False, scale=0.125,
+                                        dims=(B, NQ, NK, HQ, HKV, D), device_id=0, opts=api.options.current(),
+                                        var=var), dq
+
+
 @pytest.mark.parametrize("tma", [True, False])
 def test_hopper_forward_launch_glue(monkeypatch, tma):
     """On Hopper the forward launches sm90_fwd_prog with the tensor maps, then ProgParams; where TMA cannot address
@@ -261,18 +277,11 @@ def test_hopper_forward_launch_glue(monkeypatch, tma):
 def test_hopper_backward_launch_glue(monkeypatch):
     """On Hopper the backward runs the plain Hopper backward's launches (preprocess, dK / dV with dQ tiles,
     postprocess) with the programmable dK / dV kernel, its tensor maps, then ProgParams."""
-    from cuflash import api, sm90, variants
+    from cuflash import api, sm90
 
     rec = _Launches(monkeypatch, cc=90)
     monkeypatch.setattr(sm90, "bwd_tensor_maps", lambda cfg, q, k, v, dout: "MAPS")
-    q, k, v = _qkv()
-    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
-    lse = arr((B, HQ, NQ), np.float32)
-    dq, dk, dv = arr(q.shape, np.float16), arr(k.shape, np.float16), arr(v.shape, np.float16)
-    prog = _check(q=q, dropout_p=0.1, seed=3)
-    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=False, batch=B, heads_q=HQ, device_id=None)
-    programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False, scale=0.125,
-                                 dims=(B, NQ, NK, HQ, HKV, D), device_id=0, opts=api.options.current(), var=var)
+    _launch_backward(dropout_p=0.1, seed=3)
     families = [c.family for c, *_ in rec.calls]
     assert families == ["bwd_preprocess", "sm90_bwd_dkdv_dqtile_prog", "bwd_postprocess_tiled"]
     dkdv_cfg, _, _, extra = rec.calls[1]
@@ -280,24 +289,13 @@ def test_hopper_backward_launch_glue(monkeypatch):
     assert rec.calls[2][0].block_m == dkdv_cfg.block_m == 64   # the postprocess reads the dQ tiles of the dK / dV kernel
     with api.options.override(bwd_backend="sm80"):   # or deterministic: the portable pair
         rec.calls.clear()
-        programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False, scale=0.125,
-                                     dims=(B, NQ, NK, HQ, HKV, D), device_id=0, opts=api.options.current(), var=var)
+        _launch_backward(dropout_p=0.1, seed=3)
         assert [c.family for c, *_ in rec.calls] == ["bwd_preprocess", "sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"]
 
 
 def test_backward_launch_glue_without_a_device(monkeypatch):
-    from cuflash import api, variants
-
     rec = _Launches(monkeypatch)
-    q, k, v = _qkv()
-    out, dout = arr(q.shape, np.float16), arr(q.shape, np.float16)
-    lse = arr((B, HQ, NQ), np.float32)
-    dq, dk, dv = arr(q.shape, np.float16), arr(k.shape, np.float16), arr(v.shape, np.float16)
-    prog = _check(q=q, dropout_p=0.1, seed=3)
-    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=False, batch=B, heads_q=HQ, device_id=None)
-    dsinks, dbias, grads = programmable.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=False,
-                                                        scale=0.125, dims=(B, NQ, NK, HQ, HKV, D), device_id=0,
-                                                        opts=api.options.current(), var=var)
+    (dsinks, dbias, grads), dq = _launch_backward(dropout_p=0.1, seed=3)
     assert dsinks is None and dbias is None and grads == {}
     families = [c.family for c, *_ in rec.calls]
     assert families == ["bwd_preprocess", "sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"]
