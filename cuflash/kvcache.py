@@ -169,11 +169,8 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
 
     _checks.check_array("q", q)
     fp8 = isinstance(k_cache, cupy.ndarray) and k_cache.dtype in fp8_mod.FP8_DTYPES
-    if q.dtype == np.float32 and not fp8 and not latent:
-        if not options.current().decode_fp32:
-            raise TypeError("float32 KV caches are built but not yet validated on a GPU: set CUFLASH_DECODE_FP32=1 "
-                            "to use them (issue #44); else q must be float16 or bfloat16")
-    elif q.dtype not in (np.float16, _checks.BFLOAT16):
+    f32_caches = q.dtype == np.float32 and not fp8 and not latent   # (the portable kernel)
+    if not f32_caches and q.dtype not in (np.float16, _checks.BFLOAT16):
         raise TypeError(f"q must be float16 or bfloat16 (or float32 over float32 caches), got {q.dtype}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if fp8:   # e4m3 bytes, both caches
@@ -557,10 +554,11 @@ def run(q, k_cache, v_cache, k, v, cache_seqlens, lay: CacheLayout, *, rotary_co
     # Heads fastest: the CTAs reading one key range of every KV head start together, and a key's rows of all heads
     # (adjacent in memory) are read at about the same time.
     launch.launch(kern, cfg, (m_tiles * hkv, splits, b), p, smem, extra)
-    # 3. The splits merged (Options.decode_pdl, Hopper: launched while the decode kernel runs, waiting for it).
+    # 3. The splits merged; on Hopper launched while the decode kernel runs, waiting for it on the device, which
+    # hides the merge's launch (batch 1's split-KV regime: BENCHMARKS.md).
     if merged:
         combine_into(o_part, lse_part, out, lse, opts=opts,
-                     programmatic=opts.decode_pdl and decode_backend(dev, opts).startswith("sm90"))
+                     programmatic=decode_backend(dev, opts).startswith("sm90"))
     capture.keep_if_capturing(*keep)
     return out, lse
 
@@ -605,7 +603,7 @@ def combine_into(outs, lses, out, lse, *, opts: Optional[options.Options] = None
         outs.data.ptr, lses.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0, *_strides(out),
         s, b, n, h, d, int(outs.dtype == np.float32)))
     rows = b * n * h
-    if rows:   # (Options.decode_pdl: as the decode kernel's programmatic dependent, on Hopper)
+    if rows:
         launch.launch(kern, cfg, (-(-rows // NUM_WARPS), 1, 1), p, smem, programmatic=programmatic)
 
 

@@ -18,16 +18,6 @@ CUFLASH_DECODE_BACKEND                    decode_backend ("auto")     forward_kv
                                                                       (the cp.async ring, every GPU) | "sm90"
                                                                       (producer warps fill the ring, cc 9.0) |
                                                                       "sm90_tma" (TMA boxes, 16-bit caches)
-CUFLASH_DECODE_FP32                       decode_fp32 (False)         "1": forward_kvcache takes float32
-                                                                      (built, not yet validated on a GPU); else
-                                                                      refused
-CUFLASH_DECODE_PDL                        decode_pdl (False)          "1": the split merge launched as a
-                                                                      programmatic dependent (cc 9.0), under
-                                                                      measurement
-CUFLASH_BLOCK_LISTS_KERNEL                block_lists_kernel (False)  "1": a block-sparse call's key-tile lists
-                                                                      by one kernel (aux/block_lists.cu; built,
-                                                                      not yet validated on a GPU); else by
-                                                                      array operations
 CUFLASH_SM90_FWD_CLUSTER                  sm90_fwd_cluster ("auto")   the tuned table's cluster kernels: "auto"
                                                                       (both sequences >= 32k tokens), "1"
                                                                       (wherever they apply), "0" (never)
@@ -98,9 +88,6 @@ ENV = {
     "fwd_backend": "CUFLASH_FWD_BACKEND",
     "bwd_backend": "CUFLASH_BWD_BACKEND",
     "decode_backend": "CUFLASH_DECODE_BACKEND",
-    "decode_fp32": "CUFLASH_DECODE_FP32",
-    "decode_pdl": "CUFLASH_DECODE_PDL",
-    "block_lists_kernel": "CUFLASH_BLOCK_LISTS_KERNEL",
     "sm90_fwd_cluster": "CUFLASH_SM90_FWD_CLUSTER",
     "sm90_fp8_persistent": "CUFLASH_SM90_FP8_PERSISTENT",
     "sm90_bwd_short": "CUFLASH_SM90_BWD_SHORT",
@@ -161,9 +148,6 @@ class Options:
     fwd_backend: str = "auto"
     bwd_backend: str = "auto"
     decode_backend: str = "auto"
-    decode_fp32: bool = False
-    decode_pdl: bool = False
-    block_lists_kernel: bool = False
     sm90_fwd_cluster: str = "auto"
     sm90_fp8_persistent: Optional[bool] = None
     sm90_bwd_short: Optional[bool] = None
@@ -188,9 +172,6 @@ class Options:
         _check_choice("fwd_backend", self.fwd_backend, FWD_BACKENDS)
         _check_choice("bwd_backend", self.bwd_backend, BWD_BACKENDS)
         _check_choice("decode_backend", self.decode_backend, DECODE_BACKENDS)
-        _check_flag("decode_fp32", self.decode_fp32, optional=False)
-        _check_flag("decode_pdl", self.decode_pdl, optional=False)
-        _check_flag("block_lists_kernel", self.block_lists_kernel, optional=False)
         _check_choice("sm90_fwd_cluster", self.sm90_fwd_cluster, CLUSTER_MODES)
         _check_flag("sm90_fp8_persistent", self.sm90_fp8_persistent, optional=True)
         _check_flag("sm90_bwd_short", self.sm90_bwd_short, optional=True)
@@ -224,8 +205,7 @@ def _parse(field_name: str, text: str):
     var = ENV[field_name]
     if field_name.endswith("_tiles"):
         return parse_tiles(field_name, text)
-    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short", "decode_fp32", "decode_pdl",
-                      "block_lists_kernel"):
+    if field_name in ("sm90_fp8_persistent", "sm90_bwd_short"):
         if text not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1; got {text!r}")
         return text == "1"

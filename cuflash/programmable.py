@@ -250,7 +250,8 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
     """The ProgParams bytes of a launch; ``keep`` receives the arrays made here (the tile lists), which must live
     until the kernel has run; ``coverage``: the mask modifier's (mask_mod_coverage), where it has one; ``lists``:
     whether the kernel reads the key-tile lists (the dK / dV kernels read tile_state instead); ``device``:
-    (device id, Options) of the launch, for Options.block_lists_kernel."""
+    (device id, Options) of the launch, where one kernel builds the lists (aux/block_lists.cu); without it they come
+    from array operations (_tile_lists: the tests' reference, numpy or CuPy)."""
     p = {name: 0 for name in params.PROG_PARAMS.names}
     if prog.bias is not None:
         b = prog.bias
@@ -263,7 +264,7 @@ def prog_params(prog: ProgArgs, *, seqlen_q: int, seqlen_k: int, block_m: int, b
         p["dropout_threshold"] = philox.dropout_threshold(prog.dropout_p)
         p["dropout_scale"] = 1.0 / (1.0 - prog.dropout_p)
     if lists and (prog.block_mask is not None or coverage is not None):
-        if device is not None and device[1].block_lists_kernel:
+        if device is not None:
             kv_count, kv_index = found = _device_tile_lists(prog, seqlen_q, seqlen_k, block_m, block_n, coverage,
                                                             *device)
         else:

@@ -185,11 +185,10 @@ case $phase in
     rows=${1:-'b1-4k-*,b1-32k-*,b1-128k-*,b8-4k-*,b8-32k-*,b64-32k-*'}
     timeout 420 python3 -m pytest -q -p no:cacheprovider --require-gpu tests/test_kvcache.py 2>&1 \
       | tee "$OUT/decode-ab-tests.log" | grep -av "arn" | tail -n 25 || status=1
-    # the TMA ring (Hopper's default) against its switches under measurement: the split merge as a programmatic
-    # dependent, deeper rings
-    timeout 300 python3 $HERE/decode_ab.py --rows "$rows" --repeats 8 --warmup 1 \
-      "@CUFLASH_DECODE_BACKEND=sm90_tma" "@CUFLASH_DECODE_PDL=1" "-DCUFLASH_DECODE_TMA_STAGES=4" \
-      "-DCUFLASH_DECODE_TMA_STAGES=5" "@CUFLASH_DECODE_PDL=1 -DCUFLASH_DECODE_TMA_STAGES=5" 2>&1 \
+    # the decode kernels side by side (extra variants after the rows: dev/decode_ab.py's tokens)
+    shift || true
+    timeout 300 python3 $HERE/decode_ab.py --rows "$rows" --repeats 8 --warmup 1 -- \
+      "@CUFLASH_DECODE_BACKEND=sm80" "@CUFLASH_DECODE_BACKEND=sm90" "@CUFLASH_DECODE_BACKEND=sm90_tma" "$@" 2>&1 \
       | tee "$OUT/decode-ab.log" | tail -n 12
     ;;
   decode)

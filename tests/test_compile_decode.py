@@ -84,22 +84,6 @@ def test_decode_kernels_compile_without_spills(cc):
     assert_all_compile(_configs(("sm80", "sm90", "sm90_tma") if cc == "90a" else ("sm80",)), cc)
 
 
-@pytest.mark.parametrize("stages", [4, 5])
-def test_tma_ring_depths_under_measurement_compile(stages):
-    """-DCUFLASH_DECODE_TMA_STAGES (a deeper TMA ring, under measurement: dev/device_run.sh decode-ab) builds the
-    TMA tiles without spills at 16 and 32 packed rows."""
-    from cuflash import options
-
-    configs = {}
-    for rows in ((1, 8, 1), (4, 8, 1)):
-        for d, dv in ((64, 64), (128, 128)):
-            c = kvcache.decode_configs("bfloat16", _layout(*rows, d, dv), False, VARIANTS[0], "sm90_tma")[0]
-            assert c.family == "decode_sm90_tma"
-            configs[c.key()] = c
-    with options.override(nvrtc_defines=(f"-DCUFLASH_DECODE_TMA_STAGES={stages}",)):
-        assert_all_compile(list(configs.values()), "90a")
-
-
 @pytest.mark.parametrize("arch", ["80", "89"])
 def test_portable_fp8_decode_compiles(arch):
     """The portable kernel over fp8 caches and the fp8 append compile without spills, at the head-dim buckets and row

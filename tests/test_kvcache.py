@@ -569,41 +569,34 @@ def test_torch_flash_attn_with_kvcache_fp8(rng, decode_backend):
 
 @pytest.mark.parametrize("name", ["contig-fp16-splits3-sinks-window-rotary", "paged16-bf16-splits3-q4-append1-causal"])
 def test_split_merge_as_programmatic_dependent(rng, decode_backend, name):
-    """CUFLASH_DECODE_PDL=1 (Hopper): the split merge launched while the decode kernel runs, waiting for it on the
-    device (griddepcontrol): bit for bit the output, lse and caches of the ordinary launch, on the same inputs; also
-    inside a captured CUDA graph, replayed."""
+    """On Hopper the split merge is launched while the decode kernel runs and waits for it on the device
+    (griddepcontrol): the output and lse against the float64 reference, and a captured CUDA graph's replay bit for
+    bit the eager call's."""
     import cupy
     import cuflash
-    from cuflash import options
 
     if decode_backend == "sm80":
         pytest.skip("programmatic dependent launch: Hopper's decode kernels")
     case = dict(CASES[name])
     num_splits = case.pop("num_splits")
-    dev, _, _ = _build(rng, **case)
+    dev, ref, meta = _build(rng, **case)
     fresh = lambda: {k: (x.copy() if k in ("k_cache", "v_cache") else x) for k, x in dev.items()}
-    base = fresh()
-    want_out, want_lse = cuflash.forward_kvcache(**base, num_splits=num_splits, return_lse=True)
-    with options.override(decode_pdl=True):
-        got = fresh()
-        out, lse = cuflash.forward_kvcache(**got, num_splits=num_splits, return_lse=True)
-        for name_, a, b in (("out", out, want_out), ("lse", lse, want_lse),
-                            ("k_cache", got["k_cache"], base["k_cache"]), ("v_cache", got["v_cache"], base["v_cache"])):
-            assert np.array_equal(_bits(to_host(a)), _bits(to_host(b))), name_
+    _check(fresh(), ref, meta, num_splits)
+    want_out, want_lse = cuflash.forward_kvcache(**fresh(), num_splits=num_splits, return_lse=True)
+    graph_args = fresh()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)   # (warm-up: compiled)
         graph_args = fresh()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)   # (warm-up: compiled)
-            graph_args = fresh()
-            stream.begin_capture()
-            try:
-                g_out, g_lse = cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)
-            finally:
-                graph = stream.end_capture()
-            graph.launch(stream)
-        stream.synchronize()
-        assert np.array_equal(_bits(to_host(g_out)), _bits(to_host(want_out)))
-        assert np.array_equal(_bits(to_host(g_lse)), _bits(to_host(want_lse)))
+        stream.begin_capture()
+        try:
+            g_out, g_lse = cuflash.forward_kvcache(**graph_args, num_splits=num_splits, return_lse=True)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(_bits(to_host(g_out)), _bits(to_host(want_out)))
+    assert np.array_equal(_bits(to_host(g_lse)), _bits(to_host(want_lse)))
 
 
 @requires_gpu
@@ -835,8 +828,7 @@ F32_CASES = {
 @pytest.mark.parametrize("name", list(F32_CASES))
 def test_float32_caches(rng, decode_backend, name):
     """float32 q and caches (the portable kernel on every GPU): out, lse and the caches after the append against the
-    float64 reference at float32's bounds; refused, the caches untouched, unless CUFLASH_DECODE_FP32=1 (until the
-    kernel has run on a GPU)."""
+    float64 reference at float32's bounds."""
     import cuflash
     from cuflash import options
 
@@ -845,10 +837,7 @@ def test_float32_caches(rng, decode_backend, name):
     case = dict(F32_CASES[name])
     num_splits = case.pop("num_splits", 0)
     dev, ref, meta = _build(rng, **case)
-    with pytest.raises(TypeError, match="CUFLASH_DECODE_FP32"):
-        cuflash.forward_kvcache(**dev)
-    with options.override(decode_fp32=True):
-        _check(dev, ref, meta, num_splits)
+    _check(dev, ref, meta, num_splits)
 
 
 # MLA's latent cache (v_cache=None): head dim 576, V the first 512 columns of each K row, one KV head.

@@ -434,7 +434,7 @@ def test_vjp_carries_the_programmable_arguments(rng):
 @pytest.mark.parametrize("tile", [(128, 64), (64, 32), (128, 128)])
 @pytest.mark.parametrize("with_mask_mod", [False, True])
 def test_block_lists_kernel_matches_the_array_lists(rng, tile, with_mask_mod):
-    """aux/block_lists.cu (CUFLASH_BLOCK_LISTS_KERNEL) against the array operations' lists: the counts, and every
+    """aux/block_lists.cu (the device's lists) against the array operations' lists: the counts, and every
     entry up to each count (the kernel leaves the rest unwritten)."""
     import cupy
     from cuflash import options, programmable
@@ -457,15 +457,12 @@ def test_block_lists_kernel_matches_the_array_lists(rng, tile, with_mask_mod):
         np.testing.assert_array_equal(got_index[at][:counts[at]], want_index[at][:counts[at]])
 
 
-def test_block_mask_forward_with_the_lists_kernel(rng, family):
+def test_block_mask_forward_with_more_keys_than_queries(rng, family):
     import cupy
-    from cuflash import options
     from cuflash.block_sparse import block_grid
 
     q, k, v = _inputs(rng, "kv_longer", "bfloat16")
     b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
     blocks = rng.random((b, hq) + block_grid(nq, nk, 64)) < 0.5
     blocks[..., 0] = True
-    with options.override(block_lists_kernel=True):
-        _check(q, k, v, "bfloat16", dict(block_mask=blocks, block_size=64), block_mask=cupy.asarray(blocks),
-               block_size=64)
+    _check(q, k, v, "bfloat16", dict(block_mask=blocks, block_size=64), block_mask=cupy.asarray(blocks), block_size=64)

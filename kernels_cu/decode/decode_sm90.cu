@@ -19,11 +19,6 @@
 #include "../sm90/pipeline.cuh"
 #include "../sm90/tma.cuh"
 
-// The TMA ring's depth (0: DecodeTile's, 3 stages up to 256 columns of K and V together). Under measurement
-// (dev/decode_ab.py): one CTA an SM streams a batch-1 sequence's split, and may want more bytes in flight.
-#ifndef CUFLASH_DECODE_TMA_STAGES
-#define CUFLASH_DECODE_TMA_STAGES 0
-#endif
 // The producer warps (cuflash/kvcache.py's SM90_PRODUCER_WARPS: the launch's threads count them). Four beat two on
 // paged caches and tie on contiguous ones; one halves the bandwidth (BENCHMARKS.md).
 constexpr int kProducerWarps = 4;
@@ -40,7 +35,8 @@ struct DecodeSm90Tile
     : DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent> {
     using Base = DecodeTile<kHeadDim, kHeadDimV, kBlockM, kBlockN, kConsumerWarps, kLatent>;
     static constexpr bool kFp8 = kLoad == kLoadCpAsyncFp8, kTma = kLoad == kLoadTma;
-    static constexpr int kStages = kTma && CUFLASH_DECODE_TMA_STAGES > 0 ? CUFLASH_DECODE_TMA_STAGES : Base::kStages;
+    // DecodeTile's ring depth: 4 or 5 TMA stages measured 1-3 % slower at batch 1 and 8 (BENCHMARKS.md).
+    static constexpr int kStages = Base::kStages;
     static constexpr int kBarrierBytes = 128;   // the full and empty barriers, before Q
     static_assert(2 * kStages * 8 <= kBarrierBytes, "barriers of the ring");
     static constexpr int kElemBytes = kFp8 ? 1 : 2;
