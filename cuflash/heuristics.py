@@ -351,6 +351,8 @@ def prog_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, variant: M
         if block_m == 192:
             block_m, warps = 128, 12   # three warpgroups have no registers to spare for the per-element parts
         block_n = min(block_n, PROG_SM90_FWD_MAX_BLOCK_N if head_dim_bucket(max(head_dim, head_dim_v)) < 256 else 32)
+        if opts.sm90_fwd_tiles is not None and opts.sm90_fwd_tiles != SM90_SPLIT_TILE:   # (tuning)
+            block_m, block_n, warps = opts.sm90_fwd_tiles
         return KernelConfig("sm90_fwd_prog", dtype, head_dim, causal, block_m, block_n, warps, variant,
                             0 if head_dim_v == head_dim else head_dim_v)
     base = fwd_config(dtype, head_dim, causal, cc, backend="sm80", variant=variant, head_dim_v=head_dim_v)

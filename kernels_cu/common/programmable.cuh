@@ -76,6 +76,30 @@ struct ProgPolicy {
     __device__ __forceinline__ float bias(i64 row_at, int col) const {
         return bias_to_float<typename Variant::Bias>(pp.bias, row_at + (pp.bias_col_stride != 0 ? col : 0));
     }
+    // Whether every lane's two adjacent columns (col even) can be read by one load: contiguous keys, and the
+    // base and every row start aligned to the pair (uniform: checked once, the loads then branch-free).
+    __device__ __forceinline__ bool bias_pairs() const {
+        constexpr int kElemBytes = IsFloat<typename Variant::Bias>::value ? 4 : 2;
+        return pp.bias_col_stride == 1 && (reinterpret_cast<unsigned long long>(pp.bias) & (2 * kElemBytes - 1)) == 0
+               && ((pp.bias_batch_stride | pp.bias_head_stride | pp.bias_row_stride) & 1) == 0;
+    }
+    // Columns col, col + 1 of the row starting at row_at by one load (bias_pairs), 0 outside the sequences
+    // (row_in: the row is inside); predicated loads, no branches, so that a tile's loads issue together.
+    __device__ __forceinline__ float2 bias_pair(i64 row_at, int col, bool row_in, int seqlen_k) const {
+        using T = typename Variant::Bias;
+        const bool both = row_in && col + 1 < seqlen_k, first = row_in && col + 1 == seqlen_k;
+        float2 v;
+        if constexpr (IsFloat<T>::value) {
+            const float* at = static_cast<const float*>(pp.bias) + row_at + col;
+            v = both ? *reinterpret_cast<const float2*>(at) : make_float2(first ? at[0] : 0.f, 0.f);
+        } else {
+            const u16* at = static_cast<const u16*>(pp.bias) + row_at + col;
+            const u32 two = both ? *reinterpret_cast<const u32*>(at) : (first ? static_cast<u32>(at[0]) : 0u);
+            v.x = (both || first) ? ElemTraits<T>::to_float(static_cast<u16>(two & 0xFFFFu)) : 0.f;
+            v.y = both ? ElemTraits<T>::to_float(static_cast<u16>(two >> 16)) : 0.f;
+        }
+        return v;
+    }
     // The modified unscaled score of element (row, col), whose bias row starts at row_at (kBias).
     __device__ __forceinline__ float modify_score(float s, int row, int col, i64 row_at) const {
         if constexpr (kPolicyAddsBias) s = fmaf(bias(row_at, col), inv_scale, s);

@@ -27,20 +27,41 @@ struct FwdProg<Variant, kBlockN, true> {
     __device__ __forceinline__ FwdProg(const ProgParams* pp_, int batch_, int head_, int heads_, int row0_, int lane)
         : pp(*pp_), batch(batch_), head(head_), heads(heads_), row0(row0_), g(lane >> 2), t4(lane & 3) {}
 
+    // A lane's two columns of an n8 block are adjacent: one load for the pair where aligned (ProgPolicy::bias_pairs);
+    // a bias broadcast over the queries (key padding) gives the lane's second row the first one's values.
     __device__ __forceinline__ void load_bias(BiasRegs& b, const FwdParams& p, int n_block) const {
         if constexpr (kPrefetchBias) {
             const Policy prog(pp, batch, head, p.softmax_scale);
+            const bool one_row = pp.bias_row_stride == 0, pairs = prog.bias_pairs();
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row0 + g + 8 * h;
-                const i64 row_at = prog.bias_row(row);
+                const bool row_in = row < p.seqlen_q;
+                if (h == 1 && one_row) {
 #pragma unroll
-                for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const int col = n_block * kBlockN + 8 * j + 2 * t4 + (e & 1);
-                        b[j][e] = row < p.seqlen_q && col < p.seqlen_k ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
+                    for (int j = 0; j < kBlockN / 8; ++j) {
+                        b[j][2] = row_in ? b[j][0] : 0.f;
+                        b[j][3] = row_in ? b[j][1] : 0.f;
                     }
+                    continue;
+                }
+                const i64 row_at = prog.bias_row(row);
+                if (pairs) {
+#pragma unroll
+                    for (int j = 0; j < kBlockN / 8; ++j) {
+                        const float2 v = prog.bias_pair(row_at, n_block * kBlockN + 8 * j + 2 * t4, row_in, p.seqlen_k);
+                        b[j][2 * h] = v.x * prog.inv_scale;
+                        b[j][2 * h + 1] = v.y * prog.inv_scale;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                            const int col = n_block * kBlockN + 8 * j + 2 * t4 + (e & 1);
+                            b[j][e] = row_in && col < p.seqlen_k ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
+                        }
+                }
             }
         }
     }
