@@ -548,13 +548,15 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
 
 
 def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: MaskVariant,
-                     deterministic: bool = False, opts: Options | None = None) -> BwdConfigs:
+                     deterministic: bool = False, opts: Options | None = None,
+                     bias_per_query: bool = True) -> BwdConfigs:
     """Programmable attention's backward (issue #45). On Hopper (16-bit, the Hopper backward's head dims, not
     deterministic, unless Options.bwd_backend asks for the portable kernels): the preprocess, the Hopper dK / dV
     kernel with dQ in tiles (sm90_bwd_dkdv_dqtile_prog) and the tiled postprocess, as the plain backward's.
     Elsewhere: the preprocess, the portable dK / dV kernel version 1 and the dQ kernel, as the deterministic
     mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass alone), in their programmable
-    families; head dims up to MAX_HEAD_DIM."""
+    families; head dims up to MAX_HEAD_DIM. ``bias_per_query``: the bias has rows per query (not broadcast over
+    them, as key padding is), whose reads the split-D tiles load ahead."""
     opts = opts or options.current()
     if (cc == 90 and not deterministic and opts.bwd_backend in ("auto",) + SM90_BWD_BACKENDS
             and dtype in ("float16", "bfloat16") and head_dim <= MAX_HEAD_DIM and not variant.varlen):
@@ -566,9 +568,11 @@ def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: 
             bucket = head_dim_bucket(head_dim)
             if not opts.sm90_bwd_tiles:
                 # 64-row query steps: the per-element parts beside 128 rows spilled (dropout at d64); with
-                # dropout's rounds or a modifier at 65..128, split-D tiles (two warpgroups on the same 64 keys).
+                # dropout's rounds, a modifier or a bias with rows per query at 65..128, split-D tiles (two
+                # warpgroups on the same 64 keys; the bias's reads then go ahead of the step's GEMMs, 1.3x on a
+                # (1, H, N, N) bias; a key-padding bias's reads are warp broadcasts, 64 x 128 stays faster).
                 bm = 64
-                if bucket in (96, 128) and (variant.dropout or variant.mods):
+                if bucket in (96, 128) and (variant.dropout or variant.mods or (variant.bias and bias_per_query)):
                     bn, w = 64, 12
             post = replace(plain.postprocess, block_m=bm)
             return BwdConfigs(plain.preprocess, KernelConfig("sm90_bwd_dkdv_dqtile_prog", dtype, bucket, causal, bm, bn,

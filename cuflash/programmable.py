@@ -374,11 +374,13 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
 
     b, nq, nk, hq, hkv, d = dims
     variant = prog.variant(dataclasses.replace(var.kernel, sink=False))   # the backward has no sink code
-    plan = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic)
+    per_query = prog.bias is not None and ((1,) * 4 + tuple(prog.bias_shape))[-2] > 1
+    plan = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, bias_per_query=per_query)
     hopper = plan[1][1].fam.sm90_bwd
     if hopper and (v.shape[3] != d or sm90.bwd_tensor_maps(plan[1][1], q, k, v, dout) is None
                    or b * hq * 2 * -(-nq // plan[1][1].block_m) * plan[1][1].block_m >= 2**32):
-        plan, hopper = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, portable=True), False
+        plan, hopper = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, portable=True,
+                                 bias_per_query=per_query), False
     (pkern, pcfg, psmem), (kkern, kcfg, ksmem) = plan[0], plan[1]
     # dbias: float32 sums in the bias's own (4-D) shape, broadcast dims at stride 0; then its dtype and shape.
     dbias_accum = None
@@ -450,7 +452,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, deterministic: bool,
-              portable: bool = False) -> tuple:
+              portable: bool = False, bias_per_query: bool = True) -> tuple:
     """((kernel, config, shared memory) of the preprocess, the dK / dV kernel, then the dQ kernel (portable) or
     the postprocess (Hopper)) of the programmable backward, cached; ``portable``: the portable kernels even on
     Hopper."""
@@ -458,12 +460,13 @@ def _bwd_plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts,
     from ._checks import dtype_name
     from .dispatch import device_info, get_kernel, smem_bytes
 
-    key = ("bwd", dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, deterministic, portable)
+    key = ("bwd", dtype_name(dtype), head_dim, causal, variant, device_id, opts.token, deterministic, portable,
+           bias_per_query)
     plan = _plans.get(key)
     if plan is None:
         cc, _ = device_info(device_id, opts)
         cfgs = heuristics.prog_bwd_configs(dtype_name(dtype), head_dim, causal, 80 if portable else cc, variant,
-                                           deterministic=deterministic, opts=opts)
+                                           deterministic=deterministic, opts=opts, bias_per_query=bias_per_query)
         plan = _plans[key] = tuple((get_kernel(c, device_id, opts.nvrtc_defines), c,
                                     smem_bytes(c, device_id, opts.nvrtc_defines))
                                    for c in (cfgs.preprocess, cfgs.dkdv, cfgs.dq or cfgs.postprocess))

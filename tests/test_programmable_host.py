@@ -175,8 +175,11 @@ def test_backward_configuration():
             assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<f16_tag, 128")
     with options.override(bwd_backend="sm80"):   # the portable kernels asked for
         assert heuristics.prog_bwd_configs("float16", 64, False, 90, var).dkdv.family == "sm80_bwd_dkdv_prog"
+    # A bias with rows per query: split-D tiles (its reads go ahead of the GEMMs); key padding: 64 x 128.
     bias = heuristics.prog_bwd_configs("bfloat16", 128, False, 90, MaskVariant(bias="float32"))
-    assert (bias.dkdv.block_m, bias.dkdv.block_n, bias.dkdv.num_warps) == (64, 128, 12)
+    assert (bias.dkdv.block_m, bias.dkdv.block_n, bias.dkdv.num_warps) == (64, 64, 12)
+    keypad = heuristics.prog_bwd_configs("bfloat16", 128, False, 90, MaskVariant(bias="float32"), bias_per_query=False)
+    assert (keypad.dkdv.block_m, keypad.dkdv.block_n, keypad.dkdv.num_warps) == (64, 128, 12)
 
 
 def test_a_seed_without_dropout_is_the_plain_call(device_forbidden, monkeypatch):

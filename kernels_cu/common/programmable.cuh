@@ -242,12 +242,16 @@ __device__ __forceinline__ void dropout_probs(float (&acc_s)[kMTiles][kNTiles][4
 // the user's score modifier (ugrad: the latter's derivative), inside the sequences.
 // (p: the kernel's parameters, for the sequences' lengths: read where used, as ints passed in they spilled the
 // portable dQ kernel at d128.)
-template <class Variant, int kBiasBy, class Params>
+// bias_term: the element's bias / softmax_scale where the caller loaded it ahead (kBiasGiven), else read here.
+template <bool kBiasGiven = false, class Variant, int kBiasBy, class Params>
 __device__ __forceinline__ float prog_bwd_score(const ProgPolicy<Variant, kBiasBy>& prog, const Params& p,
-                                                float s, int q, int k, float& ugrad) {
+                                                float s, int q, int k, float& ugrad, float bias_term = 0.f) {
     using Mods = typename Variant::Mods;
     if (q < p.seqlen_q && k < p.seqlen_k) {
-        if constexpr (Variant::kBias) s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
+        if constexpr (Variant::kBias) {
+            if constexpr (kBiasGiven) s += bias_term;
+            else s = fmaf(prog.bias(prog.bias_row(q), k), prog.inv_scale, s);
+        }
         if constexpr (Mods::kScoreMod) {
             if constexpr (Mods::kScoreGrad) ugrad = Mods(prog.pp).score_grad(s * prog.scale, prog.batch, prog.head, q, k);
             s = Mods(prog.pp).score_mod(s * prog.scale, prog.batch, prog.head, q, k) * prog.inv_scale;

@@ -49,6 +49,10 @@ struct BwdMainloop {
     using DqAcc = float[kDqCols / 2];       // the dQ slice
     using Frags = u32[kQCols / 16][4];      // P^T or dS^T as wgmma A fragments, one per k16 step
     using StatRow = float2[kQCols / 8];     // lse2 or delta of this thread's query columns
+    // Programmable: the bias loaded ahead (load_bias_t) where registers allow it, beside 64 keys a warpgroup pair
+    // (split-D tiles, head dim 256); beside 128 its 32 registers spilled.
+    static constexpr bool kBiasAhead = Mask::VariantType::kBias && kBlockN == 64;
+    using BiasT = float[kBiasAhead ? kQCols / 2 : 1];
 
     using Variant = typename Mask::VariantType;
 
@@ -102,9 +106,10 @@ struct BwdMainloop {
     // m0 + q_off + 8j + 2 t4 + (e & 1). head, batch: the step's (the score modifier's, e.g. ALiBi's slope).
     __device__ __forceinline__ void probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp, const float* lse2_s,
                                                  const float* delta_s, StatRow& lse2_v, StatRow& delta_v,
-                                                 [[maybe_unused]] int head, [[maybe_unused]] int batch) const {
+                                                 [[maybe_unused]] int head, [[maybe_unused]] int batch,
+                                                 [[maybe_unused]] const BiasT& bias_t) const {
         if constexpr (Variant::kProg) {
-            prog_probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch);
+            prog_probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch, bias_t);
         } else if constexpr (Mask::kHasScoreMod) {
             // One pass per element (modifier, mask, P, dS), so that a score's derivative is live for that
             // element only: a row of them (kQCols / 2 registers) spills the consumer.
@@ -171,9 +176,31 @@ struct BwdMainloop {
     // the tile's hidden elements, dropout (P^T becomes the dropped probabilities that dV takes), the modifiers'
     // tensor gradients and dbias. Dropout's flags come from the forward's units read transposed
     // (DropoutLanes::block_keep_t): this thread's keys are rows g, g + 8 of its warp's 16, its queries columns.
+    // The bias of this thread's S^T elements / softmax_scale (0 outside the sequences), loaded while the step's
+    // GEMMs run: read after S^T landed, each load's latency stalled the step (most of a (1, H, N, N) bias's
+    // backward time, BENCHMARKS.md).
+    __device__ __forceinline__ void load_bias_t(BiasT& bias_t, int m0, int head, int batch) const {
+        if constexpr (kBiasAhead) {
+            const ProgPolicy<Variant> prog(*pp, batch, head, p.softmax_scale);
+#pragma unroll
+            for (int j = 0; j < kQCols / 8; ++j)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; ++e1) {
+                    const int row = m0 + thr.q_off + 8 * j + 2 * thr.t4 + e1;
+                    const i64 row_at = prog.bias_row(row);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int col = n0 + thr.key_local + 8 * h;
+                        bias_t[4 * j + 2 * h + e1] = row < p.seqlen_q && col < p.seqlen_k
+                                                         ? prog.bias(row_at, col) * prog.inv_scale : 0.f;
+                    }
+                }
+        }
+    }
     __device__ __forceinline__ void prog_probs_and_ds(int m_block, int m0, SdpAcc& acc_s, SdpAcc& acc_dp,
                                                       const float* lse2_s, const float* delta_s, StatRow& lse2_v,
-                                                      StatRow& delta_v, int head, int batch) const {
+                                                      StatRow& delta_v, int head, int batch,
+                                                      const BiasT& bias_t) const {
         const Mask mod(p, batch, head);
         const ProgPolicy<Variant> prog(*pp, batch, head, p.softmax_scale);
         const bool masked = mask().needs_mask(m_block, n_block);
@@ -205,7 +232,7 @@ struct BwdMainloop {
                 }
                 const float base = s;
                 float ugrad = 1.f;
-                s = prog_bwd_score(prog, p, s, row, col, ugrad);
+                s = prog_bwd_score<kBiasAhead>(prog, p, s, row, col, ugrad, bias_t[kBiasAhead ? 4 * j + e : 0]);
                 if (masked && !mask().visible(row, col)) s = -CUFLASH_INF;
                 float pr = bwd_prob(s, p.scale_log2, (e & 1) ? l2.y : l2.x);
                 const bool keep = (keep_units[e & 1] >> DropoutLanes::t_slot(j & 1, e >> 1, thr.g)) & 1u;
@@ -385,14 +412,16 @@ struct BwdMainloop {
 #pragma unroll
                 for (int j = 0; j < kQCols / 8; ++j) load_stats(j, lse2_s, delta_s, lse2_v, delta_v);
             }
+            // The step's query head: the steps walk the GQA group's heads (BwdSteps).
+            const int head = head_kv * p.heads_per_kv + i / steps.n_m;
+            BiasT bias_t;
+            load_bias_t(bias_t, m0, head, batch);
             wgmma_wait<0>();
             fence_operand(acc_s);
             fence_operand(acc_dp);
             if (threadIdx.x == 128 && i == 0) CUFLASH_BWD_TRACE(3, clock64());
 
-            // The step's query head: the steps walk the GQA group's heads (BwdSteps).
-            const int head = head_kv * p.heads_per_kv + i / steps.n_m;
-            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch);
+            probs_and_ds(m_block, m0, acc_s, acc_dp, lse2_s, delta_s, lse2_v, delta_v, head, batch, bias_t);
             // A-register fragments of P^T and dS^T (k16 step kk = query columns q_off + 16kk ..+ 15).
             u32 pa[kQCols / 16][4], dsa[kQCols / 16][4];
 #pragma unroll
