@@ -83,6 +83,16 @@ struct ProgPolicy {
         return pp.bias_col_stride == 1 && (reinterpret_cast<unsigned long long>(pp.bias) & (2 * kElemBytes - 1)) == 0
                && ((pp.bias_batch_stride | pp.bias_head_stride | pp.bias_row_stride) & 1) == 0;
     }
+    // The raw 16-bit values of columns col, col + 1 (col even; {col, col + 1} as lo, hi) of the row starting at
+    // row_at, 0 outside the sequences: one 32-bit load where `pairs` (bias_pairs), else two. Predicated, no branches.
+    __device__ __forceinline__ u32 bias_pair_raw(i64 row_at, int col, bool row_in, int seqlen_k, bool pairs) const {
+        const bool both = row_in && col + 1 < seqlen_k, first = row_in && col < seqlen_k;
+        const u16* at = static_cast<const u16*>(pp.bias) + row_at + (pp.bias_col_stride != 0 ? col : 0);
+        if (pairs) return both ? *reinterpret_cast<const u32*>(at) : (first ? static_cast<u32>(at[0]) : 0u);
+        const u32 lo = first ? at[0] : 0u;
+        const u32 hi = both ? at[pp.bias_col_stride != 0 ? 1 : 0] : 0u;
+        return lo | (hi << 16);
+    }
     // Columns col, col + 1 of the row starting at row_at by one load (bias_pairs), 0 outside the sequences
     // (row_in: the row is inside); predicated loads, no branches, so that a tile's loads issue together.
     __device__ __forceinline__ float2 bias_pair(i64 row_at, int col, bool row_in, int seqlen_k) const {

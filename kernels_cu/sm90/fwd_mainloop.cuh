@@ -113,6 +113,9 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
     if (kSettleDecay && !kept_failed) settle_tiles = max(1, settle_tiles - settle_tiles / 4);
     kept_failed = false;
     const int n_tiles = key_tiles.count();
+    using Prog = FwdProg<Variant, Tile::kBlockN>;
+    typename Prog::BiasRegs bias_next;   // Prog::kAhead: the next key tile's bias, loading while this one runs
+    if constexpr (Prog::kAhead) prog.load_bias(bias_next, p, key_tiles.tile(0));
     Math::load_q_frags(qa, sQ, qb, cw, lane, warp);
     {   // the first key tile: its softmax alone (no P V before it)
         float acc_s[kBlockN / 2];
@@ -122,8 +125,13 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         CUFLASH_FWD_TRACE(2, clock64());
         CUFLASH_FWD_TRACE(6, n_tiles);
         Math::issue_qk(acc_s, sK + stage0 * Tile::kKSlotBytes, qa, sQ, qb, cw);
-        typename FwdProg<Variant, Tile::kBlockN>::BiasRegs bias;
-        if constexpr (Variant::kProg) prog.load_bias(bias, p, key_tiles.tile(0));
+        typename Prog::BiasRegs bias;
+        if constexpr (Prog::kAhead) {
+            Prog::copy(bias, bias_next);
+            if (n_tiles > 1) prog.load_bias(bias_next, p, key_tiles.tile(1));
+        } else if constexpr (Variant::kProg) {
+            prog.load_bias(bias, p, key_tiles.tile(0));
+        }
         wgmma_wait<0>();
         fence_operand(acc_s);
         Math::template release_kv<kCluster>(lane, smem.k_empty(stage0));
@@ -157,8 +165,13 @@ __device__ __forceinline__ Softmax fwd_mainloop_overlap(
         if (kRescaleUnderQk && rescale_pending) Math::rescale_o(acc_o, pending_rescale);
         mbar_wait(smem.v_full(prev), prev_parity);
         Math::issue_pv(acc_o, pa, sV + prev * Tile::kVSlotBytes);
-        typename FwdProg<Variant, Tile::kBlockN>::BiasRegs bias;
-        if constexpr (Variant::kProg) prog.load_bias(bias, p, n_block);
+        typename Prog::BiasRegs bias;
+        if constexpr (Prog::kAhead) {
+            Prog::copy(bias, bias_next);
+            if (i + 1 < n_tiles) prog.load_bias(bias_next, p, key_tiles.tile(i + 1));
+        } else if constexpr (Variant::kProg) {
+            prog.load_bias(bias, p, n_block);
+        }
         wgmma_wait<1>();  // S_i is ready (groups complete in order)
         fence_operand(acc_s);
         // Per warp, and only between the GEMMs: wgmma must run at one PC for all four warps of the

@@ -6,19 +6,26 @@
 #include "../common/programmable.cuh"
 
 // For a plain variant: nothing (the key loop's calls sit behind `if constexpr (Variant::kProg)`).
+template <bool kFirst, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+
 template <class Variant, int kBlockN, bool kProg = Variant::kProg>
 struct FwdProg {
+    static constexpr bool kAhead = false;
     using BiasRegs = float[1][4];
     __device__ __forceinline__ FwdProg(const ProgParams*, int, int, int, int, int) {}
 };
 
 template <class Variant, int kBlockN>
 struct FwdProg<Variant, kBlockN, true> {
-    // A tile's bias / softmax_scale in this thread's accumulator elements, loaded while Q K^T runs (read after S
+    // A tile's bias / softmax_scale in this thread's accumulator elements, loaded ahead of S (read after S
     // landed, the loads' latency stalled every key tile); not beside a user modifier, whose registers with these
     // spilled (modify_score then adds the bias after S lands: kBiasByPolicy).
     static constexpr bool kPrefetchBias = Variant::kBias && !Variant::Mods::kScoreMod && !Variant::Mods::kMaskMod;
-    using BiasRegs = float[kPrefetchBias ? kBlockN / 8 : 1][4];
+    // A 16-bit bias goes a whole key tile ahead: the next tile's raw pairs load while this one's are used (a
+    // tile's Q K^T alone did not hide a load from DRAM); a float one as the tile's Q K^T runs, in floats.
+    static constexpr bool kAhead = kPrefetchBias && !IsFloat<typename Variant::Bias>::value;
+    using BiasRegs = typename Select<kAhead, u32[kBlockN / 8][2], float[kPrefetchBias ? kBlockN / 8 : 1][4]>::type;
     static constexpr int kBiasBy = kPrefetchBias ? kBiasByKernel : kBiasByPolicy;
     using Policy = ProgPolicy<Variant, kBiasBy>;
 
@@ -27,8 +34,10 @@ struct FwdProg<Variant, kBlockN, true> {
     __device__ __forceinline__ FwdProg(const ProgParams* pp_, int batch_, int head_, int heads_, int row0_, int lane)
         : pp(*pp_), batch(batch_), head(head_), heads(heads_), row0(row0_), g(lane >> 2), t4(lane & 3) {}
 
-    // A lane's two columns of an n8 block are adjacent: one load for the pair where aligned (ProgPolicy::bias_pairs);
-    // a bias broadcast over the queries (key padding) gives the lane's second row the first one's values.
+    // Key tile n_block's bias: kAhead, its raw pairs (call a tile before its scores); else the floats, as its
+    // Q K^T runs. A lane's two columns of an n8 block are adjacent: one load for the pair where aligned
+    // (ProgPolicy::bias_pairs); a bias broadcast over the queries (key padding) gives the lane's second row the
+    // first one's values.
     __device__ __forceinline__ void load_bias(BiasRegs& b, const FwdParams& p, int n_block) const {
         if constexpr (kPrefetchBias) {
             const Policy prog(pp, batch, head, p.softmax_scale);
@@ -40,13 +49,22 @@ struct FwdProg<Variant, kBlockN, true> {
                 if (h == 1 && one_row) {
 #pragma unroll
                     for (int j = 0; j < kBlockN / 8; ++j) {
-                        b[j][2] = row_in ? b[j][0] : 0.f;
-                        b[j][3] = row_in ? b[j][1] : 0.f;
+                        if constexpr (kAhead) {
+                            b[j][1] = row_in ? b[j][0] : 0u;
+                        } else {
+                            b[j][2] = row_in ? b[j][0] : 0.f;
+                            b[j][3] = row_in ? b[j][1] : 0.f;
+                        }
                     }
                     continue;
                 }
                 const i64 row_at = prog.bias_row(row);
-                if (pairs) {
+                if constexpr (kAhead) {
+#pragma unroll
+                    for (int j = 0; j < kBlockN / 8; ++j)
+                        b[j][h] = prog.bias_pair_raw(row_at, n_block * kBlockN + 8 * j + 2 * t4, row_in, p.seqlen_k,
+                                                     pairs);
+                } else if (pairs) {
 #pragma unroll
                     for (int j = 0; j < kBlockN / 8; ++j) {
                         const float2 v = prog.bias_pair(row_at, n_block * kBlockN + 8 * j + 2 * t4, row_in, p.seqlen_k);
@@ -65,11 +83,27 @@ struct FwdProg<Variant, kBlockN, true> {
             }
         }
     }
+    static __device__ __forceinline__ void copy(BiasRegs& to, const BiasRegs& from) {
+        constexpr int kWords = sizeof(BiasRegs) / 4;
+#pragma unroll
+        for (int i = 0; i < kWords; ++i) reinterpret_cast<u32*>(to)[i] = reinterpret_cast<const u32*>(from)[i];
+    }
     // The bias (b: load_bias's) and the user's score modifier, then (a tile the block-sparse lists mark partial)
     // the elements an off block or the user's mask hides: on unscaled scores, before the built-in mask.
     __device__ __forceinline__ void scores(float (&s)[1][kBlockN / 8][4], const BiasRegs& b, const FwdParams& p,
                                            int n_block, bool partial) const {
-        if constexpr (kPrefetchBias) {
+        if constexpr (kAhead) {
+            using T = typename Variant::Bias;
+            const float inv_scale = 1.f / p.softmax_scale;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 two = b[j][e >> 1];
+                    s[0][j][e] = fmaf(ElemTraits<T>::to_float(static_cast<u16>((e & 1) ? two >> 16 : two & 0xFFFFu)),
+                                      inv_scale, s[0][j][e]);
+                }
+        } else if constexpr (kPrefetchBias) {
 #pragma unroll
             for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
