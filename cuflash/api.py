@@ -271,7 +271,10 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                    seqused_k: Optional[ndarray] = None, causal: bool = False, softmax_scale: Optional[float] = None,
                    window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
                    alibi_slopes: Optional[ndarray] = None, sinks: Optional[ndarray] = None, return_lse: bool = False,
-                   out: Optional[ndarray] = None, check_offsets: Optional[bool] = None, lse: Optional[ndarray] = None
+                   out: Optional[ndarray] = None, check_offsets: Optional[bool] = None, lse: Optional[ndarray] = None,
+                   bias: Optional[ndarray] = None, dropout_p: float = 0.0, seed: Union[int, ndarray, None] = None,
+                   offset: int = 0, block_mask: Optional[ndarray] = None,
+                   block_size: Union[int, Tuple[int, int]] = 128, score_mod=None, mask_mod=None
                    ) -> Union[ndarray, Tuple[ndarray, ndarray]]:
     """Attention over a packed batch of sequences of different lengths (flash-attn's ``flash_attn_varlen_func``).
 
@@ -303,20 +306,32 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
             never a read or a write outside the arrays.
         lse: optional buffer for the log-sum-exp (with ``return_lse=True``): float32 ``(heads_q, total_q)``,
             C-contiguous, sharing no memory with the inputs or ``out`` (a framework's preallocated output).
+        bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: programmable attention as in
+            :func:`forward` (fp16 / bf16; the portable kernels on every GPU), per sequence as if the batch were
+            padded to ``(batch, max_seqlen_q, max_seqlen_k)``: sequence b sees ``bias[b, :, :len_q, :len_k]``
+            (bias broadcastable to ``(batch, heads_q, max_seqlen_q, max_seqlen_k)``), the block mask's entries
+            at its own positions (``(batch or 1, heads_q or 1, ceil(max_seqlen_q / bq), ceil(max_seqlen_k /
+            bk))``), dropout's mask of batch index b (``dropout_keep_mask(seed, offset, batch, heads_q,
+            max_seqlen_q, max_seqlen_k, p)[b, :, :len_q, :len_k]``), and modifiers get ``b`` and positions
+            ``q_idx`` / ``kv_idx`` within the sequence (a MaskMod's tiles are evaluated at positions below the
+            max lengths).
 
     Returns:
         ``out`` ``(total_q, heads_q, head_dim_v)``, or ``(out, lse)`` with ``lse`` float32 ``(heads_q,
         total_q)`` (flash-attn's packed layout).
     """
-    if interop.needs_conversion(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks,
-                                lse):
-        return interop.call(forward_varlen, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                                             "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q,
-                                             "seqused_k": seqused_k, "alibi_slopes": alibi_slopes, "sinks": sinks,
-                                             "out": out, "lse": lse}, buffers=("out", "lse"), max_seqlen_q=max_seqlen_q,
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+              "seqused_q": seqused_q, "seqused_k": seqused_k, "alibi_slopes": alibi_slopes, "sinks": sinks,
+              "out": out, "lse": lse, "bias": bias, "block_mask": block_mask}
+    numbers = {"seed": seed}
+    if hasattr(seed, "shape") and hasattr(seed, "dtype"):   # a device seed: an array like the others
+        arrays["seed"], numbers = seed, {}
+    if interop.needs_conversion(*arrays.values()):
+        return interop.call(forward_varlen, arrays, buffers=("out", "lse"), max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
-                            return_lse=return_lse, check_offsets=check_offsets)
+                            return_lse=return_lse, check_offsets=check_offsets, dropout_p=dropout_p, offset=offset,
+                            block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, **numbers)
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
                               seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True)
     out_shape = (lay.total_q, lay.heads_q, lay.head_dim_v)
@@ -335,6 +350,7 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
         if not lse.flags.c_contiguous:
             raise ValueError(f"lse must be C-contiguous (heads_q, total_q) float32, got strides {lse.strides}")
     _checks.check_no_overlap((("out", out), ("lse", lse)), (("q", q), ("k", k), ("v", v)))
+    prog = _varlen_programmable(q, lay, bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod)
     import cupy
 
     try:
@@ -351,12 +367,29 @@ def forward_varlen(q: ndarray, k: ndarray, v: ndarray, cu_seqlens_q: ndarray, cu
                     out.fill(0)
                     if lse is not None:
                         lse[...] = -np.inf if var.sinks is None else var.sinks[:, None]
+                elif prog is not None:
+                    programmable.launch_forward_varlen(q, k, v, out, lse, lay, prog, causal=bool(causal), scale=scale,
+                                                       opts=options.current(), var=var)
                 else:
                     _launch_fwd_varlen(q, k, v, out, lse, lay, causal=bool(causal), scale=scale, var=var)
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise
     return (out, lse) if return_lse else out
+
+
+def _varlen_programmable(q, lay: varlen.VarlenLayout, bias, dropout_p, seed, offset, block_mask, block_size,
+                         score_mod, mask_mod) -> Optional[programmable.ProgArgs]:
+    """A varlen call's checked programmable arguments (at the padded shape (batch, heads_q, max_seqlen_q,
+    max_seqlen_k)), or None where it has none."""
+    if not programmable.given(bias, dropout_p, seed, block_mask, score_mod, mask_mod):
+        return None
+    prog = programmable.check_arguments(q, bias=bias, dropout_p=dropout_p, seed=seed, offset=offset,
+                                        block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                                        mask_mod=mask_mod, batch=lay.batch, heads_q=lay.heads_q,
+                                        seqlen_q=lay.max_seqlen_q, seqlen_k=lay.max_seqlen_k,
+                                        device_id=lay.device_id)
+    return None if prog.empty else prog
 
 
 def _packed_strides(x) -> tuple[int, int, int]:
@@ -408,7 +441,10 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
                     attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes: Optional[ndarray] = None,
                     sinks: Optional[ndarray] = None, dlse: Optional[ndarray] = None, deterministic: bool = False,
                     dq: Optional[ndarray] = None, dk: Optional[ndarray] = None, dv: Optional[ndarray] = None,
-                    check_offsets: Optional[bool] = None, _padded: bool = False) -> Tuple[ndarray, ...]:
+                    check_offsets: Optional[bool] = None, bias: Optional[ndarray] = None, dropout_p: float = 0.0,
+                    seed: Union[int, ndarray, None] = None, offset: int = 0, block_mask: Optional[ndarray] = None,
+                    block_size: Union[int, Tuple[int, int]] = 128, score_mod=None, mask_mod=None,
+                    _padded: bool = False) -> Tuple[ndarray, ...]:
     """Gradients of :func:`forward_varlen` with respect to q, k and v.
 
     Args:
@@ -422,20 +458,28 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
         deterministic: bitwise reproducible results (dQ from its own kernel, no atomics).
         dq, dk, dv: optional output buffers shaped and typed like q, k, v, sharing no memory with the inputs.
         check_offsets: as in :func:`forward_varlen`.
+        bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod: as given to
+            :func:`forward_varlen` (its portable kernels' deterministic pair; v's head dim that of q).
 
     Returns:
         ``(dq, dk, dv)`` packed like q, k, v (rows and keys outside every sequence's used range: 0), and with
-        ``sinks`` ``(dq, dk, dv, dsinks)``.
+        ``sinks`` ``(dq, dk, dv, dsinks)``; with a ``bias``, ``dbias`` (its shape and dtype, summed over its
+        broadcast dims; 0 past the sequences' lengths) follows, and with a ``score_mod`` that has
+        ``tensor_grads``, a dict {tensor name: float32 gradient} comes last, as :func:`backward` returns them.
     """
-    if interop.needs_conversion(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                alibi_slopes, sinks, dlse, dq, dk, dv):
-        return interop.call(backward_varlen, {
-            "dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q,
-            "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q, "seqused_k": seqused_k,
-            "alibi_slopes": alibi_slopes, "sinks": sinks, "dlse": dlse, "dq": dq, "dk": dk, "dv": dv},
-            buffers=("dq", "dk", "dv"), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-            softmax_scale=softmax_scale, window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
-            deterministic=deterministic, check_offsets=check_offsets)
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q,
+              "cu_seqlens_k": cu_seqlens_k, "seqused_q": seqused_q, "seqused_k": seqused_k,
+              "alibi_slopes": alibi_slopes, "sinks": sinks, "dlse": dlse, "dq": dq, "dk": dk, "dv": dv,
+              "bias": bias, "block_mask": block_mask}
+    numbers = {"seed": seed}
+    if hasattr(seed, "shape") and hasattr(seed, "dtype"):   # a device seed: an array like the others
+        arrays["seed"], numbers = seed, {}
+    if interop.needs_conversion(*arrays.values()):
+        return interop.call(backward_varlen, arrays, buffers=("dq", "dk", "dv"), max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                            window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                            deterministic=deterministic, check_offsets=check_offsets, dropout_p=dropout_p,
+                            offset=offset, block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, **numbers)
     lay = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
                               seqused_k=seqused_k, check_offsets=check_offsets, allow_dv=True,
                               head_dims_checked=_padded)
@@ -457,6 +501,10 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
             _checks.check_out(name, buf, ref.shape, ref.dtype, dev)
     _checks.check_no_overlap((("dq", dq), ("dk", dk), ("dv", dv)),
                              (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    prog = _varlen_programmable(q, lay, bias, dropout_p, seed, offset, block_mask, block_size, score_mod, mask_mod)
+    if prog is not None:
+        return _backward_varlen_programmable(dout, q, k, v, out, lse, dq, dk, dv, lay, prog, causal=bool(causal),
+                                             scale=scale, var=var, dlse=dlse, sinks=sinks)
     large = head_dims.is_large(lay.head_dim_qk, lay.head_dim_v) and q.dtype != np.float32   # the split kernels
     narrow_v = lay.head_dim_v < lay.head_dim_qk and q.dtype != np.float32   # _launch_bwd_varlen: head_dims.NarrowV
     if lay.head_dim_v != lay.head_dim_qk and not (large or narrow_v):   # as backward: zero padding (head_dims.py)
@@ -500,6 +548,65 @@ def backward_varlen(dout: ndarray, q: ndarray, k: ndarray, v: ndarray, out: ndar
     if sinks is None:
         return dq, dk, dv
     return dq, dk, dv, dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype)
+
+
+def _backward_varlen_programmable(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLayout,
+                                  prog: programmable.ProgArgs, *, causal: bool, scale: float, var: variants.Variants,
+                                  dlse, sinks) -> Tuple[ndarray, ...]:
+    """backward_varlen with programmable parts, its arguments checked: the programmable backward's portable pair
+    per sequence (programmable.launch_backward_varlen)."""
+    import cupy
+
+    if lay.head_dim_v != lay.head_dim_qk:
+        raise ValueError(f"bias, dropout, block masks and modifiers take v's head dim equal to q's in the backward "
+                         f"so far, got {lay.head_dim_v} and {lay.head_dim_qk}")
+    if lay.head_dim_qk > heuristics.MAX_HEAD_DIM:
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {heuristics.MAX_HEAD_DIM} "
+                         f"in the backward so far, got {lay.head_dim_qk}")
+    if prog.modifiers is not None and prog.modifiers.score_mod is not None and prog.modifiers.score_mod.grad is None:
+        raise ValueError("the backward of a score_mod needs its grad (CUDA C returning d(new score) / d(score))")
+    dev = lay.device_id
+    dbias, tensor_grads, dsinks = None, {}, None
+    try:
+        with cupy.cuda.Device(dev):
+            dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+            dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+            dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+            runs = lay.batch and lay.max_seqlen_q and lay.max_seqlen_k and lay.total_q and lay.total_k
+            if lay.seqused_q is not None or not runs:   # rows and keys that no kernel writes
+                dq.fill(0)
+            if lay.seqused_k is not None or not runs:
+                dk.fill(0)
+                dv.fill(0)
+            if runs:
+                lse = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
+                if dlse is not None and not dlse.flags.c_contiguous:
+                    dlse = cupy.ascontiguousarray(dlse)
+                delta, dbias, tensor_grads = programmable.launch_backward_varlen(
+                    dout, q, k, v, out, lse, dq, dk, dv, lay, prog, causal=causal, scale=scale,
+                    opts=options.current(), var=var, dlse=dlse)
+                if var.sinks is not None:   # as the plain varlen backward: P(sink) (dlse - delta) over the rows
+                    dsinks = -(cupy.exp(var.sinks[:, None] - lse) * delta).sum(axis=1)
+            else:   # no kernel: zero gradients (and, with no key anywhere, P(sink) = 1)
+                if prog.bias is not None:
+                    dbias = cupy.zeros(prog.bias_shape, dtype=prog.bias.dtype)
+                if prog.modifiers is not None and prog.modifiers.score_mod is not None:
+                    tensor_grads = {name: cupy.zeros(prog.modifiers.slots[name].shape, dtype=np.float32)
+                                    for name in prog.modifiers.score_mod.tensor_grads}
+                if var.sinks is not None:
+                    dsinks = (dlse.astype(np.float32).sum(axis=1) if dlse is not None
+                              else cupy.zeros(lay.heads_q, dtype=np.float32))
+    except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
+        device_check.reraise_explained(e)
+        raise
+    result = (dq, dk, dv)
+    if sinks is not None:
+        result += (dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype),)
+    if dbias is not None:
+        result += (dbias,)
+    if tensor_grads:
+        result += (tensor_grads,)
+    return result
 
 
 def _launch_bwd_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay: varlen.VarlenLayout, *, causal: bool, scale: float,

@@ -3,8 +3,8 @@ turned into the kernel's variant and its ``ProgParams`` (kernels_cu/common/param
 
 Forward and backward (dq, dk, dv, dbias, the modifiers' tensors), fp16 / bf16, dense: on Hopper its own kernels
 (``sm90_fwd_prog``, ``sm90_bwd_dkdv_dqtile_prog``), elsewhere, where TMA cannot address the inputs and for the
-deterministic backward the portable ones (``sm80_fwd_prog``, ``sm80_bwd_dkdv_prog`` / ``sm80_bwd_dq_prog``). Not
-yet: the float32 family, varlen.
+deterministic backward the portable ones (``sm80_fwd_prog``, ``sm80_bwd_dkdv_prog`` / ``sm80_bwd_dq_prog``), which
+also serve packed (varlen) batches on every GPU.
 """
 from __future__ import annotations
 
@@ -318,7 +318,7 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
                    var) -> None:
     """The programmable forward on the current stream (arguments as api._launch_fwd's, and the checked
     ``prog``)."""
-    from . import capture, launch, sm90
+    from . import sm90
     from .api import LOG2E
 
     b, nq, nk, hq, hkv, d = dims
@@ -336,17 +336,49 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
         *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
         *params.element_strides(out), b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E,
         *var.param_values(nq, nk, scale), *params.DENSE_VARLEN_VALUES))
+    _launch_fwd_prog(kern, cfg, smem, fwd, maps, prog, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk,
+                     device_id=device_id, opts=opts)
+
+
+def _launch_fwd_prog(kern, cfg, smem, fwd: bytes, maps: tuple, prog: ProgArgs, *, batch: int, heads: int,
+                     seqlen_q: int, seqlen_k: int, device_id: int, opts) -> None:
+    """Launches a programmable forward kernel with FwdParams ``fwd`` and its ProgParams (a varlen call's at its
+    longest sequence's lengths) on the current stream."""
+    from . import capture, launch
+
     keep: list = []
     coverage = None
     if prog.modifiers is not None and prog.modifiers.has_mask_mod:
-        coverage = mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
-                                     block_n=cfg.block_n, device_id=device_id, opts=opts)
-    blob = prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m, block_n=cfg.block_n, keep=keep,
-                       coverage=coverage, device=(device_id, opts))
+        coverage = mask_mod_coverage(prog.modifiers, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                     block_m=cfg.block_m, block_n=cfg.block_n, device_id=device_id, opts=opts)
+    blob = prog_params(prog, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_m=cfg.block_m, block_n=cfg.block_n,
+                       keep=keep, coverage=coverage, device=(device_id, opts))
     extra = np.frombuffer(blob, dtype=f"V{len(blob)}")   # the second by-value parameter
-    launch.launch(kern, cfg, launch.fwd_grid(cfg, b, hq, nq), fwd, smem, (*maps, extra))
+    launch.launch(kern, cfg, launch.fwd_grid(cfg, batch, heads, seqlen_q), fwd, smem, (*maps, extra))
     for x in keep:   # made for this launch: alive until it has run, captured graphs included
         capture.keep_if_capturing(x)
+
+
+def launch_forward_varlen(q, k, v, out, lse, lay, prog: ProgArgs, *, causal: bool, scale: float, opts, var) -> None:
+    """The programmable forward of a packed (varlen) batch on the current stream (``lay``: varlen.VarlenLayout):
+    the portable kernel on every GPU, each sequence a problem of its own (common/varlen.cuh) whose bias rows,
+    block mask, dropout stream and modifier indices are those of batch index b at its own positions, as if the
+    sequences were padded to (batch, max_seqlen_q, max_seqlen_k)."""
+    import dataclasses
+
+    from .api import LOG2E, _packed_strides, _varlen_values
+
+    max_q, max_k = lay.max_seqlen_q, lay.max_seqlen_k
+    variant = prog.variant(dataclasses.replace(var.kernel, varlen=True))
+    kern, cfg, smem = _plan(q.dtype, lay.head_dim_qk, causal, variant, lay.device_id, opts, lay.head_dim_v,
+                            portable=True)
+    fwd = params.pack_bytes(params.FWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr if lse is not None else 0,
+        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out),
+        lay.batch, max_q, max_k, lay.heads_q, lay.heads_q // lay.heads_kv, lay.head_dim_qk, scale, scale * LOG2E,
+        *var.param_values(max_q, max_k, scale), *_varlen_values(lay)))
+    _launch_fwd_prog(kern, cfg, smem, fwd, (), prog, batch=lay.batch, heads=lay.heads_q, seqlen_q=max_q,
+                     seqlen_k=max_k, device_id=lay.device_id, opts=opts)
 
 
 def _tile_state(prog: ProgArgs, coverage, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int):
@@ -382,41 +414,11 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
         plan, hopper = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, portable=True,
                                  bias_per_query=per_query), False
     (pkern, pcfg, psmem), (kkern, kcfg, ksmem) = plan[0], plan[1]
-    # dbias: float32 sums in the bias's own (4-D) shape, broadcast dims at stride 0; then its dtype and shape.
-    dbias_accum = None
-    extra_fields = {}
-    if prog.bias is not None:
-        compact = (1,) * (4 - len(prog.bias_shape)) + prog.bias_shape
-        dbias_accum = cupy.zeros(compact, dtype=np.float32)
-        strides = [0 if n == 1 else st // 4 for n, st in zip(compact, dbias_accum.strides)]
-        extra_fields.update(dbias_accum=dbias_accum.data.ptr, dbias_batch_stride=strides[0],
-                            dbias_head_stride=strides[1], dbias_row_stride=strides[2], dbias_col_stride=strides[3])
-    grads = {}
-    if prog.modifiers is not None and prog.modifiers.score_mod is not None:
-        names = list(prog.modifiers.slots)
-        for name in prog.modifiers.score_mod.tensor_grads:
-            t = prog.modifiers.slots[name]
-            grads[name] = cupy.zeros(t.shape, dtype=np.float32)
-            extra_fields[f"mod_grad{names.index(name)}"] = grads[name].data.ptr
+    dbias_accum, grads, extra_fields = _bwd_outputs(prog)
     keep: list = [dbias_accum]
-
-    def coverage_at(cfg):
-        if prog.modifiers is None or not prog.modifiers.has_mask_mod:
-            return None
-        return mask_mod_coverage(prog.modifiers, batch=b, heads=hq, seqlen_q=nq, seqlen_k=nk, block_m=cfg.block_m,
-                                 block_n=cfg.block_n, device_id=device_id, opts=opts)
-
-    # dK / dV: the tiles' states at its tiles (and, portable, dQ: the key-tile lists at its tiles).
-    kcov = coverage_at(kcfg)
-    state = _tile_state(prog, kcov, nq, nk, kcfg.block_m, kcfg.block_n)
-    fields = dict(extra_fields)
-    if state is not None:
-        keep.append(state)
-        fields.update(tile_state=state.data.ptr, q_tiles=state.shape[2], kv_tiles=state.shape[3],
-                      tile_state_batch_stride=_stride(state.shape, 0, state.shape[1] * state.shape[2] * state.shape[3]),
-                      tile_state_head_stride=_stride(state.shape, 1, state.shape[2] * state.shape[3]))
-    pp_dkdv = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=kcfg.block_m, block_n=kcfg.block_n,
-                                       keep=keep, coverage=kcov, lists=False), fields)
+    qcfg = None if hopper else plan[2][1]
+    pp_dkdv, pp_dq = _bwd_prog_params(prog, kcfg, qcfg, extra_fields, keep, batch=b, heads=hq, seqlen_q=nq,
+                                      seqlen_k=nk, device_id=device_id, opts=opts)
     if hopper:   # the plain backward's workspaces and launches, this dK / dV kernel with ProgParams
         from .api import _launch_bwd
 
@@ -435,9 +437,6 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
             *params.element_strides(dk), *params.element_strides(dv),
             b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
             *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
-        pp_dq = _with_fields(prog_params(prog, seqlen_q=nq, seqlen_k=nk, block_m=qcfg.block_m, block_n=qcfg.block_n,
-                                         keep=keep, coverage=coverage_at(qcfg), device=(device_id, opts)),
-                             extra_fields)
         launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
         dsinks = None
         if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
@@ -445,10 +444,104 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
         launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(pp_dkdv),))
         launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(pp_dq),))
     capture.keep_if_capturing(*keep)
-    dbias = None
-    if dbias_accum is not None:
-        dbias = dbias_accum.reshape(prog.bias_shape).astype(prog.bias.dtype)
-    return dsinks, dbias, grads
+    return dsinks, _dbias(prog, dbias_accum), grads
+
+
+def launch_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay, prog: ProgArgs, *, causal: bool, scale: float,
+                           opts, var, dlse=None):
+    """The programmable backward of a packed (varlen) batch on the current stream: the preprocess (delta), the
+    portable dK / dV kernel with dbias and the modifiers' tensor gradients, then the dQ kernel, each sequence as
+    launch_forward_varlen describes. Returns (delta (heads_q, total_q), dbias or None, {tensor name: float32
+    gradient}); delta is 0 outside the sequences' rows."""
+    import dataclasses
+
+    import cupy
+
+    from . import capture, launch
+    from .api import LOG2E, _packed_strides, _varlen_values
+
+    b, hq, hkv, d = lay.batch, lay.heads_q, lay.heads_kv, lay.head_dim_qk
+    max_q, max_k, total_q = lay.max_seqlen_q, lay.max_seqlen_k, lay.total_q
+    variant = prog.variant(dataclasses.replace(var.kernel, sink=False, varlen=True))
+    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = _bwd_plan(
+        q.dtype, d, causal, variant, lay.device_id, opts, True, portable=True)
+    dbias_accum, grads, fields = _bwd_outputs(prog)
+    keep: list = [dbias_accum]
+    pp_dkdv, pp_dq = _bwd_prog_params(prog, kcfg, qcfg, fields, keep, batch=b, heads=hq, seqlen_q=max_q,
+                                      seqlen_k=max_k, device_id=lay.device_id, opts=opts)
+    delta = cupy.zeros((hq, total_q), dtype=np.float32)   # rows outside every sequence: never written
+    keep.append(delta)
+    p = params.pack_bytes(params.BWD_PARAMS, (
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
+        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
+        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out),
+        *_packed_strides(dout), *_packed_strides(dq), *_packed_strides(dk), *_packed_strides(dv),
+        b, max_q, max_k, hq, hq // hkv, d, scale, scale * LOG2E, total_q, d, 0, 0, 0, 0,
+        *var.param_values(max_q, max_k, scale), dlse.data.ptr if dlse is not None else 0, *_varlen_values(lay)))
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max_q), p, psmem)
+    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, max_k), p, ksmem, (_v(pp_dkdv),))
+    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, max_q), p, qsmem, (_v(pp_dq),))
+    capture.keep_if_capturing(*keep)
+    return delta, _dbias(prog, dbias_accum), grads
+
+
+def _bwd_outputs(prog: ProgArgs):
+    """(dbias's float32 sums in the bias's own 4-D shape, broadcast dims at stride 0, or None; {tensor name: float32
+    gradient} of the score modifier's tensor_grads; the ProgParams fields that point at them)."""
+    import cupy
+
+    dbias_accum = None
+    fields = {}
+    if prog.bias is not None:
+        compact = (1,) * (4 - len(prog.bias_shape)) + prog.bias_shape
+        dbias_accum = cupy.zeros(compact, dtype=np.float32)
+        strides = [0 if n == 1 else st // 4 for n, st in zip(compact, dbias_accum.strides)]
+        fields.update(dbias_accum=dbias_accum.data.ptr, dbias_batch_stride=strides[0],
+                      dbias_head_stride=strides[1], dbias_row_stride=strides[2], dbias_col_stride=strides[3])
+    grads = {}
+    if prog.modifiers is not None and prog.modifiers.score_mod is not None:
+        names = list(prog.modifiers.slots)
+        for name in prog.modifiers.score_mod.tensor_grads:
+            t = prog.modifiers.slots[name]
+            grads[name] = cupy.zeros(t.shape, dtype=np.float32)
+            fields[f"mod_grad{names.index(name)}"] = grads[name].data.ptr
+    return dbias_accum, grads, fields
+
+
+def _bwd_prog_params(prog: ProgArgs, kcfg, qcfg, fields: dict, keep: list, *, batch: int, heads: int, seqlen_q: int,
+                     seqlen_k: int, device_id: int, opts) -> tuple:
+    """The ProgParams bytes of the dK / dV kernel (its tiles' states) and of the portable dQ kernel (its key-tile
+    lists; None where ``qcfg`` is None), with ``fields`` (_bwd_outputs) set; arrays made here go to ``keep``."""
+    def coverage_at(cfg):
+        if prog.modifiers is None or not prog.modifiers.has_mask_mod:
+            return None
+        return mask_mod_coverage(prog.modifiers, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                 block_m=cfg.block_m, block_n=cfg.block_n, device_id=device_id, opts=opts)
+
+    kcov = coverage_at(kcfg)
+    state = _tile_state(prog, kcov, seqlen_q, seqlen_k, kcfg.block_m, kcfg.block_n)
+    dkdv_fields = dict(fields)
+    if state is not None:
+        keep.append(state)
+        dkdv_fields.update(tile_state=state.data.ptr, q_tiles=state.shape[2], kv_tiles=state.shape[3],
+                           tile_state_batch_stride=_stride(state.shape, 0, state.shape[1] * state.shape[2]
+                                                           * state.shape[3]),
+                           tile_state_head_stride=_stride(state.shape, 1, state.shape[2] * state.shape[3]))
+    pp_dkdv = _with_fields(prog_params(prog, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_m=kcfg.block_m,
+                                       block_n=kcfg.block_n, keep=keep, coverage=kcov, lists=False), dkdv_fields)
+    pp_dq = None
+    if qcfg is not None:
+        pp_dq = _with_fields(prog_params(prog, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_m=qcfg.block_m,
+                                         block_n=qcfg.block_n, keep=keep, coverage=coverage_at(qcfg),
+                                         device=(device_id, opts)), fields)
+    return pp_dkdv, pp_dq
+
+
+def _dbias(prog: ProgArgs, dbias_accum):
+    """dbias in the bias's own shape and dtype from its float32 sums (None without a bias)."""
+    if dbias_accum is None:
+        return None
+    return dbias_accum.reshape(prog.bias_shape).astype(prog.bias.dtype)
 
 
 def _bwd_plan(dtype, head_dim: int, causal: bool, variant, device_id: int, opts, deterministic: bool,

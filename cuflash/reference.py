@@ -144,7 +144,8 @@ def attention_reference_backward(dout, q, k, v, *, causal: bool = False, softmax
 
 def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None,
                                causal: bool = False, softmax_scale: float | None = None, window_size=None,
-                               attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                               attention_chunk: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                               **programmable):
     """Float64 attention on a packed variable-length batch (flash-attn's ``flash_attn_varlen_func`` layout)
     -> ``(out, lse)``.
 
@@ -156,27 +157,31 @@ def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q
     and chunks aligned bottom-right per sequence; alibi_slopes (Hq,) or (batch, Hq) (row b for sequence b),
     sinks (Hq,). Returns out (total_q, Hq, Dv) and lse (Hq, total_q), both float64. Packed rows that belong
     to no sequence's used range get out 0 and lse -inf: the kernels leave them untouched, so tests compare
-    the used rows alone."""
+    the used rows alone. ``programmable``: :class:`Programmable`'s fields at the padded shape (batch, Hq,
+    max_q, max_k) (max_q, max_k: the longest used lengths, or the bias's / dropout mask's / block mask's own):
+    sequence b is the dense reference with bias, dropout mask and block mask at batch index b over its own
+    positions, and modifiers called with b."""
     q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     return _varlen(None, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, None,
                    dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks)
+                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks, programmable)
 
 
 def attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None,
                                         seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
                                         window_size=None, attention_chunk: int = 0, softcap: float = 0.0,
-                                        alibi_slopes=None, sinks=None, dlse=None):
+                                        alibi_slopes=None, sinks=None, dlse=None, **programmable):
     """Float64 gradients of :func:`attention_reference_varlen` -> ``(dq, dk, dv)``, packed like q, k, v
     ((total_q, Hq, Dqk), (total_k, Hkv, Dqk), (total_k, Hkv, Dv)), and with ``sinks`` ``(dq, dk, dv,
     dsinks)``, dsinks (Hq,) summed over the sequences. dout (total_q, Hq, Dv); ``dlse`` (Hq, total_q): the
     gradient of the packed lse too. Rows and keys outside every sequence's used range get zero gradients.
-    Each sequence is :func:`attention_reference_backward` on its own slices."""
+    Each sequence is :func:`attention_reference_backward` on its own slices; with a bias, ``dbias`` (its shape,
+    summed over the sequences) follows, as the dense reference returns it."""
     dout, q, k, v = _as_f64(dout, "dout"), _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
     dlse = None if dlse is None else _as_f64(dlse, "dlse")
     return _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dlse,
                    dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks)
+                        attention_chunk=attention_chunk, softcap=softcap), alibi_slopes, sinks, programmable)
 
 
 def _int_array(x, name: str, ndim: int | None, kind: str = "an array") -> np.ndarray:
@@ -237,8 +242,36 @@ def _varlen_ranges(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, total_q: in
             for b in range(batch)]
 
 
+def _batch_row(x4: np.ndarray, b: int) -> slice:
+    """Batch index b of a (B or 1, ...) array as a slice (its one row where broadcast)."""
+    return slice(b, b + 1) if x4.shape[0] > 1 else slice(0, 1)
+
+
+def _sequence_programmable(given: dict, b: int, nq: int, nk: int) -> dict:
+    """The dense reference's programmable fields for sequence ``b`` of a varlen batch (nq rows, nk keys): the
+    bias, dropout mask and block mask at batch index b (or their broadcast 1) over the sequence's own positions,
+    the modifiers called with b."""
+    seq = dict(given)
+    for name in ("bias", "dropout_mask"):
+        if given.get(name) is not None:
+            x = _as_f64(given[name], name) if name == "bias" else np.asarray(
+                given[name].get() if hasattr(given[name], "get") else given[name])
+            x4 = x.reshape((1,) * (4 - x.ndim) + x.shape)
+            seq[name] = x4[_batch_row(x4, b), :, :nq if x4.shape[2] > 1 else 1, :nk if x4.shape[3] > 1 else 1]
+    if given.get("block_mask") is not None:
+        bs = 128 if given.get("block_size") is None else given["block_size"]
+        bq, bk = (bs, bs) if isinstance(bs, int) else tuple(bs)
+        m = np.asarray(given["block_mask"].get() if hasattr(given["block_mask"], "get") else given["block_mask"])
+        seq["block_mask"] = m[_batch_row(m, b), :, :-(-nq // bq), :-(-nk // bk)]
+    for name in ("score_mod", "score_mod_grad", "dscore_hook", "mask_mod"):
+        f = given.get(name)
+        if f is not None:
+            seq[name] = (lambda f_: lambda *a: f_(*a[:-4], b, *a[-3:]))(f)
+    return seq
+
+
 def _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dlse, options: dict,
-            alibi_slopes, sinks):
+            alibi_slopes, sinks, programmable: dict | None = None):
     """The varlen references (forward when ``dout`` is None): the dense reference sequence by sequence,
     so that their semantics are the dense ones by construction."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -262,14 +295,18 @@ def _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dls
     if dlse is not None and dlse.shape != (hq, total_q):
         raise ValueError(f"dlse must have the packed shape of lse (heads_q, total_q) = {(hq, total_q)}, "
                          f"got {dlse.shape}")
+    programmable = programmable or {}
+    bias = None if programmable.get("bias") is None else _as_f64(programmable["bias"], "bias")
     out, lse = np.zeros((total_q, hq, dv_)), np.full((hq, total_q), -np.inf)
     if dout is not None:
         dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
         dsinks = None if sink is None else np.zeros(hq)
+        dbias4 = None if bias is None else np.zeros((1,) * (4 - bias.ndim) + bias.shape)
     for b, (r0, nq, c0, nk) in enumerate(ranges):
         rows, keys = slice(r0, r0 + nq), slice(c0, c0 + nk)
         kw = dict(options, sinks=sink,
-                  alibi_slopes=None if slopes is None else slopes if slopes.ndim == 1 else slopes[b:b + 1])
+                  alibi_slopes=None if slopes is None else slopes if slopes.ndim == 1 else slopes[b:b + 1],
+                  **_sequence_programmable(programmable, b, nq, nk))
         qs, ks, vs = q[None, rows], k[None, keys], v[None, keys]
         if dout is None:
             o, l_ = attention_reference(qs, ks, vs, **kw)
@@ -281,9 +318,13 @@ def _varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dls
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
         if dsinks is not None:
             dsinks += g[3]
+        if dbias4 is not None:   # the sequence's dbias, in its slice's shape, summed into the whole
+            part = g[-1]
+            dbias4[_batch_row(dbias4, b), :, :part.shape[2], :part.shape[3]] += part
     if dout is None:
         return out, lse
-    return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ())
+    return (dq, dk, dv) + ((dsinks,) if dsinks is not None else ()) + \
+        ((dbias4.reshape(bias.shape),) if bias is not None else ())
 
 
 def rel_err(x, ref) -> float:

@@ -76,6 +76,23 @@ def test_programmable_backward_tiles_fit_their_devices():
                 assert smem <= limit, (cfg.key(), smem)
 
 
+def test_varlen_programmable_kernels_compile_without_spills():
+    """Packed batches take the portable kernels on every GPU (Hopper too): the forward, dK / dV and dQ kernels
+    with every programmable part and varlen on, at the head-dim buckets of the tuned tables."""
+    from dataclasses import replace
+
+    var = replace(VARIANTS["all"], varlen=True)
+    cfgs = []
+    for cc in (80, 90):
+        for d in (64, 128, 256):
+            fwd = heuristics.prog_fwd_config("float16", d, True, cc, var)
+            assert fwd.family == "sm80_fwd_prog"
+            cfgs += [fwd] + list(heuristics.prog_bwd_configs("float16", d, True, cc, replace(var, sink=False)).all()[1:])
+    cfgs = list({c.key(): c for c in cfgs}.values())
+    assert {c.family for c in cfgs} == {"sm80_fwd_prog", "sm80_bwd_dkdv_prog", "sm80_bwd_dq_prog"}
+    assert_all_compile(cfgs, "80")
+
+
 def test_programmable_forward_compiles_without_spills():
     cfgs = configs()
     assert len(cfgs) >= 30

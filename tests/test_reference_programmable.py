@@ -173,3 +173,45 @@ def test_bad_arguments():
         attention_reference(q, k, v, dropout=0.1)
     with pytest.raises(ValueError, match="score_mod_grad"):
         attention_reference_backward(np.ones((2, 4, 4, 8)), q, k, v, score_mod=lambda s, *a: s)
+
+
+def test_varlen_reference_is_the_dense_one_at_each_sequences_batch_index():
+    """attention_reference_varlen with programmable arguments: sequence b is the dense reference at batch index
+    b over its own positions (bias, dropout mask, block mask sliced; modifiers called with b), so on a batch of
+    sequences padded to one length and cut back, the two agree row for row, dbias included."""
+    from cuflash.reference import attention_reference_varlen, attention_reference_varlen_backward
+
+    b, n, hq, d = 3, 11, 2, 8
+    lengths_q, lengths_k = [11, 4, 7], [9, 11, 2]
+    q, k, v = _qkv(b=b, nq=n, nk=n, hq=hq, hkv=1, d=d, dv=d)
+    bias = RNG.standard_normal((1, hq, n, n))   # broadcast over the batch
+    keep = RNG.random((b, hq, n, n)) > 0.3
+    blocks = RNG.random((1, 1, 3, 3)) < 0.8
+    docs = RNG.integers(0, 3, (b, n))
+    prog = dict(bias=bias, dropout_p=0.3, dropout_mask=keep, block_mask=blocks, block_size=4,
+                score_mod=lambda s, bi, h, qi, ki: s + 0.1 * bi - 0.05 * h * (qi - ki),
+                score_mod_grad=lambda s, *a: np.ones_like(s),
+                mask_mod=lambda bi, h, qi, ki: (docs[bi][qi] == docs[bi][ki]) | (ki == 0))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)])
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)])
+    pq = np.concatenate([q[i, :lengths_q[i]] for i in range(b)])
+    pk = np.concatenate([k[i, :lengths_k[i]] for i in range(b)])
+    pv = np.concatenate([v[i, :lengths_k[i]] for i in range(b)])
+    out, lse = attention_reference_varlen(pq, pk, pv, cu_q, cu_k, causal=True, **prog)
+    dout = RNG.standard_normal(out.shape)
+    grads = attention_reference_varlen_backward(dout, pq, pk, pv, cu_q, cu_k, causal=True, **prog)
+    dbias = np.zeros_like(bias)
+    for i in range(b):
+        nq, nk = lengths_q[i], lengths_k[i]
+        seq = dict(prog, bias=bias[:, :, :nq, :nk], dropout_mask=keep[i:i + 1, :, :nq, :nk],
+                   block_mask=blocks[:, :, :-(-nq // 4), :-(-nk // 4)])
+        for name in ("score_mod", "score_mod_grad", "mask_mod"):
+            seq[name] = (lambda f, i_: lambda *a: f(*a[:-4], i_, *a[-3:]))(prog[name], i)
+        args = (q[i:i + 1, :nq], k[i:i + 1, :nk], v[i:i + 1, :nk])
+        o, l_ = attention_reference(*args, causal=True, **seq)
+        _close((out[cu_q[i]:cu_q[i + 1]], lse[:, cu_q[i]:cu_q[i + 1]]), (o[0], l_[0]))
+        g = attention_reference_backward(dout[None, cu_q[i]:cu_q[i + 1]], *args, causal=True, **seq)
+        _close((grads[0][cu_q[i]:cu_q[i + 1]], grads[1][cu_k[i]:cu_k[i + 1]], grads[2][cu_k[i]:cu_k[i + 1]]),
+               (g[0][0], g[1][0], g[2][0]))
+        dbias[:, :, :nq, :nk] += g[3]
+    _close((grads[3],), (dbias,))

@@ -462,3 +462,39 @@ def test_gpu_default_is_off_under_a_real_capture():
         finally:
             stream.end_capture()
     assert not layout.offsets_checked
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(bias=arr((2, 4, 8, 9), np.float32)), ValueError, r"bias must broadcast to \(batch, heads_q, seqlen_q, "
+                                                           r"seqlen_k\) = \(2, 4, 8, 8\)"),
+    (dict(bias=arr((8, 8), np.float64)), TypeError, "bias must be float32 or q's dtype"),
+    (dict(dropout_p=0.1), ValueError, "needs a seed"),
+    (dict(dropout_p=1.5, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(block_mask=arr((2, 4, 2, 2), np.bool_), block_size=8), ValueError, "block_mask must have shape"),
+    (dict(score_mod="return score;"), TypeError, "score_mod must be a cuflash.ScoreMod"),
+])
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_programmable_arguments_checked_at_the_padded_shape(no_device, kw, exc, match, which):
+    """forward_varlen / backward_varlen check bias, dropout, block masks and modifiers against (batch, heads_q,
+    max_seqlen_q, max_seqlen_k) before the device is touched."""
+    import cuflash
+
+    a = _args()
+    if which == "forward":
+        call = lambda: cuflash.forward_varlen(**a, check_offsets=False, **kw)   # noqa: E731
+    else:
+        out, dout, lse = arr((10, 4, 64)), arr((10, 4, 64)), arr((4, 10), np.float32)
+        call = lambda: cuflash.backward_varlen(dout, a["q"], a["k"], a["v"], out, lse, a["cu_seqlens_q"],   # noqa: E731
+                                               a["cu_seqlens_k"], 8, 8, check_offsets=False, **kw)
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_programmable_backward_takes_equal_head_dims(no_device):
+    import cuflash
+
+    a = _args(dv=32)
+    out, dout, lse = arr((10, 4, 32)), arr((10, 4, 32)), arr((4, 10), np.float32)
+    with pytest.raises(ValueError, match="v's head dim equal to q's"):
+        cuflash.backward_varlen(dout, a["q"], a["k"], a["v"], out, lse, a["cu_seqlens_q"], a["cu_seqlens_k"], 8, 8,
+                                check_offsets=False, bias=arr((8, 8), np.float32))
