@@ -158,7 +158,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device: the offsets of the sequences'
             first rows, 0 first and the totals last (not differentiated).
         max_seqlen_q, max_seqlen_k: Python ints, at least every sequence's length.
-        dropout_p: must be 0.0 (no dropout in cuflash's kernels yet).
+        dropout_p: dropout of the probabilities (cuflash.torch.attention_varlen: programmable attention's
+            kernels, deterministic; its seed drawn from torch's CUDA generator).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         causal: per sequence, query i sees keys j <= i + len_k - len_q (bottom-right aligned).
         window_size: ``(left, right)`` as flash-attn (-1, or None as FA4 writes it: unbounded), per sequence.
@@ -166,7 +167,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (not differentiated).
         deterministic: bitwise reproducible backward.
         return_attn_probs: also return the log-sum-exp, as flash-attn does: ``(out, softmax_lse, None)``
-            (no attention probabilities: they exist only with dropout).
+            (no attention probabilities: cuflash never materialises them).
         block_table: must be None (no paged KV cache yet).
         seqused_q, seqused_k: optional int32 ``(batch,)``: sequence b uses only its first seqused[b]
             rows (queries) or keys (flash-attn 3's names); the other rows get out 0, lse -inf and zero
@@ -186,12 +187,18 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Raises:
         TypeError: not torch tensors, not on q's CUDA device, an unsupported or mixed dtype, offsets that
             are not int32, max_seqlen not an int, flags that are not bools.
-        ValueError: ``dropout_p != 0``, a ``block_table``, shapes that do not agree, an unsupported
+        ValueError: ``dropout_p`` outside [0, 1), a ``block_table``, shapes that do not agree, an unsupported
             head_dim, bad variant values; in eager calls, offsets that do not describe the packed tensors
             (cuflash.forward_varlen's checks).
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0: cuflash has no dropout yet, got {dropout_p}")
+    if dropout_p != 0.0:   # programmable attention's kernels (cuflash/torch_programmable.py), deterministic
+        if block_table is not None:
+            raise ValueError("block_table must be None: cuflash does not support a paged KV cache here")
+        out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+                               seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
+                               window_size=window_size, attention_chunk=attention_chunk, softcap=softcap,
+                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_attn_probs)
+        return (*out, None) if return_attn_probs else out
     if block_table is not None:
         raise ValueError("block_table must be None: cuflash does not support a paged KV cache yet")
     head_dim = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -520,4 +527,4 @@ def _attention_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
 
 
 # Programmable attention (bias, dropout, block masks, modifiers): its own ops, in their own module.
-from .torch_programmable import attention  # noqa: E402,F401
+from .torch_programmable import attention, attention_varlen  # noqa: E402,F401

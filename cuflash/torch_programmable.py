@@ -1,8 +1,8 @@
-"""PyTorch front end of programmable attention (issue #45): ``cuflash.torch.attention`` with a bias, dropout, a
-block mask and user modifiers, differentiable with respect to q, k, v, the bias and the score modifier's tensors
-that have ``tensor_grads``, as the custom ops ``cuflash::attention_forward_prog`` /
-``cuflash::attention_backward_prog`` (fake implementations for ``torch.compile``; the backward registered as the
-forward's autograd formula).
+"""PyTorch front end of programmable attention (issue #45): ``cuflash.torch.attention`` (and ``attention_varlen``
+for packed batches) with a bias, dropout, a block mask and user modifiers, differentiable with respect to q, k, v,
+the bias and the score modifier's tensors that have ``tensor_grads``, as the custom ops
+``cuflash::attention_forward_prog`` / ``cuflash::attention_backward_prog`` (and their ``attention_varlen_`` twins;
+fake implementations for ``torch.compile``; the backward registered as the forward's autograd formula).
 
 Modifiers cross the ops' fixed schema as their key (a string: cuflash.modifiers.Modifiers.key) and the list of
 their tensors: the ScoreMod / MaskMod objects are kept here by key, and each call binds them to the tensors it is
@@ -146,6 +146,12 @@ def attention_backward_prog(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
                               dlse=None if dlse is None else dlse.contiguous(), dq=dq, dk=dk, dv=dv,
                               bias=_detached(bias), dropout_p=dropout_p, seed=rng_state, block_mask=block_mask,
                               block_size=(block_q, block_k), score_mod=score_mod, mask_mod=mask_mod))
+    return _split_grads(grads, q, bias, sinks, mods, mod_tensors)
+
+
+def _split_grads(grads: list, q: Tensor, bias, sinks, mods: str, mod_tensors: List[Tensor]) -> tuple:
+    """The backward's results (dq, dk, dv, [dsinks], [dbias], [{name: gradient}]) in the ops' fixed layout:
+    ``(dq, dk, dv, dsinks, dbias, mod_grads)``, empty tensors for what the call has not."""
     dq, dk, dv = grads[:3]
     rest = grads[3:]
     dsinks = rest.pop(0) if sinks is not None else q.new_empty((0,))
@@ -190,3 +196,144 @@ def _vjp(ctx, dout, dlse):
 
 
 attention_forward_prog.register_autograd(_vjp, setup_context=_save_for_backward)
+
+
+# ---------------------------------------------------------------------------
+# Packed (varlen) batches: cuflash.forward_varlen / backward_varlen with the programmable arguments.
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                     causal: bool = False, softmax_scale: Optional[float] = None,
+                     window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     bias: Optional[Tensor] = None, dropout_p: float = 0.0, block_mask: Optional[Tensor] = None,
+                     block_size=128, score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+                     return_lse: bool = False):
+    """Programmable attention on a packed batch of torch CUDA tensors (cuflash.forward_varlen's arguments and
+    meaning: sequence b sees batch index b of the bias, block mask, dropout stream and modifiers at its own
+    positions), differentiable with respect to q, k, v, ``bias``, ``sinks`` and the tensors of ``score_mod`` that
+    have ``tensor_grads``. q ``(total_q, heads_q, head_dim)``; returns ``out`` ``(total_q, heads_q, head_dim_v)`` or
+    ``(out, lse)`` with lse float32 ``(heads_q, total_q)``."""
+    from .torch import _check_max_seqlen, _check_varlen_inputs, _variant_options
+
+    scale = _checks.check_scale(softmax_scale, _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                                                     seqused_k))
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    left, right, chunk, cap = _variant_options(window_size, attention_chunk, softcap)
+    bq, bk = block_sparse.check_block_size(block_size)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    key, tensors = register(score_mod, mask_mod)
+    rng_state = None
+    if dropout_p > 0:
+        rng_state = torch.randint(0, 2**62, (2,), device=q.device, dtype=torch.int64)
+    check_offsets = False if torch.compiler.is_compiling() else None
+    out, lse = attention_varlen_forward_prog(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
+                                             bias, rng_state, block_mask, tensors, scale, causal, left, right, chunk,
+                                             cap, alibi_slopes, sinks, float(dropout_p), bq, bk, key, check_offsets)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("cuflash::attention_varlen_forward_prog", mutates_args=())
+def attention_varlen_forward_prog(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                  max_seqlen_q: int, max_seqlen_k: int, seqused_q: Optional[Tensor],
+                                  seqused_k: Optional[Tensor], bias: Optional[Tensor], rng_state: Optional[Tensor],
+                                  block_mask: Optional[Tensor], mod_tensors: List[Tensor], softmax_scale: float,
+                                  causal: bool, window_left: int, window_right: int, attention_chunk: int,
+                                  softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                                  dropout_p: float, block_q: int, block_k: int, mods: str,
+                                  check_offsets: Optional[bool]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of cuflash.forward_varlen with the programmable arguments."""
+    from . import api
+    from .torch import _index, _kernel_ready, _out_shape
+
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    score_mod, mask_mod = _bound(mods, mod_tensors)
+    out = q.new_empty(_out_shape(q, v))
+    return api.forward_varlen(q, k, v, _index(cu_seqlens_q), _index(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                              seqused_q=_index(seqused_q), seqused_k=_index(seqused_k), causal=causal,
+                              softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                              attention_chunk=attention_chunk, softcap=softcap, alibi_slopes=_detached(alibi_slopes),
+                              sinks=_detached(sinks), return_lse=True, out=out, check_offsets=check_offsets,
+                              bias=_detached(bias), dropout_p=dropout_p, seed=rng_state, block_mask=block_mask,
+                              block_size=(block_q, block_k), score_mod=score_mod, mask_mod=mask_mod)
+
+
+@attention_varlen_forward_prog.register_fake
+def _attention_varlen_forward_prog_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                        seqused_k, bias, rng_state, block_mask, mod_tensors, softmax_scale, causal,
+                                        window_left, window_right, attention_chunk, softcap, alibi_slopes, sinks,
+                                        dropout_p, block_q, block_k, mods, check_offsets):
+    from .torch import _out_shape
+
+    total_q, hq, _ = q.shape
+    return q.new_empty(_out_shape(q, v)), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_varlen_backward_prog", mutates_args=())
+def attention_varlen_backward_prog(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                   dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                   max_seqlen_q: int, max_seqlen_k: int, seqused_q: Optional[Tensor],
+                                   seqused_k: Optional[Tensor], bias: Optional[Tensor], rng_state: Optional[Tensor],
+                                   block_mask: Optional[Tensor], mod_tensors: List[Tensor], softmax_scale: float,
+                                   causal: bool, window_left: int, window_right: int, attention_chunk: int,
+                                   softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                                   dropout_p: float, block_q: int, block_k: int, mods: str
+                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, List[Tensor]]:
+    """``(dq, dk, dv, dsinks, dbias, mod_grads)`` as attention_backward_prog's (the offsets unchecked, as the plain
+    varlen backward's: the forward saw them)."""
+    from . import api
+    from .torch import _index, _kernel_ready
+
+    dout, q, k, v, out = (_kernel_ready(x) for x in (dout, q, k, v, out))
+    score_mod, mask_mod = _bound(mods, mod_tensors)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    grads = list(api.backward_varlen(
+        dout, q, k, v, out, lse, _index(cu_seqlens_q), _index(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+        seqused_q=_index(seqused_q), seqused_k=_index(seqused_k), causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), attention_chunk=attention_chunk, softcap=softcap,
+        alibi_slopes=_detached(alibi_slopes), sinks=_detached(sinks), dlse=None if dlse is None else dlse.contiguous(),
+        dq=dq, dk=dk, dv=dv, check_offsets=False, bias=_detached(bias), dropout_p=dropout_p, seed=rng_state,
+        block_mask=block_mask, block_size=(block_q, block_k), score_mod=score_mod, mask_mod=mask_mod))
+    return _split_grads(grads, q, bias, sinks, mods, mod_tensors)
+
+
+@attention_varlen_backward_prog.register_fake
+def _attention_varlen_backward_prog_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, seqused_q, seqused_k, bias, rng_state, block_mask, mod_tensors,
+                                         softmax_scale, causal, window_left, window_right, attention_chunk, softcap,
+                                         alibi_slopes, sinks, dropout_p, block_q, block_k, mods):
+    return _attention_backward_prog_fake(dout, q, k, v, out, lse, dlse, bias, rng_state, block_mask, mod_tensors,
+                                         softmax_scale, causal, window_left, window_right, attention_chunk, softcap,
+                                         alibi_slopes, sinks, dropout_p, block_q, block_k, mods)
+
+
+def _save_for_backward_varlen(ctx, inputs, output) -> None:
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, bias, rng_state,
+     block_mask, mod_tensors, *options) = inputs
+    out, lse = output
+    *flags, alibi_slopes, sinks, dropout_p, block_q, block_k, mods, _check_offsets = options
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, bias, rng_state,
+                          block_mask, alibi_slopes, sinks, *mod_tensors)
+    ctx.max_seqlens, ctx.flags, ctx.rest = (max_seqlen_q, max_seqlen_k), tuple(flags), (dropout_p, block_q, block_k,
+                                                                                        mods)
+
+
+def _vjp_varlen(ctx, dout, dlse):
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, bias, rng_state, block_mask, alibi_slopes,
+     sinks, *mod_tensors) = ctx.saved_tensors
+    dq, dk, dv, dsinks, dbias, mod_grads = attention_varlen_backward_prog(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, seqused_q, seqused_k, bias,
+        rng_state, block_mask, mod_tensors, *ctx.flags, alibi_slopes, sinks, *ctx.rest)
+    tensor_grads = [None if g.numel() == 0 and t.numel() != 0 else g.to(t.dtype) for g, t in zip(mod_grads, mod_tensors)]
+    # In the forward op's input order: q, k, v; offsets, max lengths, seqused; bias; rng_state, block_mask; the
+    # modifier tensors; the six options; alibi_slopes, sinks; dropout_p, block_q, block_k, mods, check_offsets.
+    return (dq, dk, dv) + (None,) * 6 + (dbias if bias is not None else None, None, None, tensor_grads) + \
+        (None,) * 6 + (None, dsinks if sinks is not None else None) + (None,) * 5
+
+
+attention_varlen_forward_prog.register_autograd(_vjp_varlen, setup_context=_save_for_backward_varlen)

@@ -180,7 +180,7 @@ def _errors():
         table = torch.empty((len(LENGTHS_Q), 4), dtype=torch.int32, device="cuda")
     base = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=131, max_seqlen_k=131)
     return [
-        (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0: cuflash has no dropout yet"),
+        (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\)"),
         (dict(block_table=table), ValueError, "block_table must be None: .*paged KV"),
         (dict(cu_seqlens_q=cu64), TypeError, r"cu_seqlens_q must be int32, got torch.int64"),
         (dict(cu_seqlens_k=cu_short), ValueError, "cu_seqlens_k must have the length of cu_seqlens_q"),
