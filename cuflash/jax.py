@@ -89,8 +89,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     opts = _Opts(causal, scale, deterministic, left, right, chunk, cap)
     if bias is None and not dropout_p and block_mask is None and score_mod is None and mask_mod is None:
         return _attention(q, k, v, alibi_slopes, sinks, opts)
-    bias, rng, block_mask, tensors, popts = _check_programmable(q, k, bias, dropout_p, dropout_seed, block_mask,
-                                                                block_size, score_mod, mask_mod, opts)
+    full = (b, hq, q.shape[1], k.shape[1])
+    bias, rng, block_mask, tensors, popts = _check_programmable(q.dtype, full, bias, dropout_p, dropout_seed,
+                                                                block_mask, block_size, score_mod, mask_mod, opts)
     return _attention_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts)
 
 
@@ -199,10 +200,11 @@ def _backward(dout, q, k, v, alibi_slopes, sinks, out, lse, opts: _Opts):
 
 
 class _ProgOpts(tuple):
-    """The static options of a programmable call: the dense ones, dropout_p, the block size, the modifiers' key
-    ("" for none: their templates in _MODIFIERS) and which optional operands there are."""
+    """The static options of a programmable call: the dense ones (``_Opts``, or a varlen call's ``_VarlenOpts``),
+    dropout_p, the block size, the modifiers' key ("" for none: their templates in _MODIFIERS) and which optional
+    operands there are."""
 
-    def __new__(cls, opts: _Opts, dropout_p: float, block_q: int, block_k: int, mods: str = ""):
+    def __new__(cls, opts, dropout_p: float, block_q: int, block_k: int, mods: str = ""):
         return super().__new__(cls, (opts, dropout_p, block_q, block_k, mods))
 
     def attrs(self, bias, block_mask, rng) -> dict:
@@ -226,25 +228,26 @@ def dropout_seed(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (4,), jnp.uint32)
 
 
-def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, score_mod, mask_mod,
-                        opts: _Opts) -> tuple:
+def _check_programmable(q_dtype, full: tuple, bias, dropout_p, seed, block_mask, block_size, score_mod, mask_mod,
+                        opts, names: str = "(batch, heads_q, seqlen_q, seqlen_k)") -> tuple:
     """(bias, rng words or None, block_mask, the modifiers' tensors in slot order, _ProgOpts), checked as
-    ``cuflash.forward`` checks them."""
+    ``cuflash.forward`` checks them, at the attention's shape ``full`` = (batch, heads_q, seqlen_q, seqlen_k) (a
+    varlen call's: (batch, heads_q, max_seqlen_q, max_seqlen_k), which ``names`` names in the messages); ``opts``:
+    the call's static options (``_Opts`` or ``_VarlenOpts``), kept in the returned _ProgOpts."""
     from . import block_sparse, philox
     from .modifiers import Modifiers, bind
 
-    if np.dtype(q.dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
-        raise ValueError(f"bias, dropout and block masks take float16 or bfloat16 q so far, got {q.dtype}")
-    b, nq, hq, _ = q.shape
-    full = (b, hq, nq, k.shape[1])
+    if np.dtype(q_dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"bias, dropout and block masks take float16 or bfloat16 q so far, got {q_dtype}")
+    b, hq, nq, nk = full
     if bias is not None:
         bias = jnp.asarray(bias)
-        if np.dtype(bias.dtype) not in (np.dtype(jnp.float32), np.dtype(q.dtype)):
-            raise TypeError(f"bias must be float32 or q's dtype {q.dtype}, got {bias.dtype}")
+        if np.dtype(bias.dtype) not in (np.dtype(jnp.float32), np.dtype(q_dtype)):
+            raise TypeError(f"bias must be float32 or q's dtype {q_dtype}, got {bias.dtype}")
         shape4 = (1,) * (4 - bias.ndim) + tuple(bias.shape)
         if bias.ndim > 4 or any(n not in (1, f) for n, f in zip(shape4, full)):
-            raise ValueError(f"bias must broadcast to (batch, heads_q, seqlen_q, seqlen_k) = {full} (at most 4 dims, "
-                             f"each 1 or that size), got shape {tuple(bias.shape)}")
+            raise ValueError(f"bias must broadcast to {names} = {full} (at most 4 dims, each 1 or that size), got "
+                             f"shape {tuple(bias.shape)}")
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     p = float(dropout_p)
@@ -266,7 +269,7 @@ def _check_programmable(q, k, bias, dropout_p, seed, block_mask, block_size, sco
     bq, bk = block_sparse.check_block_size(block_size)
     if block_mask is not None:
         block_mask = jnp.asarray(block_mask)
-        block_sparse.check_block_mask(block_mask, b, hq, nq, k.shape[1], (bq, bk))
+        block_sparse.check_block_mask(block_mask, b, hq, nq, nk, (bq, bk))
     tensors, key = (), ""
     if score_mod is not None or mask_mod is not None:
         mods = Modifiers(score_mod, mask_mod)
@@ -304,27 +307,48 @@ def _tensor_grads(popts: _ProgOpts, tensors: tuple) -> list:
     return [(i, t) for i, (name, t) in enumerate(zip(names, tensors)) if name in wanted]
 
 
-def _attention_prog_bwd(popts: _ProgOpts, residuals, dout):
-    q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse = residuals
-    extra, flags = _extras(alibi_slopes, sinks)
-    prog = tuple(x for x in (bias, block_mask, rng) if x is not None) + tuple(tensors)
+def _prog_operands(bias, block_mask, rng, tensors) -> tuple:
+    """A programmable call's operands after the variants': ``[bias][, block_mask][, rng][, modifier tensors...]``
+    (which are there: ``_ProgOpts.attrs``)."""
+    return tuple(x for x in (bias, block_mask, rng) if x is not None) + tuple(tensors)
+
+
+def _prog_results(q, k, v, sinks, bias, with_grads) -> tuple:
+    """The programmable backward's results: dq, dk, dv[, dsinks float32][, dbias][, the tensors' float32
+    gradients]."""
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     if sinks is not None:
         results.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
     if bias is not None:
         results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    with_grads = _tensor_grads(popts, tensors)
     results += [jax.ShapeDtypeStruct(t.shape, jnp.float32) for _, t in with_grads]
-    call = jax.ffi.ffi_call(jax_targets.BACKWARD_PROG, tuple(results), vmap_method="sequential")
-    grads = list(call(dout.astype(q.dtype), q, k, v, out, lse, *extra, *prog, **popts.attrs(bias, block_mask, rng),
-                      **flags, deterministic=popts[0][2]))
+    return tuple(results)
+
+
+def _prog_cotangents(grads, sinks, bias, tensors, with_grads) -> tuple:
+    """(dq, dk, dv, dsinks, dbias, dtensors) from the programmable backward's results (``_prog_results``): dsinks
+    in the sinks' dtype, dtensors a tuple per modifier tensor (None for those without tensor_grads and for integer
+    ones)."""
+    grads = list(grads)
     dsinks = grads.pop(3).astype(sinks.dtype) if sinks is not None else None
     dbias = grads.pop(3) if bias is not None else None
     dtensors = [None] * len(tensors)   # tensors without tensor_grads (and integer ones): no gradient
     for (i, t), g in zip(with_grads, grads[3:]):
         dtensors[i] = g.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.floating) else None
+    return grads[0], grads[1], grads[2], dsinks, dbias, tuple(dtensors)
+
+
+def _attention_prog_bwd(popts: _ProgOpts, residuals, dout):
+    q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse = residuals
+    extra, flags = _extras(alibi_slopes, sinks)
+    with_grads = _tensor_grads(popts, tensors)
+    call = jax.ffi.ffi_call(jax_targets.BACKWARD_PROG, _prog_results(q, k, v, sinks, bias, with_grads),
+                            vmap_method="sequential")
+    grads = call(dout.astype(q.dtype), q, k, v, out, lse, *extra, *_prog_operands(bias, block_mask, rng, tensors),
+                 **popts.attrs(bias, block_mask, rng), **flags, deterministic=popts[0][2])
+    dq, dk, dv, dsinks, dbias, dtensors = _prog_cotangents(grads, sinks, bias, tensors, with_grads)
     dslopes = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)   # slopes are not learned
-    return grads[0], grads[1], grads[2], dslopes, dsinks, dbias, None, None, tuple(dtensors)
+    return dq, dk, dv, dslopes, dsinks, dbias, None, None, dtensors
 
 
 _attention_prog.defvjp(_attention_prog_fwd, _attention_prog_bwd)
@@ -334,11 +358,11 @@ def _forward_prog(q, k, v, alibi_slopes, sinks, bias, block_mask, rng, tensors, 
     """(out, lse) of a programmable call."""
     b, nq, hq, _ = q.shape
     extra, flags = _extras(alibi_slopes, sinks)
-    prog = tuple(x for x in (bias, block_mask, rng) if x is not None) + tuple(tensors)
     call = jax.ffi.ffi_call(jax_targets.FORWARD_PROG, (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
                                                        jax.ShapeDtypeStruct((b, hq, nq), jnp.float32)),
                             vmap_method="sequential")
-    return call(q, k, v, *extra, *prog, **popts.attrs(bias, block_mask, rng), **flags)
+    return call(q, k, v, *extra, *_prog_operands(bias, block_mask, rng, tensors), **popts.attrs(bias, block_mask, rng),
+                **flags)
 
 
 # ---------------------------------------------------------------------------
@@ -352,7 +376,11 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
                                  window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0,
                                  softcap: float = 0.0, alibi_slopes: Optional[jax.Array] = None,
                                  sinks: Optional[jax.Array] = None, return_lse: bool = False,
-                                 deterministic: bool = False) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
+                                 deterministic: bool = False, bias: Optional[jax.Array] = None,
+                                 dropout_p: float = 0.0, dropout_seed: Union[int, jax.Array, None] = None,
+                                 block_mask: Optional[jax.Array] = None,
+                                 block_size: Union[int, Tuple[int, int]] = 128, score_mod=None,
+                                 mask_mod=None) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Exact attention over a packed batch of sequences of their own lengths (``cuflash.forward_varlen``,
     flash-attn's ``flash_attn_varlen_func`` layout) by cuflash's kernels, with a custom VJP.
 
@@ -377,12 +405,37 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` (row b for sequence b; not differentiated).
         sinks: ``(heads_q,)``, float32 or q's dtype: a learned logit per head (differentiated).
         return_lse: also return the log-sum-exp (differentiated too).
-        deterministic: bitwise reproducible gradients (see ``cuflash.backward_varlen``).
+        deterministic: bitwise reproducible gradients (see ``cuflash.backward_varlen``; the programmable
+            backward computes dq, dk, dv deterministically either way, dbias and the modifiers' tensor gradients
+            by float32 atomics).
+        bias, dropout_p, dropout_seed, block_mask, block_size, score_mod, mask_mod: programmable attention as in
+            ``dot_product_attention`` (16-bit q; ``cuflash.forward_varlen``'s portable kernels on every GPU), per
+            sequence as if the batch were padded to ``(batch, max_seqlen_q, max_seqlen_k)``:
+
+            - ``bias``: broadcastable to ``(batch, heads_q, max_seqlen_q, max_seqlen_k)`` (at most 4 dims, each 1
+              or that size), float32 or q's dtype; sequence b adds ``bias[b, :, :len_q, :len_k]`` to its scaled
+              scores. Differentiated: its gradient in its own shape and dtype (summed over its broadcast dims, 0
+              past the sequences' lengths).
+            - ``dropout_p`` with ``dropout_seed`` (a Python int, or a uint32 array ``(4,)`` of the (seed, offset)
+              words, :func:`dropout_seed`): sequence b draws the mask of batch index b,
+              ``cuflash.dropout_keep_mask(seed, offset, batch, heads_q, max_seqlen_q, max_seqlen_k, p)[b, :,
+              :len_q, :len_k]``.
+            - ``block_mask``: bool ``(batch or 1, heads_q or 1, ceil(max_seqlen_q / bq), ceil(max_seqlen_k /
+              bk))`` at ``block_size`` bq or (bq, bk), read at each sequence's own positions.
+            - ``score_mod``, ``mask_mod``: ``cuflash.ScoreMod`` / ``cuflash.MaskMod`` whose tensors are JAX arrays
+              (operands of the calls; a score modifier's ``tensor_grads`` are their gradients, cast to their
+              dtypes); they get the sequence's index ``b`` and positions ``q_idx`` / ``kv_idx`` within it. GPU
+              only: XLA:CPU has no CUDA compiler for them.
+
+            Without any of them (the default) the plain varlen calls run, as before. Their backward takes v's head
+            dim equal to q's, head dims up to 256 and a score_mod with its ``grad`` (ValueError while tracing the
+            gradient otherwise).
 
     Returns:
         ``out`` shaped and typed like ``q`` (rows that see no key are 0), or with ``return_lse``
         ``(out, lse)``, lse float32 ``(heads_q, total_q)`` (flash-attn's packed layout; -inf for rows that
-        see no key).
+        see no key). Under ``jax.grad`` the gradients of q, k, v, sinks, bias and the score modifier's tensors
+        with ``tensor_grads`` (the offsets, seqused, alibi_slopes, block_mask and dropout_seed get none).
 
     The offsets' values are not checked on a GPU: their check (``cuflash.varlen``) copies them to the host
     and waits, which a jitted program must not do (and under jit they are values the host does not have).
@@ -412,7 +465,13 @@ def dot_product_attention_varlen(q: jax.Array, k: jax.Array, v: jax.Array, cu_se
     alibi_slopes, sinks = _check_alibi_and_sinks(alibi_slopes, sinks, batch, hq, q.dtype)
     register_targets()
     opts = _VarlenOpts(_Opts(causal, scale, deterministic, left, right, chunk, cap), max_q, max_k, return_lse)
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks, opts)
+    if bias is None and not dropout_p and block_mask is None and score_mod is None and mask_mod is None:
+        return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks, opts)
+    bias, rng, block_mask, tensors, popts = _check_programmable(
+        q.dtype, (batch, hq, max_q, max_k), bias, dropout_p, dropout_seed, block_mask, block_size, score_mod,
+        mask_mod, opts, names="(batch, heads_q, max_seqlen_q, max_seqlen_k)")
+    return _attention_varlen_prog(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks,
+                                  bias, block_mask, rng, tensors, popts)
 
 
 class _VarlenOpts(tuple):
@@ -590,6 +649,89 @@ def _backward_varlen(dout, dlse, q, k, v, offsets: tuple, alibi_slopes, sinks, o
                  **flags, has_dlse=dlse is not None, deterministic=opts.deterministic)
     dsinks = None if sinks is None else grads[3].astype(sinks.dtype)
     return grads[0], grads[1], grads[2], dsinks
+
+
+# ---------------------------------------------------------------------------
+# Packed variable-length batches with programmable attention: bias (with its gradient), dropout, block masks and
+# modifiers, per sequence at batch index b
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(13,))
+def _attention_varlen_prog(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks, bias,
+                           block_mask, rng, tensors, popts: _ProgOpts):
+    out, lse = _forward_varlen_prog(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), alibi_slopes, sinks,
+                                    bias, block_mask, rng, tensors, popts)
+    return (out, lse) if popts[0].return_lse else out
+
+
+def _attention_varlen_prog_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, sinks, bias,
+                               block_mask, rng, tensors, popts: _ProgOpts):
+    offsets = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    out, lse = _forward_varlen_prog(q, k, v, offsets, alibi_slopes, sinks, bias, block_mask, rng, tensors, popts)
+    primal = (out, lse) if popts[0].return_lse else out
+    return primal, (q, k, v, offsets, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse)
+
+
+def _check_varlen_prog_backward(q, v, popts: _ProgOpts) -> None:
+    """The programmable varlen backward's limits (``cuflash.backward_varlen``'s), raised while the gradient is
+    traced rather than by the custom call."""
+    d, dv = q.shape[2], v.shape[2]
+    if dv != d:
+        raise ValueError(f"bias, dropout, block masks and modifiers take v's head dim equal to q's in the backward "
+                         f"so far, got {dv} and {d}")
+    if d > head_dims.MAX_HEAD_DIM:
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {head_dims.MAX_HEAD_DIM} "
+                         f"in the backward so far, got {d}")
+    if popts[4]:
+        score_mod, _ = _MODIFIERS[popts[4]]
+        if score_mod is not None and score_mod.grad is None:
+            raise ValueError("the backward of a score_mod needs its grad (CUDA C returning d(new score) / d(score))")
+
+
+def _attention_varlen_prog_bwd(popts: _ProgOpts, residuals, cotangent):
+    q, k, v, offsets, alibi_slopes, sinks, bias, block_mask, rng, tensors, out, lse = residuals
+    opts = popts[0]
+    dout, dlse = cotangent if opts.return_lse else (cotangent, None)
+    _check_varlen_prog_backward(q, v, popts)
+    with_grads = _tensor_grads(popts, tensors)
+    if q.size == 0 or k.size == 0:   # no score anywhere (the forward made no call): the plain shortcut, zeros
+        dq, dk, dv, dsinks = _backward_varlen(dout, dlse, q, k, v, offsets, alibi_slopes, sinks, out, lse, opts)
+        dbias = None if bias is None else jnp.zeros_like(bias)
+        dtensors = [None] * len(tensors)
+        for i, t in with_grads:
+            dtensors[i] = jnp.zeros_like(t) if jnp.issubdtype(t.dtype, jnp.floating) else None
+        dtensors = tuple(dtensors)
+    else:
+        index, index_flags = _offset_operands(offsets)
+        extra, flags = _extras(alibi_slopes, sinks)
+        tail = () if dlse is None else (dlse.astype(jnp.float32),)
+        call = jax.ffi.ffi_call(jax_targets.BACKWARD_VARLEN_PROG, _prog_results(q, k, v, sinks, bias, with_grads),
+                                vmap_method="sequential")
+        grads = call(dout.astype(q.dtype), q, k, v, out, lse, *index, *extra, *tail,
+                     *_prog_operands(bias, block_mask, rng, tensors), **popts.attrs(bias, block_mask, rng),
+                     **index_flags, **flags, has_dlse=dlse is not None, deterministic=opts.deterministic)
+        dq, dk, dv, dsinks, dbias, dtensors = _prog_cotangents(grads, sinks, bias, tensors, with_grads)
+    dslopes = None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)   # slopes are not learned
+    # None: no cotangent for the integer offsets, the block mask and the seed words.
+    return dq, dk, dv, None, None, None, None, dslopes, dsinks, dbias, None, None, dtensors
+
+
+_attention_varlen_prog.defvjp(_attention_varlen_prog_fwd, _attention_varlen_prog_bwd)
+
+
+def _forward_varlen_prog(q, k, v, offsets: tuple, alibi_slopes, sinks, bias, block_mask, rng, tensors,
+                         popts: _ProgOpts):
+    """(out, lse) of a programmable varlen call: out like q, lse float32 (heads_q, total_q)."""
+    if q.size == 0 or k.size == 0:   # no rows, or no sequence has a key: the plain shortcut (no custom call)
+        return _forward_varlen(q, k, v, offsets, alibi_slopes, sinks, popts[0])
+    total_q, hq, _ = q.shape
+    index, index_flags = _offset_operands(offsets)
+    extra, flags = _extras(alibi_slopes, sinks)
+    call = jax.ffi.ffi_call(jax_targets.FORWARD_VARLEN_PROG,
+                            (jax.ShapeDtypeStruct(_out_shape(q, v), q.dtype),
+                             jax.ShapeDtypeStruct((hq, total_q), jnp.float32)), vmap_method="sequential")
+    return call(q, k, v, *index, *extra, *_prog_operands(bias, block_mask, rng, tensors),
+                **popts.attrs(bias, block_mask, rng), **index_flags, **flags)
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,13 @@ ones. They are never merged: JAX maps them with ``vmap_method="sequential"`` (on
 On CUDA the offsets are not checked (``check_offsets=False``: their check copies them to the host, a
 synchronisation, and under jit they are values the host does not have); on the host they are
 (``cuflash.varlen.validate_offsets``), since the reference reads them there anyway.
+
+Programmable (bias, dropout, block masks, modifiers) operands follow the variants' (and, in the varlen backward,
+dlse): ``[, bias][, block_mask][, rng][, modifier tensors...]`` as the attributes has_bias / has_block_mask /
+has_rng / mods say, with dropout_p, block_q, block_k; their backwards return dbias (the bias's shape and dtype) and
+the score modifier's tensors' float32 gradients after dsinks. The varlen ones
+(``FORWARD_VARLEN_PROG`` / ``BACKWARD_VARLEN_PROG``) take the varlen operands and attributes besides, and call
+``cuflash.forward_varlen`` / ``backward_varlen`` (offsets unchecked, as above).
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ BACKWARD_VARLEN = "cuflash_attention_varlen_bwd"
 KVCACHE = "cuflash_attention_kvcache"
 FORWARD_PROG = "cuflash_attention_prog_fwd"
 BACKWARD_PROG = "cuflash_attention_prog_bwd"
+FORWARD_VARLEN_PROG = "cuflash_attention_varlen_prog_fwd"
+BACKWARD_VARLEN_PROG = "cuflash_attention_varlen_prog_bwd"
 
 # Tests set this to a list: each call then appends (target, [argument pointers], [result pointers], stream),
 # so that they can check that the kernels read and wrote JAX's own buffers on XLA's stream.
@@ -258,14 +267,20 @@ def cuda_backward_prog(call: Call) -> None:
                          softmax_scale=float(call.attrs["softmax_scale"]),
                          deterministic=bool(call.attrs["deterministic"]), dq=rets[0], dk=rets[1], dv=rets[2],
                          **kwargs, **prog)
-        rest = list(grads[3:])
-        if rest and isinstance(rest[-1], dict):   # the score modifier's tensor gradients, in slot order
-            from .modifiers import Modifiers
+        _store_prog_grads(rets[3:], grads[3:], prog)
 
-            by_name = rest.pop()
-            rest += [by_name[n] for n in Modifiers(prog.get("score_mod"), prog.get("mask_mod")).slots if n in by_name]
-        for buf, g in zip(rets[3:], rest):   # dsinks, dbias, the tensors' gradients
-            buf[...] = g
+
+def _store_prog_grads(bufs: list, grads, prog: dict) -> None:
+    """Writes a programmable backward's results after (dq, dk, dv) into XLA's result buffers: dsinks, dbias, then
+    the score modifier's tensor gradients (``backward``'s dict {name: gradient}) in slot order."""
+    rest = list(grads)
+    if rest and isinstance(rest[-1], dict):   # the score modifier's tensor gradients, in slot order
+        from .modifiers import Modifiers
+
+        by_name = rest.pop()
+        rest += [by_name[n] for n in Modifiers(prog.get("score_mod"), prog.get("mask_mod")).slots if n in by_name]
+    for buf, g in zip(bufs, rest):   # dsinks, dbias, the tensors' gradients
+        buf[...] = g
 
 
 def _forward_varlen_into(q, k, v, out, lse, **kwargs) -> None:
@@ -316,6 +331,47 @@ def cuda_backward_varlen(call: Call) -> None:
                                 dv=rets[2], check_offsets=False, **offsets, **kwargs)
         if kwargs["sinks"] is not None:
             rets[3][...] = grads[3]
+
+
+def cuda_forward_varlen_prog(call: Call) -> None:
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks][, bias][, block_mask]
+    [, rng][, modifier tensors...]) -> (out, lse) with cuflash's programmable varlen forward on XLA's stream, into
+    XLA's buffers, the offsets unchecked."""
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        q, k, v = arrays[:3]
+        out, lse = arrays[-2:]
+        offsets, rest = _varlen_kwargs(call, arrays[3:-2])
+        n_extra = _n_extras(call)
+        _log(FORWARD_VARLEN_PROG, call, stream)
+        _forward_varlen_into(q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                             softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
+                             **_variant_kwargs(call, rest[:n_extra]), **_prog_kwargs(call, rest[n_extra:], True))
+
+
+def cuda_backward_varlen_prog(call: Call) -> None:
+    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
+    [, dlse][, bias][, block_mask][, rng][, modifier tensors...]) -> (dq, dk, dv[, dsinks][, dbias][, the tensors'
+    gradients]) with cuflash's programmable varlen backward on XLA's stream, the offsets unchecked."""
+    from .api import backward_varlen
+
+    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
+        arrays = _device_arrays(call, dev)
+        n_args = len(call.args)
+        dout, q, k, v, out, lse = arrays[:6]
+        offsets, rest = _varlen_kwargs(call, arrays[6:n_args])
+        n_extra = _n_extras(call)
+        kwargs = _variant_kwargs(call, rest[:n_extra])
+        rest = rest[n_extra:]
+        dlse = rest.pop(0) if call.attrs.get("has_dlse") else None
+        prog = _prog_kwargs(call, rest, True)
+        rets = arrays[n_args:]
+        _log(BACKWARD_VARLEN_PROG, call, stream)
+        grads = backward_varlen(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
+                                softmax_scale=float(call.attrs["softmax_scale"]),
+                                deterministic=bool(call.attrs["deterministic"]), dlse=dlse, dq=rets[0], dk=rets[1],
+                                dv=rets[2], check_offsets=False, **offsets, **kwargs, **prog)
+        _store_prog_grads(rets[3:], grads[3:], prog)
 
 
 def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:
@@ -548,19 +604,23 @@ def _host_kvcache_fp8(call: Call, q, k_cache, v_cache, k, v, kwargs: dict, rets:
         rets[3][...] = v_bytes
 
 
-# (target name, platform as jax.ffi.register_ffi_target names it) -> body
-def _host_prog(call: Call, operands: list, q_shape: tuple, k_shape: tuple) -> dict:
+def _host_prog(call: Call, operands: list, full: tuple) -> dict:
     """The reference's programmable fields (Programmable) of a programmable call's operands: dropout's keep mask
-    drawn as the kernels draw it (cuflash.philox.dropout_keep_mask)."""
+    drawn as the kernels draw it (cuflash.philox.dropout_keep_mask) at ``full`` = (batch, heads_q, seqlen_q,
+    seqlen_k) (a varlen call's: (batch, heads_q, max_seqlen_q, max_seqlen_k))."""
     from .philox import dropout_keep_mask
 
     kw = _prog_kwargs(call, operands, False)
     out = dict(bias=kw["bias"], block_mask=kw["block_mask"], block_size=kw["block_size"])
     if kw["dropout_p"] > 0:
-        b, nq, hq = q_shape[0], q_shape[1], q_shape[2]
-        out.update(dropout_p=kw["dropout_p"], dropout_mask=dropout_keep_mask(kw["seed"], kw["offset"], b, hq, nq,
-                                                                             k_shape[1], kw["dropout_p"]))
+        out.update(dropout_p=kw["dropout_p"], dropout_mask=dropout_keep_mask(kw["seed"], kw["offset"], *full,
+                                                                             kw["dropout_p"]))
     return out
+
+
+def _dense_full(q, k) -> tuple:
+    """(batch, heads_q, seqlen_q, seqlen_k) of dense q (batch, seqlen_q, heads_q, d) and k."""
+    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
 
 
 def host_forward_prog(call: Call) -> None:
@@ -575,7 +635,7 @@ def host_forward_prog(call: Call) -> None:
     o, l_ = attention_reference(q, k, v, causal=bool(call.attrs["causal"]),
                                 softmax_scale=float(call.attrs["softmax_scale"]),
                                 **_variant_kwargs(call, arrays[3:3 + n_extra]),
-                                **_host_prog(call, arrays[3 + n_extra:-2], q.shape, k.shape))
+                                **_host_prog(call, arrays[3 + n_extra:-2], _dense_full(q, k)))
     out[...] = o.astype(out.dtype)
     lse[...] = l_.astype(np.float32)
 
@@ -593,11 +653,59 @@ def host_backward_prog(call: Call) -> None:
     grads = attention_reference_backward(dout, q, k, v, causal=bool(call.attrs["causal"]),
                                          softmax_scale=float(call.attrs["softmax_scale"]),
                                          **_variant_kwargs(call, arrays[6:6 + n_extra]),
-                                         **_host_prog(call, arrays[6 + n_extra:n_args], q.shape, k.shape))
+                                         **_host_prog(call, arrays[6 + n_extra:n_args], _dense_full(q, k)))
     for buf, g in zip(arrays[n_args:], grads):
         buf[...] = np.asarray(g).astype(buf.dtype)
 
 
+def _varlen_full(call: Call, q, offsets: dict) -> tuple:
+    """(batch, heads_q, max_seqlen_q, max_seqlen_k) of a varlen call (``offsets``: ``_host_varlen``'s): the padded
+    shape its programmable arguments have."""
+    return (offsets["cu_seqlens_q"].shape[0] - 1, q.shape[1], int(call.attrs["max_seqlen_q"]),
+            int(call.attrs["max_seqlen_k"]))
+
+
+def host_forward_varlen_prog(call: Call) -> None:
+    """The programmable varlen forward by ``cuflash.attention_reference_varlen`` (float64; the offsets checked as
+    ``host_forward_varlen`` checks them)."""
+    from .reference import attention_reference_varlen
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    q, k, v = arrays[:3]
+    out, lse = arrays[-2:]
+    _log(FORWARD_VARLEN_PROG, call, 0)
+    offsets, rest = _host_varlen(call, arrays[3:-2], q, k)
+    n_extra = _n_extras(call)
+    o, l_ = attention_reference_varlen(q, k, v, causal=bool(call.attrs["causal"]),
+                                       softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
+                                       **_variant_kwargs(call, rest[:n_extra]),
+                                       **_host_prog(call, rest[n_extra:], _varlen_full(call, q, offsets)))
+    out[...] = o.astype(out.dtype)
+    lse[...] = l_.astype(np.float32)
+
+
+def host_backward_varlen_prog(call: Call) -> None:
+    """The programmable varlen backward by ``cuflash.attention_reference_varlen_backward`` (float64): dq, dk,
+    dv[, dsinks][, dbias] (out and lse are not read)."""
+    from .reference import attention_reference_varlen_backward
+
+    arrays = [_host_array(b, b.shape) for b in (*call.args, *call.rets)]
+    n_args = len(call.args)
+    dout, q, k, v = arrays[:4]
+    _log(BACKWARD_VARLEN_PROG, call, 0)
+    offsets, rest = _host_varlen(call, arrays[6:n_args], q, k)
+    n_extra = _n_extras(call)
+    kwargs = _variant_kwargs(call, rest[:n_extra])
+    rest = rest[n_extra:]
+    dlse = rest.pop(0) if call.attrs.get("has_dlse") else None
+    grads = attention_reference_varlen_backward(dout, q, k, v, causal=bool(call.attrs["causal"]),
+                                                softmax_scale=float(call.attrs["softmax_scale"]), dlse=dlse,
+                                                **offsets, **kwargs, **_host_prog(call, rest, _varlen_full(call, q, offsets)))
+    for buf, g in zip(arrays[n_args:], grads):
+        buf[...] = np.asarray(g).astype(buf.dtype)
+
+
+# (target name, platform as jax.ffi.register_ffi_target names it) -> body
 BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (FORWARD, "CUDA"): cuda_forward,
     (BACKWARD, "CUDA"): cuda_backward,
@@ -613,6 +721,10 @@ BODIES: dict[tuple[str, str], Callable[[Call], None]] = {
     (BACKWARD_PROG, "CUDA"): cuda_backward_prog,
     (FORWARD_PROG, "cpu"): host_forward_prog,
     (BACKWARD_PROG, "cpu"): host_backward_prog,
+    (FORWARD_VARLEN_PROG, "CUDA"): cuda_forward_varlen_prog,
+    (BACKWARD_VARLEN_PROG, "CUDA"): cuda_backward_varlen_prog,
+    (FORWARD_VARLEN_PROG, "cpu"): host_forward_varlen_prog,
+    (BACKWARD_VARLEN_PROG, "cpu"): host_backward_varlen_prog,
 }
 
 

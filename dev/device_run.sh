@@ -171,7 +171,7 @@ case $phase in
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider \
       --require-gpu "${xdist[@]}" \
       tests/test_programmable.py tests/test_programmable_host.py tests/test_torch_programmable.py \
-      tests/test_jax_programmable.py tests/test_programmable_varlen.py "$@" 2>&1 \
+      tests/test_jax_programmable.py tests/test_programmable_varlen.py tests/test_jax_varlen_programmable.py "$@" 2>&1 \
       | tee "$OUT/prog-tests.log" | grep -av "arn" | tail -n 40 || status=1
     ;;
   progbench)
