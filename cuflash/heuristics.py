@@ -405,17 +405,30 @@ _SM80_BWD_DQ = {
               192: (64, 32, 4), 256: (32, 32, 2)},
 }
 # dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids; kernels_cu/sm80/bwd.cu
-# bwd_dkdv2_*), the default where it applies: head-dim bucket -> tiles, both modes, for devices with
-# >= 200 KB of shared memory per block (sm_90, sm_100); other buckets and devices keep version 1.
-# A third to a half faster than version 1 at d=64 / 128 (dev/ab.py run bwd "@CUFLASH_BWD_BACKEND=sm80"
-# "@CUFLASH_BWD_BACKEND=sm80 @CUFLASH_SM80_BWD_VARIANT=1"); (128,128,8) would
-# be faster still but spills 8 bytes. Its dQ reductions are the limiter now.
-_SM80_BWD_DKDV2 = {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)}
+# bwd_dkdv2_*), the default where its table has the head-dim bucket, per shared-memory budget: "h100" for devices
+# with >= 200 KB per block (sm_90, sm_100), the A100's 163 KB ("large"), the 99 KB cards' ("small": sm_86 / sm_89
+# / sm_120); other buckets keep version 1. Measured with dev/ab.py run bwd (version 1 by
+# @CUFLASH_SM80_BWD_VARIANT=1; BENCHMARKS.md, "Portable kernels"): on the H100 table a third to a half faster
+# than version 1 at d=64 / 128 ((128,128,8) would be faster still but spills 8 bytes); on the A100's table 1.3x at
+# d=64 and 1.15x at d=128 with (32,128,8) ((64,64,8) tied version 1), slower at d=256 (32,64,8); on the 99 KB
+# table no tile that fits beat version 1 (d=64 (64,64,8) 0.87x, d=128 (32,64,8) 0.98x). Its dQ reductions are
+# the limiter now.
+_SM80_BWD_DKDV2 = {
+    "h100": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
+    "large": {64: (64, 128, 8), 128: (32, 128, 8)},
+    "small": {},
+}
+DKDV2_H100_SMEM = 200 * 1024   # the least opt-in shared memory of the "h100" table
+
+
+def _dkdv2_table(cc: int) -> dict:
+    """Version 2's tiles for a device of compute capability ``cc`` (its shared-memory budget's table)."""
+    return _SM80_BWD_DKDV2["h100" if SMEM_OPTIN.get(cc, 0) >= DKDV2_H100_SMEM else smem_class(cc)]
 
 
 def bwd_variant(cc: int, bucket: int, opts: Options | None = None) -> int:
-    """dK/dV kernel version: 2 where it applies, unless Options.sm80_bwd_variant is 1."""
-    if cc < 90 or smem_class(cc) != "large" or bucket not in _SM80_BWD_DKDV2:
+    """dK/dV kernel version: 2 where its table has the bucket, unless Options.sm80_bwd_variant is 1."""
+    if bucket not in _dkdv2_table(cc):
         return 1
     return (opts or options.current()).sm80_bwd_variant
 
@@ -538,11 +551,11 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w, variant), None)
     v2 = bwd_variant(cc, bucket, opts) == 2
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
-        bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
+        bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_dkdv2_table(cc)[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
         dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w, variant)
         qm, qn, qw = opts.sm80_bwd_dq_tiles or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw, variant), None)
-    bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_SM80_BWD_DKDV2[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
+    bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_dkdv2_table(cc)[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
     dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w, variant)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
