@@ -46,11 +46,25 @@ def variant_builds(cfgs, parts_done: set) -> list:
 
 def instantiations(backend: str, dtype: str) -> dict:
     """{family: [(arch, config)]}: ALL_PARTS causal at every tile of the tables of TABLE_ARCHS, PARTS at one config
-    of each family at PARTS_HEAD_DIM; each distinct instantiation once, for the first arch whose table picks it."""
+    of each family at PARTS_HEAD_DIM (or the nearest head dim its tables have); each distinct instantiation once, for the first arch whose table picks it."""
     seen: dict = {}
     parts_done: set = set()
-    for cc, arch in TABLE_ARCHS:
-        for cv in variant_builds(table_configs(cc, backend, dtype), parts_done):
+    tables = [(arch, table_configs(cc, backend, dtype)) for cc, arch in TABLE_ARCHS]
+    for arch, cfgs in tables:
+        for cv in variant_builds(cfgs, parts_done):
+            seen.setdefault(cv.key(), (arch, cv))
+    # A family no table picks at PARTS_HEAD_DIM (dK/dV version 1 where version 2 took d=128) gets its PARTS at its
+    # config of the nearest head dim.
+    nearest: dict = {}
+    for arch, cfgs in tables:
+        for c in cfgs:
+            if c.family not in parts_done:
+                best = nearest.get(c.family)
+                if best is None or abs(c.head_dim - PARTS_HEAD_DIM) < abs(best[1].head_dim - PARTS_HEAD_DIM):
+                    nearest[c.family] = (arch, c)
+    for arch, c in nearest.values():
+        for v, causal in _parts(c.family):
+            cv = replace(c, variant=v, causal=causal)
             seen.setdefault(cv.key(), (arch, cv))
     out: dict = {}
     for arch, cv in seen.values():
