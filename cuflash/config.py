@@ -96,6 +96,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Programmable attention (issue #45: bias, dropout, block sparsity, user modifiers; the variant's
     # programmable parts): the same kernels with ProgParams as a second parameter.
     Family("sm80_fwd_prog", "sm80/fwd.cu", "fwd_prog_kernel", 80, False, direction="fwd", backend="sm80", prog=True),
+    Family("simt_fwd_prog", "simt/fwd.cu", "fwd_prog_kernel", 80, False, direction="fwd", backend="simt", prog=True),
     # Hopper only (wgmma, TMA, setmaxnreg). Schedules: "simple" (each consumer warpgroup on its own),
     # "overlap" (the softmax of key tile i overlaps P V of tile i-1).
     _sm90_fwd("sm90_fwd_overlap", "fwd_overlap_kernel", "overlap"),
@@ -163,6 +164,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _bwd("sm80_bwd_dq_prog", "sm80/bwd.cu", "bwd_dq_prog_kernel", "sm80", None, prog=True),
     _bwd("simt_bwd_dkdv", "simt/bwd.cu", "bwd_dkdv_kernel", "simt", "kernel"),
     _bwd("simt_bwd_dq", "simt/bwd.cu", "bwd_dq_kernel", "simt", None),
+    # Programmable attention (issue #45) in float32: the same pair with ProgParams.
+    _bwd("simt_bwd_dkdv_prog", "simt/bwd.cu", "bwd_dkdv_prog_kernel", "simt", "kernel", prog=True),
+    _bwd("simt_bwd_dq_prog", "simt/bwd.cu", "bwd_dq_prog_kernel", "simt", None, prog=True),
     # Hopper backward (wgmma, TMA): dQ slices through shared memory and one bulk reduce each into a tiled
     # dq_accum (128-key tiles), and the same with the key tiles' slices added in a fixed order (deterministic).
     _bwd("sm90_bwd_dkdv_dqtile", "sm90/bwd.cu", "bwd_dkdv_dqtile_kernel", "sm90", "tile", 90),

@@ -344,6 +344,8 @@ def prog_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, variant: M
     Options.fwd_backend asks for the portable kernels; elsewhere the portable one (sm80_fwd_prog)."""
     from dataclasses import replace
 
+    if dtype == "float32":
+        return prog_simt_fwd_config(head_dim, causal, cc, variant, head_dim_v=head_dim_v, opts=opts)
     opts = opts or options.current()
     if (cc == 90 and dtype in ("float16", "bfloat16") and opts.fwd_backend in ("auto",) + SM90_FWD_BACKENDS
             and not variant.varlen and not head_dims.is_large(head_dim, head_dim_v or head_dim)):
@@ -358,6 +360,21 @@ def prog_fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, variant: M
     base = fwd_config(dtype, head_dim, causal, cc, backend="sm80", variant=variant, head_dim_v=head_dim_v)
     return replace(base, family="sm80_fwd_prog", block_n=min(base.block_n, PROG_FWD_MAX_BLOCK_N),
                    num_warps=max(base.num_warps, base.block_m // 16))
+
+
+def prog_simt_fwd_config(head_dim: int, causal: bool, cc: int, variant: MaskVariant, head_dim_v: int = 0,
+                         opts: Options | None = None) -> KernelConfig:
+    """The programmable forward in float32 (simt_fwd_prog, any GPU): the plain float32 kernel's tile (its table,
+    Options.simt_fwd_tiles), which the bias's loads, Philox's rounds, the lists and a modifier leave without spills
+    (tests/test_compile_programmable.py); head dims up to MAX_HEAD_DIM (above, the plain kernel's 16-row tile
+    narrows to 8 rows on GPUs of 99 KB, less than dropout's 16 x 16 blocks)."""
+    from dataclasses import replace
+
+    if head_dims.is_large(head_dim, head_dim_v or head_dim):
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {MAX_HEAD_DIM} in float32 so "
+                         f"far, got {head_dim} (v {head_dim_v or head_dim})")
+    base = fwd_config("float32", head_dim, causal, cc, variant=variant, head_dim_v=head_dim_v, opts=opts)
+    return replace(base, family="simt_fwd_prog")
 
 
 def all_fwd_configs(cc: int, backend: str = "sm80") -> list[KernelConfig]:
@@ -570,6 +587,8 @@ def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: 
     mode's (dbias and the modifiers' tensor gradients come from the dK / dV pass alone), in their programmable
     families; head dims up to MAX_HEAD_DIM. ``bias_per_query``: the bias has rows per query (not broadcast over
     them, as key padding is), whose reads the split-D tiles load ahead."""
+    if dtype == "float32":
+        return prog_simt_bwd_configs(head_dim, causal, cc, variant, opts=opts)
     opts = opts or options.current()
     if (cc == 90 and not deterministic and opts.bwd_backend in ("auto",) + SM90_BWD_BACKENDS
             and dtype in ("float16", "bfloat16") and head_dim <= MAX_HEAD_DIM and not variant.varlen):
@@ -600,6 +619,22 @@ def prog_bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, variant: 
     # At most 64 keys a step: S of 128 keys beside the bias's reads spilled (d32).
     dq = KernelConfig("sm80_bwd_dq_prog", dtype, bucket, causal, qm, min(qn, 64), qw, variant)
     return BwdConfigs(_aux_config("bwd_preprocess", dtype), dkdv, dq, None)
+
+
+def prog_simt_bwd_configs(head_dim: int, causal: bool, cc: int, variant: MaskVariant,
+                          opts: Options | None = None) -> BwdConfigs:
+    """The programmable backward in float32 (any GPU, deterministic anyway): the preprocess, then the plain float32
+    pair's tiles (their table per shared-memory class, Options.simt_bwd_tiles) in their programmable families,
+    simt_bwd_dkdv_prog (dK / dV, dbias, the modifiers' tensor gradients) and simt_bwd_dq_prog; head dims up to
+    MAX_HEAD_DIM."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"bias, dropout, block masks and modifiers take head dims up to {MAX_HEAD_DIM} in the "
+                         f"backward so far, got {head_dim}")
+    from dataclasses import replace
+
+    plain = bwd_configs("float32", head_dim, causal, cc, deterministic=True, opts=opts, variant=variant)
+    return BwdConfigs(plain.preprocess, replace(plain.dkdv, family="simt_bwd_dkdv_prog"),
+                      replace(plain.dq, family="simt_bwd_dq_prog"), None)
 
 
 # The Hopper backward of the large head dims (kernels_cu/sm90/bwd_split.cu): one kernel per gradient, 64 rows.

@@ -116,8 +116,8 @@ def check_arguments(q, *, bias=None, dropout_p=0.0, seed=None, offset=0, block_m
     does not compile raises ModifierCompileError), before any kernel. ``device_id`` None: no device checks."""
     from ._checks import dtype_name
 
-    if dtype_name(q.dtype) not in ("float16", "bfloat16"):
-        raise ValueError(f"bias, dropout, block masks and modifiers take float16 or bfloat16 q so far, got {q.dtype}")
+    if dtype_name(q.dtype) not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"bias, dropout, block masks and modifiers take float16, bfloat16 or float32 q, got {q.dtype}")
     full = (batch, heads_q, seqlen_q, seqlen_k)
     b4 = None if bias is None else _check_bias(bias, q.dtype, full, device_id)
     p, seed_, offset_, state = _check_seed(dropout_p, seed, offset, device_id)
@@ -318,6 +318,10 @@ def launch_forward(q, k, v, out, lse, prog: ProgArgs, *, causal: bool, scale: fl
                    var) -> None:
     """The programmable forward on the current stream (arguments as api._launch_fwd's, and the checked
     ``prog``)."""
+    if q.dtype == np.float32:   # the exact float32 kernels
+        from . import programmable_simt
+        return programmable_simt.launch_forward(q, k, v, out, lse, prog, causal=causal, scale=scale, dims=dims,
+                                                device_id=device_id, opts=opts, var=var)
     from . import sm90
     from .api import LOG2E
 
@@ -397,6 +401,11 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
     TMA cannot address the inputs, or ``deterministic``: the preprocess (delta), dK / dV with dbias and the
     modifiers' tensor gradients (bwd_dkdv_prog_kernel), dQ (bwd_dq_prog_kernel). Returns (dsinks or None, dbias in
     the bias's shape and dtype or None, {tensor name: float32 gradient} of the score modifier's tensor_grads)."""
+    if q.dtype == np.float32:   # the exact float32 kernels
+        from . import programmable_simt
+        return programmable_simt.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, causal=causal, scale=scale,
+                                                 dims=dims, device_id=device_id, opts=opts, var=var, dlse=dlse,
+                                                 deterministic=deterministic)
     import dataclasses
 
     import cupy

@@ -1,6 +1,8 @@
 """Programmable attention's forward (issue #45) on the GPU against the float64 reference: biases of every
 broadcast shape and dtype, dropout (exactly, given the generator's mask, and its determinism), block masks,
-user score and mask modifiers, and the built-in variants written as modifiers; odd sizes, GQA, causal.
+user score and mask modifiers, and the built-in variants written as modifiers; odd sizes, GQA, causal. The
+float32 family (test_float32_*: the exact kernels, programmable_simt.py) to float32's bounds, forward and every
+gradient.
 
 Outputs are poisoned with NaN before each call; every row is compared; lse to its own bound.
 """
@@ -24,9 +26,11 @@ SHAPES = {
 
 
 def pytest_generate_tests(metafunc):
-    """Every test runs on each family a GPU has: Hopper's own kernels, then the portable ones forced."""
+    """Every test runs on each family a GPU has: Hopper's own kernels, then the portable ones forced; the float32
+    tests on the one float32 family."""
     if "family" in metafunc.fixturenames:
-        metafunc.parametrize("family", ["default", "portable"])
+        float32 = metafunc.function.__name__.startswith("test_float32")
+        metafunc.parametrize("family", ["float32"] if float32 else ["default", "portable"])
 
 
 @pytest.fixture(autouse=True)
@@ -34,15 +38,20 @@ def _programmable_on(family):
     """Programmable attention on, on the kernel family asked for; on Hopper, the default family's tests check that
     its Hopper kernels ran (the portable ones take over only where TMA cannot address the inputs)."""
     import cupy
-    from cuflash import options, programmable
+    from cuflash import options, programmable, programmable_simt
 
     programmable._plans.clear()
+    programmable_simt._plans.clear()
     backend = "sm80" if family == "portable" else "auto"
     with options.override(fwd_backend=backend, bwd_backend=backend):
         yield
     families = set()
-    for plan in programmable._plans.values():   # forward plans: (kernel, config, smem); backward: three of them
+    for plan in (*programmable._plans.values(), *programmable_simt._plans.values()):
+        # forward plans: (kernel, config, smem); backward: three of them
         families.update(x[1].family for x in plan) if isinstance(plan[0], tuple) else families.add(plan[1].family)
+    if family == "float32":   # the exact kernels alone, on every GPU
+        assert families <= {"simt_fwd_prog", "bwd_preprocess", "simt_bwd_dkdv_prog", "simt_bwd_dq_prog"}, families
+        return
     hopper = cupy.cuda.Device().compute_capability == "90" and options.current().plan_cc in (None, 0, 90)
     if hopper and any(f.endswith("fwd_prog") for f in families):
         want = "sm80_fwd_prog" if family == "portable" else "sm90_fwd_prog"
@@ -466,3 +475,160 @@ def test_block_mask_forward_with_more_keys_than_queries(rng, family):
     blocks = rng.random((b, hq) + block_grid(nq, nk, 64)) < 0.5
     blocks[..., 0] = True
     _check(q, k, v, "bfloat16", dict(block_mask=blocks, block_size=64), block_mask=cupy.asarray(blocks), block_size=64)
+
+
+# float32 (the exact kernels, on every GPU): forward and every gradient to float32's bounds (conftest's FWD_TOL /
+# BWD_TOL, every row), on odd sizes and GQA.
+F32_SHAPES = ("square", "kv_longer", "q_longer", "wide")
+
+
+def _check_float32(rng, q, k, v, ref_kwargs: dict, *, backward: bool = True, dbias_of=None, tensor_refs=None,
+                   **kwargs):
+    """The forward (out and lse) and, with ``backward``, dq, dk, dv, dbias and the tensor gradients (_check_backward)
+    of a float32 call against the float64 reference."""
+    _check(q, k, v, "float32", ref_kwargs, **kwargs)
+    if backward:
+        _check_backward(rng, q, k, v, "float32", ref_kwargs, dbias_of=dbias_of, tensor_refs=tensor_refs, **kwargs)
+
+
+@pytest.mark.parametrize("bias_shape", ["1hqk", "b11k"])
+@pytest.mark.parametrize("shape_name", F32_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_bias(rng, bias_shape, shape_name, causal):
+    """A bias with rows per query (dbias per element) and a key-padding bias (dbias summed over the queries and
+    heads, per key row of a tile first)."""
+    import cupy
+
+    q, k, v = _inputs(rng, shape_name, "float32")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    dims = {"b": b, "h": hq, "q": nq, "k": nk, "1": 1}
+    bias = cupy.asarray(rng.normal(0, 2, tuple(dims[c] for c in bias_shape)).astype(np.float32))
+    _check_float32(rng, q, k, v, dict(bias=bias.get().astype(np.float64), causal=causal), dbias_of=bias, bias=bias,
+                   causal=causal)
+
+
+@pytest.mark.parametrize("shape_name", ["square", "q_longer", "wide"])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_float32_dropout_matches_the_reference_given_the_generators_mask(rng, shape_name, p):
+    """The 16-bit kernels' keep mask (cuflash.dropout_keep_mask) exactly: the forward's output and lse (that of the
+    undropped probabilities), and the gradients through the same mask."""
+    import cuflash
+
+    q, k, v = _inputs(rng, shape_name, "float32")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    seed, offset = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**40))
+    keep = cuflash.dropout_keep_mask(seed, offset, b, hq, nq, nk, p)
+    for causal in (False, True):
+        _check_float32(rng, q, k, v, dict(dropout_p=p, dropout_mask=keep, causal=causal), dropout_p=p, seed=seed,
+                       offset=offset, causal=causal)
+
+
+def test_float32_dropout_is_deterministic_and_reads_a_device_seed(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "float32")
+    a = cuflash.forward(q, k, v, dropout_p=0.2, seed=7, offset=3)
+    assert bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=7, offset=3)).all())
+    assert not bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=8, offset=3)).all())
+    state = cupy.asarray(np.array([7, 3], np.uint64))
+    assert bool((a == cuflash.forward(q, k, v, dropout_p=0.2, seed=state)).all())
+
+
+@pytest.mark.parametrize("shape_name,block_size", [("square", 64), ("kv_longer", (32, 96)), ("q_longer", 128),
+                                                   ("wide", (48, 16))])
+def test_float32_block_mask_with_causal(rng, shape_name, block_size):
+    """A random block mask (rows that see nothing included) under causal: tiles skipped, partial tiles tested, in
+    the forward's and dQ's lists and dK / dV's tile states."""
+    import cupy
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, shape_name, "float32")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    blocks = rng.random((b, hq) + block_grid(nq, nk, block_size)) < 0.5
+    blocks[..., 0, :] = False
+    _check_float32(rng, q, k, v, dict(block_mask=blocks, block_size=block_size, causal=True),
+                   block_mask=cupy.asarray(blocks), block_size=block_size, causal=True)
+
+
+def test_float32_relative_position_score_mod_with_the_tables_gradient(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "kv_longer", "float32")
+    hq = q.shape[2]
+    table = rng.normal(0, 1, (hq, 64)).astype(np.float32)
+    mod = cuflash.ScoreMod("return score + table[h * 64 + min(abs(q_idx - kv_idx), 63)];", grad="return 1.f;",
+                           tensors={"table": cupy.asarray(table)},
+                           tensor_grads={"table": "atomicAdd(&d_table[h * 64 + min(abs(q_idx - kv_idx), 63)], dscore);"})
+    dtable = np.zeros_like(table, dtype=np.float64)
+
+    def hook(ds, b, h, qi, ki):
+        np.add.at(dtable[h], np.broadcast_to(np.minimum(np.abs(qi - ki), 63), ds.shape), ds)
+
+    ref = dict(score_mod=lambda s, b, h, qi, ki: s + table[h][np.minimum(np.abs(qi - ki), 63)],
+               score_mod_grad=lambda s, *a: np.ones_like(s), causal=True)
+    _check(q, k, v, "float32", ref, score_mod=mod, causal=True)
+    _check_backward(rng, q, k, v, "float32", dict(ref, dscore_hook=hook), tensor_refs={"table": dtable},
+                    score_mod=mod, causal=True)
+
+
+@pytest.mark.parametrize("shape_name", ["square", "q_longer"])
+def test_float32_document_mask_mod(rng, shape_name):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, shape_name, "float32")
+    nq, nk = q.shape[1], k.shape[1]
+    docs = np.sort(rng.integers(0, 8, max(nq, nk))).astype(np.int32)
+    mod = cuflash.MaskMod("return docs[q_idx] == docs[kv_idx];", tensors={"docs": cupy.asarray(docs)},
+                          per_batch=False, per_head=False)
+
+    def ref(bb, h, qi, ki):
+        return docs[qi] == docs[ki]
+
+    _check_float32(rng, q, k, v, dict(mask_mod=ref, causal=True), mask_mod=mod, causal=True)
+
+
+def test_float32_everything_at_once(rng):
+    """Bias, dropout, a block mask, both modifiers and the built-in variants together."""
+    import cupy
+    import cuflash
+    from cuflash.block_sparse import block_grid
+
+    q, k, v = _inputs(rng, "square", "float32")
+    b, nq, nk, hq = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    bias = cupy.asarray(rng.normal(0, 1, (1, hq, nq, nk)).astype(np.float32))
+    blocks = rng.random((1, hq) + block_grid(nq, nk, 64)) < 0.7
+    keep = cuflash.dropout_keep_mask(9, 1, b, hq, nq, nk, 0.15)
+    slopes = cupy.asarray(rng.uniform(0.01, 0.2, hq).astype(np.float32))
+    table = rng.normal(0, 0.5, (hq, 16)).astype(np.float32)
+    score = cuflash.ScoreMod("return score + table[h * 16 + (kv_idx & 15)];", grad="return 1.f;",
+                             tensors={"table": cupy.asarray(table)})
+    mask = cuflash.MaskMod("return (q_idx + kv_idx) % 7 != 0;")
+    kw = dict(causal=True, window_size=(100, 0), softcap=4.0)
+    ref = dict(bias=bias.get(), block_mask=blocks, block_size=64, dropout_p=0.15, dropout_mask=keep,
+               alibi_slopes=slopes.get(), score_mod=lambda s, bb, h, qi, ki: s + table[h][ki & 15],
+               score_mod_grad=lambda s, *a: np.ones_like(s), mask_mod=lambda bb, h, qi, ki: (qi + ki) % 7 != 0, **kw)
+    _check_float32(rng, q, k, v, ref, dbias_of=bias, bias=bias, block_mask=cupy.asarray(blocks), block_size=64,
+                   dropout_p=0.15, seed=9, offset=1, alibi_slopes=slopes, score_mod=score, mask_mod=mask, **kw)
+
+
+def test_float32_vjp_carries_the_programmable_arguments(rng):
+    import cupy
+    import cuflash
+
+    q, k, v = _inputs(rng, "square", "float32")
+    b, nk = q.shape[0], k.shape[1]
+    bias = cupy.asarray(rng.normal(0, 1, (b, 1, 1, nk)).astype(np.float32))
+    out, pullback = cuflash.vjp(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3)
+    dout = randn(rng, out.shape, "float32")
+    via_vjp = pullback(dout)
+    o, lse = cuflash.forward(q, k, v, causal=True, bias=bias, dropout_p=0.1, seed=3, return_lse=True)
+    assert bool((o == out).all())
+    direct = cuflash.backward(dout, q, k, v, o, lse, causal=True, bias=bias, dropout_p=0.1, seed=3)
+    assert len(via_vjp) == len(direct) == 4 and direct[3].dtype == np.float32 and direct[3].shape == bias.shape
+    for x, y in zip(via_vjp[:3], direct[:3]):   # dq, dk, dv: no atomics, bitwise
+        assert bool((x == y).all())
+    err = float(cupy.linalg.norm(via_vjp[3] - direct[3]) / cupy.linalg.norm(direct[3]))
+    assert err < 1e-6   # dbias: float32 atomics in any order

@@ -1,6 +1,6 @@
-"""CPU-only: programmable attention's host side (cuflash/programmable.py): the argument checks before any kernel
-(fake CuPy arrays: metadata only), the gate while its kernels are unvalidated, the kernel's variant and
-configuration, and the ProgParams a launch would pass."""
+"""CPU-only: programmable attention's host side (cuflash/programmable.py, and programmable_simt.py for float32): the
+argument checks before any kernel (fake CuPy arrays: metadata only), the gate while its kernels are unvalidated, the
+kernel's variant and configuration, and the ProgParams a launch would pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import fake_cupy_array as arr
 
-from cuflash import heuristics, options, params, programmable
+from cuflash import heuristics, options, params, programmable, programmable_simt
 from cuflash.variants import MaskVariant
 
 B, NQ, NK, HQ, HKV, D = 2, 100, 130, 4, 2, 64
@@ -46,7 +46,8 @@ def _check(**kw):
     (dict(block_mask=arr((1, 1, 4, 5), np.bool_), block_size=0), ValueError, "block_size"),
     (dict(score_mod="return score;"), TypeError, "score_mod must be a cuflash.ScoreMod"),
     (dict(mask_mod="return true;"), TypeError, "mask_mod must be a cuflash.MaskMod"),
-    (dict(q=arr((B, NQ, HQ, D), np.float32)), ValueError, "float16 or bfloat16 q"),
+    (dict(q=arr((B, NQ, HQ, D), np.float32), bias=arr((NQ, NK), np.float16)), TypeError,
+     "bias must be float32 or q's dtype float32"),
 ])
 def test_bad_arguments_raise_before_any_kernel(kw, error, match):
     with pytest.raises(error, match=match):
@@ -213,6 +214,7 @@ class _Launches:
         monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32: arr(shape, dtype))
         monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32: arr(shape, dtype))
         programmable._plans.clear()
+        programmable_simt._plans.clear()
 
     def prog(self, i: int):
         blob = self.calls[i][3][-1]   # after the tensor maps of a Hopper kernel
@@ -308,3 +310,81 @@ def test_backward_launch_glue_without_a_device(monkeypatch):
         assert rec.prog(i)["seed"] == 3 and rec.prog(i)["dropout_threshold"] == round(0.1 * 65536)
     dkdv_cfg, dkdv_grid = rec.calls[1][:2]
     assert dkdv_grid == (-(-NK // dkdv_cfg.block_n), HKV, B)
+
+
+def test_float32_configuration():
+    """float32 takes the exact kernels' programmable families on every GPU, the plain float32 kernels' tiles, its
+    variant in the kernels' names and cache keys; head dims above 256 are refused before any kernel."""
+    var = MaskVariant(bias="float32", dropout=True, block_sparse=True)
+    for cc in (80, 86, 90):
+        for d in (32, 64, 96, 128, 192, 256):
+            for causal in (False, True):
+                cfg = heuristics.prog_fwd_config("float32", d, causal, cc, var)
+                plain = heuristics.fwd_config("float32", d, causal, cc, variant=var)
+                assert cfg.family == "simt_fwd_prog" and plain.family == "simt_fwd"
+                assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (plain.block_m, plain.block_n, plain.num_warps)
+                assert cfg.name_expression().startswith(f"fwd_prog_kernel<float, {d}, ")
+                assert "ProgVariant<" in cfg.name_expression() and "+Bfloat32DX" in cfg.key()
+                for deterministic in (False, True):
+                    cfgs = heuristics.prog_bwd_configs("float32", d, causal, cc, var, deterministic=deterministic)
+                    assert (cfgs.preprocess.family, cfgs.dkdv.family, cfgs.dq.family, cfgs.postprocess) == (
+                        "bwd_preprocess", "simt_bwd_dkdv_prog", "simt_bwd_dq_prog", None)
+                    assert cfgs.dkdv.name_expression().startswith("bwd_dkdv_prog_kernel<float, ")
+                    assert cfgs.dq.name_expression().startswith("bwd_dq_prog_kernel<float, ")
+                    assert cfgs.dkdv.variant == cfgs.dq.variant == var
+    assert heuristics.prog_fwd_config("float32", 64, False, 80, MaskVariant(dropout=True)).key() != \
+        heuristics.prog_fwd_config("float32", 64, False, 80, MaskVariant(bias="float32")).key()
+    with pytest.raises(ValueError, match="head dims up to 256 in float32"):
+        heuristics.prog_fwd_config("float32", 512, False, 80, var)
+    with pytest.raises(ValueError, match="head dims up to 256 in the backward"):
+        heuristics.prog_bwd_configs("float32", 320, False, 80, var)
+
+
+def test_float32_arguments():
+    """float32 q takes every programmable part, a float32 bias (q's dtype) only."""
+    q = arr((B, NQ, HQ, D), np.float32)
+    prog = _check(q=q, bias=arr((B, 1, 1, NK), np.float32), dropout_p=0.1, seed=4,
+                  block_mask=arr((1, HQ, 1, 2), np.bool_))
+    assert prog.variant(MaskVariant()).bias == "float32" and prog.dropout_p == 0.1 and prog.block_sparse
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_float32_launch_glue_without_a_device(monkeypatch, cc):
+    """float32 launches the simt programmable kernels on every GPU, Hopper too (no tensor maps): the forward with
+    FwdParams and ProgParams, the backward's preprocess, dK / dV (its dbias fields) and dQ."""
+    from cuflash import api, launch, variants
+
+    rec = _Launches(monkeypatch, cc=cc)
+    q, k, v = _qkv(np.float32)
+    out, lse = arr(q.shape, np.float32), arr((B, HQ, NQ), np.float32)
+    prog = _check(q=q, bias=arr((B, 1, 1, NK), np.float32), dropout_p=0.25, seed=77, offset=5)
+    var = variants.from_arguments((-1, -1), 0, 0.0, None, None, causal=True, batch=B, heads_q=HQ, device_id=None)
+    programmable.launch_forward(q, k, v, out, lse, prog, causal=True, scale=0.125, dims=(B, NQ, NK, HQ, HKV, D),
+                                device_id=0, opts=api.options.current(), var=var)
+    (cfg, grid, p, extra), = rec.calls
+    assert cfg.family == "simt_fwd_prog" and cfg.variant.bias == "float32" and cfg.variant.dropout and cfg.causal
+    assert grid == launch.fwd_grid(cfg, B, HQ, NQ) and len(extra) == 1
+    fwd = np.frombuffer(p, params.FWD_PARAMS)[0]
+    assert (fwd["seqlen_q"], fwd["seqlen_k"], fwd["heads_q"], fwd["heads_per_kv"]) == (NQ, NK, HQ, HQ // HKV)
+    pp = rec.prog(0)
+    assert (pp["seed"], pp["offset"], pp["dropout_threshold"]) == (77, 5, round(0.25 * 65536))
+    assert (pp["bias_batch_stride"], pp["bias_head_stride"], pp["bias_row_stride"], pp["bias_col_stride"]) == \
+        (NK, 0, 0, 1)
+
+    rec.calls.clear()
+    monkeypatch.setattr(programmable, "_dbias", lambda prog, sums: sums)   # its dtype conversion needs a device
+    dout, dq, dk, dv = (arr(x.shape, np.float32) for x in (q, q, k, v))
+    dsinks, dbias, grads = programmable.launch_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, prog, causal=True, scale=0.125, dims=(B, NQ, NK, HQ, HKV, D),
+        device_id=0, opts=api.options.current(), var=var)
+    assert dsinks is None and grads == {} and dbias.shape == (B, 1, 1, NK)
+    assert [c.family for c, *_ in rec.calls] == ["bwd_preprocess", "simt_bwd_dkdv_prog", "simt_bwd_dq_prog"]
+    bwd = np.frombuffer(rec.calls[0][2], params.BWD_PARAMS)[0]
+    assert (bwd["dq_accum"], bwd["dq"], bwd["seqlen_q"], bwd["heads_q"]) == (0, dq.data.ptr, NQ, HQ)
+    dkdv_cfg, dkdv_grid = rec.calls[1][:2]
+    assert dkdv_grid == launch.bwd_dkdv_grid(dkdv_cfg, B, HKV, NK)
+    for i in (1, 2):
+        pp = rec.prog(i)
+        assert pp["seed"] == 77 and pp["dropout_threshold"] == round(0.25 * 65536)
+        assert pp["dbias_accum"] != 0 and (pp["dbias_batch_stride"], pp["dbias_row_stride"], pp["dbias_col_stride"]) \
+            == (NK, 0, 1)

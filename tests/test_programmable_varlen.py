@@ -93,7 +93,7 @@ def _bias(rng, shape_code: str, dtype):
 
 
 @pytest.mark.parametrize("bias_shape", ["1hqk", "b11k", "bhqk", "bh1k"])
-@pytest.mark.parametrize("dtype,bias_dtype", [("float16", "float32"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("dtype,bias_dtype", [("float16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_bias(rng, bias_shape, dtype, bias_dtype, causal):
     q, k, v, cu_q, cu_k = _packed(rng, dtype)
@@ -106,7 +106,7 @@ def test_bias(rng, bias_shape, dtype, bias_dtype, causal):
               dbias_of=bias, bias=bias, causal=causal, per_row=dtype != "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_dropout(rng, dtype):
     import cuflash
 
@@ -121,26 +121,28 @@ def test_dropout(rng, dtype):
 
 
 @pytest.mark.parametrize("block_size", [64, (32, 48)])
-def test_block_mask(rng, block_size):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_block_mask(rng, block_size, dtype):
     import cupy
     from cuflash.block_sparse import block_grid
 
-    q, k, v, cu_q, cu_k = _packed(rng, "bfloat16")
+    q, k, v, cu_q, cu_k = _packed(rng, dtype)
     blocks = rng.random((len(LENGTHS_Q), 4) + block_grid(max(LENGTHS_Q), max(LENGTHS_K), block_size)) < 0.6
     for causal in (False, True):
         ref = dict(block_mask=blocks, block_size=block_size, causal=causal)
         kw = dict(block_mask=cupy.asarray(blocks), block_size=block_size, causal=causal)
-        _forward(q, k, v, cu_q, cu_k, "bfloat16", ref, **kw)
-        _backward(rng, q, k, v, cu_q, cu_k, "bfloat16", ref, **kw)
+        _forward(q, k, v, cu_q, cu_k, dtype, ref, **kw)
+        _backward(rng, q, k, v, cu_q, cu_k, dtype, ref, **kw)
 
 
-def test_modifiers_with_the_tables_gradient_and_per_sequence_documents(rng):
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_modifiers_with_the_tables_gradient_and_per_sequence_documents(rng, dtype):
     """A relative-position score modifier with its table's gradient and a document mask read per sequence (b),
     at positions within each sequence."""
     import cupy
     import cuflash
 
-    q, k, v, cu_q, cu_k = _packed(rng, "float16")
+    q, k, v, cu_q, cu_k = _packed(rng, dtype)
     hq, mq, mk = 4, max(LENGTHS_Q), max(LENGTHS_K)
     n = max(mq, mk)
     table = rng.normal(0, 1, (hq, 64)).astype(np.float32)
@@ -158,8 +160,8 @@ def test_modifiers_with_the_tables_gradient_and_per_sequence_documents(rng):
     ref = dict(score_mod=lambda s, b, h, qi, ki: s + table[h][np.minimum(np.abs(qi - ki), 63)],
                score_mod_grad=lambda s, *a: np.ones_like(s),
                mask_mod=lambda b, h, qi, ki: docs[b][qi] == docs[b][ki], causal=True)
-    _forward(q, k, v, cu_q, cu_k, "float16", ref, score_mod=score, mask_mod=mask, causal=True)
-    _backward(rng, q, k, v, cu_q, cu_k, "float16", dict(ref, dscore_hook=hook), tensor_refs={"table": dtable},
+    _forward(q, k, v, cu_q, cu_k, dtype, ref, score_mod=score, mask_mod=mask, causal=True)
+    _backward(rng, q, k, v, cu_q, cu_k, dtype, dict(ref, dscore_hook=hook), tensor_refs={"table": dtable},
               score_mod=score, mask_mod=mask, causal=True)
 
 

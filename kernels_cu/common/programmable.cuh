@@ -197,6 +197,37 @@ struct DropoutLanes {
     static __device__ __forceinline__ int t_slot(int qh, int h, int g) { return qh * 4 + h * 2 + (g & 1); }
 };
 
+// Dropout's keep flags of a kRows x kCols tile (queries x keys from row0, col0: multiples of 16) in shared memory,
+// for kernels whose threads hold their elements in another layout than mma.sync's (the float32 kernels): one byte
+// per Philox unit, its 8 flags as block_keep draws them, each unit drawn once by the CTA's threads together
+// (fill), then any element's flag read at its unit and bit slot (keep; common/philox.cuh's row_unit, col_unit,
+// slot of the local row and column, which a tile at multiples of 16 shares with the global ones).
+template <int kRows, int kCols>
+struct DropoutTile {
+    static constexpr int kRowUnits = kRows / 2, kColUnits = kCols / 4;
+    static constexpr int kBytes = kRowUnits * kColUnits;
+    static_assert(kRows % 16 == 0 && kCols % 16 == 0, "a dropout tile is whole 16 x 16 blocks");
+
+    template <int kThreads>
+    static __device__ __forceinline__ void fill(unsigned char* flags, const DropoutLanes& lanes, int row0, int col0,
+                                                int tid) {
+#pragma unroll
+        for (int k = 0; k < (kBytes + kThreads - 1) / kThreads; ++k) {
+            const int unit = tid + k * kThreads;
+            if (kBytes % kThreads == 0 || unit < kBytes) {
+                const unsigned row_unit = static_cast<unsigned>((row0 >> 1) + unit / kColUnits);
+                const unsigned col_unit = static_cast<unsigned>((col0 >> 2) + unit % kColUnits);
+                flags[unit] = static_cast<unsigned char>(lanes.stream.unit_keep(row_unit, col_unit));
+            }
+        }
+    }
+    // Element (row0 + r, col0 + c)'s flag.
+    static __device__ __forceinline__ bool keep(const unsigned char* flags, int r, int c) {
+        const int unit = DropoutStream::row_unit(r) * kColUnits + DropoutStream::col_unit(c);
+        return (flags[unit] >> DropoutStream::slot(r, c)) & 1u;
+    }
+};
+
 // Programmable attention on one S sub-tile (the mma.sync / wgmma accumulator layout: kMTiles x kNTiles blocks of
 // 16 x 8, lane (g, t4)) whose first row and key are row0 and col0: the bias and the user's score modifier on the
 // elements inside the sequences, then, in a tile the lists mark partial, the elements the user's blocks or mask
@@ -228,6 +259,21 @@ __device__ __forceinline__ void prog_scores(float (&acc_s)[kMTiles][kNTiles][4],
                     }
                 }
         }
+}
+
+// prog_scores at one element of another layout (the float32 kernels: a thread's own rows and keys): the bias and
+// the user's score modifier where the element is inside the sequences (row_at: its bias row, ProgPolicy::bias_row),
+// then in a tile the lists mark partial, -inf where the user's blocks or mask hide it.
+template <class Prog>
+__device__ __forceinline__ float prog_score_at(const Prog& prog, float s, int row, int col, i64 row_at, bool inside,
+                                               bool partial) {
+    if constexpr (Prog::kModifiesScore) {
+        if (inside) s = prog.modify_score(s, row, col, row_at);
+    }
+    if constexpr (Prog::kTestsElements) {
+        if (partial && !(inside && prog.visible(row, col))) s = -CUFLASH_INF;
+    }
+    return s;
 }
 
 // Dropout of one P sub-tile (probabilities in the S accumulators, first row and key row0 and col0): the dropped

@@ -14,6 +14,12 @@
 // exact math) built from the kernel's MaskVariant gives the tiles each loop visits,
 // the hidden elements and the score modifier.
 //
+// Programmable attention (bwd_dkdv_prog_kernel, bwd_dq_prog_kernel: a ProgVariant and ProgParams; the
+// portable pair's parts of common/programmable.cuh at each element): the bias and the user's score modifier on
+// the scores, the tiles' hidden elements (dK / dV: each tile's state; dQ: the block-sparse lists), dropout's
+// flags drawn per tile into shared memory (DropoutTile: the 16-bit kernels' mask), and, in the dK / dV pass
+// alone, dbias and the modifiers' tensor gradients.
+//
 // Both kernels do the same two steps on a tile of R "row" vectors (the side
 // that owns the accumulators) against C "column" vectors:
 //   scores: the kThreads threads form a kGR x kGC grid; thread (tr, tc) owns the
@@ -28,6 +34,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/programmable.cuh"
 #include "../common/bwd_math.cuh"
 #include "../common/varlen.cuh"
 #include "../sm80/copy.cuh"
@@ -121,10 +128,12 @@ __device__ __forceinline__ void simt_store_row(float* dst, const float4 (&acc)[T
     }
 }
 
+// pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p, const ProgParams* pp = nullptr) {
     using Tile = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>;  // rows: keys, columns: queries
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
+    using Keep = DropoutTile<kBlockM, kBlockN>;                 // dropout's flags of a (query, key) tile
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -138,6 +147,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     float* sdS = sP + kBlockN * kStrideW;    // dS^T [key][query]
     float* sLse2 = sdS + kBlockN * kStrideW;
     float* sDelta = sLse2 + kBlockM;
+    unsigned char* sKeep = reinterpret_cast<unsigned char*>(sDelta + kBlockM);   // dropout (Keep)
 
     const int tid = threadIdx.x;
     const int tc = tid % Tile::kGC, tr = tid / Tile::kGC;
@@ -182,6 +192,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
                               + m0 * p.q_row_stride;
             const float* gdO = static_cast<const float*>(p.dout) + batch * p.do_batch_stride
                                + head * p.do_head_stride + m0 * p.do_row_stride;
+            if constexpr (Variant::kDropout)   // before the barrier below: the last step read its flags before its own
+                Keep::template fill<kThreads>(sKeep, DropoutLanes(*pp, batch, p.heads_q, head), m0, n0, tid);
             load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(
                 sQ, gQ, p.q_row_stride, p.seqlen_q - m0, hd, tid);
             load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(
@@ -201,6 +213,13 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
             simt_scores<Tile>(s, sK, sQ, tr, tc);
             simt_scores<Tile>(dp, sV, sdO, tr, tc);
             const bool mask = Mask(p).needs_mask(m_block, n_block);
+            int state = 2;                  // programmable: the tile's state (common/programmable.cuh)
+            float dbias_rows[Tile::kTR];    // a bias broadcast over the queries: each key row's sum
+            if constexpr (Variant::kBlockSparse) state = prog_tile_state(*pp, batch, head, m_block, n_block);
+            if constexpr (Variant::kBias) {
+#pragma unroll
+                for (int i = 0; i < Tile::kTR; ++i) dbias_rows[i] = 0.f;
+            }
 #pragma unroll
             for (int i = 0; i < Tile::kTR; ++i)
 #pragma unroll
@@ -213,13 +232,42 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
                         grad = mod.score_derivative(sv, m0 + qc, n0 + kr);
                         sv = mod.modify_score(sv, m0 + qc, n0 + kr);
                     }
+                    const float base = sv;   // after the built-in modifiers
+                    float ugrad = 1.f;       // programmable: the user score modifier's derivative
+                    if constexpr (Variant::kProg)
+                        sv = prog_bwd_score(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv, m0 + qc,
+                                            n0 + kr, ugrad);
                     float pv = bwd_prob(sv, p.scale_log2, sLse2[qc]);
                     if (mask && !Mask(p).visible(m0 + qc, n0 + kr)) pv = 0.f;
+                    float ds_prog = 0.f;   // programmable: the hidden elements, dropout (pv becomes the dropped P
+                                           // that dV takes), dbias and the tensor gradients
+                    if constexpr (Variant::kProg)
+                        ds_prog = prog_bwd_element(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), base, ugrad,
+                                                   pv, dp[i][j], sDelta[qc], state, m0 + qc, n0 + kr, p.seqlen_q,
+                                                   p.seqlen_k, Variant::kDropout && Keep::keep(sKeep, qc, kr),
+                                                   dbias_rows[i]);
                     sP[kr * kStrideW + qc] = pv;
-                    float ds = pv * (dp[i][j] - sDelta[qc]);
+                    float ds;
+                    if constexpr (Variant::kProg) ds = ds_prog;
+                    else ds = pv * (dp[i][j] - sDelta[qc]);
                     if constexpr (Mask::kHasScoreMod) ds *= grad;
                     sdS[kr * kStrideW + qc] = ds;
                 }
+            if constexpr (Variant::kBias) {   // a bias broadcast over the queries: one add per key row and step
+                if (pp->dbias_row_stride == 0) {
+                    static_assert(Tile::kGC <= 32 && 32 % Tile::kGC == 0, "a key row's threads lie inside one warp");
+#pragma unroll
+                    for (int i = 0; i < Tile::kTR; ++i) {
+                        float sum = dbias_rows[i];
+#pragma unroll
+                        for (int off = Tile::kGC / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+                        const int key = n0 + tr + i * Tile::kGR;
+                        if (tc == 0 && key < p.seqlen_k)
+                            atomicAdd(pp->dbias_accum + batch * pp->dbias_batch_stride + head * pp->dbias_head_stride
+                                      + key * pp->dbias_col_stride, sum);
+                    }
+                }
+            }
             __syncthreads();  // P^T, dS^T complete
 
             simt_rows<Tile>(acc_dv, sP, sdO, orow, osub);
@@ -238,10 +286,12 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     }
 }
 
+// pp: programmable attention's parameters (Variant::kProg; else null).
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
-__device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams* pp = nullptr) {
     using Tile = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>;  // rows: queries, columns: keys
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
+    using Keep = DropoutTile<kBlockM, kBlockN>;                 // dropout's flags of a (query, key) tile
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideW = Tile::kStrideW;
     constexpr int kThreads = Tile::kThreads;
@@ -252,6 +302,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     float* sK = sdO + kBlockM * kStride;
     float* sV = sK + kBlockN * kStride;
     float* sdS = sV + kBlockN * kStride;     // dS [query][key]
+    unsigned char* sKeep = reinterpret_cast<unsigned char*>(sdS + kBlockM * kStrideW);   // dropout (Keep)
 
     const int tid = threadIdx.x;
     const int tc = tid % Tile::kGC, tr = tid / Tile::kGC;
@@ -288,14 +339,19 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     for (int j = 0; j < Tile::kCPT; ++j) acc_dq[j] = make_float4(0.f, 0.f, 0.f, 0.f);
 
     // The key tiles this query tile visits, [n_block_min, n_block_max). The first is a constant where the policy
-    // never skips leading tiles, so that the loop bounds fold in the front end.
-    const int n_block_min = Mask::kLocal ? Mask(p).n_block_min(m_block) : 0;
-    const int n_block_max = Mask(p).n_block_max(m_block);
+    // never skips leading tiles, so that the loop bounds fold in the front end. With block sparsity the loop walks
+    // positions in the query tile's list (KeyTiles, first to last: the key tiles in increasing order, as without).
+    const KeyTiles<Mask, Variant> key_tiles(pp, batch, head, m_block, p);
+    const int n_block_min = Mask::kLocal && !Variant::kBlockSparse ? Mask(p).n_block_min(m_block) : 0;
+    const int n_block_max = Variant::kBlockSparse ? key_tiles.count() : Mask(p).n_block_max(m_block);
     if (n_block_max > n_block_min) {
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
         load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
-        for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        for (int position = n_block_min; position < n_block_max; ++position) {
+            const int n_block = Variant::kBlockSparse ? key_tiles.tile(position) : position;
             const int n0 = n_block * kBlockN;
+            if constexpr (Variant::kDropout)   // before the barrier below: the last step read its flags before its own
+                Keep::template fill<kThreads>(sKeep, DropoutLanes(*pp, batch, p.heads_q, head), m0, n0, tid);
             load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(
                 sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, hd, tid);
             load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(
@@ -308,6 +364,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
             simt_scores<Tile>(s, sQ, sK, tr, tc);
             simt_scores<Tile>(dp, sdO, sV, tr, tc);
             const bool mask = Mask(p).needs_mask(m_block, n_block);
+            const bool partial = key_tiles.partial(position);   // block sparsity: elements to test
             // A window's bounds once per row (MaskPolicy::row_keys).
             int lo[Tile::kTR], hi[Tile::kTR];
             if constexpr (Mask::kLocal) {
@@ -328,13 +385,29 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
                         grad = mod.score_derivative(sv, m0 + qr, n0 + kc);
                         sv = mod.modify_score(sv, m0 + qr, n0 + kc);
                     }
+                    float ugrad = 1.f;   // programmable: the user score modifier's derivative
+                    if constexpr (Variant::kProg)
+                        sv = prog_bwd_score(ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale), p, sv, m0 + qr,
+                                            n0 + kc, ugrad);
                     float pv = bwd_prob(sv, p.scale_log2, lse2[i]);
                     if constexpr (Mask::kLocal) {
                         if (mask && (n0 + kc < lo[i] || n0 + kc > hi[i])) pv = 0.f;
                     } else {
                         if (mask && !Mask(p).visible(m0 + qr, n0 + kc)) pv = 0.f;
                     }
-                    float ds = pv * (dp[i][j] - delta[i]);
+                    float dpv = dp[i][j];
+                    if constexpr (Variant::kProg) {   // a partial tile's hidden elements, dropout
+                        if constexpr (Variant::kBlockSparse) {
+                            const bool inside = m0 + qr < p.seqlen_q && n0 + kc < p.seqlen_k;
+                            if (partial && !(inside && ProgPolicy<Variant>(*pp, batch, head, p.softmax_scale)
+                                                           .visible(m0 + qr, n0 + kc)))
+                                pv = 0.f;
+                        }
+                        if constexpr (Variant::kDropout)
+                            dpv = Keep::keep(sKeep, qr, kc) ? dpv * pp->dropout_scale : 0.f;
+                        pv *= ugrad;
+                    }
+                    float ds = pv * (dpv - delta[i]);
                     if constexpr (Mask::kHasScoreMod) ds *= grad;
                     sdS[qr * kStrideW + kc] = ds;
                 }
@@ -357,6 +430,15 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class
 __device__ const int bwd_dkdv_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>::kSmemBytesDkdv;
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __device__ const int bwd_dq_kernel_smem_bytes = SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytesDq;
+// Programmable attention's: dropout's flags after the rest.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__device__ const int bwd_dkdv_prog_kernel_smem_bytes =
+    SimtBwdTile<kHeadDim, kBlockN, kBlockM, kNWarps>::kSmemBytesDkdv
+    + (Variant::kDropout ? DropoutTile<kBlockM, kBlockN>::kBytes : 0);
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__device__ const int bwd_dq_prog_kernel_smem_bytes =
+    SimtBwdTile<kHeadDim, kBlockM, kBlockN, kNWarps>::kSmemBytesDq
+    + (Variant::kDropout ? DropoutTile<kBlockM, kBlockN>::kBytes : 0);
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
 __global__ void __launch_bounds__(kNWarps * 32)
@@ -373,5 +455,27 @@ bwd_dq_kernel(const BwdParams p) {
                                                                                  : blockIdx.x;
     on_cta_sequence<Variant::kVarlen, 4, true>(p, m_block * kBlockM, [](const BwdParams& ps) {
         bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps);
+    });
+}
+
+// Programmable attention (Variant: a ProgVariant): dK / dV with dbias and the modifiers' tensor gradients, then dQ.
+// At least one CTA per SM asked for: without it ptxas spilled the dQ kernel with every part on, at 80 registers.
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dkdv_prog_kernel(const BwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "bwd_dkdv_prog_kernel takes a ProgVariant");
+    on_cta_sequence<Variant::kVarlen, 4, false, true>(p, blockIdx.x * kBlockN, [&pp](const BwdParams& ps) {
+        bwd_dkdv_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps, &pp);
+    });
+}
+
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+bwd_dq_prog_kernel(const BwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "bwd_dq_prog_kernel takes a ProgVariant");
+    const int m_block = MaskPolicy<kBlockM, kBlockN, Variant, true>::kUnevenWork ? gridDim.x - 1 - blockIdx.x
+                                                                                 : blockIdx.x;
+    on_cta_sequence<Variant::kVarlen, 4, true>(p, m_block * kBlockM, [&pp](const BwdParams& ps) {
+        bwd_dq_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant>(ps, &pp);
     });
 }

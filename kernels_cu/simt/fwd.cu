@@ -8,6 +8,10 @@
 // visited from last to first, so the tiles that need masking come first. The
 // mask policy (common/mask.cuh, exact math) built from the kernel's MaskVariant
 // gives the key tiles, the hidden elements, the score modifier and the sink.
+// fwd_prog_kernel (a ProgVariant, ProgParams; common/programmable.cuh) adds
+// programmable attention in `if constexpr` hooks: the bias and the user's
+// modifiers per element, block-sparse key tiles by position, dropout's flags
+// per tile in shared memory (DropoutTile: the 16-bit kernels' mask).
 //
 // Thread layout: the kThreads threads form a kNY x kNX grid, tx = tid % kNX
 // (fastest), ty = tid / kNX. A row group (the kNX threads of one ty) lies
@@ -44,6 +48,7 @@
 #include "../common/numeric.cuh"
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
+#include "../common/programmable.cuh"
 #include "../common/varlen.cuh"
 
 // Unroll factors of the S (head_dim, step 4) and P V (keys, step 4) loops.
@@ -181,11 +186,16 @@ __device__ __forceinline__ float group_sum(float x) {
 
 // The kernel's parts. Each re-derives the thread's coordinates (Coords::read) rather than holding them:
 // across the key loop only acc_o and the key tile stay in registers.
+// Programmable attention (Variant::kProg, fwd_prog_kernel; common/programmable.cuh) passes its parameters (pp),
+// the block-sparse key tiles by position (Tiles, as the portable forward's: without sparsity the position is the
+// key tile, and Tiles is empty) and the position; the plain kernels' parts ignore them.
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 struct SimtFwd {
     using Tile = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>;
     using Mask = MaskPolicy<kBlockM, kBlockN, Variant, true>;   // the mask policy (common/mask.cuh), exact tanh
     using Coords = SimtCoords<kBlockM, Tile::kNX, Mask::kUnevenWork>;
+    using Tiles = KeyTiles<Mask, Variant>;
+    using Keep = DropoutTile<kBlockM, kBlockN>;   // dropout's flags of a tile, in shared memory after sm.stat
     static constexpr int kThreads = Tile::kThreads;
     static constexpr int kNX = Tile::kNX;
     static constexpr int kNY = Tile::kNY;
@@ -213,6 +223,20 @@ struct SimtFwd {
               stat(p + kBlockM * kPStride) {}
     };
 
+    static __device__ __forceinline__ unsigned char* keep_flags(const Smem& sm) {
+        return reinterpret_cast<unsigned char*>(sm.stat + 2 * kBlockM * kNX);
+    }
+
+    // The query tile's block-sparse key tiles (empty without sparsity).
+    static __device__ __forceinline__ Tiles key_tiles(const FwdParams& p, const ProgParams* pp) {
+        if constexpr (Variant::kBlockSparse) {
+            const Coords c = Coords::read();
+            return Tiles(pp, c.batch, c.head, c.row_base / kBlockM, p);
+        } else {
+            return Tiles(pp, 0, 0, 0, p);
+        }
+    }
+
     // K or V rows [n0, n0 + kBlockN) of this CTA's kv head.
     static __device__ __forceinline__ const float* kv_tile(const FwdParams& p, const void* base, i64 batch_stride,
                                                            i64 head_stride, i64 row_stride, const Coords& c, int n0) {
@@ -228,16 +252,19 @@ struct SimtFwd {
         if constexpr (Mask::kLocal) return Mask(p).n_block_min(Coords::read().row_base / kBlockM);
         else return 0;
     }
+    // (Block sparsity: n_block is a position in the query tile's list, counting down to 0.)
     static __device__ __forceinline__ bool has_key_tile(const FwdParams& p, int n_block) {
-        return n_block >= first_key_tile(p);
+        if constexpr (Variant::kBlockSparse) return n_block >= 0;
+        else return n_block >= first_key_tile(p);
     }
     // Whether a tile is left after n_block.
     static __device__ __forceinline__ bool has_next_key_tile(const FwdParams& p, int n_block) {
         return n_block > first_key_tile(p);
     }
 
-    // Statistics initialised; Q and the first K tile on their way. Returns the first-visited (last) key tile.
-    static __device__ __forceinline__ int prologue(const FwdParams& p, const Smem& sm) {
+    // Statistics initialised; Q and the first K tile on their way. Returns the first-visited (last) key tile
+    // (block sparsity: its position).
+    static __device__ __forceinline__ int prologue(const FwdParams& p, const Smem& sm, const Tiles& tiles) {
         const Coords c = Coords::read();
         const int tid = c.ty * kNX + c.tx;
 #pragma unroll
@@ -245,18 +272,28 @@ struct SimtFwd {
             sm.stat[(2 * i) * kThreads + tid] = -CUFLASH_INF;
             sm.stat[(2 * i + 1) * kThreads + tid] = 0.f;
         }
-        const int n_block = Mask(p).n_block_max(c.row_base / kBlockM) - 1;
+        const int n_block =
+            Variant::kBlockSparse ? tiles.count() - 1 : Mask(p).n_block_max(c.row_base / kBlockM) - 1;
         if (has_key_tile(p, n_block)) {
             const float* gQ = static_cast<const float*>(p.q) + c.batch * p.q_batch_stride + c.head * p.q_head_stride
                               + c.row_base * p.q_row_stride;
             simt_load_tile<kBlockM, kHeadDim, kStride, kThreads>(sm.q, gQ, p.q_row_stride, p.seqlen_q - c.row_base, tid);
-            const int n0 = n_block * kBlockN;
+            const int n0 = (Variant::kBlockSparse ? tiles.tile(n_block) : n_block) * kBlockN;
             simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
                 sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n0), p.k_row_stride,
                 p.seqlen_k - n0, tid);
             simt_cp_async_commit();
         }
         return n_block;
+    }
+
+    // Dropout's flags of key tile n_block, drawn before scores' barrier: every thread read the previous tile's
+    // before softmax's.
+    static __device__ __forceinline__ void draw_keep(const FwdParams& p, const ProgParams& pp, const Smem& sm,
+                                                     int n_block) {
+        const Coords c = Coords::read();
+        Keep::template fill<kThreads>(keep_flags(sm), DropoutLanes(pp, c.batch, p.heads_q, c.head), c.row_base,
+                                      n_block * kBlockN, c.ty * kNX + c.tx);
     }
 
     // V_n on its way, then S = Q K_n^T: each thread a kRows x kKeys block, float4 steps along head_dim.
@@ -298,9 +335,11 @@ struct SimtFwd {
     }
 
     // The mask policy, the online softmax in the log2 domain (P to shared memory, O rescaled), then the next
-    // K tile on its way.
+    // K tile on its way. Programmable: the bias, the user's modifiers and the partial tiles' tests between the
+    // built-in modifiers and masks, dropout on P after the row sums (lse is the undropped P's).
     static __device__ __forceinline__ void softmax(const FwdParams& p, const Smem& sm, int n_block,
-                                                   float (&acc_s)[kRows][kKeys], float (&acc_o)[kRows][kOChunks][4]) {
+                                                   float (&acc_s)[kRows][kKeys], float (&acc_o)[kRows][kOChunks][4],
+                                                   const ProgParams* pp, const Tiles& tiles, int position) {
         const Coords c = Coords::read();
         const int n0 = n_block * kBlockN;
         if constexpr (Mask::kHasScoreMod) {
@@ -310,6 +349,22 @@ struct SimtFwd {
 #pragma unroll
                 for (int k = 0; k < kKeys; ++k)
                     acc_s[i][k] = mod.modify_score(acc_s[i][k], c.row_base + c.ty + i * kNY, n0 + c.tx + k * kNX);
+        }
+        if constexpr (Variant::kProg) {
+            using Prog = ProgPolicy<Variant, kBiasByPolicy>;
+            const Prog prog(*pp, c.batch, c.head, p.softmax_scale);
+            const bool partial = tiles.partial(position);
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                const int row = c.row_base + c.ty + i * kNY;
+                const i64 row_at = Prog::kPolicyAddsBias ? prog.bias_row(row) : 0;
+#pragma unroll
+                for (int k = 0; k < kKeys; ++k) {
+                    const int col = n0 + c.tx + k * kNX;
+                    acc_s[i][k] = prog_score_at(prog, acc_s[i][k], row, col, row_at,
+                                                row < p.seqlen_q && col < p.seqlen_k, partial);
+                }
+            }
         }
         if (Mask(p).needs_mask(c.row_base / kBlockM, n_block)) {
 #pragma unroll
@@ -345,8 +400,11 @@ struct SimtFwd {
             float* p_row = sm.p + (c.ty + i * kNY) * kPStride + c.tx;
 #pragma unroll
             for (int k = 0; k < kKeys; ++k) {
-                const float pk = exp2f(fmaf(acc_s[i][k], p.scale_log2, -ref));
+                float pk = exp2f(fmaf(acc_s[i][k], p.scale_log2, -ref));
                 sum += pk;
+                if constexpr (Variant::kDropout) {
+                    if (!Keep::keep(keep_flags(sm), c.ty + i * kNY, c.tx + k * kNX)) pk = 0.f;
+                }
                 p_row[k * kNX] = pk;
             }
             sm.stat[(2 * i) * kThreads + tid] = new_max;
@@ -358,7 +416,15 @@ struct SimtFwd {
         }
         simt_cp_async_wait_all();
         __syncthreads();  // V_n landed and sP written; every thread is done reading K_n
-        if (has_next_key_tile(p, n_block)) {
+        if constexpr (Variant::kBlockSparse) {   // the list's next tile
+            if (position > 0) {
+                const int n_next = tiles.tile(position - 1) * kBlockN;
+                simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
+                    sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_next),
+                    p.k_row_stride, p.seqlen_k - n_next, tid);
+                simt_cp_async_commit();
+            }
+        } else if (has_next_key_tile(p, n_block)) {
             const int n_prev = n0 - kBlockN;
             simt_load_tile<kBlockN, kHeadDim, kStride, kThreads>(
                 sm.k, kv_tile(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, c, n_prev), p.k_row_stride,
@@ -404,9 +470,10 @@ struct SimtFwd {
 
     // Normalise and store straight from registers (a row group writes kNX consecutive 16-byte chunks of a
     // row), and lse. With a sink, its logit joins the denominator, all taken against max(row max, sink) so that
-    // nothing overflows; a row with no visible key gets output 0 and lse = the sink.
+    // nothing overflows; a row with no visible key gets output 0 and lse = the sink. Dropout: 1 / (1 - p) with
+    // 1 / rowsum.
     static __device__ __forceinline__ void epilogue(const FwdParams& p, const Smem& sm,
-                                                    const float (&acc_o)[kRows][kOChunks][4]) {
+                                                    const float (&acc_o)[kRows][kOChunks][4], const ProgParams* pp) {
         const Coords c = Coords::read();
         const int tid = c.ty * kNX + c.tx;
         const int rows_valid = min(kBlockM, p.seqlen_q - c.row_base);
@@ -429,6 +496,7 @@ struct SimtFwd {
             } else {
                 inv_sum = empty ? 0.f : 1.f / sum;
             }
+            if constexpr (Variant::kDropout) inv_sum *= pp->dropout_scale;
             const int row = c.ty + i * kNY;
             if (row < rows_valid) {
                 float* o_row = gO + row * p.o_row_stride;
@@ -453,9 +521,10 @@ struct SimtFwd {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
 __device__ const int fwd_kernel_smem_bytes = SimtFwdTile<kHeadDim, kBlockM, kBlockN, kNWarps, kHeadDimV>::kSmemFloats * 4;
 
-// One query tile of a dense problem (varlen: of one sequence, seq_params).
+// One query tile of a dense problem (varlen: of one sequence, seq_params). pp: programmable attention's
+// parameters (null unless Variant::kProg).
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
-__device__ __forceinline__ void fwd_tile(const FwdParams& p) {
+__device__ __forceinline__ void fwd_tile(const FwdParams& p, const ProgParams* pp) {
     using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>;
     extern __shared__ __align__(16) float smem_f32[];
     const typename Fwd::Smem sm(smem_f32);
@@ -466,25 +535,50 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p) {
         for (int cc = 0; cc < Fwd::kOChunks; ++cc)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[i][cc][e] = 0.f;
-    for (int n_block = Fwd::prologue(p, sm); Fwd::has_key_tile(p, n_block); --n_block) {
+    // The loop walks positions: without block sparsity a position is the key tile itself (the constant-folded
+    // select below), with it the query tile's list gives the tile (Tiles).
+    const typename Fwd::Tiles tiles = Fwd::key_tiles(p, pp);
+    for (int position = Fwd::prologue(p, sm, tiles); Fwd::has_key_tile(p, position); --position) {
+        const int n_block = Variant::kBlockSparse ? tiles.tile(position) : position;
+        if constexpr (Variant::kDropout) Fwd::draw_keep(p, *pp, sm, n_block);
         float acc_s[Fwd::kRows][Fwd::kKeys];
         Fwd::scores(p, sm, n_block, acc_s);
-        Fwd::softmax(p, sm, n_block, acc_s, acc_o);
+        Fwd::softmax(p, sm, n_block, acc_s, acc_o, pp, tiles, position);
         Fwd::pv(sm, acc_o);
     }
-    Fwd::epilogue(p, sm, acc_o);
+    Fwd::epilogue(p, sm, acc_o, pp);
 }
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
-__global__ void __launch_bounds__(kNWarps * 32)
-fwd_kernel(const FwdParams p) {
+// The CTA's query tile (batch: the grid's z, also under varlen, whose batch strides are 0).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV>
+__device__ __forceinline__ void fwd_cta(const FwdParams& p, const ProgParams* pp) {
     static_assert(sizeof(T) == 4, "simt_fwd is the float32 kernel");
     if constexpr (Variant::kVarlen) {
         using Fwd = SimtFwd<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>;
         const SeqSpan span = seq_span(p, blockIdx.z);
         if (Fwd::Coords::read().row_base >= span.seqlen_q) return;   // past this sequence's rows
-        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(seq_params<4>(p, span, blockIdx.z));
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(seq_params<4>(p, span, blockIdx.z), pp);
     } else {
-        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p);
+        fwd_tile<kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, pp);
     }
+}
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32)
+fwd_kernel(const FwdParams p) {
+    fwd_cta<T, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, nullptr);
+}
+
+// Programmable attention (Variant: a ProgVariant): the same with its parameters, and dropout's flags after the
+// shared memory's statistics. At least one CTA per SM asked for, as the backward's (an occupancy target spilled).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__device__ const int fwd_prog_kernel_smem_bytes =
+    fwd_kernel_smem_bytes<T, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>
+    + (Variant::kDropout ? DropoutTile<kBlockM, kBlockN>::kBytes : 0);
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kHeadDimV = 0>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+fwd_prog_kernel(const FwdParams p, const ProgParams pp) {
+    static_assert(Variant::kProg, "fwd_prog_kernel takes a ProgVariant");
+    fwd_cta<T, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kHeadDimV>(p, &pp);
 }
