@@ -410,8 +410,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
 
     import cupy
 
-    from . import capture, launch, sm90
-    from .api import LOG2E
+    from . import capture, sm90
 
     b, nq, nk, hq, hkv, d = dims
     variant = prog.variant(dataclasses.replace(var.kernel, sink=False))   # the backward has no sink code
@@ -422,7 +421,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
                    or b * hq * 2 * -(-nq // plan[1][1].block_m) * plan[1][1].block_m >= 2**32):
         plan, hopper = _bwd_plan(q.dtype, d, causal, variant, device_id, opts, deterministic, portable=True,
                                  bias_per_query=per_query), False
-    (pkern, pcfg, psmem), (kkern, kcfg, ksmem) = plan[0], plan[1]
+    kcfg = plan[1][1]
     dbias_accum, grads, extra_fields = _bwd_outputs(prog)
     keep: list = [dbias_accum]
     qcfg = None if hopper else plan[2][1]
@@ -435,23 +434,12 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog: ProgArgs, *, caus
                                    deterministic=False, dims=dims, device_id=device_id, var=var, dlse=dlse, opts=opts,
                                    plans=plan, dkdv_tail=(_v(pp_dkdv),))
     else:
-        (qkern, qcfg, qsmem) = plan[2]
         delta = cupy.empty((b, hq, nq), dtype=np.float32)
         keep.append(delta)
-        p = params.pack_bytes(params.BWD_PARAMS, (
-            q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
-            dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
-            *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
-            *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
-            *params.element_strides(dk), *params.element_strides(dv),
-            b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
-            *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
-        launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
-        dsinks = None
-        if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
-            dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
-        launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(pp_dkdv),))
-        launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(pp_dq),))
+        _launch_portable_backward(plan, (dout, q, k, v, out, lse, delta, dq, dk, dv), (pp_dkdv, pp_dq),
+                                  params.element_strides, sizes=(b, nq, nk, hq, hkv, d), scale=scale, rows=nq, var=var,
+                                  dlse=dlse, varlen_values=params.DENSE_VARLEN_VALUES)
+        dsinks = _dsinks(var, lse, delta)
     capture.keep_if_capturing(*keep)
     return dsinks, _dbias(prog, dbias_accum), grads
 
@@ -466,32 +454,60 @@ def launch_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, lay, prog: ProgA
 
     import cupy
 
-    from . import capture, launch
-    from .api import LOG2E, _packed_strides, _varlen_values
+    from . import capture
+    from .api import _packed_strides, _varlen_values
 
     b, hq, hkv, d = lay.batch, lay.heads_q, lay.heads_kv, lay.head_dim_qk
     max_q, max_k, total_q = lay.max_seqlen_q, lay.max_seqlen_k, lay.total_q
     variant = prog.variant(dataclasses.replace(var.kernel, sink=False, varlen=True))
-    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = _bwd_plan(
-        q.dtype, d, causal, variant, lay.device_id, opts, True, portable=True)
+    pkern_plan, kkern_plan, qkern_plan = _bwd_plan(q.dtype, d, causal, variant, lay.device_id, opts, True,
+                                                   portable=True)
+    kcfg, qcfg = kkern_plan[1], qkern_plan[1]
     dbias_accum, grads, fields = _bwd_outputs(prog)
     keep: list = [dbias_accum]
     pp_dkdv, pp_dq = _bwd_prog_params(prog, kcfg, qcfg, fields, keep, batch=b, heads=hq, seqlen_q=max_q,
                                       seqlen_k=max_k, device_id=lay.device_id, opts=opts)
     delta = cupy.zeros((hq, total_q), dtype=np.float32)   # rows outside every sequence: never written
     keep.append(delta)
+    _launch_portable_backward((pkern_plan, kkern_plan, qkern_plan), (dout, q, k, v, out, lse, delta, dq, dk, dv),
+                              (pp_dkdv, pp_dq), _packed_strides, sizes=(b, max_q, max_k, hq, hkv, d), scale=scale,
+                              rows=total_q, var=var, dlse=dlse, varlen_values=_varlen_values(lay))
+    capture.keep_if_capturing(*keep)
+    return delta, _dbias(prog, dbias_accum), grads
+
+
+def _launch_portable_backward(plan, tensors, prog_params, strides, *, sizes, scale: float, rows: int, var, dlse,
+                              varlen_values) -> None:
+    """The portable programmable backward's three launches on the current stream, one BWD_PARAMS for all: the
+    preprocess (delta), dK / dV with ``prog_params[0]``, dQ with ``prog_params[1]``. ``plan``: their (kernel, config,
+    shared memory); ``tensors``: (dout, q, k, v, out, lse, delta, dq, dk, dv); ``strides``: a tensor's element
+    strides (dense or packed); ``sizes``: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim), a packed batch's
+    maxima; ``rows``: the rows of lse and delta (seqlen_q, or a packed batch's total_q)."""
+    from . import launch
+    from .api import LOG2E
+
+    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = plan
+    dout, q, k, v, out, lse, delta, dq, dk, dv = tensors
+    b, nq, nk, hq, hkv, d = sizes
     p = params.pack_bytes(params.BWD_PARAMS, (
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
         dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
-        *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out),
-        *_packed_strides(dout), *_packed_strides(dq), *_packed_strides(dk), *_packed_strides(dv),
-        b, max_q, max_k, hq, hq // hkv, d, scale, scale * LOG2E, total_q, d, 0, 0, 0, 0,
-        *var.param_values(max_q, max_k, scale), dlse.data.ptr if dlse is not None else 0, *_varlen_values(lay)))
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, max_q), p, psmem)
-    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, max_k), p, ksmem, (_v(pp_dkdv),))
-    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, max_q), p, qsmem, (_v(pp_dq),))
-    capture.keep_if_capturing(*keep)
-    return delta, _dbias(prog, dbias_accum), grads
+        *(s for x in (q, k, v, out, dout, dq, dk, dv) for s in strides(x)),
+        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, rows, d, 0, 0, 0, 0,
+        *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *varlen_values))
+    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
+    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (_v(prog_params[0]),))
+    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (_v(prog_params[1]),))
+
+
+def _dsinks(var, lse, delta):
+    """The sinks' gradient as the plain backward's: P(sink) (dlse - delta), summed in a fixed order; None without
+    sinks."""
+    import cupy
+
+    if var.sinks is None:
+        return None
+    return -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
 
 
 def _bwd_outputs(prog: ProgArgs):

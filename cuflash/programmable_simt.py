@@ -76,32 +76,23 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, prog, *, causal: bool, 
 
     import cupy
 
-    from . import capture, launch
-    from .api import LOG2E
+    from . import capture
 
     del deterministic
     b, nq, nk, hq, hkv, d = dims
     variant = prog.variant(dataclasses.replace(var.kernel, sink=False))   # the backward has no sink code
-    (pkern, pcfg, psmem), (kkern, kcfg, ksmem), (qkern, qcfg, qsmem) = _bwd_plan(d, causal, variant, device_id, opts)
+    plan = _bwd_plan(d, causal, variant, device_id, opts)
+    kcfg, qcfg = plan[1][1], plan[2][1]
     dbias_accum, grads, fields = programmable._bwd_outputs(prog)
     keep: list = [dbias_accum]
     pp_dkdv, pp_dq = programmable._bwd_prog_params(prog, kcfg, qcfg, fields, keep, batch=b, heads=hq, seqlen_q=nq,
                                                    seqlen_k=nk, device_id=device_id, opts=opts)
     delta = cupy.empty((b, hq, nq), dtype=np.float32)
     keep.append(delta)
-    p = params.pack_bytes(params.BWD_PARAMS, (
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr, delta.data.ptr, 0,
-        dq.data.ptr, dk.data.ptr, dv.data.ptr, 0,
-        *params.element_strides(q), *params.element_strides(k), *params.element_strides(v),
-        *params.element_strides(out), *params.element_strides(dout), *params.element_strides(dq),
-        *params.element_strides(dk), *params.element_strides(dv),
-        b, nq, nk, hq, hq // hkv, d, scale, scale * LOG2E, nq, d, 0, 0, 0, 0,
-        *var.param_values(nq, nk, scale), dlse.data.ptr if dlse is not None else 0, *params.DENSE_VARLEN_VALUES))
-    launch.launch(pkern, pcfg, launch.bwd_row_grid(pcfg, b, hq, nq), p, psmem)
-    dsinks = None
-    if var.sinks is not None:   # as the plain backward: P(sink) (dlse - delta), summed in a fixed order
-        dsinks = -(cupy.exp(var.sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
-    launch.launch(kkern, kcfg, launch.bwd_dkdv_grid(kcfg, b, hkv, nk), p, ksmem, (programmable._v(pp_dkdv),))
-    launch.launch(qkern, qcfg, launch.bwd_row_grid(qcfg, b, hq, nq), p, qsmem, (programmable._v(pp_dq),))
+    programmable._launch_portable_backward(
+        plan, (dout, q, k, v, out, lse, delta, dq, dk, dv), (pp_dkdv, pp_dq), params.element_strides,
+        sizes=(b, nq, nk, hq, hkv, d), scale=scale, rows=nq, var=var, dlse=dlse,
+        varlen_values=params.DENSE_VARLEN_VALUES)
+    dsinks = programmable._dsinks(var, lse, delta)
     capture.keep_if_capturing(*keep)
     return dsinks, programmable._dbias(prog, dbias_accum), grads
