@@ -599,6 +599,11 @@ def _backward_varlen_programmable(dout, q, k, v, out, lse, dq, dk, dv, lay: varl
     except RuntimeError as e:   # no driver, no GPU, an old driver or GPU: say which, and what to do
         device_check.reraise_explained(e)
         raise
+    return _programmable_grads(dq, dk, dv, sinks, dsinks, dbias, tensor_grads)
+
+
+def _programmable_grads(dq, dk, dv, sinks, dsinks, dbias, tensor_grads) -> tuple:
+    """A programmable backward's result: (dq, dk, dv[, dsinks in the sinks' dtype][, dbias][, {tensor: gradient}])."""
     result = (dq, dk, dv)
     if sinks is not None:
         result += (dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype),)
@@ -970,14 +975,7 @@ def _backward_programmable(dout, q, k, v, out, lse, *, causal, softmax_scale, wi
     except RuntimeError as e:
         device_check.reraise_explained(e)
         raise
-    result = (dq, dk, dv)
-    if sinks is not None:
-        result += (dsinks if dsinks.dtype == sinks.dtype else dsinks.astype(sinks.dtype),)
-    if dbias is not None:
-        result += (dbias,)
-    if tensor_grads:
-        result += (tensor_grads,)
-    return result
+    return _programmable_grads(dq, dk, dv, sinks, dsinks, dbias, tensor_grads)
 
 
 def _backward_on_device(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, scale: float, deterministic: bool,

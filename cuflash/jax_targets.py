@@ -295,64 +295,26 @@ def _device_arrays(call: Call, dev: int) -> list:
     return [_device_array(b, b.shape, dev) for b in (*call.args, *call.rets)]
 
 
-def cuda_forward_varlen(call: Call) -> None:
-    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]) -> (out, lse)
-    with cuflash's varlen forward on XLA's stream; the offsets are not checked (no host synchronisation)."""
-    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
-        arrays = _device_arrays(call, dev)
-        q, k, v = arrays[:3]
-        out, lse = arrays[-2:]
-        offsets, extras = _varlen_kwargs(call, arrays[3:-2])
-        _log(FORWARD_VARLEN, call, stream)
-        _forward_varlen_into(q, k, v, out, lse, causal=bool(call.attrs["causal"]),
-                             softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
-                             **_variant_kwargs(call, extras))
-
-
-def cuda_backward_varlen(call: Call) -> None:
-    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
-    [, dlse]) -> (dq, dk, dv[, dsinks]) with cuflash's varlen backward on XLA's stream, the offsets unchecked;
-    its float32 workspaces come from CuPy's memory pool on that stream, as the dense backward's."""
-    from .api import backward_varlen
-
-    with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
-        arrays = _device_arrays(call, dev)
-        n_args = len(call.args)
-        dout, q, k, v, out, lse = arrays[:6]
-        offsets, rest = _varlen_kwargs(call, arrays[6:n_args])
-        n_extra = _n_extras(call)
-        kwargs = _variant_kwargs(call, rest[:n_extra])
-        dlse = rest[n_extra] if call.attrs.get("has_dlse") else None
-        rets = arrays[n_args:]
-        _log(BACKWARD_VARLEN, call, stream)
-        grads = backward_varlen(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
-                                softmax_scale=float(call.attrs["softmax_scale"]),
-                                deterministic=bool(call.attrs["deterministic"]), dlse=dlse, dq=rets[0], dk=rets[1],
-                                dv=rets[2], check_offsets=False, **offsets, **kwargs)
-        if kwargs["sinks"] is not None:
-            rets[3][...] = grads[3]
-
-
-def cuda_forward_varlen_prog(call: Call) -> None:
-    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks][, bias][, block_mask]
-    [, rng][, modifier tensors...]) -> (out, lse) with cuflash's programmable varlen forward on XLA's stream, into
-    XLA's buffers, the offsets unchecked."""
+def _forward_varlen_call(call: Call, target: str, programmable: bool) -> None:
+    """A varlen forward target's body: the arguments after the offsets are the variants' extras, then (with
+    ``programmable``) the programmable ones; out and lse are written into XLA's buffers."""
     with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
         arrays = _device_arrays(call, dev)
         q, k, v = arrays[:3]
         out, lse = arrays[-2:]
         offsets, rest = _varlen_kwargs(call, arrays[3:-2])
         n_extra = _n_extras(call)
-        _log(FORWARD_VARLEN_PROG, call, stream)
+        prog = _prog_kwargs(call, rest[n_extra:], True) if programmable else {}
+        _log(target, call, stream)
         _forward_varlen_into(q, k, v, out, lse, causal=bool(call.attrs["causal"]),
                              softmax_scale=float(call.attrs["softmax_scale"]), **offsets,
-                             **_variant_kwargs(call, rest[:n_extra]), **_prog_kwargs(call, rest[n_extra:], True))
+                             **_variant_kwargs(call, rest[:n_extra]), **prog)
 
 
-def cuda_backward_varlen_prog(call: Call) -> None:
-    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
-    [, dlse][, bias][, block_mask][, rng][, modifier tensors...]) -> (dq, dk, dv[, dsinks][, dbias][, the tensors'
-    gradients]) with cuflash's programmable varlen backward on XLA's stream, the offsets unchecked."""
+def _backward_varlen_call(call: Call, target: str, programmable: bool) -> None:
+    """A varlen backward target's body: after the offsets the variants' extras, dlse (has_dlse), then (with
+    ``programmable``) the programmable arguments; dq, dk, dv and the further gradients go into XLA's buffers. Its
+    float32 workspaces come from CuPy's memory pool on XLA's stream, as the dense backward's."""
     from .api import backward_varlen
 
     with _on_xla_device(call, call.args[0].ptr) as (dev, stream):
@@ -364,14 +326,40 @@ def cuda_backward_varlen_prog(call: Call) -> None:
         kwargs = _variant_kwargs(call, rest[:n_extra])
         rest = rest[n_extra:]
         dlse = rest.pop(0) if call.attrs.get("has_dlse") else None
-        prog = _prog_kwargs(call, rest, True)
+        prog = _prog_kwargs(call, rest, True) if programmable else {}
         rets = arrays[n_args:]
-        _log(BACKWARD_VARLEN_PROG, call, stream)
+        _log(target, call, stream)
         grads = backward_varlen(dout, q, k, v, out, lse, causal=bool(call.attrs["causal"]),
                                 softmax_scale=float(call.attrs["softmax_scale"]),
                                 deterministic=bool(call.attrs["deterministic"]), dlse=dlse, dq=rets[0], dk=rets[1],
                                 dv=rets[2], check_offsets=False, **offsets, **kwargs, **prog)
         _store_prog_grads(rets[3:], grads[3:], prog)
+
+
+def cuda_forward_varlen(call: Call) -> None:
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]) -> (out, lse)
+    with cuflash's varlen forward on XLA's stream; the offsets are not checked (no host synchronisation)."""
+    _forward_varlen_call(call, FORWARD_VARLEN, False)
+
+
+def cuda_backward_varlen(call: Call) -> None:
+    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
+    [, dlse]) -> (dq, dk, dv[, dsinks]) with cuflash's varlen backward on XLA's stream, the offsets unchecked."""
+    _backward_varlen_call(call, BACKWARD_VARLEN, False)
+
+
+def cuda_forward_varlen_prog(call: Call) -> None:
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks][, bias][, block_mask]
+    [, rng][, modifier tensors...]) -> (out, lse) with cuflash's programmable varlen forward on XLA's stream, into
+    XLA's buffers, the offsets unchecked."""
+    _forward_varlen_call(call, FORWARD_VARLEN_PROG, True)
+
+
+def cuda_backward_varlen_prog(call: Call) -> None:
+    """(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k[, seqused_q][, seqused_k][, alibi_slopes][, sinks]
+    [, dlse][, bias][, block_mask][, rng][, modifier tensors...]) -> (dq, dk, dv[, dsinks][, dbias][, the tensors'
+    gradients]) with cuflash's programmable varlen backward on XLA's stream, the offsets unchecked."""
+    _backward_varlen_call(call, BACKWARD_VARLEN_PROG, True)
 
 
 def _kvcache_kwargs(call: Call, operands: list) -> tuple[dict, object, object]:

@@ -27,6 +27,26 @@ _MODIFIERS: dict = {}
 _BOUND_MASKS: dict = {}
 
 
+def _call_options(q, causal, return_lse, window_size, attention_chunk, softcap, block_size, dropout_p, score_mod,
+                  mask_mod) -> tuple:
+    """attention's and attention_varlen's static arguments, checked: (causal, return_lse, (window left, right,
+    chunk, softcap), (block rows, block keys), the modifiers' registry key, their tensors, the dropout's rng state
+    (int64 (2,) on q's device, drawn from torch's generator) or None)."""
+    from .torch import _variant_options
+
+    causal = _checks.check_flag("causal", causal)
+    return_lse = _checks.check_flag("return_lse", return_lse)
+    variant = _variant_options(window_size, attention_chunk, softcap)
+    block = block_sparse.check_block_size(block_size)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    key, tensors = register(score_mod, mask_mod)
+    rng_state = None
+    if dropout_p > 0:
+        rng_state = torch.randint(0, 2**62, (2,), device=q.device, dtype=torch.int64)
+    return causal, return_lse, variant, block, key, tensors, rng_state
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
               window_size: Tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -36,19 +56,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     layout), differentiable with respect to q, k, v, ``bias`` and the tensors of ``score_mod`` that have
     ``tensor_grads``. The modifiers' tensors are torch CUDA tensors on q's device. Returns ``out`` or
     ``(out, lse)``."""
-    from .torch import _check_inputs, _variant_options
+    from .torch import _check_inputs
 
     scale = _checks.check_scale(softmax_scale, _check_inputs(q, k, v))
-    causal = _checks.check_flag("causal", causal)
-    return_lse = _checks.check_flag("return_lse", return_lse)
-    left, right, chunk, cap = _variant_options(window_size, attention_chunk, softcap)
-    bq, bk = block_sparse.check_block_size(block_size)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    key, tensors = register(score_mod, mask_mod)
-    rng_state = None
-    if dropout_p > 0:
-        rng_state = torch.randint(0, 2**62, (2,), device=q.device, dtype=torch.int64)
+    causal, return_lse, (left, right, chunk, cap), (bq, bk), key, tensors, rng_state = _call_options(
+        q, causal, return_lse, window_size, attention_chunk, softcap, block_size, dropout_p, score_mod, mask_mod)
     out, lse = attention_forward_prog(q, k, v, bias, rng_state, block_mask, tensors, scale, causal, left, right, chunk,
                                       cap, alibi_slopes, sinks, float(dropout_p), bq, bk, key)
     return (out, lse) if return_lse else out
@@ -215,22 +227,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     positions), differentiable with respect to q, k, v, ``bias``, ``sinks`` and the tensors of ``score_mod`` that
     have ``tensor_grads``. q ``(total_q, heads_q, head_dim)``; returns ``out`` ``(total_q, heads_q, head_dim_v)`` or
     ``(out, lse)`` with lse float32 ``(heads_q, total_q)``."""
-    from .torch import _check_max_seqlen, _check_varlen_inputs, _variant_options
+    from .torch import _check_max_seqlen, _check_varlen_inputs
 
     scale = _checks.check_scale(softmax_scale, _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                                                      seqused_k))
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    causal = _checks.check_flag("causal", causal)
-    return_lse = _checks.check_flag("return_lse", return_lse)
-    left, right, chunk, cap = _variant_options(window_size, attention_chunk, softcap)
-    bq, bk = block_sparse.check_block_size(block_size)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    key, tensors = register(score_mod, mask_mod)
-    rng_state = None
-    if dropout_p > 0:
-        rng_state = torch.randint(0, 2**62, (2,), device=q.device, dtype=torch.int64)
+    causal, return_lse, (left, right, chunk, cap), (bq, bk), key, tensors, rng_state = _call_options(
+        q, causal, return_lse, window_size, attention_chunk, softcap, block_size, dropout_p, score_mod, mask_mod)
     check_offsets = False if torch.compiler.is_compiling() else None
     out, lse = attention_varlen_forward_prog(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
                                              bias, rng_state, block_mask, tensors, scale, causal, left, right, chunk,
