@@ -256,6 +256,28 @@ def assert_grads_close_on_every_row(names, grads, refs, dtype_name: str, tol: di
         assert bad == 0 or not per_row, f"{name}: {bad} rows with rel err > {bound:.1e} (worst {worst:.3e})"
 
 
+def assert_programmable_grads_close(grads, refs, dtype_name: str, *, dbias_of=None, tensor_refs=None,
+                                    per_row: bool = True) -> None:
+    """A programmable backward's results against the float64 reference's: dq, dk, dv (every row unless
+    ``per_row`` is False), then dbias (the shape and dtype of the bias ``dbias_of``; whole array) and the score
+    modifier's tensor gradients (``tensor_refs``: {name: reference}), and nothing more."""
+    import cupy
+
+    assert_grads_close_on_every_row(("dq", "dk", "dv"), grads[:3], refs[:3], dtype_name, BWD_TOL, per_row=per_row)
+    rest = list(grads[3:])
+    if dbias_of is not None:
+        dbias = rest.pop(0)
+        assert dbias.shape == dbias_of.shape and dbias.dtype == dbias_of.dtype
+        assert_grads_close_on_every_row(("dbias",), [dbias.astype(cupy.float64)], [refs[3]], dtype_name, BWD_TOL,
+                                        per_row=False)
+    if tensor_refs:
+        got = rest.pop(0)
+        for name, ref in tensor_refs.items():
+            assert_grads_close_on_every_row((f"d_{name}",), [got[name].reshape(ref.shape)], [ref], dtype_name,
+                                            BWD_TOL, per_row=False)
+    assert not rest
+
+
 # A fake device address: 256-byte aligned, far from anything real. Arrays over it are never read.
 _FAKE_PTR = 1 << 40
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import (BWD_TOL, FWD_TOL, assert_close_on_every_row, assert_grads_close_on_every_row,
-                      assert_lse_matches, dtype_of, poisoned, requires_gpu)
+                      assert_lse_matches, assert_programmable_grads_close, dtype_of, poisoned, requires_gpu)
 
 pytestmark = requires_gpu
 
@@ -69,19 +69,7 @@ def _backward(rng, q, k, v, cu_q, cu_k, dtype, ref_kwargs: dict, *, dbias_of=Non
                                     **kwargs)
     cupy.cuda.get_current_stream().synchronize()
     refs = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_kwargs)
-    assert_grads_close_on_every_row(("dq", "dk", "dv"), grads[:3], refs[:3], dtype, BWD_TOL, per_row=per_row)
-    rest = list(grads[3:])
-    if dbias_of is not None:
-        dbias = rest.pop(0)
-        assert dbias.shape == dbias_of.shape and dbias.dtype == dbias_of.dtype
-        assert_grads_close_on_every_row(("dbias",), [dbias.astype(cupy.float64)], [refs[3]], dtype, BWD_TOL,
-                                        per_row=False)
-    if tensor_refs:
-        got = rest.pop(0)
-        for name, ref in tensor_refs.items():
-            assert_grads_close_on_every_row((f"d_{name}",), [got[name].reshape(ref.shape)], [ref], dtype, BWD_TOL,
-                                            per_row=False)
-    assert not rest
+    assert_programmable_grads_close(grads, refs, dtype, dbias_of=dbias_of, tensor_refs=tensor_refs, per_row=per_row)
 
 
 def _bias(rng, shape_code: str, dtype):
