@@ -1,11 +1,13 @@
 """Shared CPU compile checks: NVRTC-compile kernel instantiations and read ptxas's report."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cuflash.compile import _inline, compile_offline, compile_offline_many, load_source, smem_bytes_offline_many
+from cuflash.compile import _inline, compile_offline_many, load_source, smem_bytes_offline_many
 
 # Shared memory of an H100 (sm_90): opt-in bytes per block, and per SM (each resident block also takes 1 KB
 # of it for the system), so that two blocks of a tile built for two per SM fit in TWO_CTA_SMEM bytes each.
@@ -70,21 +72,67 @@ def build_and_disassemble(configs, cc: str) -> dict[str, tuple]:
     return out
 
 
+# Kernels per NVRTC program of assert_all_compile: one parse of the source for the lot; the programs build on a
+# thread pool of os.cpu_count() workers (NVRTC runs without the GIL).
+CHUNK = 8
+# (cc, config, NVRTC defines, no_warnings) -> the problem of its build (None: none), so that an instantiation that
+# several tests check for one arch is compiled once per test session.
+_BUILT: dict = {}
+_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def _log_problem(cfg, cc: str, report: str, program_log: str, no_warnings: bool) -> str | None:
+    """What is wrong with one kernel's ptxas ``report`` (and, for warnings, the NVRTC part of its program's log):
+    spills or a stack frame, a ptxas warning (``no_warnings``), or a serialised wgmma pipeline."""
+    try:
+        assert_no_spills(report, f"{cfg.key()} sm_{cc}")
+        if no_warnings:
+            assert "warning" not in (program_log + report).lower(), f"{cfg.key()}: ptxas warning:\n{report}"
+        # ptxas reports this as "info", not a warning: every wgmma then waits for the previous one.
+        assert _SERIALIZED not in report, f"{cfg.key()} sm_{cc}: ptxas serialised the wgmma pipeline:\n{report}"
+    except AssertionError as e:
+        return str(e)[:2000]
+    return None
+
+
+def _build_problems(configs: list, cc: str, no_warnings: bool) -> dict:
+    """{config: problem or None} of configs of one source built in one NVRTC program for sm_<cc>; a program that
+    fails, or whose log holds what cannot be told apart per kernel (NVRTC's own warnings, a serialised wgmma
+    named outside a kernel's report), is built again a config at a time."""
+    try:
+        _, log, lowered = compile_offline_many(configs, cc)
+    except RuntimeError as e:
+        if len(configs) > 1:
+            return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings).items()}
+        return {configs[0]: str(e)[:2000]}
+    reports = ptxas_reports(log)
+    first = _ENTRY.search(log)
+    program_log = log[:first.start()] if first else log
+    out = {cfg: _log_problem(cfg, cc, reports.get(name, ""), program_log, no_warnings)
+           for cfg, name in lowered.items()}
+    ambiguous = _SERIALIZED in log and not any(_SERIALIZED in r for r in reports.values())
+    if len(configs) > 1 and ((no_warnings and "warning" in program_log.lower()) or ambiguous):
+        return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings).items()}
+    return out
+
+
 def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
-    """Every config compiles for sm_<cc> without spills (and, optionally, without ptxas warnings);
-    failures are collected so that one run lists them all."""
-    failures = []
-    for cfg in configs:
-        try:
-            _, log = compile_offline(cfg, cc)
-            assert_no_spills(log, f"{cfg.key()} sm_{cc}")
-            if no_warnings:
-                assert "warning" not in log.lower(), f"{cfg.key()}: ptxas warning:\n{log}"
-            # ptxas reports this as "info", not a warning: every wgmma then waits for the previous one.
-            assert "wgmma.mma_async instructions are serialized" not in log, \
-                f"{cfg.key()} sm_{cc}: ptxas serialised the wgmma pipeline:\n{log}"
-        except (AssertionError, RuntimeError) as e:
-            failures.append(str(e)[:2000])
+    """Every config compiles for sm_<cc> without spills (and, optionally, without ptxas warnings) and without a
+    serialised wgmma pipeline; failures are collected so that one run lists them all. Programs of CHUNK kernels
+    of one source, built side by side; each instantiation once per test session (_BUILT)."""
+    from cuflash import options
+
+    configs = list(dict.fromkeys(configs))
+    defines = tuple(options.current().nvrtc_defines)
+    todo = [c for c in configs if (cc, c, defines, no_warnings) not in _BUILT]
+    groups: dict = {}
+    for c in todo:
+        groups.setdefault((c.source, c.variant.mods), []).append(c)
+    chunks = [g[i:i + CHUNK] for g in groups.values() for i in range(0, len(g), CHUNK)]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        for part in pool.map(_build_problems, chunks, [cc] * len(chunks), [no_warnings] * len(chunks)):
+            _BUILT.update({(cc, c, defines, no_warnings): problem for c, problem in part.items()})
+    failures = [p for c in configs if (p := _BUILT[(cc, c, defines, no_warnings)]) is not None]
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
 
 
