@@ -237,8 +237,8 @@ def _check_programmable(q_dtype, full: tuple, bias, dropout_p, seed, block_mask,
     from . import block_sparse, philox
     from .modifiers import Modifiers, bind
 
-    if np.dtype(q_dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
-        raise ValueError(f"bias, dropout and block masks take float16 or bfloat16 q so far, got {q_dtype}")
+    if np.dtype(q_dtype) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)):
+        raise ValueError(f"bias, dropout and block masks take float16, bfloat16 or float32 q, got {q_dtype}")
     b, hq, nq, nk = full
     if bias is not None:
         bias = jnp.asarray(bias)

@@ -25,6 +25,8 @@ CASES = {
     "dropout_seed_array": dict(dropout_p=0.1, seed_words=(5, 7, 3, 0)),
     "block_mask": dict(block_mask=True, causal=True),
     "all": dict(bias=(B, HQ, NQ, NK), dropout_p=0.1, seed=9, block_mask=True),
+    # float32 q, k, v (the exact kernels on a GPU)
+    "float32_all": dict(dtype="float32", bias=(B, 1, NQ, NK), dropout_p=0.1, seed=21, block_mask=True, causal=True),
 }
 
 
@@ -41,7 +43,8 @@ def test_programmable_under_jit_and_grad(case, platform):
     rng = np.random.default_rng(11)
     spec = dict(CASES[case])
     put = lambda x: jax.device_put(jnp.asarray(x), device)   # noqa: E731
-    q, k, v = (put(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)
+    dtype = spec.pop("dtype", "bfloat16")
+    q, k, v = (put(rng.standard_normal(s).astype(np.float32)).astype(dtype)
                for s in ((B, NQ, HQ, D), (B, NK, HKV, D), (B, NK, HKV, D)))
     dout = put(rng.standard_normal((B, NQ, HQ, D)).astype(np.float32))
     bias = put(rng.standard_normal(spec.pop("bias")).astype(np.float32)) if "bias" in spec else None
@@ -70,11 +73,11 @@ def test_programmable_under_jit_and_grad(case, platform):
         host.update(dropout_p=p, dropout_mask=dropout_keep_mask(s, off, B, HQ, NQ, NK, p))
     ref_o, _ = attention_reference(_f64(q), _f64(k), _f64(v), **host)
     refs = attention_reference_backward(np.asarray(dout, np.float64), _f64(q), _f64(k), _f64(v), **host)
-    assert rel_err(_f64(out), ref_o) <= FWD_TOL["bfloat16"]
+    assert out.dtype == dtype and rel_err(_f64(out), ref_o) <= FWD_TOL[dtype]
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, refs):
         assert g.shape == r.shape, name
         err = rel_err(_f64(g), r)
-        assert err <= BWD_TOL["bfloat16"], f"{name} rel err {err:.3e}"
+        assert err <= BWD_TOL[dtype], f"{name} rel err {err:.3e}"
 
 
 def test_programmable_argument_errors():
@@ -90,9 +93,9 @@ def test_programmable_argument_errors():
         cj.dot_product_attention(q, k, v, dropout_p=0.1, dropout_seed=jnp.zeros((2,), jnp.uint32))
     with pytest.raises(ValueError, match="block_mask must have shape"):
         cj.dot_product_attention(q, k, v, block_mask=jnp.ones((1, 1, 2, 2), bool))
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="bias must be float32 or q's dtype"):
         cj.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                                 bias=jnp.zeros((NQ, NK)))
+                                 bias=jnp.zeros((NQ, NK), jnp.bfloat16))
     assert cj.dropout_seed(jax.random.PRNGKey(0)).shape == (4,)
 
 

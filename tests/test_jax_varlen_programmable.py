@@ -47,6 +47,8 @@ CASES = {
     "seqused_bias": dict(bias=("1hqk", "float32"), seqused=True, causal=True),
     "lse_sinks_bias": dict(bias=("b1qk", "float32"), sinks=True, return_lse=True),
     "all": dict(bias=("bhqk", "bfloat16"), dropout=(0.1, 9), block_mask=True, alibi=True, causal=True),
+    # float32 q, k, v (the exact kernels on a GPU)
+    "float32_all": dict(dtype="float32", bias=("b1qk", "float32"), dropout=(0.1, 5), block_mask=True, causal=True),
 }
 
 
@@ -66,15 +68,17 @@ def _seed_pair(seed) -> tuple:
 
 
 def _inputs(case: str, seed: int = 0) -> dict:
-    """The case's host (NumPy) arrays and options: q, k, v, dout (bf16), the offsets and the programmable ones."""
+    """The case's host (NumPy) arrays and options: q, k, v, dout (bf16, or the case's dtype), the offsets and the
+    programmable ones."""
     import ml_dtypes
 
     spec = CASES[case]
     rng = np.random.default_rng(seed)
     bf16 = ml_dtypes.bfloat16
+    qkv = np.float32 if spec.get("dtype") == "float32" else bf16
     tq, tk = sum(LENGTHS_Q), sum(LENGTHS_K)
-    x = dict(q=rng.standard_normal((tq, HQ, D)).astype(bf16), k=rng.standard_normal((tk, HKV, D)).astype(bf16),
-             v=rng.standard_normal((tk, HKV, D)).astype(bf16), dout=rng.standard_normal((tq, HQ, D)).astype(bf16),
+    x = dict(q=rng.standard_normal((tq, HQ, D)).astype(qkv), k=rng.standard_normal((tk, HKV, D)).astype(qkv),
+             v=rng.standard_normal((tk, HKV, D)).astype(qkv), dout=rng.standard_normal((tq, HQ, D)).astype(qkv),
              cu_q=_offsets(LENGTHS_Q), cu_k=_offsets(LENGTHS_K), causal=spec.get("causal", False),
              return_lse=spec.get("return_lse", False))
     if "bias" in spec:
@@ -249,7 +253,7 @@ def _error_cases():
          rf"block_mask must have shape \(6 or 1, 4 or 1, {nqb}, {nkb}\)"),
         (dict(block_mask=jnp.ones((1, 1, nqb, nkb), jnp.int32)), TypeError, "block_mask must have dtype bool"),
         (dict(block_mask=jnp.ones((1, 1, nqb, nkb), bool), block_size=0), ValueError, "block_size must be"),
-        (dict(dtype="float32", bias=jnp.zeros((MQ, MK))), ValueError, "float16 or bfloat16"),
+        (dict(dtype="float32", bias=jnp.zeros((MQ, MK), jnp.bfloat16)), TypeError, "bias must be float32 or q's dtype"),
         (dict(score_mod="return score;"), TypeError, "score_mod must be a cuflash.ScoreMod"),
         (dict(mask_mod=cuflash.MaskMod("return docs[kv_idx] >= 0;", tensors={"docs": np.zeros(tk, np.int32)})),
          TypeError, "must be a JAX array"),
@@ -432,7 +436,7 @@ def test_host_path_matches_the_reference(case):
     out, lse, grads = _run_jax(x, CPU)
     ref_o, ref_lse, refs = _reference(x)
     rows = _used_rows(x)
-    assert out.shape == x["q"].shape and out.dtype == jnp.bfloat16
+    assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
     assert rel_err(_f64(out)[rows], ref_o[rows]) <= 4e-3
     if lse is not None:
         assert_lse_matches(np.asarray(lse)[:, rows], ref_lse[:, rows], (HQ, int(rows.sum())))
