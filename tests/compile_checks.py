@@ -1,9 +1,11 @@
 """Shared CPU compile checks: NVRTC-compile kernel instantiations and read ptxas's report."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,6 +81,11 @@ CHUNK = 8
 # several tests check for one arch is compiled once per test session.
 _BUILT: dict = {}
 _SERIALIZED = "wgmma.mma_async instructions are serialized"
+# (cc, config, NVRTC defines) -> (program number, lowered name), and program number -> its cubin (zlib) or, once a
+# SASS test read it, {lowered name: SASS}: the SASS tests disassemble what the compile tests built (built_sass).
+_CUBINS: dict = {}
+_PROGRAMS: dict = {}
+_PROGRAM_NUMBERS = itertools.count()   # next() is atomic: the pool's threads number their programs apart
 
 
 def _log_problem(cfg, cc: str, report: str, program_log: str, no_warnings: bool) -> str | None:
@@ -95,16 +102,19 @@ def _log_problem(cfg, cc: str, report: str, program_log: str, no_warnings: bool)
     return None
 
 
-def _build_problems(configs: list, cc: str, no_warnings: bool) -> dict:
+def _build_problems(configs: list, cc: str, no_warnings: bool, defines: tuple = ()) -> dict:
     """{config: problem or None} of configs of one source built in one NVRTC program for sm_<cc>; a program that
     fails, or whose log holds what cannot be told apart per kernel (NVRTC's own warnings, a serialised wgmma
     named outside a kernel's report), is built again a config at a time."""
     try:
-        _, log, lowered = compile_offline_many(configs, cc)
+        cubin, log, lowered = compile_offline_many(configs, cc)
     except RuntimeError as e:
         if len(configs) > 1:
-            return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings).items()}
+            return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings, defines).items()}
         return {configs[0]: str(e)[:2000]}
+    program = next(_PROGRAM_NUMBERS)
+    _PROGRAMS[program] = zlib.compress(cubin, 1)
+    _CUBINS.update({(cc, cfg, defines): (program, name) for cfg, name in lowered.items()})
     reports = ptxas_reports(log)
     first = _ENTRY.search(log)
     program_log = log[:first.start()] if first else log
@@ -112,7 +122,7 @@ def _build_problems(configs: list, cc: str, no_warnings: bool) -> dict:
            for cfg, name in lowered.items()}
     ambiguous = _SERIALIZED in log and not any(_SERIALIZED in r for r in reports.values())
     if len(configs) > 1 and ((no_warnings and "warning" in program_log.lower()) or ambiguous):
-        return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings).items()}
+        return {k: v for c in configs for k, v in _build_problems([c], cc, no_warnings, defines).items()}
     return out
 
 
@@ -130,10 +140,27 @@ def assert_all_compile(configs, cc: str, *, no_warnings: bool = False) -> None:
         groups.setdefault((c.source, c.variant.mods), []).append(c)
     chunks = [g[i:i + CHUNK] for g in groups.values() for i in range(0, len(g), CHUNK)]
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        for part in pool.map(_build_problems, chunks, [cc] * len(chunks), [no_warnings] * len(chunks)):
+        for part in pool.map(_build_problems, chunks, [cc] * len(chunks), [no_warnings] * len(chunks),
+                             [defines] * len(chunks)):
             _BUILT.update({(cc, c, defines, no_warnings): problem for c, problem in part.items()})
     failures = [p for c in configs if (p := _BUILT[(cc, c, defines, no_warnings)]) is not None]
     assert not failures, f"{len(failures)} of {len(configs)} failed:\n" + "\n\n".join(failures[:5])
+
+
+def built_sass(config, cc: str) -> str | None:
+    """The SASS of ``config`` for sm_<cc> from the program assert_all_compile built it in (this session, under the
+    same NVRTC defines), or None where none did."""
+    from cuflash import options
+
+    import sass_tools
+
+    hit = _CUBINS.get((cc, config, tuple(options.current().nvrtc_defines)))
+    if hit is None:
+        return None
+    program, name = hit
+    if isinstance(_PROGRAMS[program], bytes):
+        _PROGRAMS[program] = sass_tools.functions(sass_tools.disassemble(zlib.decompress(_PROGRAMS[program])))
+    return _PROGRAMS[program].get(name)
 
 
 def kernel_smem(configs, cc: str) -> dict:

@@ -58,7 +58,13 @@ def whole_elf(cubin: bytes) -> bytes:
 
 
 def sass(config: KernelConfig, cc: str) -> str:
-    """SASS text of one instantiation for sm_<cc> (e.g. "80", "90a")."""
+    """SASS text of one instantiation for sm_<cc> (e.g. "80", "90a"): from the build of the compile tests where one
+    made it this session (compile_checks.built_sass), else compiled here."""
+    from compile_checks import built_sass
+
+    text = built_sass(config, cc)
+    if text is not None:
+        return text
     cubin, _ = compile_offline(config, cc, verbose_ptxas=False)
     return disassemble(cubin)
 
