@@ -14,7 +14,8 @@
 #              (../shared/notes/fa4-on-device.md): a call carrying .fa4a parks its part in /root/fa4, the
 #              next call (machine still warm) carrying .fa4b joins and installs
 #   ncu SHAPE PASS [DIST] : Nsight Compute sections of the main kernel of PASS (fwd|bwd) on SHAPE
-#              (B,H,N,D,dtype[,causal], or row:NAME for a row of the variant table) for cuflash, then FA4 where $FA4_SITE exists (dev/profiling.py launch);
+#              (B,H,N,D,dtype[,causal], or row:NAME for a row of the variant table) for cuflash, then FA4 where $FA4_SITE exists (dev/profiling.py launch),
+#              then FA2 (SDPA flash) with NCU_FLASH=1;
 #              NCU_SOURCE=1 adds warp-stall samples per SASS instruction (ncu-src-*.csv); NCU_CLOCK=base
 #              locks the clock at base (cycles comparable across inputs and kernels; default: none)
 #   dists [ARGS...] : the score-distribution table (python -m cuflash --dists; FA4 column if $FA4_SITE
@@ -279,8 +280,10 @@ case $phase in
     fa4_env
     shape=$1; pass=$2; dist=${3:-normal}
     row_args=(); [ "${shape#row:}" != "$shape" ] && row_args=(--row "${shape#row:}")   # row:NAME, a variant row
-    [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90' || kernels='fwd_.*kernel|ForwardSm90'
-    for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ); do
+    # FA2 (SDPA's flash backend) too with NCU_FLASH=1: the portable kernels' peer (issue #46; CUFLASH_PLAN_CC=80 or
+    # 86 for the A100's or the 99 KB cards' tables)
+    [ "$pass" = bwd ] && kernels='bwd_dkdv|BackwardSm90|flash_bwd_dq_dk_dv' || kernels='fwd_.*kernel|ForwardSm90'
+    for who in cuflash $( [ -d $FA4_SITE ] && echo fa4 ) $( [ -n "${NCU_FLASH:-}" ] && echo flash ); do
       echo "== $who $pass $shape $dist"
       ncu --clock-control ${NCU_CLOCK:-none} --kernel-name "regex:$kernels" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \

@@ -1,6 +1,6 @@
 """Workloads for external tools, and host-side profiling (GPU).
 
-    ncu --kernel-name regex:... python3 dev/profiling.py launch B,H,N,D,dtype[,causal] [cuflash|cudnn|fa4] [fwd|bwd] [DIST]
+    ncu --kernel-name regex:... python3 dev/profiling.py launch B,H,N,D,dtype[,causal] [cuflash|cudnn|flash|fa4] [fwd|bwd] [DIST]
     ncu ... python3 dev/profiling.py launch - [cuflash|fa4] [fwd|bwd] [DIST] --row window8k
     compute-sanitizer --tool memcheck python3 dev/profiling.py sanitize [fwd,bwd,sched,ring,selftest]
     python3 dev/profiling.py power [VARIANT ...] [--shape S] [--pass fwd|bwd] [--seconds 4] [--rounds 1]
@@ -62,7 +62,8 @@ def launch(shape, which: str, pas: str, dist: str, calls: int = 3, row: str | No
     else:
         import torch
 
-        run, sdpa_layout = (torch_sdpa("cudnn"), True) if which == "cudnn" else (fa4_fn(), False)
+        # flash: PyTorch SDPA's flash backend, FlashAttention-2 (issue #46's peer for the portable kernels)
+        run, sdpa_layout = (torch_sdpa(which), True) if which in ("cudnn", "flash") else (fa4_fn(), False)
         if run is None:
             raise SystemExit(f"{which} does not run here")
         tq, tk, tv = torch_views((q, k, v), sdpa_layout=sdpa_layout, requires_grad=backward)
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("launch", help="a few calls of one shape, for ncu")
     p.add_argument("shape", nargs="?", default="4,16,4096,128,bfloat16", help="B,H,N,D,dtype[,causal]")
-    p.add_argument("which", nargs="?", default="cuflash", choices=("cuflash", "cudnn", "fa4"))
+    p.add_argument("which", nargs="?", default="cuflash", choices=("cuflash", "cudnn", "flash", "fa4"))
     p.add_argument("pas", nargs="?", default="fwd", choices=("fwd", "bwd"), metavar="PASS", help="fwd | bwd")
     p.add_argument("dist", nargs="?", default="normal", help="input distribution (cuflash/distributions.py)")
     p.add_argument("--calls", type=int, default=3)
