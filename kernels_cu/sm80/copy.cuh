@@ -2,6 +2,12 @@
 #pragma once
 #include "../common/numeric.cuh"
 
+// Experiment switch (issue #46): 1 gives the forward's tile copies a fixed step count and its Q fragments one
+// shared base (kernels_cu/sm80/fwd.cu); 0, the default, keeps the measured code.
+#ifndef CUFLASH_SM80_FWD_LEAN
+#define CUFLASH_SM80_FWD_LEAN 0
+#endif
+
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     // src-size 0 zero-fills the destination: rows past the sequence end read nothing.
     const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
@@ -31,6 +37,28 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
     asm volatile("" : "+l"(row_stride), "+r"(tid));
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
+#if CUFLASH_SM80_FWD_LEAN
+    if constexpr (kThreads % kChunksPerRow == 0) {
+        // Experiment (issue #46, to be measured): a fixed number of steps, each thread at one column and rows
+        // kRowStep apart, so that a step costs a 64-bit add and a compare, not the opaque thread index's division
+        // and a run-time trip count.
+        constexpr int kRowStep = kThreads / kChunksPerRow;
+        const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
+        const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * 8;
+        const u16* src = gmem + row0 * row_stride + col;
+        const i64 step = kRowStep * row_stride;
+#pragma unroll
+        for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+            const int row = row0 + i * kRowStep;
+            if (kChunks % kThreads == 0 || row < kRows) {
+                const bool valid = row < rows_valid;
+                cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
+            }
+            src += step;
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int c = tid; c < kChunks; c += kThreads) {
         const int row = c / kChunksPerRow;
