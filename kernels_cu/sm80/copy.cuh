@@ -2,10 +2,11 @@
 #pragma once
 #include "../common/numeric.cuh"
 
-// Experiment switch (issue #46): 1 gives the forward's tile copies a fixed step count and its Q fragments one
-// shared base (kernels_cu/sm80/fwd.cu); 0, the default, keeps the measured code.
-#ifndef CUFLASH_SM80_FWD_LEAN
-#define CUFLASH_SM80_FWD_LEAN 0
+// Experiment switch (issue #46): 1 gives the portable kernels' tile copies a fixed step count (each thread at one
+// column, rows a constant apart) and the forward's Q fragments one shared base (kernels_cu/sm80/fwd.cu); 0, the
+// default, keeps the measured code.
+#ifndef CUFLASH_SM80_LEAN
+#define CUFLASH_SM80_LEAN 0
 #endif
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
@@ -37,7 +38,7 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
     asm volatile("" : "+l"(row_stride), "+r"(tid));
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
-#if CUFLASH_SM80_FWD_LEAN
+#if CUFLASH_SM80_LEAN
     if constexpr (kThreads % kChunksPerRow == 0) {
         // Experiment (issue #46, to be measured): a fixed number of steps, each thread at one column and rows
         // kRowStep apart, so that a step costs a 64-bit add and a compare, not the opaque thread index's division
@@ -108,6 +109,26 @@ __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64
     constexpr int kChunksPerRow = kCols / kChunk;
     constexpr int kChunks = kRows * kChunksPerRow;
     static_assert(kCols % kChunk == 0, "columns must be whole 16-byte chunks");
+#if CUFLASH_SM80_LEAN
+    if constexpr (kThreads % kChunksPerRow == 0) {   // as load_tile_async's experiment
+        constexpr int kRowStep = kThreads / kChunksPerRow;
+        const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
+        const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
+        const bool col_valid = col < cols_valid;
+        const T* src = gmem + row0 * row_stride + col;
+        const i64 step = kRowStep * row_stride;
+#pragma unroll
+        for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+            const int row = row0 + i * kRowStep;
+            if (kChunks % kThreads == 0 || row < kRows) {
+                const bool valid = col_valid && row < rows_valid;
+                cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
+            }
+            src += step;
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int c = tid; c < kChunks; c += kThreads) {
         const int row = c / kChunksPerRow;
