@@ -98,19 +98,37 @@ template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, int k
           int kMT, int kNT>
 __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u16* sA, int row0,
                                               const u16* sB, int col0, int lane) {
+#if CUFLASH_SM80_LEAN
+    // Experiment (issue #46): each operand's lane address once (load_a_frag[_trans] / load_b_frag_* at the
+    // origin), every step a constant byte offset from it, which ptxas folds into ldmatrix's immediate.
+    const u32 a_base = kATrans ? smem_u32(sA + ((lane & 7) + (lane >> 4) * 8) * kStrideA + row0 + ((lane >> 3) & 1) * 8)
+                               : smem_u32(sA + (row0 + (lane & 15)) * kStrideA + (lane >> 4) * 8);
+    const u32 b_base = kBKn ? smem_u32(sB + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStrideB + col0 + (lane >> 4) * 8)
+                            : smem_u32(sB + (col0 + (lane & 7) + (lane >> 4) * 8) * kStrideB + ((lane >> 3) & 1) * 8);
+#endif
 #pragma unroll kUnroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         u32 a[kMT][4];
 #pragma unroll
         for (int t = 0; t < kMT; ++t) {
+#if CUFLASH_SM80_LEAN
+            if constexpr (kATrans) ldmatrix_x4_trans(a[t], a_base + (kk * 16 * kStrideA + t * 16) * 2);
+            else ldmatrix_x4(a[t], a_base + (t * 16 * kStrideA + kk * 16) * 2);
+#else
             if constexpr (kATrans) load_a_frag_trans<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
             else load_a_frag<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
+#endif
         }
 #pragma unroll
         for (int nn = 0; nn < kNT / 2; ++nn) {
             u32 b[4];
+#if CUFLASH_SM80_LEAN
+            if constexpr (kBKn) ldmatrix_x4_trans(b, b_base + (kk * 16 * kStrideB + nn * 16) * 2);
+            else ldmatrix_x4(b, b_base + (nn * 16 * kStrideB + kk * 16) * 2);
+#else
             if constexpr (kBKn) load_b_frag_kn<kStrideB>(b, sB, kk * 16, col0 + nn * 16, lane);
             else load_b_frag_nk<kStrideB>(b, sB, col0 + nn * 16, kk * 16, lane);
+#endif
 #pragma unroll
             for (int t = 0; t < kMT; ++t) {
                 Mma16816<Tag>::run(acc[t][2 * nn], a[t], b[0], b[1]);

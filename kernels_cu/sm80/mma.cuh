@@ -15,10 +15,14 @@
 // ldmatrix_x4 (common/smem.cuh) on a generic pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem_row) { ldmatrix_x4(r, smem_u32(smem_row)); }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(smem_row)));
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
+    ldmatrix_x4_trans(r, smem_u32(smem_row));
 }
 
 // A fragment (16 x 16, row-major in smem) at (row0, col0) of a tile with
