@@ -27,6 +27,34 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 
+#if CUFLASH_SM80_LEAN
+// Experiment (issue #46, to be measured): a tile copy in a fixed number of steps, each thread at one 16-byte column
+// (col_valid: that column is inside the tensor) and rows kThreads / chunks-per-row apart, so that a step costs a
+// 64-bit add and a compare, not the opaque thread index's division and a run-time trip count. Rows >= rows_valid
+// and an invalid column are zero-filled.
+template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+__device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i64 row_stride, int rows_valid,
+                                                      bool col_valid, int tid) {
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
+    constexpr int kChunksPerRow = kCols / kChunk;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
+    const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
+    const T* src = gmem + row0 * row_stride + col;
+    const i64 step = kRowStep * row_stride;
+#pragma unroll
+    for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+        const int row = row0 + i * kRowStep;
+        if (kChunks % kThreads == 0 || row < kRows) {
+            const bool valid = col_valid && row < rows_valid;
+            cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
+        }
+        src += step;
+    }
+}
+#endif
+
 // Copy rows [0, kRows) x cols [0, kCols) of a 16-bit tile; rows >= rows_valid are zero-filled.
 // gmem points at row 0; consecutive rows are row_stride elements apart.
 template <int kRows, int kCols, int kSmemStride, int kThreads>
@@ -40,23 +68,7 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
     constexpr int kChunks = kRows * kChunksPerRow;
 #if CUFLASH_SM80_LEAN
     if constexpr (kThreads % kChunksPerRow == 0) {
-        // Experiment (issue #46, to be measured): a fixed number of steps, each thread at one column and rows
-        // kRowStep apart, so that a step costs a 64-bit add and a compare, not the opaque thread index's division
-        // and a run-time trip count.
-        constexpr int kRowStep = kThreads / kChunksPerRow;
-        const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
-        const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * 8;
-        const u16* src = gmem + row0 * row_stride + col;
-        const i64 step = kRowStep * row_stride;
-#pragma unroll
-        for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-            const int row = row0 + i * kRowStep;
-            if (kChunks % kThreads == 0 || row < kRows) {
-                const bool valid = row < rows_valid;
-                cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
-            }
-            src += step;
-        }
+        copy_rows_fixed_steps<u16, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid, true, tid);
         return;
     }
 #endif
@@ -110,22 +122,10 @@ __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64
     constexpr int kChunks = kRows * kChunksPerRow;
     static_assert(kCols % kChunk == 0, "columns must be whole 16-byte chunks");
 #if CUFLASH_SM80_LEAN
-    if constexpr (kThreads % kChunksPerRow == 0) {   // as load_tile_async's experiment
-        constexpr int kRowStep = kThreads / kChunksPerRow;
-        const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
+    if constexpr (kThreads % kChunksPerRow == 0) {
         const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
-        const bool col_valid = col < cols_valid;
-        const T* src = gmem + row0 * row_stride + col;
-        const i64 step = kRowStep * row_stride;
-#pragma unroll
-        for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-            const int row = row0 + i * kRowStep;
-            if (kChunks % kThreads == 0 || row < kRows) {
-                const bool valid = col_valid && row < rows_valid;
-                cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
-            }
-            src += step;
-        }
+        copy_rows_fixed_steps<T, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid,
+                                                                      col < cols_valid, tid);
         return;
     }
 #endif
