@@ -79,6 +79,8 @@ def cmd_run(args) -> None:
             v.det = True
     apply = apply_variants(variants)
     shapes = shapes_arg(args.shape, _env_shapes() or DEFAULT_SHAPES)
+    if args.precompile:
+        _precompile_variants(args.pas, variants, shapes, apply)
     for shape in shapes:
         for dist in args.dist.split(","):
             q, k, v = make_inputs(shape, dist)
@@ -119,6 +121,39 @@ def cmd_run(args) -> None:
             del q, k, v, dout, runs, results
             free_memory()
     apply(Variant.parse(""))
+
+
+def _precompile_variants(pas, variants, shapes, apply) -> None:
+    """Compile each cuflash variant's kernels for ``shapes`` in parallel processes (its defines and environment
+    there), so that the timed process finds them in CuPy's disk cache. Variants with other sources (src=) compile
+    on first use."""
+    import time
+
+    from _common import precompile_parallel
+    from cuflash import heuristics, options
+    from cuflash.dispatch import device_info
+
+    t0, n = time.time(), 0
+    for var in variants:
+        if var.peer or var.src:
+            continue
+        apply(var)
+        options.reload()
+        cc = device_info(0)[0]
+        cfgs = []
+        for s in shapes:
+            cfgs.append(heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc))
+            if pas in ("bwd", "fwd+bwd"):
+                cfgs += heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc, var.det).all()
+        cfgs = list({c.key(): c for c in cfgs}.values())
+        env = dict(var.env, CUFLASH_NVRTC_DEFINES=" ".join(var.defines))
+        failed = precompile_parallel(cfgs, None, env)
+        n += len(cfgs)
+        for f in failed:
+            print(f"precompile {var.label}: {f}", flush=True)
+    apply(Variant.parse(""))
+    options.reload()
+    print(f"precompiled {n} kernels in {time.time() - t0:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------------- checkouts
@@ -218,6 +253,7 @@ def main(argv=None) -> int:
     r.add_argument("--check", choices=("first", "reference"), help="also each variant's error")
     r.add_argument("--no-timing", action="store_true", help="only --check")
     r.add_argument("--ms", action="store_true", help="milliseconds beside TFLOP/s")
+    r.add_argument("--precompile", action="store_true", help="compile the variants' kernels first, in parallel")
     c = sub.add_parser("checkouts", help="whole checkouts, one process each, alternating")
     c.add_argument("paths", nargs="+", metavar="PATH")
     c.add_argument("--passes", default="fwd,bwd", help="fwd,bwd (the backward default and deterministic)")
