@@ -49,6 +49,9 @@ class Family:
     dynamic_smem: bool = True
     # Whether the kernel takes programmable attention's parameters (ProgParams, issue #45) after its others.
     prog: bool = False
+    # Constant template arguments after the ones from KernelConfig fields: what sets a family apart from another
+    # of the same kernel template (e.g. dK/dV version 2 with dO in one stage).
+    template_consts: tuple = ()
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("direction", self.direction, DIRECTIONS), ("backend", self.backend, BACKENDS),
@@ -59,6 +62,9 @@ class Family:
         for field in ("persistent", "fp8", "arch_specific", "dynamic_smem", "prog"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"Family {self.name!r}: {field} must be a bool, got {getattr(self, field)!r}")
+        if not isinstance(self.template_consts, tuple) or not all(
+                type(c) is int for c in self.template_consts):
+            raise TypeError(f"Family {self.name!r}: template_consts must be a tuple of ints, got {self.template_consts!r}")
         if isinstance(self.cluster, bool) or not isinstance(self.cluster, int) or self.cluster < 1:
             raise ValueError(f"Family {self.name!r}: cluster must be a positive int, got {self.cluster!r}")
 
@@ -81,9 +87,9 @@ def _sm90_fwd(name: str, kernel: str, schedule: str, persistent: bool = False, c
 
 
 def _bwd(name: str, source: str, kernel: str, backend: str, dq_mode: str | None, min_cc: int = 80,
-         prog: bool = False) -> Family:
+         prog: bool = False, template_consts: tuple = ()) -> Family:
     return Family(name, source, kernel, min_cc, backend == "sm90", direction="bwd", backend=backend, dq_mode=dq_mode,
-                  prog=prog)
+                  prog=prog, template_consts=template_consts)
 
 
 def _aux(name: str, source: str, kernel: str, min_cc: int, template: tuple) -> Family:
@@ -158,6 +164,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Version 2 of the dK/dV kernels (Q/dO ring, two barriers per step, 2-D warp grids).
     _bwd("sm80_bwd_dkdv2", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel"),
     _bwd("sm80_bwd_dkdv2_dq", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic"),
+    # The same with dO in one stage (where two do not fit: the A100 at d=128 with (64, 128, 8)).
+    _bwd("sm80_bwd_dkdv2_do1", "sm80/bwd.cu", "bwd_dkdv2_kernel", "sm80", "kernel", template_consts=(1,)),
+    _bwd("sm80_bwd_dkdv2_dq_do1", "sm80/bwd.cu", "bwd_dkdv2_dq_kernel", "sm80", "atomic", template_consts=(1,)),
     _bwd("sm80_bwd_dq", "sm80/bwd.cu", "bwd_dq_kernel", "sm80", None),
     # Programmable attention (issue #45): version 1 of dK / dV and the dQ kernel with ProgParams.
     _bwd("sm80_bwd_dkdv_prog", "sm80/bwd.cu", "bwd_dkdv_prog_kernel", "sm80", "kernel", prog=True),
@@ -246,7 +255,8 @@ class KernelConfig:
         values = {"tag": DTYPE_TAGS[self.dtype], "head_dim": self.head_dim, "block_m": self.block_m,
                   "block_n": self.block_n, "num_warps": self.num_warps,
                   "mask": self.variant.template_arg(self.causal)}
-        return tuple(values[name] for name in self.fam.template) + ((self.head_dim_v,) if self.head_dim_v else ())
+        return (tuple(values[name] for name in self.fam.template) + self.fam.template_consts
+                + ((self.head_dim_v,) if self.head_dim_v else ()))
 
     def name_expression(self) -> str:
         return f"{self.fam.kernel}<{', '.join(str(a) for a in self.template_args())}>"

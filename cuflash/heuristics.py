@@ -20,15 +20,15 @@ SM90_SMEM_OPTIN = 232448   # opt-in shared memory per block on sm_90 (the split 
 
 # sm80_fwd (mma.sync): head-dim bucket -> (block_m, block_n, num_warps).
 _SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TILES
-    32: (128, 128, 4),
-    64: (128, 128, 4),
-    96: (128, 32, 4),
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 64, 4),
     128: (128, 32, 4),
     192: (64, 32, 4),
     256: (64, 32, 4),
 }
-# Causal tiles where they differ: the diagonal favours wider key tiles at D=128.
-_SM80_FWD_CAUSAL = {128: (128, 64, 4)}
+# Causal takes the same tiles: since the fixed-step copies (128, 64, 4), once the causal d=128 tile, is 8 % slower
+# there than (128, 32, 4) (BENCHMARKS.md, "Portable kernels against FlashAttention-2").
 # Above head dim 256 (head_dims.py): 8 warps on 64 rows, two per 16-row slice splitting O's columns
 # (kernels_cu/sm80/fwd.cu: kColSplit); fit_shared_memory narrows it where 227 KB are not there (A100: 16 keys).
 _SM80_FWD_LARGE = (64, 32, 8)
@@ -283,7 +283,7 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     if dtype == "float32":
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
-    block_m, block_n, warps = opts.sm80_fwd_tiles or (skips and _SM80_FWD_CAUSAL.get(bucket)) or _SM80_FWD[bucket]
+    block_m, block_n, warps = opts.sm80_fwd_tiles or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
 
 
@@ -427,20 +427,29 @@ _SM80_BWD_DQ = {
 # / sm_120); other buckets keep version 1. Measured with dev/ab.py run bwd (version 1 by
 # @CUFLASH_SM80_BWD_VARIANT=1; BENCHMARKS.md, "Portable kernels"): on the H100 table a third to a half faster
 # than version 1 at d=64 / 128 ((128,128,8) would be faster still but spills 8 bytes); on the A100's table 1.3x at
-# d=64 and 1.15x at d=128 with (32,128,8) ((64,64,8) tied version 1), slower at d=256 (32,64,8); on the 99 KB
+# d=64, at d=128 1.15x with (32,128,8) and since the fixed-step copies (64,128,8) with one dO stage 1.25x
+# (32,128,8) ((64,64,8) tied version 1), slower at d=256 (32,64,8); on the 99 KB
 # table no tile that fits beat version 1 (d=64 (64,64,8) 0.87x, d=128 (32,64,8) 0.98x). Its dQ reductions are
 # the limiter now.
 _SM80_BWD_DKDV2 = {
     "h100": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
-    "large": {64: (64, 128, 8), 128: (32, 128, 8)},
+    "large": {64: (64, 128, 8), 128: (64, 128, 8)},
     "small": {},
 }
+# Where version 2 keeps dO in one stage (the *_do1 families): two would not fit the budget. On the H100 table
+# (64, 128, 8) at d=128 is 4 % faster with two stages, on the A100's one stage admits it (1.25x (32, 128, 8)).
+_SM80_BWD_DKDV2_ONE_DO_STAGE = {"large": (128,)}
 DKDV2_H100_SMEM = 200 * 1024   # the least opt-in shared memory of the "h100" table
 
 
+def _dkdv2_table_name(cc: int) -> str:
+    """The name of version 2's table for a device of compute capability ``cc`` (its shared-memory budget's)."""
+    return "h100" if SMEM_OPTIN.get(cc, 0) >= DKDV2_H100_SMEM else smem_class(cc)
+
+
 def _dkdv2_table(cc: int) -> dict:
-    """Version 2's tiles for a device of compute capability ``cc`` (its shared-memory budget's table)."""
-    return _SM80_BWD_DKDV2["h100" if SMEM_OPTIN.get(cc, 0) >= DKDV2_H100_SMEM else smem_class(cc)]
+    """Version 2's tiles for a device of compute capability ``cc``."""
+    return _SM80_BWD_DKDV2[_dkdv2_table_name(cc)]
 
 
 def bwd_variant(cc: int, bucket: int, opts: Options | None = None) -> int:
@@ -567,13 +576,16 @@ def bwd_configs(dtype: str, head_dim: int, causal: bool, cc: int, deterministic:
         return BwdConfigs(pre, KernelConfig("simt_bwd_dkdv", dtype, bucket, causal, bm, bn, w, variant),
                           KernelConfig("simt_bwd_dq", dtype, bucket, causal, bm, bn, w, variant), None)
     v2 = bwd_variant(cc, bucket, opts) == 2
+    do1 = "_do1" if v2 and bucket in _SM80_BWD_DKDV2_ONE_DO_STAGE.get(_dkdv2_table_name(cc), ()) else ""
     if deterministic or bucket in _BWD_DQ_KERNEL_ALWAYS:
         bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_dkdv2_table(cc)[bucket] if v2 else _SM80_BWD_DKDV[size][bucket])
-        dkdv = KernelConfig("sm80_bwd_dkdv2" if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w, variant)
+        dkdv = KernelConfig("sm80_bwd_dkdv2" + do1 if v2 else "sm80_bwd_dkdv", dtype, bucket, causal, bm, bn, w,
+                            variant)
         qm, qn, qw = opts.sm80_bwd_dq_tiles or _SM80_BWD_DQ[size][bucket]
         return BwdConfigs(pre, dkdv, KernelConfig("sm80_bwd_dq", dtype, bucket, causal, qm, qn, qw, variant), None)
     bm, bn, w = opts.sm80_bwd_dkdv_tiles or (_dkdv2_table(cc)[bucket] if v2 else _SM80_BWD_DKDV_DQ[size][bucket])
-    dkdv = KernelConfig("sm80_bwd_dkdv2_dq" if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w, variant)
+    dkdv = KernelConfig("sm80_bwd_dkdv2_dq" + do1 if v2 else "sm80_bwd_dkdv_dq", dtype, bucket, causal, bm, bn, w,
+                        variant)
     return BwdConfigs(pre, dkdv, None, _aux_config("bwd_postprocess", dtype))
 
 

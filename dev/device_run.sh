@@ -2,6 +2,11 @@
 # One device call, by phase (each fits a 10-minute call on an H100):
 #   tests : GPU tests on the default kernels, PyTorch and DLPack included (FA4 parked too when .fa4a is carried)
 #   tests80 : the forward, backward and determinism tests on the portable kernels (forced)
+#   tables80 [PLAN_CC...] : the portable kernels' forward, backward, variant, varlen and programmable GPU tests under
+#              the A100's and the 99 KB cards' tables (CUFLASH_PLAN_CC, default 80 86), in 14 processes where .whl/
+#              carries pytest-xdist and execnet
+#   fa2 [ARGS...] : issue #46's rows, forward+backward and forward, under CUFLASH_PLAN_CC=80 and 86 beside
+#              FlashAttention-2 (SDPA's flash backend), interleaved (dev/ab.py run; ARGS to it, e.g. --dist sharp)
 #   sanitize TOOL... : compute-sanitizer over small odd shapes, default and portable kernels
 #   bench : the benchmark table (Markdown) and the deterministic-cost table (dev/bench.py deterministic)
 #   fp8 [SPEC...] : the fp8 tests and dev/bench.py fp8 SPEC...
@@ -113,7 +118,7 @@ case $phase in
   variants) python3 $HERE/precompile.py fwd bwd variants | tail -n 12 ;;  # a variant kernel that fails is named here
   varlen) python3 $HERE/precompile.py fwd bwd varlen_bench | tail -n 12 ;;  # a kernel that fails is named here
   large) python3 $HERE/precompile.py large | tail -n 12 ;;
-  decode|decode-ab|prog|progbench) ;;  # the tests and rows compile the few kernels they take
+  decode|decode-ab|prog|progbench|tables80|fa2) ;;  # the tests and rows compile the few kernels they take
   *) python3 $HERE/precompile.py fwd bwd fp8 | tail -1 ;;
 esac
 case $phase in
@@ -211,6 +216,27 @@ case $phase in
     T="tests/test_distributed.py tests/test_fwd_keep_max.py tests/test_distributions.py tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_api_errors.py tests/test_call_cache.py tests/test_fwd_sm90.py tests/test_sm90_primitives.py tests/test_fp8.py"
     T="$T tests/test_torch.py tests/test_interop.py"   # skip where PyTorch is missing
     python3 -m pytest -q -p no:cacheprovider --require-gpu $T 2>&1 | tee "$OUT/pytest.log" | tail -n 12 || status=1
+    ;;
+  tables80)
+    xdist=()
+    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
+        .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 14); fi
+    for cc in ${@:-80 86}; do
+      echo "== CUFLASH_PLAN_CC=$cc"
+      CUFLASH_PLAN_CC=$cc timeout 280 python3 -m pytest -q -p no:cacheprovider --require-gpu "${xdist[@]}" --maxfail=5 \
+        tests/test_fwd.py tests/test_bwd.py tests/test_determinism.py tests/test_variants.py tests/test_varlen_fwd.py \
+        tests/test_varlen_bwd.py tests/test_programmable.py -k "not float32" 2>&1 | tee "$OUT/pytest-plan$cc.log" \
+        | grep -av "arn" | tail -n 4 || status=1
+    done
+    ;;
+  fa2)
+    rows="--shape 4,16,4096,64,float16,0 --shape 4,16,4096,64,float16,1 --shape 4,16,4096,128,bfloat16,0"
+    rows="$rows --shape 4,16,4096,128,bfloat16,1 --shape 4,16,4096,256,bfloat16,0 --shape 16,16,1024,64,float16,0"
+    for pas in fwd+bwd fwd; do
+      echo "== $pas"
+      PYTHONPATH=$PWD timeout 280 python3 $HERE/ab.py run $pas "@CUFLASH_PLAN_CC=80" "@CUFLASH_PLAN_CC=86" flash \
+        --precompile --rounds 5 $rows "$@" 2>&1 | grep -av "arn" | tee -a "$OUT/fa2.log" || status=1
+    done
     ;;
   tests80)
     echo "== portable kernels forced (CUFLASH_FWD_BACKEND=sm80 CUFLASH_BWD_BACKEND=sm80)"

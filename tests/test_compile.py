@@ -29,30 +29,6 @@ def test_fwd_instantiations_compile_without_spills(cc):
     assert_all_compile(configs, cc)
 
 
-def test_sm80_lean_experiment_builds():
-    """Issue #46's experiment switch (-DCUFLASH_SM80_LEAN=1: tile copies in a fixed number of steps, the forward's
-    Q fragments from one shared base) builds without spills at the A100 table's plain forward and backward tiles
-    and takes instructions away, so that a device session can A/B it (dev/ab.py). Known: the forward's all-parts
-    variant at d=32 (m128n128w4) spills with it."""
-    import sass_tools
-    from cuflash import options
-
-    if sass_tools.tools_available() is not None:
-        pytest.skip(f"SASS tools unavailable: {sass_tools.tools_available()}")
-    configs = [heuristics.fwd_config("bfloat16", d, causal, 80, backend="sm80") for d in (64, 128)
-               for causal in (False, True)]
-    configs += [c for c in heuristics.all_bwd_configs(80) if c.dtype == "bfloat16" and c.head_dim == 128
-                and c.fam.backend == "sm80" and c.fam.dynamic_smem]
-    counts = {}
-    for defines in ((), ("-DCUFLASH_SM80_LEAN=1",)):
-        with options.override(nvrtc_defines=defines):
-            assert_all_compile(configs, "80")
-            counts[defines] = [sum(sass_tools.opcode_counts(sass_tools.sass(c, "80")).values()) for c in configs]
-    lean = counts[("-DCUFLASH_SM80_LEAN=1",)]
-    assert all(n < 0.95 * base for n, base in zip(lean, counts[()])), list(zip([c.key() for c in configs], lean,
-                                                                                counts[()]))
-
-
 def _ptx(src: str) -> str:
     prog = nvrtc.createProgram(src, "layout.cu", [], [])
     try:

@@ -20,7 +20,8 @@ def _configs(cc: str) -> list:
     return heuristics.all_bwd_configs(int(cc))
 
 
-GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dkdv2_dq", "sm80_bwd_dkdv2", "sm80_bwd_dq", "simt_bwd", "bwd_pre_post"]
+GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dkdv2_dq", "sm80_bwd_dkdv2", "sm80_bwd_dkdv2_dq_do1",
+          "sm80_bwd_dkdv2_do1", "sm80_bwd_dq", "simt_bwd", "bwd_pre_post"]
 
 
 def _in_group(cfg, group: str) -> bool:

@@ -98,37 +98,26 @@ template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, int k
           int kMT, int kNT>
 __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u16* sA, int row0,
                                               const u16* sB, int col0, int lane) {
-#if CUFLASH_SM80_LEAN
-    // Experiment (issue #46): each operand's lane address once (load_a_frag[_trans] / load_b_frag_* at the
-    // origin), every step a constant byte offset from it, which ptxas folds into ldmatrix's immediate.
+    // Each operand's lane address once (load_a_frag[_trans] / load_b_frag_* at the origin), every step a constant
+    // byte offset from it, which ptxas folds into ldmatrix's immediate: element indices per fragment cost more
+    // integer instructions than the products' own issue slots can hide.
     const u32 a_base = kATrans ? smem_u32(sA + ((lane & 7) + (lane >> 4) * 8) * kStrideA + row0 + ((lane >> 3) & 1) * 8)
                                : smem_u32(sA + (row0 + (lane & 15)) * kStrideA + (lane >> 4) * 8);
     const u32 b_base = kBKn ? smem_u32(sB + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStrideB + col0 + (lane >> 4) * 8)
                             : smem_u32(sB + (col0 + (lane & 7) + (lane >> 4) * 8) * kStrideB + ((lane >> 3) & 1) * 8);
-#endif
 #pragma unroll kUnroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         u32 a[kMT][4];
 #pragma unroll
         for (int t = 0; t < kMT; ++t) {
-#if CUFLASH_SM80_LEAN
             if constexpr (kATrans) ldmatrix_x4_trans(a[t], a_base + (kk * 16 * kStrideA + t * 16) * 2);
             else ldmatrix_x4(a[t], a_base + (t * 16 * kStrideA + kk * 16) * 2);
-#else
-            if constexpr (kATrans) load_a_frag_trans<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
-            else load_a_frag<kStrideA>(a[t], sA, row0 + t * 16, kk * 16, lane);
-#endif
         }
 #pragma unroll
         for (int nn = 0; nn < kNT / 2; ++nn) {
             u32 b[4];
-#if CUFLASH_SM80_LEAN
             if constexpr (kBKn) ldmatrix_x4_trans(b, b_base + (kk * 16 * kStrideB + nn * 16) * 2);
             else ldmatrix_x4(b, b_base + (nn * 16 * kStrideB + kk * 16) * 2);
-#else
-            if constexpr (kBKn) load_b_frag_kn<kStrideB>(b, sB, kk * 16, col0 + nn * 16, lane);
-            else load_b_frag_nk<kStrideB>(b, sB, col0 + nn * 16, kk * 16, lane);
-#endif
 #pragma unroll
             for (int t = 0; t < kMT; ++t) {
                 Mma16816<Tag>::run(acc[t][2 * nn], a[t], b[0], b[1]);
@@ -806,9 +795,10 @@ bwd_dq_prog_kernel(const BwdParams p, const ProgParams pp) {
 // selects version 1).
 // Same products as bwd_dkdv_body, reorganised:
 //   * Q / dO tiles (and lse2 / delta) in a two-stage ring: the loads of step it + 1
-//     are issued at the top of step it and have the whole step to land;
+//     are issued at the top of step it and have the whole step to land (dO in one
+//     stage where two do not fit 163 KB: BwdDkdvTile2::kDoStages);
 //   * two barriers per step (top: tiles landed and the other stage free; after the
-//     P^T / dS^T stores) instead of five;
+//     P^T / dS^T stores) instead of five (a third with one dO stage);
 //   * 2-D warp grids for every product, chosen to minimise the ldmatrix count
 //     (shared-memory bandwidth is the limiter of mma.sync on sm_90);
 //   * dQ partial sums leave with red.global.add.v2.f32 on sm_90 (one vector
@@ -829,7 +819,7 @@ __host__ __device__ constexpr int bwd_pick_wm(int nwarps, int M, int N) {
     return best;
 }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDoStages_ = 2>
 struct BwdDkdvTile2
     : BwdDkdvGeometry<kHeadDim_, (kHeadDim_ + 15) / 16 * 16, kBlockM_, kBlockN_, kNWarps_,
                       bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
@@ -839,11 +829,17 @@ struct BwdDkdvTile2
                                  bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
                                  bwd_pick_wm(kNWarps_, kBlockN_, (kHeadDim_ + 15) / 16 * 16),
                                  bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16)>;
-    static constexpr int kSmemElems = (4 * kBlockM_ + 2 * kBlockN_) * Base::kStride + 2 * kBlockN_ * Base::kStrideP;
-    static constexpr int kSmemBytes = kSmemElems * 2 + 4 * kBlockM_ * 4;  // + 2 stages of lse2, delta
+    static constexpr int kTileBytes = kBlockM_ * Base::kStride * 2;   // one stage of Q or dO
+    // K, V, P^T, dS^T and two stages of lse2, delta
+    static constexpr int kFixedBytes = 2 * kBlockN_ * (Base::kStride + Base::kStrideP) * 2 + 4 * kBlockM_ * 4;
+    // dO's stages: two, or one where two would not fit (the A100 at d=128 with (64, 128, 8), as FlashAttention-2
+    // does): its next tile then loads once dV's product is done with it, behind a third barrier per step.
+    static constexpr int kDoStages = kDoStages_;
+    static constexpr int kSmemBytes = kFixedBytes + (2 + kDoStages) * kTileBytes;
 
     static_assert(Base::kWarpsN1 > 0 && Base::kWarpsN2 > 0 && Base::kWarpsM3 > 0, "no warp grid fits these tiles");
     static_assert(Base::kThreads >= 2 * kBlockM_, "one thread per lse / delta value");
+    static_assert(kDoStages == 1 || kDoStages == 2, "dO takes one or two stages");
     static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
 };
 
@@ -857,17 +853,18 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 #endif
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, bool kAtomicDq>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, bool kAtomicDq,
+          int kDoStages>
 __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
-    using Tile = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps>;
+    using Tile = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps, kDoStages>;
     constexpr int kStride = Tile::kStride;
     constexpr int kStrideP = Tile::kStrideP;
     constexpr int kTileM = kBlockM * kStride;
 
     extern __shared__ __align__(128) u16 smem[];
     u16* sQ0 = smem;                      // stage s: Q at sQ0 + s * kTileM
-    u16* sdO0 = sQ0 + 2 * kTileM;         // stage s: dO at sdO0 + s * kTileM
-    u16* sK = sdO0 + 2 * kTileM;
+    u16* sdO0 = sQ0 + 2 * kTileM;         // stage s: dO at sdO0 + s * kTileM (one stage: sdO0)
+    u16* sK = sdO0 + kDoStages * kTileM;
     u16* sV = sK + kBlockN * kStride;
     u16* sP = sV + kBlockN * kStride;     // P^T  [key][query]
     u16* sdS = sP + kBlockN * kStrideP;   // dS^T [key][query]
@@ -901,13 +898,13 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
                 const int head_next = th.head_of(it + 1);
                 const int m_next = th.m_block_of(it + 1);
                 th.load_q(sQ0 + (stage ^ 1) * kTileM, head_next, m_next);
-                th.load_do(sdO0 + (stage ^ 1) * kTileM, head_next, m_next);
+                if constexpr (kDoStages == 2) th.load_do(sdO0 + (stage ^ 1) * kTileM, head_next, m_next);
                 stat_next = th.fetch_row_stat(head_next, m_next);
             }
             cp_async_commit();
 
             const u16* sQ = sQ0 + stage * kTileM;
-            const u16* sdO = sdO0 + stage * kTileM;
+            const u16* sdO = sdO0 + (kDoStages == 2 ? stage : 0) * kTileM;
             const float* sLse2 = sStat0 + stage * 2 * kBlockM;
             const float* sDelta = sLse2 + kBlockM;
 
@@ -924,6 +921,11 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
             __syncthreads();  // P^T, dS^T complete
 
             th.key_dim_product(acc_dv, sP, sdO);  // dV += P^T dO
+            if constexpr (kDoStages == 1) {
+                __syncthreads();  // every warp is done with dO: its next tile loads during dK, dQ and the next S^T
+                if (has_next) th.load_do(sdO0, th.head_of(it + 1), th.m_block_of(it + 1));
+                cp_async_commit();
+            }
             th.key_dim_product(acc_dk, sdS, sQ);  // dK += dS^T Q
 
             if constexpr (kAtomicDq)
@@ -933,19 +935,20 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     th.store_dkdv(acc_dk, acc_dv, sK, sV);
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+// kDoStages: dO's stages (BwdDkdvTile2; one: the *_do1 families).
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDoStages = 2>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_kernel(const BwdParams p) {
     on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
-        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false>(ps);
+        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, false, kDoStages>(ps);
     });
 }
 
-template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDoStages = 2>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 bwd_dkdv2_dq_kernel(const BwdParams p) {
     on_cta_sequence<Variant::kVarlen, 2, false>(p, blockIdx.x * kBlockN, [](const BwdParams& ps) {
-        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true>(ps);
+        bwd_dkdv2_body<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, true, kDoStages>(ps);
     });
 }
 
@@ -959,6 +962,8 @@ CUFLASH_SM80_BWD_SMEM(bwd_dkdv_dq_kernel, BwdDkdvTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dq_kernel, BwdDqTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dkdv_prog_kernel, BwdDkdvTile)
 CUFLASH_SM80_BWD_SMEM(bwd_dq_prog_kernel, BwdDqTile)
-CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_kernel, BwdDkdvTile2)
-CUFLASH_SM80_BWD_SMEM(bwd_dkdv2_dq_kernel, BwdDkdvTile2)
 #undef CUFLASH_SM80_BWD_SMEM
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDoStages = 2>
+__device__ const int bwd_dkdv2_kernel_smem_bytes = BwdDkdvTile2<kHeadDim, kBlockM, kBlockN, kNWarps, kDoStages>::kSmemBytes;
+template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant, int kDoStages = 2>
+__device__ const int bwd_dkdv2_dq_kernel_smem_bytes = bwd_dkdv2_kernel_smem_bytes<Tag, kHeadDim, kBlockM, kBlockN, kNWarps, Variant, kDoStages>;

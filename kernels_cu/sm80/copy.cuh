@@ -2,13 +2,6 @@
 #pragma once
 #include "../common/numeric.cuh"
 
-// Experiment switch (issue #46): 1 gives the portable kernels' tile copies a fixed step count (each thread at one
-// column, rows a constant apart) and the forward's Q fragments one shared base (kernels_cu/sm80/fwd.cu); 0, the
-// default, keeps the measured code.
-#ifndef CUFLASH_SM80_LEAN
-#define CUFLASH_SM80_LEAN 0
-#endif
-
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     // src-size 0 zero-fills the destination: rows past the sequence end read nothing.
     const u32 dst = static_cast<u32>(__cvta_generic_to_shared(smem));
@@ -27,11 +20,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 
-#if CUFLASH_SM80_LEAN
-// Experiment (issue #46, to be measured): a tile copy in a fixed number of steps, each thread at one 16-byte column
-// (col_valid: that column is inside the tensor) and rows kThreads / chunks-per-row apart, so that a step costs a
-// 64-bit add and a compare, not the opaque thread index's division and a run-time trip count. Rows >= rows_valid
-// and an invalid column are zero-filled.
+// A tile copy in a fixed number of steps, each thread at one 16-byte column (col_valid: that column is inside the
+// tensor) and rows kThreads / chunks-per-row apart, so that a step costs a 64-bit add and a compare, not a division
+// of the thread's chunk index and a run-time trip count: the portable kernels are bound by instruction issue, and
+// the copies' integer work was a third of their key loops. Rows >= rows_valid and an invalid column are zero-filled.
 template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
 __device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i64 row_stride, int rows_valid,
                                                       bool col_valid, int tid) {
@@ -53,7 +45,6 @@ __device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i6
         src += step;
     }
 }
-#endif
 
 // Copy rows [0, kRows) x cols [0, kCols) of a 16-bit tile; rows >= rows_valid are zero-filled.
 // gmem points at row 0; consecutive rows are row_stride elements apart.
@@ -66,19 +57,17 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
     asm volatile("" : "+l"(row_stride), "+r"(tid));
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
-#if CUFLASH_SM80_LEAN
     if constexpr (kThreads % kChunksPerRow == 0) {
         copy_rows_fixed_steps<u16, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid, true, tid);
-        return;
-    }
-#endif
+    } else {
 #pragma unroll
-    for (int c = tid; c < kChunks; c += kThreads) {
-        const int row = c / kChunksPerRow;
-        const int col = (c % kChunksPerRow) * 8;
-        const bool valid = row < rows_valid;
-        const u16* src = gmem + (valid ? row * row_stride + col : 0);
-        cp_async_16(smem + row * kSmemStride + col, src, valid);
+        for (int c = tid; c < kChunks; c += kThreads) {
+            const int row = c / kChunksPerRow;
+            const int col = (c % kChunksPerRow) * 8;
+            const bool valid = row < rows_valid;
+            const u16* src = gmem + (valid ? row * row_stride + col : 0);
+            cp_async_16(smem + row * kSmemStride + col, src, valid);
+        }
     }
 }
 
@@ -121,21 +110,20 @@ __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64
     constexpr int kChunksPerRow = kCols / kChunk;
     constexpr int kChunks = kRows * kChunksPerRow;
     static_assert(kCols % kChunk == 0, "columns must be whole 16-byte chunks");
-#if CUFLASH_SM80_LEAN
-    if constexpr (kThreads % kChunksPerRow == 0) {
+    // (16-bit tiles only: the float32 CUDA-core kernels keep the loop, under which their dQ kernel does not spill.)
+    if constexpr (kThreads % kChunksPerRow == 0 && sizeof(T) == 2) {
         const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
         copy_rows_fixed_steps<T, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid,
                                                                       col < cols_valid, tid);
-        return;
-    }
-#endif
+    } else {
 #pragma unroll
-    for (int c = tid; c < kChunks; c += kThreads) {
-        const int row = c / kChunksPerRow;
-        const int col = (c % kChunksPerRow) * kChunk;
-        const bool valid = row < rows_valid && col < cols_valid;
-        const T* src = gmem + (valid ? row * row_stride + col : 0);
-        cp_async_16(smem + row * kSmemStride + col, src, valid);
+        for (int c = tid; c < kChunks; c += kThreads) {
+            const int row = c / kChunksPerRow;
+            const int col = (c % kChunksPerRow) * kChunk;
+            const bool valid = row < rows_valid && col < cols_valid;
+            const T* src = gmem + (valid ? row * row_stride + col : 0);
+            cp_async_16(smem + row * kSmemStride + col, src, valid);
+        }
     }
 }
 

@@ -183,12 +183,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             cp_async_wait<1>();
             __syncthreads();  // tile n (and Q) landed for every thread's copies
 
-#if CUFLASH_SM80_LEAN
-            // Experiment (issue #46, to be measured): Q's A fragments at one 32-bit shared address plus constants,
-            // which ptxas folds into ldmatrix's immediate offsets; load_a_frag's element index costs three integer
-            // instructions per ldmatrix (48 per key tile at d=128).
+            // Q's A fragments at one 32-bit shared address plus constants, which ptxas folds into ldmatrix's
+            // immediate offsets (an element index costs three integer instructions per ldmatrix).
             const u32 q_frag_base = smem_u32(sQ + (warp_row0 + (lane & 15)) * kStride + (lane >> 4) * 8);
-#endif
             const bool tile_needs_mask = Mask(p).needs_mask(m_block, n_block);
             const bool tile_partial = key_tiles.partial(position);
 #pragma unroll 1
@@ -212,11 +209,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                     u32 a[kMTiles][4];
 #pragma unroll
                     for (int t = 0; t < kMTiles; ++t) {
-#if CUFLASH_SM80_LEAN
                         ldmatrix_x4(a[t], q_frag_base + ((t * 16) * kStride + kk * 16) * 2);
-#else
-                        load_a_frag<kStride>(a[t], sQ, warp_row0 + t * 16, kk * 16, lane);
-#endif
                     }
 #pragma unroll
                     for (int nn = 0; nn < Tile::kNTilesS / 2; ++nn) {

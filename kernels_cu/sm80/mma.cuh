@@ -53,11 +53,3 @@ __device__ __forceinline__ void pack_a_from_acc(u32 (&a)[4], const float (&lo)[4
     a[2] = ElemTraits<Tag>::pack2(hi[0], hi[1]);
     a[3] = ElemTraits<Tag>::pack2(hi[2], hi[3]);
 }
-
-// A fragment (16 x 16) at (row0, col0) of a matrix A whose transpose is stored
-// row-major in smem (tile[k][m], kStride elements per row), transposed on load.
-// Used by the backward for dQ = dS K with dS^T stored [key][query].
-template <int kStride>
-__device__ __forceinline__ void load_a_frag_trans(u32 (&a)[4], const u16* tile_t, int row0, int col0, int lane) {
-    ldmatrix_x4_trans(a, tile_t + (col0 + (lane & 7) + (lane >> 4) * 8) * kStride + row0 + ((lane >> 3) & 1) * 8);
-}
