@@ -48,7 +48,7 @@ KNOWN_GAPS = {
     **{(None, f"simt_fwd:float32:d576v{dv}:{mask}:m8n16w4"): _NO_SIMT_LARGE_FWD
        for dv in (128, 512) for mask in ("full", "causal")},
     **{("120", key): _SM120_REGISTER_BOUND
-       for key in ("sm80_fwd:float16:d112:causal:m128n64w4", "sm80_fwd:bfloat16:d112:causal:m128n64w4",
+       for key in ("sm80_fwd:bfloat16:d128:full:V:m128n32w4", "sm80_fwd:float16:d96:causal:LCSAK:m128n64w4",
                    "sm80_fwd:float16:d128:causal:LCSAK:m128n32w4", "sm80_bwd_dq:float16:d96:causal:LCSAK:m64n64w4",
                    "decode:float32:d128:causal:m16n32w2", "decode:float32:d64:full:LCSAK:m32n32w4",
                    "decode:float32:d256:full:m16n16w1", "decode:float32:d128v64:causal:m64n32w8")},
