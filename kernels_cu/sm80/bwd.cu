@@ -98,8 +98,8 @@ template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, int k
           int kMT, int kNT>
 __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u16* sA, int row0,
                                               const u16* sB, int col0, int lane) {
-    // Each operand's lane address once (load_a_frag[_trans] / load_b_frag_* at the origin), every step a constant
-    // byte offset from it, which ptxas folds into ldmatrix's immediate: element indices per fragment cost more
+    // Each operand's lane address once (as load_a_frag / load_b_frag_* form it, transposed where stored [k][m]),
+    // every step a constant byte offset from it, which ptxas folds into ldmatrix's immediate: element indices per fragment cost more
     // integer instructions than the products' own issue slots can hide.
     const u32 a_base = kATrans ? smem_u32(sA + ((lane & 7) + (lane >> 4) * 8) * kStrideA + row0 + ((lane >> 3) & 1) * 8)
                                : smem_u32(sA + (row0 + (lane & 15)) * kStrideA + (lane >> 4) * 8);
