@@ -123,6 +123,19 @@ def cmd_run(args) -> None:
     apply(Variant.parse(""))
 
 
+def _shape_configs(shapes, cc: int, dets=(False, True)) -> list:
+    """The forward's kernel and, per deterministic mode in ``dets``, the backward's kernels of each shape on compute
+    capability ``cc`` (deduplicated)."""
+    from cuflash import heuristics
+
+    cfgs = []
+    for s in shapes:
+        cfgs.append(heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc))
+        for det in dets:
+            cfgs += heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc, det).all()
+    return list({c.key(): c for c in cfgs}.values())
+
+
 def _precompile_variants(pas, variants, shapes, apply) -> None:
     """Compile each cuflash variant's kernels for ``shapes`` in parallel processes (its defines and environment
     there), so that the timed process finds them in CuPy's disk cache. Variants with other sources (src=) compile
@@ -130,7 +143,7 @@ def _precompile_variants(pas, variants, shapes, apply) -> None:
     import time
 
     from _common import precompile_parallel
-    from cuflash import heuristics, options
+    from cuflash import options
     from cuflash.dispatch import device_info
 
     t0, n = time.time(), 0
@@ -140,12 +153,7 @@ def _precompile_variants(pas, variants, shapes, apply) -> None:
         apply(var)
         options.reload()
         cc = device_info(0)[0]
-        cfgs = []
-        for s in shapes:
-            cfgs.append(heuristics.fwd_config(s.dtype, s.head_dim, s.causal, cc))
-            if pas in ("bwd", "fwd+bwd"):
-                cfgs += heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, cc, var.det).all()
-        cfgs = list({c.key(): c for c in cfgs}.values())
+        cfgs = _shape_configs(shapes, cc, (var.det,) if pas in ("bwd", "fwd+bwd") else ())
         env = dict(var.env, CUFLASH_NVRTC_DEFINES=" ".join(var.defines))
         failed = precompile_parallel(cfgs, None, env)
         n += len(cfgs)
@@ -187,18 +195,13 @@ def _worker(args) -> int:
     passes = args.passes.split(",")
     if args.precompile:
         from _common import precompile_parallel
-        from cuflash import heuristics
 
-        cfgs = []
         try:
-            for s in shapes:
-                cfgs.append(heuristics.fwd_config(s.dtype, s.head_dim, s.causal, 90))
-                for det in (False, True):
-                    cfgs += heuristics.bwd_configs(s.dtype, s.head_dim, s.causal, 90, det).all()
+            cfgs = _shape_configs(shapes, 90)
         except Exception as e:  # noqa: BLE001 - another checkout's heuristics may differ
             print(f"precompile skipped ({type(e).__name__}: {e}): the first round compiles", flush=True)
             return 0
-        failed = precompile_parallel(list({c.key(): c for c in cfgs}.values()))
+        failed = precompile_parallel(cfgs)
         print(f"precompiled, {len(failed)} failed", *failed, sep="\n", flush=True)
         return 1 if failed else 0
     for s in shapes:

@@ -93,6 +93,10 @@ fa4_setup() {  # the note's steps 2 and 3, whichever the carried folders allow
 fa4_env() {  # the DSL's own cutlass package must come before the site itself
   if [ -d $FA4_SITE ]; then export CUFLASH_FA4_PATH=$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$FA4_SITE; fi
 }
+xdist_args() {  # "-n N" where pytest-xdist and execnet are carried in .whl/ (pip download pytest-xdist execnet)
+  ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
+    .whl/pytest_xdist-*.whl >/dev/null 2>&1 && echo "-n $1"
+}
 CUDNNFE_SITE=${CUDNNFE_SITE:-/tmp/cudnnfe-site}
 cudnnfe_env() {  # cudnn-frontend (the Python package "cudnn") from the wheel carried in .cudnnfe/, on PYTHONPATH
   if [ ! -d $CUDNNFE_SITE ] && ls .cudnnfe/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1; then
@@ -169,10 +173,8 @@ case $phase in
       | tee "$OUT/head-dims.log" | tail -n 60 || status=1
     ;;
   prog)
-    # pytest-xdist carried in .whl/ (pip download pytest-xdist execnet): eight processes compile and run at once
-    xdist=()
-    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
-        .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 8); fi
+    # eight processes compile and run at once where .whl/ carries pytest-xdist
+    xdist=($(xdist_args 8))
     # (JAX takes 75 % of the GPU's memory per process unless told not to: eight processes share one GPU)
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider \
       --require-gpu "${xdist[@]}" \
@@ -218,9 +220,7 @@ case $phase in
     python3 -m pytest -q -p no:cacheprovider --require-gpu $T 2>&1 | tee "$OUT/pytest.log" | tail -n 12 || status=1
     ;;
   tables80)
-    xdist=()
-    if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .whl/execnet-*.whl \
-        .whl/pytest_xdist-*.whl >/dev/null 2>&1; then xdist=(-n 14); fi
+    xdist=($(xdist_args 14))
     for cc in ${@:-80 86}; do
       echo "== CUFLASH_PLAN_CC=$cc"
       CUFLASH_PLAN_CC=$cc timeout 280 python3 -m pytest -q -p no:cacheprovider --require-gpu "${xdist[@]}" --maxfail=5 \
