@@ -29,6 +29,11 @@ _SM80_FWD = {  # dev/sweep.py tiles fwd --backend sm80 --env CUFLASH_SM80_FWD_TI
 }
 # Causal takes the same tiles: since the fixed-step copies (128, 64, 4), once the causal d=128 tile, is 8 % slower
 # there than (128, 32, 4) (BENCHMARKS.md, "Portable kernels against FlashAttention-2").
+# Where a block may take >= 160 KB of shared memory (smem_class "large"), these buckets take a wider tile: at d=192
+# (128, 64, 8), 150 KB, runs 1.12x (64, 32, 4) (BENCHMARKS.md, "Portable kernels against FlashAttention-2"; the
+# 99 KB cards' fitting would narrow it to 16-key tiles). One K and one V buffer instead of the two-stage ring
+# (FlashAttention-2's schedule, so that (128, 64, 8) fits 163 KB at d=256 too) ran no faster at d=192 / 256.
+_SM80_FWD_LARGE_SMEM = {192: (128, 64, 8)}
 # Above head dim 256 (head_dims.py): 8 warps on 64 rows, two per 16-row slice splitting O's columns
 # (kernels_cu/sm80/fwd.cu: kColSplit); fit_shared_memory narrows it where 227 KB are not there (A100: 16 keys).
 _SM80_FWD_LARGE = (64, 32, 8)
@@ -283,7 +288,8 @@ def fwd_config(dtype: str, head_dim: int, causal: bool, cc: int, backend: str | 
     if dtype == "float32":
         block_m, block_n, warps = opts.simt_fwd_tiles or _SIMT_FWD[bucket]
         return KernelConfig("simt_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
-    block_m, block_n, warps = opts.sm80_fwd_tiles or _SM80_FWD[bucket]
+    block_m, block_n, warps = opts.sm80_fwd_tiles or (
+        smem_class(cc) == "large" and _SM80_FWD_LARGE_SMEM.get(bucket)) or _SM80_FWD[bucket]
     return KernelConfig("sm80_fwd", dtype, head_dim, causal, block_m, block_n, warps, variant, head_dim_v)
 
 
@@ -421,24 +427,21 @@ _SM80_BWD_DQ = {
     "small": {32: (64, 128, 4), 64: (64, 128, 4), 96: (64, 64, 4), 128: (64, 64, 4),
               192: (64, 32, 4), 256: (32, 32, 2)},
 }
-# dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids; kernels_cu/sm80/bwd.cu
-# bwd_dkdv2_*), the default where its table has the head-dim bucket, per shared-memory budget: "h100" for devices
-# with >= 200 KB per block (sm_90, sm_100), the A100's 163 KB ("large"), the 99 KB cards' ("small": sm_86 / sm_89
-# / sm_120); other buckets keep version 1. Measured with dev/ab.py run bwd (version 1 by
+# dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids, swizzled rows at d=64 / 128;
+# kernels_cu/sm80/bwd.cu bwd_dkdv2_*), the default where its table has the head-dim bucket, per shared-memory budget:
+# "h100" for devices with >= 200 KB per block (sm_90, sm_100), the A100's 163 KB ("large"), the 99 KB cards' ("small":
+# sm_86 / sm_89 / sm_120); other buckets keep version 1. Measured with dev/ab.py run bwd (version 1 by
 # @CUFLASH_SM80_BWD_VARIANT=1; BENCHMARKS.md, "Portable kernels"): on the H100 table a third to a half faster
-# than version 1 at d=64 / 128 ((128,128,8) would be faster still but spills 8 bytes); on the A100's table 1.3x at
-# d=64, at d=128 1.15x with (32,128,8) and since the fixed-step copies (64,128,8) with one dO stage 1.25x
-# (32,128,8) ((64,64,8) tied version 1), slower at d=256 (32,64,8); on the 99 KB
-# table no tile that fits beat version 1 (d=64 (64,64,8) 0.87x, d=128 (32,64,8) 0.98x). Its dQ reductions are
-# the limiter now.
+# than version 1 at d=64 / 128 ((128,128,8) would be faster still but spills 8 bytes). Unpadded (swizzled) rows
+# let the A100 keep two dO stages at d=128 with (64, 128, 8) and the 99 KB cards take (64, 128, 8) at d=64 and
+# (64, 64, 8) with one dO stage at d=128 (97 KB; padded, 104 KB).
 _SM80_BWD_DKDV2 = {
     "h100": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
-    "large": {64: (64, 128, 8), 128: (64, 128, 8)},
-    "small": {},
+    "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
+    "small": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8)},
 }
-# Where version 2 keeps dO in one stage (the *_do1 families): two would not fit the budget. On the H100 table
-# (64, 128, 8) at d=128 is 4 % faster with two stages, on the A100's one stage admits it (1.25x (32, 128, 8)).
-_SM80_BWD_DKDV2_ONE_DO_STAGE = {"large": (128,)}
+# Where version 2 keeps dO in one stage (the *_do1 families): two would not fit the budget.
+_SM80_BWD_DKDV2_ONE_DO_STAGE = {"small": (128,)}
 DKDV2_H100_SMEM = 200 * 1024   # the least opt-in shared memory of the "h100" table
 
 

@@ -12,12 +12,11 @@ SMEM_LIMIT = {"large": 166912, "small": 101376}  # opt-in bytes per block: sm_80
 
 
 def _configs(cc: str) -> list:
-    if cc.startswith("90"):  # both dK/dV kernel versions (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1)
-        out = {c.key(): c for c in heuristics.all_bwd_configs(90)}
-        with options.override(sm80_bwd_variant=1):
-            out.update({c.key(): c for c in heuristics.all_bwd_configs(90)})
-        return list(out.values())
-    return heuristics.all_bwd_configs(int(cc))
+    """Both dK/dV kernel versions' (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1) of the tables of sm_<cc>."""
+    out = {c.key(): c for c in heuristics.all_bwd_configs(int(cc[:2]))}
+    with options.override(sm80_bwd_variant=1):
+        out.update({c.key(): c for c in heuristics.all_bwd_configs(int(cc[:2]))})
+    return list(out.values())
 
 
 GROUPS = ["sm80_bwd_dkdv_dq", "sm80_bwd_dkdv", "sm80_bwd_dkdv2_dq", "sm80_bwd_dkdv2", "sm80_bwd_dkdv2_dq_do1",

@@ -121,12 +121,13 @@ PLANS = {
     # The A100's: the large tables, dK/dV version 2 at its 163 KB tile for d=128, the tiles within 163 KB (the
     # large head dims' 16-key tiles).
     80: ("sm80_fwd:float16:d128:causal:m128n32w4", "simt_fwd:float32:d192:full:m64n32w8",
-         "sm80_fwd:bfloat16:d512:full:m64n16w8", "sm80_bwd_dkdv2_dq_do1:float16:d128:causal:m64n128w8",
-         "sm80_bwd_dkdv2_do1:float16:d128:causal:m64n128w8"),
-    # The 99 KB cards': the small backward table, the forward's tiles narrowed to 101376 bytes.
+         "sm80_fwd:bfloat16:d512:full:m64n16w8", "sm80_bwd_dkdv2_dq:float16:d128:causal:m64n128w8",
+         "sm80_bwd_dkdv2:float16:d128:causal:m64n128w8"),
+    # The 99 KB cards': the small backward table (dK/dV version 2 with one dO stage at d=128), the forward's tiles
+    # narrowed to 101376 bytes.
     86: ("sm80_fwd:float16:d128:causal:m128n32w4", "simt_fwd:float32:d192:full:m64n16w8",
-         "sm80_fwd:bfloat16:d512:full:m32n16w4", "sm80_bwd_dkdv_dq:float16:d128:causal:m64n64w8",
-         "sm80_bwd_dkdv:float16:d128:causal:m64n64w8"),
+         "sm80_fwd:bfloat16:d512:full:m32n16w4", "sm80_bwd_dkdv2_dq_do1:float16:d128:causal:m64n64w8",
+         "sm80_bwd_dkdv2_do1:float16:d128:causal:m64n64w8"),
     # The B200's: the portable kernels at the H100's shared memory, dK/dV version 2.
     100: ("sm80_fwd:float16:d128:causal:m128n32w4", "simt_fwd:float32:d192:full:m64n32w8",
           "sm80_fwd:bfloat16:d512:full:m64n32w8", "sm80_bwd_dkdv2_dq:float16:d128:causal:m64n128w8",

@@ -153,10 +153,6 @@ struct DecodeWork {
     }
 };
 
-// A if kFirst, else B.
-template <bool kFirst, class A, class B> struct PickType { using type = A; };
-template <class A, class B> struct PickType<false, A, B> { using type = B; };
-
 // Q rows of the tile (token t = row / group, head head_kv * group + row % group) by cp.async, over `threads`
 // threads; rows past the tokens and columns past head_dim zero-filled. The caller commits and waits.
 // kElemBytes 4: float32 rows of Tile::kRowBytesK bytes (their 16-byte chunks hold 4 columns).

@@ -181,8 +181,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p, const ProgPara
     }
 
     if (n_iter > 0) {
-        load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
-        load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<float, kBlockN, kHeadDim, SmemRows<kStride>, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<float, kBlockN, kHeadDim, SmemRows<kStride>, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
         cp_async_commit();
         for (int it = 0; it < n_iter; ++it) {
             const int head = head0 + it / n_m;
@@ -194,9 +194,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p, const ProgPara
                                + head * p.do_head_stride + m0 * p.do_row_stride;
             if constexpr (Variant::kDropout)   // before the barrier below: the last step read its flags before its own
                 Keep::template fill<kThreads>(sKeep, DropoutLanes(*pp, batch, p.heads_q, head), m0, n0, tid);
-            load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(
+            load_tile_async_pred<float, kBlockM, kHeadDim, SmemRows<kStride>, kThreads>(
                 sQ, gQ, p.q_row_stride, p.seqlen_q - m0, hd, tid);
-            load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(
+            load_tile_async_pred<float, kBlockM, kHeadDim, SmemRows<kStride>, kThreads>(
                 sdO, gdO, p.do_row_stride, p.seqlen_q - m0, hd, tid);
             cp_async_commit();
             if (tid < 2 * kBlockM) {
@@ -345,16 +345,16 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
     const int n_block_min = Mask::kLocal && !Variant::kBlockSparse ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Variant::kBlockSparse ? key_tiles.count() : Mask(p).n_block_max(m_block);
     if (n_block_max > n_block_min) {
-        load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
-        load_tile_async_pred<float, kBlockM, kHeadDim, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
+        load_tile_async_pred<float, kBlockM, kHeadDim, SmemRows<kStride>, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
+        load_tile_async_pred<float, kBlockM, kHeadDim, SmemRows<kStride>, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
         for (int position = n_block_min; position < n_block_max; ++position) {
             const int n_block = Variant::kBlockSparse ? key_tiles.tile(position) : position;
             const int n0 = n_block * kBlockN;
             if constexpr (Variant::kDropout)   // before the barrier below: the last step read its flags before its own
                 Keep::template fill<kThreads>(sKeep, DropoutLanes(*pp, batch, p.heads_q, head), m0, n0, tid);
-            load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(
+            load_tile_async_pred<float, kBlockN, kHeadDim, SmemRows<kStride>, kThreads>(
                 sK, gK + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, hd, tid);
-            load_tile_async_pred<float, kBlockN, kHeadDim, kStride, kThreads>(
+            load_tile_async_pred<float, kBlockN, kHeadDim, SmemRows<kStride>, kThreads>(
                 sV, gV + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, hd, tid);
             cp_async_commit();
             cp_async_wait<0>();

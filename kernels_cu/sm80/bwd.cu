@@ -52,9 +52,10 @@ __host__ __device__ constexpr int bwd_imax(int a, int b) { return a > b ? a : b;
 //   1: S^T, dP^T (kBlockN x kBlockM), kWarpsN1 x kWarpsM1 warps;
 //   2: dK, dV    (kBlockN x head_dim), kWarpsN2 x kWarpsD2 warps;
 //   3: dQ        (kBlockM x head_dim), kWarpsM3 x kWarpsD3 warps.
-// A warp count <= 0 means no grid fits (the versions' static_asserts say so).
+// A warp count <= 0 means no grid fits (the versions' static_asserts say so). kSwizzle: the 16-bit tiles' rows
+// swizzled where their width allows (layout.cuh), else padded.
 template <int kHeadDim_, int kHeadDimPad_, int kBlockM_, int kBlockN_, int kNWarps_,
-          int kWarpsN1_, int kWarpsN2_, int kWarpsM3_>
+          int kWarpsN1_, int kWarpsN2_, int kWarpsM3_, bool kSwizzle_ = false>
 struct BwdDkdvGeometry {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kHeadDimPad = kHeadDimPad_;
@@ -76,9 +77,10 @@ struct BwdDkdvGeometry {
     static constexpr int kNTiles3 = kHeadDimPad / kWarpsD3 / 8;
     // dQ n-tiles per pass (<= 8, even, dividing kNTiles3).
     static constexpr int kNTiles3Chunk = kNTiles3 % 8 == 0 ? 8 : (kNTiles3 % 6 == 0 ? 6 : (kNTiles3 % 4 == 0 ? 4 : 2));
-    // 16-bit rows padded by 16 bytes: ldmatrix and fragment stores are conflict-free.
-    static constexpr int kStride = kHeadDimPad + 8;   // Q, dO, K, V rows
-    static constexpr int kStrideP = kBlockM + 8;      // P^T, dS^T rows
+    using RowsD = SmemRows16<kHeadDimPad, kSwizzle_>;   // Q, dO, K, V rows
+    using RowsP = SmemRows16<kBlockM, kSwizzle_>;       // P^T, dS^T rows
+    static constexpr int kStride = RowsD::kStride;
+    static constexpr int kStrideP = RowsP::kStride;
 };
 
 template <int kMT, int kNT>
@@ -92,32 +94,35 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kMT][kNT][4]) {
 }
 
 // acc (kMT x kNT m16n8 tiles at A row row0, B column col0) += A B over kKSteps 16-wide
-// k-steps, both operands from shared memory. A is stored [m][k], or [k][m] if kATrans;
-// B is stored [n][k], or [k][n] if kBKn.
-template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, int kStrideA, int kStrideB,
-          int kMT, int kNT>
+// k-steps, both operands from shared memory laid out as RowsA / RowsB (layout.cuh). A is stored [m][k], or [k][m]
+// if kATrans; B is stored [n][k], or [k][n] if kBKn. Swizzled rows step within a warp's slice (layout.cuh): row0 /
+// col0 along a stored row a multiple of the slice's width, kMT / kNT there a power of two.
+template <typename Tag, int kKSteps, int kUnroll, bool kATrans, bool kBKn, class RowsA, class RowsB, int kMT, int kNT>
 __device__ __forceinline__ void warp_mma_smem(float (&acc)[kMT][kNT][4], const u16* sA, int row0,
                                               const u16* sB, int col0, int lane) {
+    static_assert(!kATrans || RowsA::kRowPeriod == 1 || (kMT & (kMT - 1)) == 0, "swizzled A^T: kMT a power of two");
+    static_assert(!kBKn || RowsB::kRowPeriod == 1 || (kNT & (kNT - 1)) == 0, "swizzled B: kNT a power of two");
     // Each operand's lane address once (as load_a_frag / load_b_frag_* form it, transposed where stored [k][m]),
-    // every step a constant byte offset from it, which ptxas folds into ldmatrix's immediate: element indices per fragment cost more
-    // integer instructions than the products' own issue slots can hide.
-    const u32 a_base = kATrans ? smem_u32(sA + ((lane & 7) + (lane >> 4) * 8) * kStrideA + row0 + ((lane >> 3) & 1) * 8)
-                               : smem_u32(sA + (row0 + (lane & 15)) * kStrideA + (lane >> 4) * 8);
-    const u32 b_base = kBKn ? smem_u32(sB + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStrideB + col0 + (lane >> 4) * 8)
-                            : smem_u32(sB + (col0 + (lane & 7) + (lane >> 4) * 8) * kStrideB + ((lane >> 3) & 1) * 8);
+    // every step a constant offset from it (an XOR of the column bits where swizzled), which ptxas folds into
+    // ldmatrix's immediate: element indices per fragment cost more integer instructions than the products' own
+    // issue slots can hide.
+    const u32 a_base = smem_u32(sA + (kATrans ? RowsA::offset((lane & 7) + (lane >> 4) * 8, row0 + ((lane >> 3) & 1) * 8)
+                                              : RowsA::offset(row0 + (lane & 15), (lane >> 4) * 8)));
+    const u32 b_base = smem_u32(sB + (kBKn ? RowsB::offset((lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8)
+                                           : RowsB::offset(col0 + (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8)));
 #pragma unroll kUnroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         u32 a[kMT][4];
 #pragma unroll
         for (int t = 0; t < kMT; ++t) {
-            if constexpr (kATrans) ldmatrix_x4_trans(a[t], a_base + (kk * 16 * kStrideA + t * 16) * 2);
-            else ldmatrix_x4(a[t], a_base + (t * 16 * kStrideA + kk * 16) * 2);
+            if constexpr (kATrans) ldmatrix_x4_trans(a[t], RowsA::step_bytes(a_base, kk * 16, t * 16));
+            else ldmatrix_x4(a[t], RowsA::step_bytes(a_base, t * 16, kk * 16));
         }
 #pragma unroll
         for (int nn = 0; nn < kNT / 2; ++nn) {
             u32 b[4];
-            if constexpr (kBKn) ldmatrix_x4_trans(b, b_base + (kk * 16 * kStrideB + nn * 16) * 2);
-            else ldmatrix_x4(b, b_base + (nn * 16 * kStrideB + kk * 16) * 2);
+            if constexpr (kBKn) ldmatrix_x4_trans(b, RowsB::step_bytes(b_base, kk * 16, nn * 16));
+            else ldmatrix_x4(b, RowsB::step_bytes(b_base, nn * 16, kk * 16));
 #pragma unroll
             for (int t = 0; t < kMT; ++t) {
                 Mma16816<Tag>::run(acc[t][2 * nn], a[t], b[0], b[1]);
@@ -134,7 +139,8 @@ struct BwdDkdvThread {
     using Mask = MaskPolicy<Tile::kBlockM, Tile::kBlockN, Variant>;   // the mask policy (common/mask.cuh)
     static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
     static constexpr int kPad = Tile::kHeadDimPad, kThreads = Tile::kThreads;
-    static constexpr int kStride = Tile::kStride, kStrideP = Tile::kStrideP;
+    using RowsD = typename Tile::RowsD;
+    using RowsP = typename Tile::RowsP;
     static constexpr int kMT1 = Tile::kMTiles1, kNT1 = Tile::kNTiles1;
     static constexpr int kMT2 = Tile::kMTiles2, kNT2 = Tile::kNTiles2;
     static constexpr int kMT3 = Tile::kMTiles3, kNT3 = Tile::kNTiles3;
@@ -199,17 +205,17 @@ struct BwdDkdvThread {
     }
 
     __device__ __forceinline__ void load_kv(u16* sK, u16* sV) const {
-        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
-        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockN, kPad, RowsD, kThreads>(sK, gK, p.k_row_stride, keys_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockN, kPad, RowsD, kThreads>(sV, gV, p.v_row_stride, keys_valid, hd, tid);
     }
     __device__ __forceinline__ void load_q(u16* sQ, int head, int m_block) const {
         const int m0 = m_block * kBlockM;
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+        load_tile_async_pred<u16, kBlockM, kPad, RowsD, kThreads>(
             sQ, gQb + head * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, hd, tid);
     }
     __device__ __forceinline__ void load_do(u16* sdO, int head, int m_block) const {
         const int m0 = m_block * kBlockM;
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(
+        load_tile_async_pred<u16, kBlockM, kPad, RowsD, kThreads>(
             sdO, gdOb + head * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, hd, tid);
     }
 
@@ -217,12 +223,12 @@ struct BwdDkdvThread {
     template <int kUnroll>
     __device__ __forceinline__ void key_query_product(float (&acc)[kMT1][kNT1][4], const u16* sKV,
                                                       const u16* sQdO) const {
-        warp_mma_smem<Tag, kPad / 16, kUnroll, false, false, kStride, kStride>(acc, sKV, row1, sQdO, col1, lane);
+        warp_mma_smem<Tag, kPad / 16, kUnroll, false, false, RowsD, RowsD>(acc, sKV, row1, sQdO, col1, lane);
     }
     // acc (key x head dim) += sPdS sQdO: dK += dS^T Q or dV += P^T dO.
     __device__ __forceinline__ void key_dim_product(float (&acc)[kMT2][kNT2][4], const u16* sPdS,
                                                     const u16* sQdO) const {
-        warp_mma_smem<Tag, kBlockM / 16, kBwdKkUnroll, false, true, kStrideP, kStride>(acc, sPdS, row2, sQdO, col2, lane);
+        warp_mma_smem<Tag, kBlockM / 16, kBwdKkUnroll, false, true, RowsP, RowsD>(acc, sPdS, row2, sQdO, col2, lane);
     }
 
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T * (dP^T - delta), masked, to sP / sdS
@@ -242,6 +248,8 @@ struct BwdDkdvThread {
         int state = 2;                    // programmable: the tile's state (common/programmable.cuh)
         unsigned keep_pairs[kMT1][2];     // dropout: the two units of each 16 x 16 block (kept from even n)
         float dbias_rows[kMT1][2];        // a bias broadcast over the queries: each key row's sum
+        // Element (t, n, h) of this thread's slice: RowsP::step of its first (rows and columns add as whole blocks).
+        const int p_off0 = RowsP::offset(row1 + g, col1 + 2 * t4);
         if constexpr (Variant::kBlockSparse) state = prog_tile_state(*pp, batch, head, m_block, n_block);
         if constexpr (Variant::kBias) {
 #pragma unroll
@@ -311,8 +319,9 @@ struct BwdDkdvThread {
                         ds0 *= grad0;
                         ds1 *= grad1;
                     }
-                    *reinterpret_cast<u32*>(sP + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(p0, p1);
-                    *reinterpret_cast<u32*>(sdS + kr * kStrideP + qc) = ElemTraits<Tag>::pack2(ds0, ds1);
+                    const int off = RowsP::step(p_off0, t * 16 + h * 8, n * 8);
+                    *reinterpret_cast<u32*>(sP + off) = ElemTraits<Tag>::pack2(p0, p1);
+                    *reinterpret_cast<u32*>(sdS + off) = ElemTraits<Tag>::pack2(ds0, ds1);
                 }
             }
         }
@@ -360,7 +369,7 @@ struct BwdDkdvThread {
             const int colc = col3 + chunk * kNT3c * 8;
             float acc_dq[kMT3][kNT3c][4];
             zero_acc(acc_dq);
-            warp_mma_smem<Tag, kBlockN / 16, kBwdKkUnroll, true, true, kStrideP, kStride>(
+            warp_mma_smem<Tag, kBlockN / 16, kBwdKkUnroll, true, true, RowsP, RowsD>(
                 acc_dq, sdS, row3, sK, colc, lane);
 #pragma unroll
             for (int t = 0; t < kMT3; ++t)
@@ -383,17 +392,17 @@ struct BwdDkdvThread {
     __device__ __forceinline__ void store_dkdv(const float (&acc_dk)[kMT2][kNT2][4],
                                                const float (&acc_dv)[kMT2][kNT2][4], u16* sK, u16* sV) const {
         __syncthreads();  // every warp is done with sK, sV (also when n_iter == 0: uniform)
+        const int off0 = RowsD::offset(row2 + g, col2 + 2 * t4);
 #pragma unroll
         for (int t = 0; t < kMT2; ++t)
 #pragma unroll
             for (int n = 0; n < kNT2; ++n)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int r = row2 + t * 16 + g + h * 8;
-                    const int c = col2 + n * 8 + 2 * t4;
-                    *reinterpret_cast<u32*>(sK + r * kStride + c) = ElemTraits<Tag>::pack2(
+                    const int off = RowsD::step(off0, t * 16 + h * 8, n * 8);
+                    *reinterpret_cast<u32*>(sK + off) = ElemTraits<Tag>::pack2(
                         acc_dk[t][n][2 * h] * p.softmax_scale, acc_dk[t][n][2 * h + 1] * p.softmax_scale);
-                    *reinterpret_cast<u32*>(sV + r * kStride + c) =
+                    *reinterpret_cast<u32*>(sV + off) =
                         ElemTraits<Tag>::pack2(acc_dv[t][n][2 * h], acc_dv[t][n][2 * h + 1]);
                 }
         __syncthreads();
@@ -401,8 +410,8 @@ struct BwdDkdvThread {
                    + n0 * p.dk_row_stride;
         u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + head_kv * p.dv_head_stride
                    + n0 * p.dv_row_stride;
-        store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
-        store_tile_pred<u16, kBlockN, kPad, kStride, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
+        store_tile_pred<u16, kBlockN, kPad, RowsD, kThreads>(gdK, sK, p.dk_row_stride, keys_valid, hd, tid);
+        store_tile_pred<u16, kBlockN, kPad, RowsD, kThreads>(gdV, sV, p.dv_row_stride, keys_valid, hd, tid);
     }
 };
 
@@ -620,7 +629,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
     // The key tile of K or V from key n0 (gKV: key 0 of this kv head) into sKV; keys past seqlen_k
     // are zero-filled.
     auto load_key_tile = [&](u16* sKV, const u16* gKV, i64 row_stride, int n0) {
-        load_tile_async_pred<u16, kBlockN, kPad, kStride, kThreads>(
+        load_tile_async_pred<u16, kBlockN, kPad, SmemRows<kStride>, kThreads>(
             sKV, gKV + n0 * row_stride, row_stride, p.seqlen_k - n0, hd, tid);
     };
     // acc (query x key) = sQdO sKV^T on this warp's query rows: S = Q K^T or dP = dO V^T. The
@@ -630,7 +639,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
     constexpr int kQkUnroll = Mask::kHasScoreMod ? 1 : kBwdKkUnroll;
     auto query_key_product = [&](float (&acc)[kMTiles][Tile::kNTilesS][4], const u16* sQdO, const u16* sKV) {
         zero_acc(acc);
-        warp_mma_smem<Tag, kPad / 16, kQkUnroll, false, false, kStride, kStride>(acc, sQdO, warp_row0, sKV, 0, lane);
+        warp_mma_smem<Tag, kPad / 16, kQkUnroll, false, false, SmemRows<kStride>, SmemRows<kStride>>(acc, sQdO, warp_row0,
+                                                                                               sKV, 0, lane);
     };
 
     // The key tiles this query tile visits, [n_block_min, n_block_max), walked from the last down. The first is
@@ -640,8 +650,9 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
     const int n_block_min = Mask::kLocal && !Variant::kBlockSparse ? Mask(p).n_block_min(m_block) : 0;
     const int n_block_max = Variant::kBlockSparse ? key_tiles.count() : Mask(p).n_block_max(m_block);
     if (n_block_max > n_block_min) {
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
-        load_tile_async_pred<u16, kBlockM, kPad, kStride, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockM, kPad, SmemRows<kStride>, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, hd, tid);
+        load_tile_async_pred<u16, kBlockM, kPad, SmemRows<kStride>, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, hd,
+                                                                              tid);
         load_key_tile(sV, gV, p.v_row_stride,
                       (Variant::kBlockSparse ? key_tiles.tile(n_block_max - 1) : n_block_max - 1) * kBlockN);
         cp_async_commit();
@@ -767,7 +778,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p, const ProgParams
             }
     __syncthreads();
     u16* gdQ = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride + m0 * p.dq_row_stride;
-    store_tile_pred<u16, kBlockM, kPad, kStride, kThreads>(gdQ, sQ, p.dq_row_stride, rows_valid, hd, tid);
+    store_tile_pred<u16, kBlockM, kPad, SmemRows<kStride>, kThreads>(gdQ, sQ, p.dq_row_stride, rows_valid, hd, tid);
 }
 
 template <typename Tag, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, class Variant>
@@ -791,18 +802,19 @@ bwd_dq_prog_kernel(const BwdParams p, const ProgParams pp) {
 }
 
 // ---------------------------------------------------------------------------
-// dK/dV kernel, version 2 (the default on sm_90 for head dims <= 128; CUFLASH_SM80_BWD_VARIANT=1
+// dK/dV kernel, version 2 (the portable default for head dims <= 128; CUFLASH_SM80_BWD_VARIANT=1
 // selects version 1).
 // Same products as bwd_dkdv_body, reorganised:
 //   * Q / dO tiles (and lse2 / delta) in a two-stage ring: the loads of step it + 1
 //     are issued at the top of step it and have the whole step to land (dO in one
-//     stage where two do not fit 163 KB: BwdDkdvTile2::kDoStages);
+//     stage where two do not fit the budget: BwdDkdvTile2::kDoStages);
 //   * two barriers per step (top: tiles landed and the other stage free; after the
 //     P^T / dS^T stores) instead of five (a third with one dO stage);
 //   * 2-D warp grids for every product, chosen to minimise the ldmatrix count
 //     (shared-memory bandwidth is the limiter of mma.sync on sm_90);
 //   * dQ partial sums leave with red.global.add.v2.f32 on sm_90 (one vector
-//     reduction per pair of columns), scalar atomics before.
+//     reduction per pair of columns), scalar atomics before;
+//   * Q, dO, K, V, P^T and dS^T rows of 64 or 128 elements unpadded, swizzled (layout.cuh).
 
 
 // Warps along M (the rest along N) of an M x N product that minimise the ldmatrix.x4
@@ -819,25 +831,32 @@ __host__ __device__ constexpr int bwd_pick_wm(int nwarps, int M, int N) {
     return best;
 }
 
+// Its 16-bit tiles have swizzled rows where 64 or 128 elements wide (layout.cuh): at d=128 (64, 64, 8) fits the 99
+// KB cards and (64, 128, 8) with two dO stages the A100 this way.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDoStages_ = 2>
 struct BwdDkdvTile2
     : BwdDkdvGeometry<kHeadDim_, (kHeadDim_ + 15) / 16 * 16, kBlockM_, kBlockN_, kNWarps_,
                       bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
                       bwd_pick_wm(kNWarps_, kBlockN_, (kHeadDim_ + 15) / 16 * 16),
-                      bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16)> {
+                      bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16), true> {
     using Base = BwdDkdvGeometry<kHeadDim_, (kHeadDim_ + 15) / 16 * 16, kBlockM_, kBlockN_, kNWarps_,
                                  bwd_pick_wm(kNWarps_, kBlockN_, kBlockM_),
                                  bwd_pick_wm(kNWarps_, kBlockN_, (kHeadDim_ + 15) / 16 * 16),
-                                 bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16)>;
+                                 bwd_pick_wm(kNWarps_, kBlockM_, (kHeadDim_ + 15) / 16 * 16), true>;
     static constexpr int kTileBytes = kBlockM_ * Base::kStride * 2;   // one stage of Q or dO
     // K, V, P^T, dS^T and two stages of lse2, delta
     static constexpr int kFixedBytes = 2 * kBlockN_ * (Base::kStride + Base::kStrideP) * 2 + 4 * kBlockM_ * 4;
-    // dO's stages: two, or one where two would not fit (the A100 at d=128 with (64, 128, 8), as FlashAttention-2
-    // does): its next tile then loads once dV's product is done with it, behind a third barrier per step.
+    // dO's stages: two, or one where two would not fit (the 99 KB cards at d=128 with (64, 64, 8), as
+    // FlashAttention-2 does): its next tile then loads once dV's product is done with it, behind a third barrier
+    // per step.
     static constexpr int kDoStages = kDoStages_;
     static constexpr int kSmemBytes = kFixedBytes + (2 + kDoStages) * kTileBytes;
 
     static_assert(Base::kWarpsN1 > 0 && Base::kWarpsN2 > 0 && Base::kWarpsM3 > 0, "no warp grid fits these tiles");
+    // Swizzled P^T / dS^T rows are stepped along a warp's kNTiles1 query blocks (store_p_ds), swizzled K / V rows
+    // along its kNTiles2 head-dim blocks (store_dkdv); layout.cuh's steps need powers of two there.
+    static_assert(Base::RowsP::kRowPeriod == 1 || (Base::kNTiles1 & (Base::kNTiles1 - 1)) == 0, "swizzled P^T rows");
+    static_assert(Base::RowsD::kRowPeriod == 1 || (Base::kNTiles2 & (Base::kNTiles2 - 1)) == 0, "swizzled K rows");
     static_assert(Base::kThreads >= 2 * kBlockM_, "one thread per lse / delta value");
     static_assert(kDoStages == 1 || kDoStages == 2, "dO takes one or two stages");
     static_assert(kHeadDim_ % 8 == 0, "head_dim must be a multiple of 8");
@@ -861,7 +880,8 @@ __device__ __forceinline__ void bwd_dkdv2_body(const BwdParams& p) {
     constexpr int kStrideP = Tile::kStrideP;
     constexpr int kTileM = kBlockM * kStride;
 
-    extern __shared__ __align__(128) u16 smem[];
+    // Swizzled rows XOR their column bits into addresses (layout.cuh): the tiles start on whole rows from here.
+    extern __shared__ __align__(1024) u16 smem[];
     u16* sQ0 = smem;                      // stage s: Q at sQ0 + s * kTileM
     u16* sdO0 = sQ0 + 2 * kTileM;         // stage s: dO at sdO0 + s * kTileM (one stage: sdO0)
     u16* sK = sdO0 + kDoStages * kTileM;

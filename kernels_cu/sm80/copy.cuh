@@ -1,6 +1,7 @@
 // Global -> shared tile copies with cp.async (sm_80+), 16 bytes per thread per step.
 #pragma once
 #include "../common/numeric.cuh"
+#include "layout.cuh"
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     // src-size 0 zero-fills the destination: rows past the sequence end read nothing.
@@ -24,7 +25,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // tensor) and rows kThreads / chunks-per-row apart, so that a step costs a 64-bit add and a compare, not a division
 // of the thread's chunk index and a run-time trip count: the portable kernels are bound by instruction issue, and
 // the copies' integer work was a third of their key loops. Rows >= rows_valid and an invalid column are zero-filled.
-template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+// Layout: the shared tile's (layout.cuh); a thread's rows keep their column placement (kRowStep a multiple of its
+// kRowPeriod), so that its swizzle folds to a constant.
+template <typename T, int kRows, int kCols, class Layout, int kThreads>
 __device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i64 row_stride, int rows_valid,
                                                       bool col_valid, int tid) {
     constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
@@ -33,14 +36,19 @@ __device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i6
     constexpr int kRowStep = kThreads / kChunksPerRow;
     const int row0 = static_cast<int>(static_cast<unsigned>(tid) / kChunksPerRow);
     const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
+    static_assert(kRowStep % Layout::kRowPeriod == 0, "a thread's rows must keep their column placement");
     const T* src = gmem + row0 * row_stride + col;
+    T* const dst0 = smem + Layout::offset(row0, col);   // swizzled rows: whole rows on from the first
     const i64 step = kRowStep * row_stride;
 #pragma unroll
     for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
         const int row = row0 + i * kRowStep;
         if (kChunks % kThreads == 0 || row < kRows) {
             const bool valid = col_valid && row < rows_valid;
-            cp_async_16(smem + row * kSmemStride + col, valid ? src : gmem, valid);
+            // (Padded rows keep the address form the forward was tuned with: ptxas schedules the two differently.)
+            T* const dst = Layout::kRowPeriod == 1 ? smem + row * Layout::kStride + col
+                                                   : dst0 + i * kRowStep * Layout::kStride;
+            cp_async_16(dst, valid ? src : gmem, valid);
         }
         src += step;
     }
@@ -48,7 +56,7 @@ __device__ __forceinline__ void copy_rows_fixed_steps(T* smem, const T* gmem, i6
 
 // Copy rows [0, kRows) x cols [0, kCols) of a 16-bit tile; rows >= rows_valid are zero-filled.
 // gmem points at row 0; consecutive rows are row_stride elements apart.
-template <int kRows, int kCols, int kSmemStride, int kThreads>
+template <int kRows, int kCols, class Layout, int kThreads>
 __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 row_stride,
                                                 int rows_valid, int tid) {
     // Make the stride opaque here, so the per-chunk offsets are recomputed at each
@@ -58,7 +66,7 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
     constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
     if constexpr (kThreads % kChunksPerRow == 0) {
-        copy_rows_fixed_steps<u16, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid, true, tid);
+        copy_rows_fixed_steps<u16, kRows, kCols, Layout, kThreads>(smem, gmem, row_stride, rows_valid, true, tid);
     } else {
 #pragma unroll
         for (int c = tid; c < kChunks; c += kThreads) {
@@ -66,7 +74,8 @@ __device__ __forceinline__ void load_tile_async(u16* smem, const u16* gmem, i64 
             const int col = (c % kChunksPerRow) * 8;
             const bool valid = row < rows_valid;
             const u16* src = gmem + (valid ? row * row_stride + col : 0);
-            cp_async_16(smem + row * kSmemStride + col, src, valid);
+            static_assert(Layout::kRowPeriod == 1, "swizzled tiles take the fixed steps");
+            cp_async_16(smem + row * Layout::kStride + col, src, valid);
         }
     }
 }
@@ -83,7 +92,7 @@ __device__ __forceinline__ void zero_pad_cols(u16* smem, int tid) {
 }
 
 // Store a 16-bit tile from shared memory to global in 16-byte chunks, rows < rows_valid.
-template <int kRows, int kCols, int kSmemStride, int kThreads>
+template <int kRows, int kCols, class Layout, int kThreads>
 __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, i64 row_stride,
                                            int rows_valid, int tid) {
     constexpr int kChunksPerRow = kCols / 8;
@@ -93,8 +102,9 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, i64 row_s
         const int row = c / kChunksPerRow;
         const int col = (c % kChunksPerRow) * 8;
         if (row < rows_valid) {
+            static_assert(Layout::kRowPeriod == 1, "padded rows");
             *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
-                *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+                *reinterpret_cast<const uint4*>(smem + row * Layout::kStride + col);
         }
     }
 }
@@ -103,7 +113,7 @@ __device__ __forceinline__ void store_tile(u16* gmem, const u16* smem, i64 row_s
 // bucket (the backward): T is the element type (u16 or float), 16-byte chunks;
 // cols_valid is a multiple of the chunk width (head_dim is a multiple of 8).
 // Chunks at rows >= rows_valid or columns >= cols_valid are zero-filled.
-template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+template <typename T, int kRows, int kCols, class Layout, int kThreads>
 __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64 row_stride,
                                                      int rows_valid, int cols_valid, int tid) {
     constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
@@ -113,7 +123,7 @@ __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64
     // (16-bit tiles only: the float32 CUDA-core kernels keep the loop, under which their dQ kernel does not spill.)
     if constexpr (kThreads % kChunksPerRow == 0 && sizeof(T) == 2) {
         const int col = static_cast<int>(static_cast<unsigned>(tid) % kChunksPerRow) * kChunk;
-        copy_rows_fixed_steps<T, kRows, kCols, kSmemStride, kThreads>(smem, gmem, row_stride, rows_valid,
+        copy_rows_fixed_steps<T, kRows, kCols, Layout, kThreads>(smem, gmem, row_stride, rows_valid,
                                                                       col < cols_valid, tid);
     } else {
 #pragma unroll
@@ -122,13 +132,14 @@ __device__ __forceinline__ void load_tile_async_pred(T* smem, const T* gmem, i64
             const int col = (c % kChunksPerRow) * kChunk;
             const bool valid = row < rows_valid && col < cols_valid;
             const T* src = gmem + (valid ? row * row_stride + col : 0);
-            cp_async_16(smem + row * kSmemStride + col, src, valid);
+            static_assert(Layout::kRowPeriod == 1, "swizzled tiles take the fixed steps");
+            cp_async_16(smem + row * Layout::kStride + col, src, valid);
         }
     }
 }
 
 // Store rows < rows_valid, columns < cols_valid of a tile in 16-byte chunks.
-template <typename T, int kRows, int kCols, int kSmemStride, int kThreads>
+template <typename T, int kRows, int kCols, class Layout, int kThreads>
 __device__ __forceinline__ void store_tile_pred(T* gmem, const T* smem, i64 row_stride,
                                                 int rows_valid, int cols_valid, int tid) {
     constexpr int kChunk = 16 / static_cast<int>(sizeof(T));
@@ -139,8 +150,8 @@ __device__ __forceinline__ void store_tile_pred(T* gmem, const T* smem, i64 row_
         const int row = c / kChunksPerRow;
         const int col = (c % kChunksPerRow) * kChunk;
         if (row < rows_valid && col < cols_valid) {
-            *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
-                *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + col) = *reinterpret_cast<const uint4*>(
+                Layout::kRowPeriod == 1 ? smem + row * Layout::kStride + col : smem + Layout::offset(row, col));
         }
     }
 }

@@ -68,9 +68,9 @@ __device__ __forceinline__ void load_kv(u16* sKV, const u16* gK, i64 k_row_strid
     constexpr int kTileElems = Tile::kBlockN * Tile::kSmemStride;
     const int n0 = n_block * Tile::kBlockN;
     u16* sK = sKV + (2 * stage) * kTileElems;
-    load_tile_async<Tile::kBlockN, Tile::kHeadDim, Tile::kSmemStride, Tile::kThreads>(
+    load_tile_async<Tile::kBlockN, Tile::kHeadDim, SmemRows<Tile::kSmemStride>, Tile::kThreads>(
         sK, gK + n0 * k_row_stride, k_row_stride, seqlen_k - n0, tid);
-    load_tile_async<Tile::kBlockN, Tile::kHeadDimV, Tile::kSmemStride, Tile::kThreads>(
+    load_tile_async<Tile::kBlockN, Tile::kHeadDimV, SmemRows<Tile::kSmemStride>, Tile::kThreads>(
         sK + kTileElems, gV + n0 * v_row_stride, v_row_stride, seqlen_k - n0, tid);
 }
 
@@ -167,7 +167,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
                     sKV + (2 * s + 1) * kTileElems, tid);
             }
         }
-        load_tile_async<kBlockM, kHeadDim, kStride, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
+        load_tile_async<kBlockM, kHeadDim, SmemRows<kStride>, Tile::kThreads>(sQ, gQ, p.q_row_stride, rows_valid, tid);
         load_kv<Tile>(sKV, gK, p.k_row_stride, gV, p.v_row_stride, p.seqlen_k, (Variant::kBlockSparse ? key_tiles.tile(n_block_max - 1) : n_block_max - 1), 0, tid);
         cp_async_commit();
         if (n_block_max - 2 >= n_block_min)
@@ -348,7 +348,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, const int m_block, 
             }
     }
     __syncthreads();
-    store_tile<kBlockM, Tile::kHeadDimV, kStride, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
+    store_tile<kBlockM, Tile::kHeadDimV, SmemRows<kStride>, Tile::kThreads>(gO, sQ, p.o_row_stride, rows_valid, tid);
 }
 
 // The CTA's query tile: (query tile, head, batch) from the grid.
