@@ -430,11 +430,11 @@ _SM80_BWD_DQ = {
 # dK/dV kernel version 2 (Q/dO ring, two barriers per step, 2-D warp grids, swizzled rows at d=64 / 128;
 # kernels_cu/sm80/bwd.cu bwd_dkdv2_*), the default where its table has the head-dim bucket, per shared-memory budget:
 # "h100" for devices with >= 200 KB per block (sm_90, sm_100), the A100's 163 KB ("large"), the 99 KB cards' ("small":
-# sm_86 / sm_89 / sm_120); other buckets keep version 1. Measured with dev/ab.py run bwd (version 1 by
-# @CUFLASH_SM80_BWD_VARIANT=1; BENCHMARKS.md, "Portable kernels"): on the H100 table a third to a half faster
-# than version 1 at d=64 / 128 ((128,128,8) would be faster still but spills 8 bytes). Unpadded (swizzled) rows
-# let the A100 keep two dO stages at d=128 with (64, 128, 8) and the 99 KB cards take (64, 128, 8) at d=64 and
-# (64, 64, 8) with one dO stage at d=128 (97 KB; padded, 104 KB).
+# sm_86 / sm_89 / sm_120); d=192 / 256 keep version 1 (with the dQ kernel). Measured with dev/ab.py run bwd (version
+# 1 by @CUFLASH_SM80_BWD_VARIANT=1; BENCHMARKS.md, "Portable kernels against FlashAttention-2"): backward alone
+# 1.25-1.35x version 1 at d=32 / 64 / 96 / 128 on both tables ((128,128,8) would be faster still but spills 8
+# bytes). Unpadded (swizzled) rows let the A100 keep two dO stages at d=128 with (64, 128, 8) (1.05x one stage) and
+# the 99 KB cards take (64, 128, 8) at d=64 and (64, 64, 8) with one dO stage at d=128 (97 KB; padded, 104 KB).
 _SM80_BWD_DKDV2 = {
     "h100": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
     "large": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8)},
