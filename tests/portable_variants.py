@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cuflash import heuristics
+from cuflash import heuristics, options
 from cuflash.config import FAMILIES
 from cuflash.variants import MaskVariant
 
@@ -16,14 +16,19 @@ PARTS = [(MaskVariant(local=True), False), (MaskVariant(local=True), True), (Mas
 PARTS_HEAD_DIM = 128
 
 
-# The devices whose tables these builds are compiled for here (compute capability, NVRTC arch): the 99 KB cards'
-# table is compiled for sm_89 and sm_120 by test_compile_portable_archs.py, with the rest of their kernels.
-TABLE_ARCHS = ((80, "80"), (90, "90a"))
+# The devices whose tables these builds are compiled for here (compute capability, NVRTC arch): the A100's, the
+# 99 KB cards' (for sm_86 here; for sm_89 and sm_120 test_compile_portable_archs.py builds them with the rest of
+# their kernels) and the H100's.
+TABLE_ARCHS = ((80, "80"), (86, "86"), (90, "90a"))
 
 
 def table_configs(cc: int, backend: str, dtype: str) -> list:
-    """The backend's configs of the tables of a device of compute capability ``cc``, at the tuned head dims."""
+    """The backend's configs of the tables of a device of compute capability ``cc``, at the tuned head dims, with
+    both dK/dV kernel versions (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1 where version 2 is the default)."""
     cfgs = heuristics.all_fwd_configs(cc, backend) + heuristics.all_bwd_configs(cc, backend)
+    with options.override(sm80_bwd_variant=1):
+        cfgs += heuristics.all_bwd_configs(cc, backend)
+    cfgs = list({c.key(): c for c in cfgs}.values())
     return [c for c in cfgs if c.fam.backend == backend and c.dtype == dtype and c.head_dim in heuristics.TUNED_HEAD_DIMS]
 
 
