@@ -4,14 +4,14 @@ gathered from the enumerations of the CPU compile tests and fitted to that GPU's
 them. test_compile_portable_archs.py compiles the set for the archs that CI compiles nothing else for."""
 from __future__ import annotations
 
-from cuflash import fp8, heuristics, kvcache, options
+from cuflash import fp8, heuristics, kvcache
 from cuflash.compile import smem_bytes_offline_many
 from cuflash.config import KernelConfig
 from cuflash.distributed import partials
 
 import test_compile_decode as decode_tests
 import test_compile_varlen as varlen_tests
-from portable_variants import table_configs, variant_builds
+from portable_variants import both_bwd_versions, table_configs, variant_builds
 
 
 # The fp8 forward's helpers (the V transpose, the quantisation) take the e4m3 instructions of sm_89; fp8 KV caches
@@ -40,9 +40,7 @@ def _forward_and_backward(cc: int) -> list:
     dim and mask of the forward; both backward modes and both dK/dV versions at every bucket; the large head dims
     (the portable forward, the float32 backward); a value head dim of its own; varlen; the mask variants
     (portable_variants)."""
-    out = heuristics.all_fwd_configs(cc) + heuristics.all_bwd_configs(cc) + heuristics.large_fwd_configs(cc)
-    with options.override(sm80_bwd_variant=1):   # dK/dV version 1 where version 2 is the default
-        out += heuristics.all_bwd_configs(cc)
+    out = heuristics.all_fwd_configs(cc) + both_bwd_versions(cc) + heuristics.large_fwd_configs(cc)
     out += [c for causal in (False, True) for c in heuristics.bwd_configs("float32", 512, causal, cc).all()]
     out += varlen_tests.dv_portable(cc) + varlen_tests.varlen_portable(cc)
     for backend, dtype in (("sm80", "float16"), ("simt", "float32")):

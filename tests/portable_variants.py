@@ -22,13 +22,18 @@ PARTS_HEAD_DIM = 128
 TABLE_ARCHS = ((80, "80"), (86, "86"), (90, "90a"))
 
 
+def both_bwd_versions(cc: int, backend: str = "sm80") -> list:
+    """heuristics.all_bwd_configs of ``cc`` with dK/dV version 2 where it is the default and with version 1
+    (CUFLASH_SM80_BWD_VARIANT=1), which a user may still select."""
+    out = heuristics.all_bwd_configs(cc, backend)
+    with options.override(sm80_bwd_variant=1):
+        return out + heuristics.all_bwd_configs(cc, backend)
+
+
 def table_configs(cc: int, backend: str, dtype: str) -> list:
     """The backend's configs of the tables of a device of compute capability ``cc``, at the tuned head dims, with
     both dK/dV kernel versions (CUFLASH_SM80_BWD_VARIANT=1 keeps version 1 where version 2 is the default)."""
-    cfgs = heuristics.all_fwd_configs(cc, backend) + heuristics.all_bwd_configs(cc, backend)
-    with options.override(sm80_bwd_variant=1):
-        cfgs += heuristics.all_bwd_configs(cc, backend)
-    cfgs = list({c.key(): c for c in cfgs}.values())
+    cfgs = list({c.key(): c for c in heuristics.all_fwd_configs(cc, backend) + both_bwd_versions(cc, backend)}.values())
     return [c for c in cfgs if c.fam.backend == backend and c.dtype == dtype and c.head_dim in heuristics.TUNED_HEAD_DIMS]
 
 
